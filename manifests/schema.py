@@ -1,0 +1,151 @@
+"""The manifest: JSON Lines, one image per line, the contract every stage starts from.
+
+``{"id": "coco_391895", "path": "val2014/COCO_val2014_000000391895.jpg", "split": "test",
+"captions": ["…", …]}``
+
+* ``id`` — unique, non-empty string; the join key of every feature set, tree file and run.
+* ``path`` — relative to an image root (``--image-root``, else the dataset preset's, else the folder that
+  holds the manifest file).
+* ``split`` — one of :data:`SPLITS` (the Karpathy names; COCO's ``restval`` stays its own split).
+* ``captions`` — a non-empty list of non-empty strings, in the order the source gives them; caption ``k`` of
+  image ``id`` is known everywhere as ``"<id>#<k>"``.
+
+Other keys are kept (``ManifestRecord.extra``) and written back unchanged.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from retr.common.errors import UserError
+from retr.common.hashing import sha256_file
+
+SPLITS = ("train", "restval", "val", "test")
+REQUIRED_FIELDS = ("id", "path", "split", "captions")
+
+
+class ManifestError(UserError):
+    """A manifest line breaks the schema; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class ManifestRecord:
+    """One image of a dataset and its captions."""
+
+    id: str
+    path: str
+    split: str
+    captions: tuple[str, ...]
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def caption_key(self, index: int) -> str:
+        """The key of caption ``index`` of this image: ``"<id>#<index>"``."""
+        return f"{self.id}#{index}"
+
+    def to_json(self) -> str:
+        body = {"id": self.id, "path": self.path, "split": self.split, "captions": list(self.captions)}
+        body.update(self.extra)
+        return json.dumps(body, ensure_ascii=False)
+
+
+def parse_record(obj: object, where: str) -> ManifestRecord:
+    """Check one decoded JSON line against the schema; ``where`` (``"file:line"``) prefixes errors."""
+    if not isinstance(obj, dict):
+        raise ManifestError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    missing = [name for name in REQUIRED_FIELDS if name not in obj]
+    if missing:
+        raise ManifestError(f"{where}: missing field{'s' if len(missing) > 1 else ''} "
+                            + ", ".join(repr(m) for m in missing))
+    image_id, path, split, captions = (obj[name] for name in REQUIRED_FIELDS)
+    if not isinstance(image_id, str) or not image_id.strip():
+        raise ManifestError(f"{where}: 'id' must be a non-empty string")
+    if "#" in image_id:
+        raise ManifestError(f"{where}: id {image_id!r} contains '#', which separates image id and caption index")
+    if not isinstance(path, str) or not path.strip():
+        raise ManifestError(f"{where}: 'path' must be a non-empty string (id {image_id!r})")
+    if split not in SPLITS:
+        raise ManifestError(f"{where}: unknown split {split!r} for id {image_id!r} (expected one of "
+                            + ", ".join(SPLITS) + ")")
+    if not isinstance(captions, list) or not captions:
+        raise ManifestError(f"{where}: 'captions' must be a non-empty list (id {image_id!r})")
+    for k, caption in enumerate(captions):
+        if not isinstance(caption, str) or not caption.strip():
+            raise ManifestError(f"{where}: caption {k} of id {image_id!r} is empty")
+    extra = {key: value for key, value in obj.items() if key not in REQUIRED_FIELDS}
+    return ManifestRecord(image_id, path, split, tuple(c.strip() for c in captions), extra)
+
+
+def iter_manifest(path: str | os.PathLike) -> Iterator[ManifestRecord]:
+    """Yield the records of a manifest file in file order, validating each line (blank lines are skipped).
+
+    Duplicate ids are reported with both line numbers.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ManifestError(f"manifest {path} does not exist")
+    seen: dict[str, int] = {}
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ManifestError(f"{where}: not valid JSON ({exc.msg})") from None
+            record = parse_record(obj, where)
+            if record.id in seen:
+                raise ManifestError(f"{where}: duplicate id {record.id!r} (first on line {seen[record.id]})")
+            seen[record.id] = line_no
+            yield record
+
+
+def read_manifest(path: str | os.PathLike, splits: Sequence[str] | None = None) -> list[ManifestRecord]:
+    """All records of a manifest (the whole file is validated), optionally only those of ``splits``."""
+    if splits is not None:
+        unknown = [s for s in splits if s not in SPLITS]
+        if unknown:
+            raise UserError(f"unknown split {unknown[0]!r} (expected one of {', '.join(SPLITS)})")
+    records = list(iter_manifest(path))
+    if splits is not None:
+        records = [r for r in records if r.split in splits]
+    return records
+
+
+def write_manifest(path: str | os.PathLike, records: Iterable[ManifestRecord]) -> int:
+    """Write records as JSON Lines (atomically: a temporary file renamed at the end); returns the count.
+
+    Ids are checked for uniqueness before anything is written.
+    """
+    path = Path(path)
+    records = list(records)
+    seen: set[str] = set()
+    for record in records:
+        if record.id in seen:
+            raise ManifestError(f"duplicate id {record.id!r} while writing {path}")
+        seen.add(record.id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(record.to_json() + "\n")
+    os.replace(tmp, path)
+    return len(records)
+
+
+def manifest_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of the manifest file's bytes, recorded in every feature set made from it."""
+    return sha256_file(path)
+
+
+def resolve_image_root(manifest_path: str | os.PathLike, image_root: str | os.PathLike | None = None,
+                       preset_root: str | os.PathLike | None = None) -> Path:
+    """The folder manifest paths are relative to: ``--image-root``, else the preset's, else the manifest's folder."""
+    if image_root is not None:
+        return Path(image_root)
+    if preset_root is not None:
+        return Path(preset_root)
+    return Path(manifest_path).resolve().parent

@@ -1,0 +1,1 @@
+"""Caption parsing (stanza, or CoNLL-U made elsewhere), referral-tree construction and dictionaries."""
