@@ -32,7 +32,7 @@ test: $(STAMP)
 demo: $(STAMP)
 	@echo "== synthetic dataset =="
 	$(BIN)/retr-pipeline synth --out $(DEMO_DIR)/synthetic --images 240 --seed 0
-	$(BIN)/retr-pipeline inspect-manifest $(DEMO_DIR)/synthetic/manifest.jsonl
+	$(BIN)/retr-pipeline manifest check $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic
 
 extract: $(STAMP)
 	$(BIN)/retr-pipeline extract-preset $(DATASET)

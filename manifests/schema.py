@@ -52,7 +52,7 @@ class ManifestRecord:
 
 
 def parse_record(obj: object, where: str) -> ManifestRecord:
-    """Check one decoded JSON line against the schema; ``where`` (``"file:line"``) prefixes errors."""
+    """Check one decoded JSON line against the schema; ``where`` (``"file line N"``) prefixes errors."""
     if not isinstance(obj, dict):
         raise ManifestError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     missing = [name for name in REQUIRED_FIELDS if name not in obj]
@@ -91,7 +91,7 @@ def iter_manifest(path: str | os.PathLike) -> Iterator[ManifestRecord]:
         for line_no, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
+            where = f"{path} line {line_no}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:

@@ -1,0 +1,42 @@
+"""``retr-pipeline``: every offline stage as one click command.
+
+Each command lives in the module that owns its job and is registered here, so this file stays a table of
+contents. Run ``retr-pipeline COMMAND --help`` for an example of each.
+"""
+from __future__ import annotations
+
+import click
+
+from retr.common.cli import run
+from retr.common.version import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="retr-pipeline")
+def cli() -> None:
+    """retr's offline pipeline: manifests, feature extraction, referral trees, feature-set checks.
+
+    \b
+    Example:
+      retr-pipeline synth --out data/synthetic --images 240
+      retr-pipeline inspect data/synthetic/features/resnet152-grid.h5
+    """
+
+
+def _register() -> None:
+    # One line per command module; keep alphabetical by module.
+    from retr.manifests.commands import manifest_group
+    from retr.manifests.synthetic_command import synth_command
+    from retr.pipeline.store_commands import index_command, inspect_command, verify_command
+
+    for command in (manifest_group, synth_command, verify_command, inspect_command,
+                    index_command):
+        cli.add_command(command)
+
+
+_register()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    run(cli)

@@ -1,0 +1,447 @@
+"""The HDF5 feature store: shard writer, index writer and reader (the "feature set" contract of DESIGN.md).
+
+A *feature set* is either one shard file or an *index* file that joins shards with HDF5 virtual datasets, so
+any HDF5 reader opens a single file. Layout of every file::
+
+    /ids          [N]        utf-8 strings   manifest ids, the join key (a real copy in the index)
+    /features     [N, K, D]  float16|float32 one sample per chunk
+    /errors       [E, 2]     utf-8 strings   (id, reason) of images that could not be used
+    /boxes …      [N, …]     extra per-row datasets (regions: boxes, num_boxes, image_hw, object_ids, …)
+
+Root attributes: see :data:`ROOT_ATTRS`, plus per file ``complete`` (set last, just before the rename),
+``num_rows``, ``shard_index``/``num_shards`` (shards) or ``shards`` (index: JSON list of ``{"file", "rows"}``).
+
+Atomicity: a writer works on ``<name>.partial`` and renames it to ``<name>`` only after everything (including
+``complete = True``) is flushed and closed, so a killed writer never leaves a file that looks finished.
+
+Reading: :class:`FeatureSet` opens the file lazily in each process (h5py handles must not cross ``fork``), so
+it can be handed to DataLoader workers; batches of rows are read in sorted order and put back in the order
+asked for.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import h5py
+import numpy as np
+
+from retr.common.errors import UserError
+from retr.common.version import __version__
+
+FORMAT_VERSION = 1
+KINDS = ("grid", "maps", "tencrop", "regions")
+#: Attributes every feature-set file carries at its root.
+ROOT_ATTRS = ("format_version", "kind", "extractor", "backbone", "weights", "image_size", "dtype",
+              "manifest_sha256", "created", "retr_version")
+#: Attributes that must agree between the shards of one feature set and their index.
+SHARED_ATTRS = ("format_version", "kind", "extractor", "backbone", "weights", "image_size", "dtype",
+                "manifest_sha256")
+#: Per-row datasets a ``regions`` feature set has besides ``features``: name → (shape after [N, K], dtype).
+REGION_DATASETS = {
+    "boxes": ((4,), "float32"),
+    "object_ids": ((), "int32"),
+    "object_conf": ((), "float32"),
+    "attr_ids": ((), "int32"),
+    "attr_conf": ((), "float32"),
+}
+#: Per-row datasets of a ``regions`` set that do not have the K axis: name → (shape after [N], dtype).
+REGION_IMAGE_DATASETS = {"num_boxes": ((), "int32"), "image_hw": ((2,), "int32")}
+FEATURE_DTYPES = ("float16", "float32")
+PARTIAL_SUFFIX = ".partial"
+
+_STR = h5py.string_dtype("utf-8")
+
+
+def shard_name(index: int, count: int) -> str:
+    """``shard-RRRRR-of-WWWWW.h5`` for shard ``index`` of ``count``."""
+    if not 0 <= index < count:
+        raise ValueError(f"shard index {index} out of range for {count} shards")
+    return f"shard-{index:05d}-of-{count:05d}.h5"
+
+
+def _attr_value(value):
+    """HDF5 attributes hold strings and numbers; anything else is stored as JSON text."""
+    if isinstance(value, (str, int, float, bool, np.integer, np.floating)):
+        return value
+    return json.dumps(value)
+
+
+def decode_str(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class ShardWriter:
+    """Append batches of rows to one shard; the finished file appears only on :meth:`close`.
+
+    Args:
+        path: final path, e.g. ``out/resnet152-grid/shard-00000-of-00004.h5``.
+        attrs: the root attributes (``kind``, ``extractor``, ``backbone``, ``weights``, ``image_size``,
+            ``manifest_sha256``, and any extra such as vocabularies); ``format_version``, ``dtype``, ``created``
+            and ``retr_version`` are filled in here.
+        feature_shape: ``(K, D)`` of one sample.
+        dtype: ``float16`` (default) or ``float32`` — the on-disk type of ``features``.
+        extras: further per-row datasets, name → (shape of one row, dtype), e.g. ``{"boxes": ((36, 4), "float32")}``.
+        compression: ``None`` (default, fastest reads), ``"lzf"`` or ``"gzip"``.
+
+    Use as a context manager: leaving the block normally closes (renames) the shard; an exception removes the
+    partial file so nothing half-written survives.
+    """
+
+    def __init__(self, path: str | os.PathLike, attrs: Mapping[str, object], feature_shape: tuple[int, int],
+                 dtype: str = "float16", extras: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
+                 shard_index: int = 0, num_shards: int = 1, compression: str | None = None):
+        if dtype not in FEATURE_DTYPES:
+            raise UserError(f"feature dtype must be one of {', '.join(FEATURE_DTYPES)}, not {dtype!r}")
+        kind = attrs.get("kind")
+        if kind not in KINDS:
+            raise UserError(f"feature-set kind must be one of {', '.join(KINDS)}, not {kind!r}")
+        self.path = Path(path)
+        self.partial_path = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.feature_shape = tuple(int(n) for n in feature_shape)
+        self.dtype = np.dtype(dtype)
+        self.extras = dict(extras or {})
+        self._errors: list[tuple[str, str]] = []
+        self._rows = 0
+        self._ids: set[str] = set()
+        self._file = h5py.File(self.partial_path, "w")
+        f = self._file
+        for key, value in attrs.items():
+            f.attrs[key] = _attr_value(value)
+        f.attrs.update({"format_version": FORMAT_VERSION, "dtype": dtype, "retr_version": __version__,
+                        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        "shard_index": shard_index, "num_shards": num_shards, "complete": False})
+        missing = [a for a in ROOT_ATTRS if a not in f.attrs]
+        if missing:
+            self._discard()
+            raise UserError(f"feature-set attributes missing: {', '.join(missing)}")
+        f.create_dataset("ids", shape=(0,), maxshape=(None,), dtype=_STR, chunks=(1024,))
+        k, d = self.feature_shape
+        f.create_dataset("features", shape=(0, k, d), maxshape=(None, k, d), dtype=self.dtype,
+                         chunks=(1, k, d), compression=compression)
+        for name, (shape, extra_dtype) in self.extras.items():
+            shape = tuple(shape)
+            f.create_dataset(name, shape=(0, *shape), maxshape=(None, *shape), dtype=np.dtype(extra_dtype),
+                             chunks=(min(256, 1 << 20 // max(1, int(np.prod(shape or (1,))))), *shape))
+
+    @property
+    def num_rows(self) -> int:
+        return self._rows
+
+    def append(self, ids: Sequence[str], features: np.ndarray, **extras: np.ndarray) -> None:
+        """Add ``B`` rows: ``ids`` [B], ``features`` [B, K, D] (cast to the file dtype), each extra [B, …]."""
+        ids = [str(i) for i in ids]
+        features = np.asarray(features)
+        batch = len(ids)
+        if features.shape != (batch, *self.feature_shape):
+            raise ValueError(f"features have shape {features.shape}, expected {(batch, *self.feature_shape)}")
+        if set(extras) != set(self.extras):
+            raise ValueError(f"extras {sorted(extras)} differ from the declared {sorted(self.extras)}")
+        for image_id in ids:
+            if image_id in self._ids:
+                raise ValueError(f"id {image_id!r} written twice to {self.path.name}")
+            self._ids.add(image_id)
+        if self.dtype == np.float16:
+            peak = float(np.abs(features).max(initial=0.0)) if np.isfinite(features).all() else np.inf
+            if peak > float(np.finfo(np.float16).max):
+                raise ValueError(f"features reach {peak:.3g}, beyond float16's range; write with dtype float32")
+        start, stop = self._rows, self._rows + batch
+        f = self._file
+        for name in ("ids", "features", *self.extras):
+            f[name].resize(stop, axis=0)
+        f["ids"][start:stop] = ids
+        f["features"][start:stop] = features.astype(self.dtype, copy=False)
+        for name, values in extras.items():
+            f[name][start:stop] = np.asarray(values, dtype=f[name].dtype)
+        self._rows = stop
+
+    def add_error(self, image_id: str, reason: str) -> None:
+        """Record an image that could not be used (it gets no row)."""
+        self._errors.append((str(image_id), str(reason)))
+
+    def close(self) -> Path:
+        """Write errors and ``complete``, flush, close and rename to the final name; returns the final path."""
+        f = self._file
+        errors = np.array(self._errors, dtype=object).reshape(len(self._errors), 2)
+        f.create_dataset("errors", data=errors, dtype=_STR, maxshape=(None, 2))
+        f.attrs["num_rows"] = self._rows
+        f.attrs["complete"] = True
+        f.flush()
+        f.close()
+        os.replace(self.partial_path, self.path)
+        return self.path
+
+    def _discard(self) -> None:
+        try:
+            self._file.close()
+        finally:
+            self.partial_path.unlink(missing_ok=True)
+
+    def abort(self) -> None:
+        """Close and delete the partial file."""
+        self._discard()
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """True if ``path`` is a finished shard (exists under its final name and carries ``complete = True``)."""
+    path = Path(path)
+    if not path.is_file() or path.name.endswith(PARTIAL_SUFFIX):
+        return False
+    try:
+        with h5py.File(path, "r") as f:
+            return bool(f.attrs.get("complete", False))
+    except OSError:
+        return False
+
+
+def write_index(index_path: str | os.PathLike, shard_paths: Sequence[str | os.PathLike]) -> Path:
+    """Join complete shards into one index file with HDF5 virtual datasets (written atomically).
+
+    Shards are taken in the order given (normally shard order). ``ids`` and ``errors`` are copied (small);
+    ``features`` and every other per-row dataset are virtual. Source paths are stored relative to the index's
+    folder, so the whole folder can be moved.
+    """
+    index_path = Path(index_path)
+    if not shard_paths:
+        raise UserError(f"no shards to index for {index_path}")
+    infos = []
+    for shard in map(Path, shard_paths):
+        if not is_complete(shard):
+            raise UserError(f"shard {shard} is missing or incomplete; finish it before writing the index")
+        with h5py.File(shard, "r") as f:
+            infos.append({
+                "path": shard,
+                "attrs": {k: f.attrs[k] for k in f.attrs},
+                "rows": int(f["features"].shape[0]),
+                "datasets": {name: (f[name].shape[1:], f[name].dtype) for name in f
+                             if name not in ("ids", "errors")},
+                "ids": [decode_str(v) for v in f["ids"][:]],
+                "errors": [tuple(decode_str(v) for v in row) for row in f["errors"][:]],
+            })
+    first = infos[0]
+    for info in infos[1:]:
+        for key in SHARED_ATTRS:
+            if _attr_equal(info["attrs"].get(key), first["attrs"].get(key)) is False:
+                raise UserError(f"shards disagree on {key!r}: {first['path'].name} has "
+                                f"{first['attrs'].get(key)!r}, {info['path'].name} has {info['attrs'].get(key)!r}")
+        if info["datasets"] != first["datasets"]:
+            raise UserError(f"shards {first['path'].name} and {info['path'].name} have different datasets/shapes")
+    ids = [i for info in infos for i in info["ids"]]
+    if len(set(ids)) != len(ids):
+        raise UserError(f"the shards of {index_path} share ids; each image belongs to exactly one shard")
+    total = len(ids)
+    partial = index_path.with_name(index_path.name + PARTIAL_SUFFIX)
+    index_dir = index_path.resolve().parent
+    with h5py.File(partial, "w") as out:
+        for key, value in first["attrs"].items():
+            if key not in ("shard_index", "num_shards", "complete", "num_rows"):
+                out.attrs[key] = value
+        out.attrs["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        out.attrs["num_shards"] = len(infos)
+        out.attrs["shards"] = json.dumps([{"file": os.path.relpath(i["path"].resolve(), index_dir),
+                                           "rows": i["rows"]} for i in infos])
+        out.create_dataset("ids", data=np.array(ids, dtype=object), dtype=_STR)
+        errors = [e for info in infos for e in info["errors"]]
+        out.create_dataset("errors", data=np.array(errors, dtype=object).reshape(len(errors), 2), dtype=_STR,
+                           maxshape=(None, 2))
+        for name, (shape, dtype) in first["datasets"].items():
+            layout = h5py.VirtualLayout(shape=(total, *shape), dtype=dtype)
+            start = 0
+            for info in infos:
+                rel = os.path.relpath(info["path"].resolve(), index_dir)
+                layout[start:start + info["rows"]] = h5py.VirtualSource(rel, name, shape=(info["rows"], *shape))
+                start += info["rows"]
+            out.create_virtual_dataset(name, layout, fillvalue=np.nan if np.dtype(dtype).kind == "f" else 0)
+        out.attrs["num_rows"] = total
+        out.attrs["complete"] = True
+    os.replace(partial, index_path)
+    return index_path
+
+
+def _attr_equal(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
+    return a == b
+
+
+class FeatureSet:
+    """Read a feature set (an index or a single shard) by row or by id.
+
+    Metadata (ids, attributes, shapes) is read once at construction; the HDF5 handle is opened lazily and
+    re-opened in every new process, so a ``FeatureSet`` can be passed to DataLoader workers.
+
+    Attributes:
+        ids: ``[N]`` numpy array of ``str``.
+        attrs: root attributes (JSON-valued ones decoded where they look like JSON lists/objects).
+        feature_shape: ``(K, D)``.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"feature set {self.path} does not exist")
+        try:
+            f = h5py.File(self.path, "r")
+        except OSError as exc:
+            raise UserError(f"{self.path} is not a readable HDF5 file ({exc})") from None
+        with f:
+            if "features" not in f or "ids" not in f:
+                raise UserError(f"{self.path} is not a feature set (no 'features'/'ids' datasets)")
+            if not f.attrs.get("complete", False):
+                raise UserError(f"{self.path} is incomplete (its writer did not finish); re-run the stage")
+            self.attrs = {key: _decode_attr(f.attrs[key]) for key in f.attrs}
+            self.ids = np.array([decode_str(v) for v in f["ids"][:]], dtype=object)
+            self.feature_shape = tuple(f["features"].shape[1:])
+            self.dtype = f["features"].dtype
+            self.datasets = {name: (tuple(f[name].shape[1:]), f[name].dtype) for name in f
+                             if name not in ("ids", "errors")}
+            self.errors = [tuple(decode_str(v) for v in row) for row in f["errors"][:]] if "errors" in f else []
+        self._check_shards()
+        self._row_of = {image_id: row for row, image_id in enumerate(self.ids)}
+        self._file: h5py.File | None = None
+        self._pid: int | None = None
+
+    def _check_shards(self) -> None:
+        shards = self.attrs.get("shards")
+        if not shards:
+            return
+        for shard in shards:
+            source = self.path.resolve().parent / shard["file"]
+            if not is_complete(source):
+                raise UserError(f"{self.path}: shard {shard['file']} is missing or incomplete "
+                                f"(run `retr-pipeline verify {self.path}`)")
+
+    # -- metadata ----------------------------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        return str(self.attrs["kind"])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def rows_of(self, ids: Iterable[str]) -> np.ndarray:
+        """Row numbers ``[B]`` of ``ids``; a ``KeyError`` names the first id that is not in the set."""
+        try:
+            return np.array([self._row_of[i] for i in ids], dtype=np.int64)
+        except KeyError as exc:
+            raise KeyError(f"id {exc.args[0]!r} is not in {self.path}") from None
+
+    def __contains__(self, image_id: str) -> bool:
+        return image_id in self._row_of
+
+    # -- data ----------------------------------------------------------------------------------------------
+    def _handle(self) -> h5py.File:
+        if self._file is None or self._pid != os.getpid():
+            self._file = h5py.File(self.path, "r")
+            self._pid = os.getpid()
+        return self._file
+
+    def read_rows(self, rows: Sequence[int] | np.ndarray, name: str = "features") -> np.ndarray:
+        """Rows ``[B, …]`` of dataset ``name`` in the order given (read in sorted order underneath)."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if rows.size == 0:
+            shape, dtype = self.datasets[name]
+            return np.empty((0, *shape), dtype=dtype)
+        if rows.min() < 0 or rows.max() >= len(self):
+            raise IndexError(f"row out of range 0..{len(self) - 1}")
+        unique, inverse = np.unique(rows, return_inverse=True)
+        dataset = self._handle()[name]
+        if unique.size == unique[-1] - unique[0] + 1:  # one contiguous run: a single slice read
+            block = dataset[int(unique[0]):int(unique[-1]) + 1]
+        else:
+            block = dataset[unique]
+        return block[inverse]
+
+    def read_ids(self, ids: Iterable[str], name: str = "features") -> np.ndarray:
+        """Rows ``[B, …]`` of dataset ``name`` for ``ids``."""
+        return self.read_rows(self.rows_of(ids), name)
+
+    def read_all(self, name: str = "features") -> np.ndarray:
+        """The whole dataset ``[N, …]`` in memory (for preloading small sets)."""
+        return self._handle()[name][...]
+
+    def close(self) -> None:
+        if self._file is not None and self._pid == os.getpid():
+            self._file.close()
+        self._file = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_file"] = None
+        state["_pid"] = None
+        return state
+
+    def __enter__(self) -> "FeatureSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _decode_attr(value):
+    if isinstance(value, bytes):
+        value = value.decode("utf-8")
+    if isinstance(value, str) and value[:1] in "[{":
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+_SHARD_PATTERN = re.compile(r"^shard-(\d{5})-of-(\d{5})\.h5$")
+
+
+def shard_status(folder: str | os.PathLike) -> tuple[int | None, dict[int, Path], list[Path]]:
+    """What a shard folder holds: (number of shards W or None, complete shards by index, partial files)."""
+    folder = Path(folder)
+    complete: dict[int, Path] = {}
+    counts: set[int] = set()
+    partial = sorted(folder.glob("shard-*" + PARTIAL_SUFFIX)) if folder.is_dir() else []
+    for path in sorted(folder.glob("shard-*.h5")) if folder.is_dir() else []:
+        match = _SHARD_PATTERN.match(path.name)
+        if match is None:
+            continue
+        index, count = int(match.group(1)), int(match.group(2))
+        counts.add(count)
+        if is_complete(path):
+            complete[index] = path
+    if len(counts) > 1:
+        raise UserError(f"{folder} mixes shards of different runs (of {sorted(counts)}); remove the stale ones")
+    return (counts.pop() if counts else None), complete, partial
+
+
+def index_path_for(folder: str | os.PathLike) -> Path:
+    """``DIR/NAME.h5`` for the shard folder ``DIR/NAME``."""
+    folder = Path(folder)
+    return folder.with_name(folder.name + ".h5")
+
+
+def index_shard_folder(folder: str | os.PathLike) -> Path:
+    """Write ``DIR/NAME.h5`` over every shard of ``DIR/NAME`` once all W shards are complete."""
+    folder = Path(folder)
+    count, complete, partial = shard_status(folder)
+    if count is None:
+        raise UserError(f"no shard files (shard-RRRRR-of-WWWWW.h5) in {folder}")
+    missing = [shard_name(i, count) for i in range(count) if i not in complete]
+    if missing:
+        note = f"; {len(partial)} partial file(s) show an interrupted writer" if partial else ""
+        raise UserError(f"{len(missing)} of {count} shards missing or incomplete in {folder} "
+                        f"(e.g. {missing[0]}){note}; run the remaining shards first")
+    return write_index(index_path_for(folder), [complete[i] for i in range(count)])

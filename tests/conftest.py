@@ -1,0 +1,43 @@
+"""Shared fixtures: small feature sets and manifests written into pytest's tmp_path."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+# Two cores are shared by everything in CI: keep BLAS/torch from oversubscribing them.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def grid_attrs(**overrides):
+    attrs = dict(kind="grid", extractor="resnet152-grid", backbone="resnet152", weights="random",
+                 image_size=448, manifest_sha256="0" * 64)
+    attrs.update(overrides)
+    return attrs
+
+
+@pytest.fixture
+def make_feature_set(tmp_path):
+    """Write a sharded grid feature set; returns (index path, {id: features}) for checking reads."""
+    from retr.pipeline.store import ShardWriter, shard_name, write_index
+
+    def make(num_shards=3, rows_per_shard=4, shape=(49, 2048), dtype="float16", name="resnet152-grid",
+             attrs=None, seed=0):
+        rng = np.random.default_rng(seed)
+        folder = tmp_path / "features" / name
+        expected, paths = {}, []
+        for s in range(num_shards):
+            path = folder / shard_name(s, num_shards)
+            with ShardWriter(path, attrs or grid_attrs(extractor=name), shape, dtype=dtype, shard_index=s,
+                             num_shards=num_shards) as writer:
+                ids = [f"img_{s}_{i}" for i in range(rows_per_shard)]
+                features = rng.standard_normal((rows_per_shard, *shape)).astype(np.float32)
+                writer.append(ids, features)
+                writer.add_error(f"broken_{s}", "cannot identify image file")
+                expected.update(zip(ids, features))
+            paths.append(path)
+        index = write_index(folder.with_name(name + ".h5"), paths)
+        return index, expected
+
+    return make

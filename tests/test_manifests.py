@@ -1,0 +1,142 @@
+"""Manifest schema validation, the Karpathy reader and dataset presets."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from retr.common.errors import UserError
+from retr.manifests.karpathy import read_karpathy
+from retr.manifests.presets import get_preset
+from retr.manifests.schema import ManifestError, ManifestRecord, read_manifest, resolve_image_root, write_manifest
+
+GOOD = {"id": "coco_1", "path": "val2014/a.jpg", "split": "test", "captions": ["a dog", "a cat"]}
+
+
+def write_lines(path, objs):
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return path
+
+
+def test_round_trip_keeps_order_and_extra_fields(tmp_path):
+    records = [ManifestRecord("b", "b.jpg", "train", ("x y",), {"scene": {"n": 2}}),
+               ManifestRecord("a", "a.jpg", "restval", ("z",))]
+    write_manifest(tmp_path / "m.jsonl", records)
+    back = read_manifest(tmp_path / "m.jsonl")
+    assert back == records and back[0].extra == {"scene": {"n": 2}}
+    assert [r.id for r in read_manifest(tmp_path / "m.jsonl", splits=["restval"])] == ["a"]
+    assert back[0].caption_key(3) == "b#3"
+    assert not (tmp_path / "m.jsonl.partial").exists()
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({k: v for k, v in GOOD.items() if k != "captions"}, "line 2: missing field 'captions'"),
+    ({k: v for k, v in GOOD.items() if k not in ("path", "split")}, "line 2: missing fields 'path', 'split'"),
+    (dict(GOOD, split="training"), "line 2: unknown split 'training' for id 'coco_1'"),
+    (dict(GOOD, captions=["fine", "  "]), "line 2: caption 1 of id 'coco_1' is empty"),
+    (dict(GOOD, captions=[]), "line 2: 'captions' must be a non-empty list"),
+    (dict(GOOD, id=""), "line 2: 'id' must be a non-empty string"),
+    (dict(GOOD, id="a#1"), "line 2: id 'a#1' contains '#'"),
+    ("{not json", "line 2: not valid JSON"),
+    ("[1, 2]", "line 2: expected a JSON object"),
+])
+def test_validation_errors_name_the_line(tmp_path, bad, message):
+    path = write_lines(tmp_path / "m.jsonl", [dict(GOOD, id="first"), bad])
+    with pytest.raises(ManifestError) as info:
+        read_manifest(path)
+    assert message in str(info.value) and str(path) in str(info.value)
+
+
+def test_duplicate_ids(tmp_path):
+    path = write_lines(tmp_path / "m.jsonl", [GOOD, dict(GOOD, path="other.jpg"), "", GOOD])
+    with pytest.raises(ManifestError, match=r"m.jsonl line 2: duplicate id 'coco_1' \(first on line 1\)"):
+        read_manifest(path)
+    with pytest.raises(ManifestError, match="duplicate id"):
+        write_manifest(tmp_path / "out.jsonl", [ManifestRecord("a", "a", "train", ("c",))] * 2)
+
+
+def test_missing_manifest_and_unknown_split_filter(tmp_path):
+    with pytest.raises(ManifestError, match="does not exist"):
+        read_manifest(tmp_path / "absent.jsonl")
+    path = write_lines(tmp_path / "m.jsonl", [GOOD])
+    with pytest.raises(UserError, match="unknown split 'dev'"):
+        read_manifest(path, splits=["dev"])
+
+
+def test_image_root_resolution(tmp_path):
+    manifest = tmp_path / "sub" / "m.jsonl"
+    assert resolve_image_root(manifest, "/imgs", "/preset") == __import__("pathlib").Path("/imgs")
+    assert str(resolve_image_root(manifest, None, "/preset")) == "/preset"
+    assert resolve_image_root(manifest) == (tmp_path / "sub").resolve()
+
+
+def karpathy_coco():
+    """A small file in the real dataset_coco.json layout (fields as released, values made up)."""
+    def image(cocoid, split, n, folder="val2014"):
+        return {"filepath": folder, "sentids": list(range(n)), "filename": f"COCO_{folder}_{cocoid:012d}.jpg",
+                "imgid": cocoid % 100, "split": split, "cocoid": cocoid,
+                "sentences": [{"tokens": ["a", "thing", str(k)], "raw": f" A thing number {k}. ",
+                               "imgid": cocoid % 100, "sentid": k} for k in range(n)]}
+    return {"dataset": "coco", "images": [image(391895, "test", 5), image(522418, "restval", 7),
+                                          image(184613, "train", 5, "train2014"), image(318219, "val", 6)]}
+
+
+def test_karpathy_coco(tmp_path):
+    path = tmp_path / "dataset_coco.json"
+    path.write_text(json.dumps(karpathy_coco()))
+    records = read_karpathy(path)
+    assert [r.id for r in records] == ["coco_391895", "coco_522418", "coco_184613", "coco_318219"]
+    assert [r.split for r in records] == ["test", "restval", "train", "val"]
+    assert records[0].path == "val2014/COCO_val2014_000000391895.jpg"
+    assert records[2].path == "train2014/COCO_train2014_000000184613.jpg"
+    assert records[0].captions[0] == "A thing number 0."
+    assert [len(r.captions) for r in records] == [5, 5, 5, 5]
+    assert [len(r.captions) for r in read_karpathy(path, max_captions=None)] == [5, 7, 5, 6]
+
+
+def test_karpathy_flickr_and_cli(tmp_path):
+    data = {"dataset": "flickr30k", "images": [
+        {"sentids": [0, 1], "imgid": 0, "split": "train", "filename": "1000092795.jpg",
+         "sentences": [{"tokens": ["two", "men"], "raw": "Two young guys with shaggy hair .", "imgid": 0,
+                        "sentid": 0}, {"tokens": ["x"], "raw": "Two friends enjoy time spent together .",
+                                       "imgid": 0, "sentid": 1}]},
+        {"sentids": [2], "imgid": 1, "split": "test", "filename": "10002456.jpg",
+         "sentences": [{"tokens": ["y"], "raw": "Several men in hard hats .", "imgid": 1, "sentid": 2}]}]}
+    path = tmp_path / "dataset_flickr30k.json"
+    path.write_text(json.dumps(data))
+    from click.testing import CliRunner
+    from retr.pipeline.cli import cli
+    out = tmp_path / "f30k.jsonl"
+    result = CliRunner().invoke(cli, ["manifest", "karpathy", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "2 images (train 1, test 1), 3 captions" in result.output
+    records = read_manifest(out)
+    assert records[0].id == "f30k_1000092795" and records[0].path == "1000092795.jpg"
+    assert records[1].captions == ("Several men in hard hats .",)
+
+
+def test_karpathy_bad_files(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        read_karpathy(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"dataset": "imagenet", "images": []}))
+    with pytest.raises(UserError, match="unknown dataset 'imagenet'"):
+        read_karpathy(bad)
+    bad.write_text(json.dumps({"dataset": "coco", "images": [{"filename": "x.jpg", "split": "dev",
+                                                              "sentences": []}]}))
+    with pytest.raises(UserError, match=r"images\[0\]: unknown split 'dev'"):
+        read_karpathy(bad)
+
+
+def test_presets_and_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("RETR_DATA", str(tmp_path))
+    coco = get_preset("coco")
+    assert coco.images == tmp_path / "coco/images" and coco.manifest == tmp_path / "coco/manifest.jsonl"
+    assert coco.karpathy == tmp_path / "coco/dataset_coco.json"
+    assert coco.test_protocols == ("coco-1k", "coco-5k")
+    monkeypatch.setenv("RETR_COCO_IMAGES", "/mnt/coco")
+    assert str(get_preset("coco").images) == "/mnt/coco"
+    assert str(get_preset("coco", images="/flag").images) == "/flag"  # a flag beats the environment
+    assert get_preset("synthetic").karpathy is None
+    with pytest.raises(UserError, match="unknown dataset preset 'imagenet'"):
+        get_preset("imagenet")

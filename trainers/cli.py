@@ -1,0 +1,38 @@
+"""``retr-train``: fit a matching model from cached features, evaluate runs.
+
+Each model and tool registers its command here; ``retr-train COMMAND --help`` shows an example of each.
+"""
+from __future__ import annotations
+
+import click
+
+from retr.common.cli import run
+from retr.common.version import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="retr-train")
+def cli() -> None:
+    """retr's trainer: fit image–text matching models from cached tensors and evaluate them.
+
+    \b
+    Example:
+      retr-train scan --features data/f30k/features/butd-regions.h5 --manifest data/f30k/manifest.jsonl \\
+          --preset f30k --out runs/scan-f30k
+      retr-train eval runs/scan-f30k --protocol f30k-1k
+    """
+
+
+def _register() -> None:
+    # One line per command module, as they land.
+    commands: list[click.Command] = []
+    for command in commands:
+        cli.add_command(command)
+
+
+_register()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    run(cli)
