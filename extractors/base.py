@@ -1,0 +1,95 @@
+"""The interface every extractor implements, and the registry that names them.
+
+The extraction stage (``retr.pipeline.extract``) knows nothing about networks: it asks the registry for an
+extractor by name and drives it through this interface —
+
+1. ``load(path)`` runs in DataLoader worker processes: decode one image file and preprocess it into whatever
+   the network takes (a tensor ``[3, H, W]``, a stack of crops ``[10, 3, 224, 224]``, a Caffe-style BGR array,
+   …). It raises :class:`ImageError` with a one-line reason for an image that cannot be used; the stage records
+   that reason in the feature set's ``errors`` and goes on.
+2. ``collate(samples)`` turns a list of ``load`` results into one batch (default: ``torch.stack``).
+3. ``extract(batch)`` runs the network and returns numpy arrays: ``features`` ``[B, K, D]`` and every dataset
+   named in ``extras`` (e.g. ``boxes`` ``[B, K, 4]``), row ``b`` belonging to sample ``b``.
+
+``attrs()`` gives the root attributes the feature set records (``kind``, ``extractor``, ``backbone``,
+``weights``, ``image_size`` and any extra, e.g. vocabularies).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+
+class ImageError(Exception):
+    """An image that cannot be used (missing, truncated, not an image, zero-size, …); ``str`` is the reason."""
+
+
+class Extractor(ABC):
+    """A feature extractor: preprocessing (in workers) and the network (in the main process)."""
+
+    #: registry name, e.g. ``"resnet152-grid"``
+    name: str
+    #: feature-set kind: ``grid``, ``maps``, ``tencrop`` or ``regions``
+    kind: str
+
+    @property
+    @abstractmethod
+    def feature_shape(self) -> tuple[int, int]:
+        """``(K, D)`` of one image's features."""
+
+    @property
+    def extras(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Further per-image datasets: name → (shape of one row, numpy dtype). None by default."""
+        return {}
+
+    @abstractmethod
+    def attrs(self) -> dict[str, Any]:
+        """Root attributes for the feature set (``kind``, ``extractor``, ``backbone``, ``weights``, ``image_size``…)."""
+
+    @abstractmethod
+    def load(self, path: str) -> Any:
+        """Decode and preprocess one image file (runs in a worker); raise :class:`ImageError` if unusable."""
+
+    def collate(self, samples: list[Any]) -> Any:
+        """Batch ``load`` results (default: stack tensors)."""
+        return torch.stack(samples)
+
+    @abstractmethod
+    def extract(self, batch: Any) -> dict[str, np.ndarray]:
+        """Run the network: ``{"features": [B, K, D], <extra>: [B, …]}`` as numpy arrays."""
+
+    def to(self, device: torch.device | str) -> "Extractor":
+        """Move the network to ``device`` (and return self)."""
+        return self
+
+
+#: name → builder(**options) returning an :class:`Extractor`. Modules add themselves with :func:`register`.
+_REGISTRY: dict[str, Callable[..., Extractor]] = {}
+
+
+def register(name: str) -> Callable[[Callable[..., Extractor]], Callable[..., Extractor]]:
+    """Decorator: make a builder available to ``retr-pipeline extract --extractor NAME``."""
+    def decorate(builder: Callable[..., Extractor]) -> Callable[..., Extractor]:
+        if name in _REGISTRY:
+            raise ValueError(f"extractor {name!r} registered twice")
+        _REGISTRY[name] = builder
+        return builder
+    return decorate
+
+
+def available_extractors() -> list[str]:
+    """Names of every registered extractor (importing the modules that define them)."""
+    import retr.extractors.catalog  # noqa: F401  (imports every extractor module once)
+    return sorted(_REGISTRY)
+
+
+def build_extractor(name: str, **options: Any) -> Extractor:
+    """The extractor ``name`` built with ``options`` (``weights``, ``device``, extractor-specific ones)."""
+    names = available_extractors()
+    if name not in _REGISTRY:
+        from retr.common.errors import UserError
+        raise UserError(f"unknown extractor {name!r} (available: {', '.join(names)})")
+    return _REGISTRY[name](**options)

@@ -1,0 +1,1 @@
+"""Imports every extractor module so that each registers itself (one line per module)."""
