@@ -1,0 +1,70 @@
+"""Packaging and CLI conventions: every subpackage is installed, every command documents an example."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import click
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_subpackage_is_listed_in_pyproject():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    mapping = config["package-dir"]
+    found = set()
+    for package, folder in mapping.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([package, *rel.parts]))
+    assert found - listed == set(), "add these to [tool.setuptools] packages"
+    assert all(not p.startswith(("pipeline", "extractors", "parsers", "trainers", "manifests", "common"))
+               for p in listed), "every package must live under the retr namespace"
+
+
+def _commands(group: click.Group, prefix: tuple[str, ...] = ()):
+    for name, command in sorted(group.commands.items()):
+        yield prefix + (name,), command
+        if isinstance(command, click.Group):
+            yield from _commands(command, prefix + (name,))
+
+
+def _all_commands():
+    from retr.pipeline.cli import cli as pipeline_cli
+    from retr.trainers.cli import cli as train_cli
+    return ([("retr-pipeline", path, c) for path, c in _commands(pipeline_cli)]
+            + [("retr-train", path, c) for path, c in _commands(train_cli)])
+
+
+@pytest.mark.parametrize("program, path, command", _all_commands(),
+                         ids=lambda v: " ".join(v) if isinstance(v, tuple) else str(v)[:0])
+def test_every_command_has_help_with_an_example(program, path, command):
+    text = command.help or ""
+    assert "Example:" in text, f"{program} {' '.join(path)} --help needs an Example: block"
+    example = text.split("Example:", 1)[1]
+    assert program in example, f"the example of {program} {' '.join(path)} should show the command"
+
+
+def test_console_scripts_run_and_report_errors_in_one_line(tmp_path):
+    bin_dir = Path(sys.executable).parent
+    for program in ("retr-pipeline", "retr-train"):
+        result = subprocess.run([str(bin_dir / program), "--help"], capture_output=True, text=True)
+        assert result.returncode == 0 and "Example:" in result.stdout
+    result = subprocess.run([str(bin_dir / "retr-pipeline"), "manifest", "check", str(tmp_path / "none.jsonl")],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr == f"error: manifest {tmp_path / 'none.jsonl'} does not exist\n"
+    result = subprocess.run([str(bin_dir / "retr-pipeline"), "verify", "--no-such-flag", "x"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "error: No such option" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_resource_message_has_three_parts():
+    from retr.common.errors import MissingResourceError
+    error = MissingResourceError("stanza English models", ["/a", "/b"], "run X on a connected machine")
+    assert str(error) == "stanza English models not found (looked in /a, /b); run X on a connected machine"
