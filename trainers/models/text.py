@@ -1,0 +1,65 @@
+"""Caption encoders shared by the models: word embedding + GRU, as in the SCAN and VSE++ code.
+
+Parameter names (``embed.weight``, ``rnn.weight_ih_l0`` …, ``_reverse`` for the backward direction) are those
+of the authors' ``EncoderText``, so their checkpoints load without renaming.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from retr.trainers.models.base import l2norm
+
+
+class GRUWordEncoder(nn.Module):
+    """Per-word vectors ``[B, L, d]`` of captions ``[B, L]`` (SCAN's ``EncoderText``).
+
+    Embedding(V, word_dim) initialised uniform(±0.1) → packed GRU(word_dim → d). With ``bidirectional`` the two
+    directions are averaged (not concatenated), giving ``d`` per word. Each word vector is l2-normalised unless
+    ``normalize=False``; positions past a caption's length are 0. No dropout.
+    """
+
+    def __init__(self, vocab_size: int, word_dim: int = 300, embed_size: int = 1024, num_layers: int = 1,
+                 bidirectional: bool = True, normalize: bool = True):
+        super().__init__()
+        self.embed_size = embed_size
+        self.bidirectional = bidirectional
+        self.normalize = normalize
+        self.embed = nn.Embedding(vocab_size, word_dim)
+        self.rnn = nn.GRU(word_dim, embed_size, num_layers, batch_first=True, bidirectional=bidirectional)
+        nn.init.uniform_(self.embed.weight, -0.1, 0.1)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``tokens`` [B, L] long, ``lengths`` [B] (≥ 1) → ``[B, max(lengths), d]``."""
+        x = self.embed(tokens)
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=int(lengths.max()))
+        if self.bidirectional:
+            out = (out[:, :, :self.embed_size] + out[:, :, self.embed_size:]) / 2
+        return l2norm(out, dim=-1) if self.normalize else out
+
+
+class GRUSentenceEncoder(GRUWordEncoder):
+    """One vector ``[B, d]`` per caption: the GRU state at the last word (VSE++'s ``EncoderText``).
+
+    Unidirectional by default as in VSE++; bidirectional averages the forward state at the last word with the
+    backward state at the first word (both have read the whole caption).
+    """
+
+    def __init__(self, vocab_size: int, word_dim: int = 300, embed_size: int = 1024, num_layers: int = 1,
+                 bidirectional: bool = False, normalize: bool = True):
+        super().__init__(vocab_size, word_dim, embed_size, num_layers, bidirectional, normalize=False)
+        self.normalize_sentence = normalize
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=int(lengths.max()))
+        last = (lengths.to(out.device) - 1).view(-1, 1, 1).expand(-1, 1, out.shape[-1])
+        sentence = out.gather(1, last).squeeze(1)
+        if self.bidirectional:
+            sentence = (sentence[:, :self.embed_size] + out[:, 0, self.embed_size:]) / 2
+        return l2norm(sentence, dim=-1) if self.normalize_sentence else sentence
