@@ -16,6 +16,7 @@ extractor by name and drives it through this interface —
 """
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
@@ -53,6 +54,14 @@ class Extractor(ABC):
     def load(self, path: str) -> Any:
         """Decode and preprocess one image file (runs in a worker); raise :class:`ImageError` if unusable."""
 
+    def preprocessor(self) -> Callable[[str], Any]:
+        """The picklable callable DataLoader workers run on each path (default: the bound :meth:`load`).
+
+        Extractors whose object holds a large network should return a small object without it, so that
+        workers started with ``spawn``/``forkserver`` do not receive a copy of the network.
+        """
+        return self.load
+
     def collate(self, samples: list[Any]) -> Any:
         """Batch ``load`` results (default: stack tensors)."""
         return torch.stack(samples)
@@ -88,8 +97,15 @@ def available_extractors() -> list[str]:
 
 def build_extractor(name: str, **options: Any) -> Extractor:
     """The extractor ``name`` built with ``options`` (``weights``, ``device``, extractor-specific ones)."""
+    from retr.common.errors import UserError
     names = available_extractors()
     if name not in _REGISTRY:
-        from retr.common.errors import UserError
         raise UserError(f"unknown extractor {name!r} (available: {', '.join(names)})")
-    return _REGISTRY[name](**options)
+    builder = _REGISTRY[name]
+    parameters = inspect.signature(builder).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        refused = sorted(set(options) - set(parameters))
+        if refused:
+            flags = ", ".join("--" + option.replace("_", "-") for option in refused)
+            raise UserError(f"extractor {name!r} does not take {flags}")
+    return builder(**options)

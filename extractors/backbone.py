@@ -1,0 +1,112 @@
+"""What the four torchvision-backbone extractors share: weights, one layer's output, device and precision.
+
+Each extractor names a torchvision architecture and the graph node whose output it keeps; the network is
+``torchvision.models.feature_extraction.create_feature_extractor(model, {node: "out"})``, i.e. torchvision's
+own forward pass cut at that node (nothing after it is computed). A subclass then only reshapes that output
+into ``[B, K, D]`` (:meth:`BackboneExtractor.to_features`) and describes itself (:meth:`extra_attrs`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torchvision.models.feature_extraction import create_feature_extractor
+
+from retr.common.errors import UserError
+from retr.extractors.base import Extractor
+from retr.extractors.weights import LoadedWeights, build_backbone
+
+
+def resolve_device(device: str | torch.device, half: bool) -> torch.device:
+    """Check ``device`` (``cpu``, ``cuda``, ``cuda:N``) is usable and ``half`` is only asked for on CUDA."""
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown device {device!r} (expected cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device} asked for, but CUDA is not available here (use --device cpu)")
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"unsupported device {device} (expected cpu, cuda or cuda:N)")
+    if half and device.type != "cuda":
+        raise UserError("--half needs --device cuda (half-precision convolutions are slow or missing on CPU)")
+    return device
+
+
+class BackboneExtractor(Extractor):
+    """An extractor made of one torchvision network cut at one node, fed by a preprocessing object.
+
+    Args:
+        arch: torchvision builder name (``resnet152``, ``vgg16``, ``vgg19``).
+        node: graph node whose output is kept (``layer4``, ``features.30``, ``classifier.4``, ``flatten``).
+        weights: ``imagenet`` | enum member name | ``random`` | state-dict path (:mod:`retr.extractors.weights`).
+        preprocess: builds the worker-side preprocessing from the weights' normalisation ``(mean, std)``.
+        unused_prefixes: parameters the cut network never uses (a state-dict file may omit them).
+        random_options: torchvision builder options used only for ``weights="random"``.
+        device: ``cpu`` | ``cuda`` | ``cuda:N``; half: float16 network and inputs (CUDA only).
+    """
+
+    backbone: str
+
+    def __init__(self, *, arch: str, node: str, weights: str,
+                 preprocess: Callable[[tuple, tuple], Callable[[str], torch.Tensor]],
+                 unused_prefixes: tuple[str, ...] = (), random_options: dict | None = None,
+                 device: str | torch.device = "cpu", half: bool = False):
+        self.backbone = arch
+        self.node = node
+        self.half = bool(half)
+        self.device = resolve_device(device, self.half)
+        model, self.weights = build_backbone(arch, weights, unused_prefixes,
+                                             **((random_options or {}) if weights == "random" else {}))
+        self.network: nn.Module = create_feature_extractor(model, {node: "out"}).eval()
+        self.network.requires_grad_(False)
+        self._preprocess = preprocess(self.weights.mean, self.weights.std)
+        self.to(self.device)
+
+    # -- worker side ------------------------------------------------------------------------------------------
+    def preprocessor(self) -> Callable[[str], torch.Tensor]:
+        return self._preprocess
+
+    def load(self, path: str) -> torch.Tensor:
+        return self._preprocess(path)
+
+    # -- main process -----------------------------------------------------------------------------------------
+    def to(self, device: torch.device | str) -> "BackboneExtractor":
+        self.device = resolve_device(device, self.half)
+        self.network.to(self.device, dtype=torch.float16 if self.half else torch.float32)
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick the fastest kernels
+        return self
+
+    def run_network(self, images: torch.Tensor) -> torch.Tensor:
+        """The kept node's output for ``images`` ``[B, 3, H, W]`` (moved to the device, float16 with ``half``)."""
+        dtype = torch.float16 if self.half else torch.float32
+        with torch.inference_mode():
+            images = images.to(self.device, dtype=dtype, non_blocking=True)
+            return self.network(images)["out"]
+
+    def to_features(self, output: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """Reshape the node output into ``[B, K, D]`` (subclasses)."""
+        raise NotImplementedError
+
+    def extract(self, batch: torch.Tensor) -> dict[str, np.ndarray]:
+        batch_size = batch.shape[0]
+        with torch.inference_mode():
+            features = self.to_features(self.run_network(self.flatten_batch(batch)), batch_size)
+        return {"features": features.float().cpu().numpy()}
+
+    def flatten_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        """Network input ``[B', 3, H, W]`` from a collated batch (identity; 10-crop folds its crops in)."""
+        return batch
+
+    def extra_attrs(self) -> dict[str, Any]:
+        return {}
+
+    def attrs(self) -> dict[str, Any]:
+        weights: LoadedWeights = self.weights
+        attrs = {"kind": self.kind, "extractor": self.name, "backbone": self.backbone, "weights": weights.name,
+                 "layer": self.node, "normalize_mean": list(weights.mean), "normalize_std": list(weights.std),
+                 "half_precision": self.half, **weights.attrs}
+        attrs.update(self.extra_attrs())
+        return attrs

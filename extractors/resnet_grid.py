@@ -1,0 +1,72 @@
+"""``resnet152-grid``: ResNet-152 res5c (``layer4``, before the average pool) as a grid of 2048-d vectors (SMAN).
+
+SMAN resizes images to 448×448 and takes res5c as a 7×7×2048 grid, but ResNet-152 at 448 gives 14×14 (stride
+32). By default the 14×14 map is average-pooled 2×2 (non-overlapping) to 7×7; ``grid_size=14`` keeps the raw
+14×14, and ``image_size=224`` gives 7×7 directly. Rows are in raster order: feature ``k`` is grid cell
+``(k // G, k % G)`` (row, column from the top left).
+
+``weights="random"`` uses torchvision's ``zero_init_residual=True`` (each residual branch's last BatchNorm
+scale starts at zero): with torchvision's default init and eval-mode BatchNorm (running variance 1) the
+activations of a random ResNet-152 grow by ~10⁸ through ``layer3`` and overflow float16; with it they stay
+below ~1.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from retr.common.errors import UserError
+from retr.extractors.backbone import BackboneExtractor
+from retr.extractors.base import register
+from retr.extractors.images import SquareResize
+
+STRIDE = 32  #: ResNet's output stride: a S×S input gives a (S/32)×(S/32) res5c map
+GRID_SIZES = (7, 14)
+
+
+class ResNetGridExtractor(BackboneExtractor):
+    """ResNet-152 ``layer4`` output ``[B, 2048, S/32, S/32]`` → pooled to ``G×G`` → features ``[B, G², 2048]``."""
+
+    name = "resnet152-grid"
+    kind = "grid"
+
+    def __init__(self, *, weights: str = "imagenet", device: str = "cpu", half: bool = False,
+                 image_size: int = 448, grid_size: int = 7, exif_orientation: bool = False):
+        if image_size % STRIDE or image_size < STRIDE:
+            raise UserError(f"--image-size must be a multiple of {STRIDE} for {self.name}, not {image_size}")
+        if grid_size not in GRID_SIZES:
+            raise UserError(f"--grid-size must be one of {GRID_SIZES}, not {grid_size}")
+        side = image_size // STRIDE
+        if side % grid_size:
+            raise UserError(f"a {image_size}×{image_size} input gives a {side}×{side} res5c map, which does not pool "
+                            f"to {grid_size}×{grid_size}; use --image-size {grid_size * STRIDE} or a multiple")
+        self.image_size, self.grid_size, self.pool = image_size, grid_size, side // grid_size
+        self.exif_orientation = exif_orientation
+        super().__init__(arch="resnet152", node="layer4", weights=weights, device=device, half=half,
+                         preprocess=lambda mean, std: SquareResize(image_size, mean, std, exif_orientation),
+                         unused_prefixes=("fc.",), random_options={"zero_init_residual": True})
+
+    @property
+    def feature_shape(self) -> tuple[int, int]:
+        return (self.grid_size * self.grid_size, 2048)
+
+    def to_features(self, output: torch.Tensor, batch_size: int) -> torch.Tensor:
+        if self.pool > 1:
+            output = F.avg_pool2d(output, kernel_size=self.pool, stride=self.pool)
+        return output.flatten(2).transpose(1, 2)  # [B, 2048, G, G] → [B, G·G, 2048], raster order
+
+    def extra_attrs(self) -> dict[str, Any]:
+        return {"image_size": self.image_size, "grid_size": self.grid_size, "grid_pool": self.pool,
+                "preprocessing": f"resize to {self.image_size}x{self.image_size} (bilinear, antialiased), "
+                                 f"ImageNet normalisation",
+                "exif_orientation": self.exif_orientation}
+
+
+@register("resnet152-grid")
+def build_resnet152_grid(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 448,
+                         grid_size: int = 7, exif_orientation: bool = False) -> ResNetGridExtractor:
+    """ResNet-152 res5c grid: 448 input pooled to 7×7 (default), raw 14×14 (``grid_size=14``) or a 224 input."""
+    return ResNetGridExtractor(weights=weights, device=device, half=half, image_size=image_size,
+                               grid_size=grid_size, exif_orientation=exif_orientation)

@@ -1,0 +1,82 @@
+"""10-crop global vectors (SEAM): ``tencrop-vgg19`` (fc7 after ReLU, 10×4096) and ``tencrop-resnet152`` (10×2048).
+
+Every image is resized so its short side is 256, and the network sees ten 224×224 crops — the four corners,
+the centre, and the same five of the mirrored image (torchvision's ``ten_crop`` order, which the rows keep:
+crop ``k`` of an image is row ``k`` of its ``[10, D]`` block). All ten are stored; averaging them (what SEAM's
+public pipeline trains on) is the trainer's business.
+
+* VGG-19: output of ``classifier.4`` — fc7 after its ReLU (eval mode, so dropout is off); fc8 is never run.
+* ResNet-152: the global average pool (``flatten``), 2048-d; fc is never run.
+
+``image_size`` is the crop side (224 by default); the resize keeps the 256/224 ratio. Smaller crops are for
+quick runs (the demo); VGG's adaptive average pool makes fc6 accept any crop ≥ 32 pixels.
+``weights="random"`` for ResNet-152 uses ``zero_init_residual=True`` (see :mod:`retr.extractors.resnet_grid`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from retr.common.errors import UserError
+from retr.extractors.backbone import BackboneExtractor
+from retr.extractors.base import register
+from retr.extractors.images import TenCrop, tencrop_resize_for
+
+NUM_CROPS = 10
+MIN_CROP = 32
+
+
+class TenCropExtractor(BackboneExtractor):
+    """Ten crops ``[B, 10, 3, C, C]`` → one vector per crop → features ``[B, 10, D]``."""
+
+    kind = "tencrop"
+
+    def __init__(self, *, name: str, arch: str, node: str, dim: int, unused_prefixes: tuple[str, ...],
+                 random_options: dict | None, weights: str, device: str, half: bool, image_size: int,
+                 exif_orientation: bool):
+        if image_size < MIN_CROP:
+            raise UserError(f"--image-size (the crop side) must be at least {MIN_CROP} for {name}, not {image_size}")
+        self.name, self.dim = name, dim
+        self.image_size, self.resize = image_size, tencrop_resize_for(image_size)
+        self.exif_orientation = exif_orientation
+        super().__init__(arch=arch, node=node, weights=weights, device=device, half=half,
+                         preprocess=lambda mean, std: TenCrop(image_size, self.resize, mean, std, exif_orientation),
+                         unused_prefixes=unused_prefixes, random_options=random_options)
+
+    @property
+    def feature_shape(self) -> tuple[int, int]:
+        return (NUM_CROPS, self.dim)
+
+    def flatten_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch.flatten(0, 1)  # [B, 10, 3, C, C] → [B·10, 3, C, C]
+
+    def to_features(self, output: torch.Tensor, batch_size: int) -> torch.Tensor:
+        return output.reshape(batch_size, NUM_CROPS, self.dim)
+
+    def extra_attrs(self) -> dict[str, Any]:
+        return {"image_size": self.image_size, "resize_short_side": self.resize, "num_crops": NUM_CROPS,
+                "crop_order": "top-left, top-right, bottom-left, bottom-right, centre, then the same of the "
+                              "horizontally flipped image",
+                "preprocessing": f"resize short side to {self.resize} (bilinear, antialiased), ImageNet "
+                                 f"normalisation, ten {self.image_size}x{self.image_size} crops",
+                "exif_orientation": self.exif_orientation}
+
+
+@register("tencrop-vgg19")
+def build_tencrop_vgg19(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 224,
+                        exif_orientation: bool = False) -> TenCropExtractor:
+    """VGG-19 fc7 (after ReLU) of ten crops: ``[10, 4096]`` per image."""
+    return TenCropExtractor(name="tencrop-vgg19", arch="vgg19", node="classifier.4", dim=4096,
+                            unused_prefixes=("classifier.6.",), random_options=None, weights=weights,
+                            device=device, half=half, image_size=image_size, exif_orientation=exif_orientation)
+
+
+@register("tencrop-resnet152")
+def build_tencrop_resnet152(weights: str = "imagenet", device: str = "cpu", half: bool = False,
+                            image_size: int = 224, exif_orientation: bool = False) -> TenCropExtractor:
+    """ResNet-152 global average pool of ten crops: ``[10, 2048]`` per image."""
+    return TenCropExtractor(name="tencrop-resnet152", arch="resnet152", node="flatten", dim=2048,
+                            unused_prefixes=("fc.",), random_options={"zero_init_residual": True},
+                            weights=weights, device=device, half=half, image_size=image_size,
+                            exif_orientation=exif_orientation)

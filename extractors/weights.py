@@ -1,0 +1,155 @@
+"""Where a torchvision backbone's weights come from: ``imagenet`` (torchvision's weight enums), ``random``, a file.
+
+``--weights`` takes one of
+
+* ``imagenet`` — the backbone's ``IMAGENET1K_V1`` enum (the original ImageNet weights, the ones the papers'
+  era used; ResNet-152 also has ``IMAGENET1K_V2``, selectable by that name). torchvision keeps downloaded
+  weights in ``<torch hub dir>/checkpoints/`` (``$TORCH_HOME/hub``, default ``~/.cache/torch/hub``). retr
+  never downloads: when the file is not in the cache it fails in one line naming the file, the folder and the
+  URL to fetch on a connected machine. A cached file is loaded with torchvision's own loader (hash checked).
+* an enum member name, e.g. ``IMAGENET1K_V2`` or ``ResNet152_Weights.IMAGENET1K_V2`` — as above;
+* ``random`` — torchvision's own initialisation under a fixed seed (:data:`RANDOM_SEED`, recorded in the
+  feature set), so every rank and every re-run builds the same network. For tests and the demo only;
+* a path to a state-dict file (``torch.save(model.state_dict())``, optionally under ``"state_dict"`` or
+  ``"model"``, keys optionally prefixed ``module.`` by DDP) — checked key by key and shape by shape against
+  the architecture; a mismatch is one clear error. The feature set records ``sha256:<hex>`` of the file.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+from urllib.parse import urlparse
+
+import torch
+from torch import nn
+from torchvision import models as tvm
+
+from retr.common.errors import MissingResourceError, UserError
+from retr.common.hashing import sha256_file
+
+#: The seed of ``--weights random`` (recorded as the ``weights_seed`` attribute).
+RANDOM_SEED = 0
+#: The enum member ``--weights imagenet`` means.
+IMAGENET_DEFAULT = "IMAGENET1K_V1"
+
+
+@dataclass(frozen=True)
+class LoadedWeights:
+    """What :func:`build_backbone` loaded: the name the feature set records and the input normalisation."""
+
+    name: str  #: ``ResNet152_Weights.IMAGENET1K_V1``, ``random`` or ``sha256:<hex>``
+    attrs: dict  #: further root attributes (``weights_seed``, ``weights_file``, ``weights_url``)
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+def hub_checkpoint_path(url: str) -> Path:
+    """Where torchvision's loader caches the file at ``url``: ``<torch.hub.get_dir()>/checkpoints/<file name>``."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urlparse(url).path)
+
+
+def imagenet_weights(arch: str, spec: str) -> tvm.WeightsEnum:
+    """The torchvision weight enum member for ``arch`` (e.g. ``resnet152``) named by ``spec``."""
+    enum = tvm.get_model_weights(arch)
+    member = IMAGENET_DEFAULT if spec == "imagenet" else spec.split(".")[-1]
+    try:
+        return enum[member]
+    except KeyError:
+        names = ", ".join(m.name for m in enum)
+        raise UserError(f"{arch} has no weights {spec!r} (torchvision has {names}; or use 'random' or a file path)") \
+            from None
+
+
+def is_enum_spec(spec: str) -> bool:
+    return spec == "imagenet" or spec.split(".")[-1].isupper()
+
+
+def build_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] = (),
+                   **builder_options) -> tuple[nn.Module, LoadedWeights]:
+    """Build torchvision's ``arch`` (``resnet152``, ``vgg16``, ``vgg19``) in eval mode with ``weights`` loaded.
+
+    Args:
+        arch: torchvision model builder name.
+        weights: ``imagenet``, an enum member name, ``random`` or a state-dict path (see the module docstring).
+        unused_prefixes: parameter-name prefixes the extractor never runs (e.g. ``fc.`` for a ResNet grid): a
+            state-dict file may leave them out.
+        builder_options: passed to the torchvision builder with ``weights=None`` (e.g. ``zero_init_residual``
+            for ``random``).
+    """
+    builder: Callable[..., nn.Module] = tvm.get_model_builder(arch)
+    if weights == "random":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_SEED)
+            model = builder(weights=None, **builder_options)
+        from retr.extractors.images import IMAGENET_MEAN, IMAGENET_STD
+        loaded = LoadedWeights("random", {"weights_seed": RANDOM_SEED}, IMAGENET_MEAN, IMAGENET_STD)
+    elif is_enum_spec(weights) and not Path(weights).exists():
+        member = imagenet_weights(arch, weights)
+        cached = hub_checkpoint_path(member.url)
+        if not cached.is_file():
+            raise MissingResourceError(
+                f"ImageNet weights {type(member).__name__}.{member.name} ({cached.name})", str(cached.parent),
+                f"on a connected machine download {member.url} into that folder (or run python -c "
+                f"\"import torchvision; torchvision.models.{arch}(weights='{member.name}')\"), set TORCH_HOME to "
+                f"use another cache, or pass --weights PATH")
+        model = builder(weights=None)
+        try:
+            state = member.get_state_dict(progress=False, check_hash=True)
+        except RuntimeError as exc:
+            raise UserError(f"cached weights {cached} are damaged ({str(exc).splitlines()[0]}); delete the file and "
+                            f"download {member.url} again") from None
+        load_checked(model, state, str(cached), arch, ())
+        transforms = member.transforms()
+        loaded = LoadedWeights(f"{type(member).__name__}.{member.name}", {"weights_url": member.url},
+                               tuple(transforms.mean), tuple(transforms.std))
+    else:
+        path = Path(weights)
+        if not path.is_file():
+            raise UserError(f"--weights {weights!r} is neither 'imagenet', 'random', a torchvision weight name, "
+                            f"nor an existing state-dict file")
+        model = builder(weights=None)
+        load_checked(model, read_state_dict(path), str(path), arch, tuple(unused_prefixes))
+        from retr.extractors.images import IMAGENET_MEAN, IMAGENET_STD
+        loaded = LoadedWeights(f"sha256:{sha256_file(path)}", {"weights_file": path.name}, IMAGENET_MEAN,
+                               IMAGENET_STD)
+    return model.eval(), loaded
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from a ``torch.save`` file (tensors only: ``weights_only=True``, nothing executed)."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle errors, zip errors, unsupported globals…
+        raise UserError(f"cannot read {path} as a PyTorch state dict ({str(exc).splitlines()[0]})") from None
+    for key in ("state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise UserError(f"{path} does not hold a state dict (a mapping of parameter names to tensors)")
+    if obj and all(k.startswith("module.") for k in obj):
+        obj = {k[len("module."):]: v for k, v in obj.items()}
+    return obj
+
+
+def load_checked(model: nn.Module, state: dict[str, torch.Tensor], source: str, arch: str,
+                 unused_prefixes: tuple[str, ...] = ()) -> None:
+    """Load ``state`` into ``model`` after checking every key and shape; one ``UserError`` lists what differs."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state and not k.startswith(unused_prefixes)]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [f"{k} {list(state[k].shape)} (model {list(expected[k].shape)})" for k in state
+             if k in expected and state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (e.g. {missing[0]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (e.g. {unexpected[0]})")
+        if wrong:
+            parts.append(f"{len(wrong)} with other shapes (e.g. {wrong[0]})")
+        raise UserError(f"{source} does not fit {arch} of this extractor: {'; '.join(parts)} — is it a state dict "
+                        f"of another architecture?")
+    model.load_state_dict(state, strict=False)
