@@ -1,0 +1,138 @@
+"""Recall, medr, meanr, rSum and the protocols against hand-computed cases; blockwise similarity matrices."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from retr.trainers.data import ImageFeatures, SplitData
+from retr.trainers.evaluation import (coco_folds, i2t_ranks, protocol_metrics, rank_metrics, retrieval_metrics,
+                                      similarity_matrix, t2i_ranks)
+from retr.trainers.models import create_model
+from retr.trainers.vocab import Vocabulary
+
+
+def _authors_i2t_t2i(sims: np.ndarray):
+    """The authors' loops (5 captions per image, argsort descending) for matrices without ties."""
+    n = sims.shape[0]
+    r_i2t = []
+    for i in range(n):
+        inds = np.argsort(sims[i])[::-1]
+        r_i2t.append(min(np.where(inds == j)[0][0] for j in range(5 * i, 5 * i + 5)))
+    r_t2i = []
+    for c in range(sims.shape[1]):
+        inds = np.argsort(sims[:, c])[::-1]
+        r_t2i.append(np.where(inds == c // 5)[0][0])
+    return np.array(r_i2t), np.array(r_t2i)
+
+
+def test_hand_computed_ranks_and_metrics():
+    # 2 images × 4 captions (captions 0,1 → image 0; 2,3 → image 1)
+    sims = np.array([[0.1, 0.9, 0.5, 0.95],
+                     [0.8, 0.2, 0.3, 0.1]])
+    owner = np.array([0, 0, 1, 1])
+    # image 0: best true caption 1 (0.9) — only caption 3 (0.95) is higher → rank 1
+    # image 1: best true caption 2 (0.3) — captions 0 (0.8) is higher, caption 1 (0.2) is not → rank 1
+    assert i2t_ranks(sims, owner).tolist() == [1, 1]
+    # caption 0: true image 0 (0.1) < image 1 (0.8) → 1; caption 1: 0; caption 2: 0.3 vs 0.5 → 1; caption 3: 0.1 vs 0.95 → 1
+    assert t2i_ranks(sims, owner).tolist() == [1, 0, 1, 1]
+    m = retrieval_metrics(sims, owner)
+    assert m["i2t"] == {"r1": 0.0, "r5": 100.0, "r10": 100.0, "medr": 2.0, "meanr": 2.0}
+    assert m["t2i"] == {"r1": 25.0, "r5": 100.0, "r10": 100.0, "medr": 2.0, "meanr": 1.75}
+    assert m["rsum"] == 0 + 100 + 100 + 25 + 100 + 100
+
+
+def test_ties_count_against_the_query():
+    sims = np.zeros((3, 3))
+    owner = np.arange(3)
+    assert i2t_ranks(sims, owner).tolist() == [2, 2, 2]
+    assert t2i_ranks(sims, owner).tolist() == [2, 2, 2]
+    m = retrieval_metrics(sims, owner)
+    assert m["i2t"]["r1"] == m["t2i"]["r1"] == 0.0 and m["rsum"] == 400.0   # R@5 and R@10 of 3 items: 100
+    # a tie between two true captions of one image does not hurt that image
+    sims = np.array([[0.5, 0.5, 0.5], [0.1, 0.1, 0.9]])
+    assert i2t_ranks(sims, np.array([0, 0, 1])).tolist() == [1, 0]
+
+
+def test_medr_floors_even_medians_and_meanr():
+    ranks = np.array([0, 1, 2, 5])           # median 1.5 → floor 1 → medr 2
+    m = rank_metrics(ranks)
+    assert m["medr"] == 2.0 and m["meanr"] == 3.0 and m["r1"] == 25.0 and m["r5"] == 75.0 and m["r10"] == 100.0
+
+
+def test_agrees_with_the_authors_loops_on_random_scores():
+    rng = np.random.default_rng(0)
+    sims = rng.standard_normal((40, 200))
+    sims[np.arange(40).repeat(5), np.arange(200)] += 1.5
+    owner = np.arange(200) // 5
+    want_i2t, want_t2i = _authors_i2t_t2i(sims)
+    np.testing.assert_array_equal(i2t_ranks(sims, owner), want_i2t)
+    np.testing.assert_array_equal(t2i_ranks(sims, owner), want_t2i)
+    m = retrieval_metrics(sims, owner)
+    assert m["i2t"]["r1"] == 100.0 * np.mean(want_i2t < 1)
+    assert m["t2i"]["meanr"] == want_t2i.mean() + 1
+    assert m["t2i"]["medr"] == np.floor(np.median(want_t2i)) + 1
+
+
+def _split(n_images: int, per_image: int = 5) -> SplitData:
+    owner = np.arange(n_images * per_image) // per_image
+    return SplitData([f"i{k}" for k in range(n_images)], ["c"] * owner.size, owner, [[1, 2]] * owner.size)
+
+
+def test_coco_five_fold_slicing():
+    assert coco_folds(10) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    with pytest.raises(Exception, match="divisible"):
+        coco_folds(12)
+    rng = np.random.default_rng(1)
+    data = _split(10)
+    sims = rng.standard_normal((10, 50))
+    result = protocol_metrics(sims, data, "coco-1k")
+    assert len(result["folds"]) == 5
+    # fold 2 = images 4,5 and captions 20..29, scored only against each other
+    fold = retrieval_metrics(sims[4:6, 20:30], np.arange(10) // 5)
+    assert result["folds"][2]["rsum"] == fold["rsum"]
+    assert result["i2t"]["r1"] == pytest.approx(np.mean([f["i2t"]["r1"] for f in result["folds"]]))
+    assert result["rsum"] == pytest.approx(np.mean([f["rsum"] for f in result["folds"]]))
+    whole = protocol_metrics(sims, data, "coco-5k")
+    assert "folds" not in whole and whole["images"] == 10 and whole["captions"] == 50
+
+
+class _Features(ImageFeatures):
+    """In-memory stand-in with variable num_boxes (the store path is tested in test_trainer_data)."""
+
+    def __init__(self, array, num_boxes):
+        self._memory, self.num_boxes, self.feature_shape = array, num_boxes, array.shape[1:]
+        self.rows = np.arange(len(array))
+
+
+@pytest.mark.parametrize("name,kwargs", [("scan", {"direction": "t2i"}), ("scan", {"direction": "i2t", "agg": "avg"}),
+                                         ("vsepp", {})])
+def test_blockwise_matrix_equals_one_block(name, kwargs):
+    torch.manual_seed(0)
+    vocab = Vocabulary(["a", "b", "c", "d"])
+    rng = np.random.default_rng(0)
+    n = 7
+    captions = [" ".join(rng.choice(["a", "b", "c", "d"], size=int(rng.integers(1, 6)))) for _ in range(n * 2)]
+    owner = np.arange(n * 2) // 2
+    data = SplitData([f"i{k}" for k in range(n)], captions, owner, [vocab.encode(c) for c in captions])
+    feats = _Features(rng.standard_normal((n, 5, 6)).astype(np.float16), rng.integers(1, 6, size=n))
+    model = create_model(name, vocab_size=len(vocab), img_dim=6, embed_size=8, word_dim=4, **kwargs)
+    whole = similarity_matrix(model, data, feats, precision="float64", encode_batch=3, image_block=100,
+                              pair_budget=10_000, quiet=True)
+    blocks = similarity_matrix(model, data, feats, precision="float64", encode_batch=3, image_block=1,
+                               pair_budget=2, quiet=True)
+    mixed = similarity_matrix(model, data, feats, precision="mixed", encode_batch=3, image_block=2,
+                              pair_budget=4, quiet=True)
+    assert whole.dtype == np.float64 and whole.shape == (n, 2 * n)
+    np.testing.assert_allclose(blocks, whole, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(mixed, whole, rtol=1e-5, atol=1e-6)
+    # manifest order on both axes: caption m's column equals scoring it alone
+    model.eval()
+    with torch.no_grad():
+        f, mask = feats.get([3])
+        from retr.trainers.data import pad_tokens
+        tokens, lengths = pad_tokens([data.tokens[9]])
+        img = {k: v.double() if v.is_floating_point() else v for k, v in model.encode_images(f, mask).items()}
+        cap = {k: v.double() if v.is_floating_point() else v for k, v in model.encode_captions(tokens, lengths).items()}
+        model.score_dtype = torch.float64
+        assert model.score(img, cap).item() == pytest.approx(whole[3, 9], rel=1e-5)  # float32 encoders, other batch

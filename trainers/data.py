@@ -1,0 +1,188 @@
+"""Cached-feature datasets: a feature set joined by id with the manifest's captions of some splits.
+
+* :class:`SplitData` — the images of the chosen splits in manifest order, their captions flattened (caption
+  ``m`` belongs to image ``caption_image[m]``; with five captions per image that is ``m // 5``), and the token
+  ids of every caption.
+* :class:`ImageFeatures` — the feature rows of those images. Features stay float16 as on disk; they are read
+  lazily per batch from HDF5 (sorted-row reads, works inside DataLoader workers) unless preloaded, which happens
+  with ``preload=True`` or, with ``preload=None``, when they take less than ``preload_limit_bytes``.
+  ``get`` returns float32 features ``[B, K, D]`` and the region mask ``[B, K]`` (``num_boxes`` of regions sets;
+  all True for other kinds).
+* :class:`CaptionBatches` — a map-style dataset whose item is a whole batch (a list of caption indices), so one
+  HDF5 read serves a batch; used with :class:`EpochBatchSampler`, which shuffles captions per epoch from
+  ``(seed, epoch)`` alone (resume needs no sampler state) and cuts each global batch into per-rank parts.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from retr.common.errors import UserError
+from retr.manifests.schema import ManifestRecord, read_manifest
+from retr.pipeline.store import FeatureSet
+from retr.trainers.vocab import PAD_ID, Vocabulary
+
+DEFAULT_PRELOAD_LIMIT = 2 << 30   # bytes of float16 features kept in memory without being asked
+
+
+@dataclass
+class SplitData:
+    """Images of some splits (manifest order) and their captions, flattened in order."""
+
+    image_ids: list[str]
+    captions: list[str]
+    caption_image: np.ndarray          # [M] int64: index into image_ids
+    tokens: list[list[int]]            # [M] token ids with <start>/<end>
+
+    @classmethod
+    def from_records(cls, records: Sequence[ManifestRecord], vocab: Vocabulary) -> "SplitData":
+        image_ids, captions, owner = [], [], []
+        for i, record in enumerate(records):
+            image_ids.append(record.id)
+            captions.extend(record.captions)
+            owner.extend([i] * len(record.captions))
+        return cls(image_ids, captions, np.asarray(owner, dtype=np.int64), [vocab.encode(c) for c in captions])
+
+    @property
+    def num_images(self) -> int:
+        return len(self.image_ids)
+
+    @property
+    def num_captions(self) -> int:
+        return len(self.captions)
+
+    def subset_images(self, start: int, stop: int) -> "SplitData":
+        """Images ``start:stop`` and their captions (COCO 1K folds)."""
+        keep = np.flatnonzero((self.caption_image >= start) & (self.caption_image < stop))
+        return SplitData(self.image_ids[start:stop], [self.captions[m] for m in keep],
+                         self.caption_image[keep] - start, [self.tokens[m] for m in keep])
+
+
+def load_split(manifest: str | os.PathLike, splits: Sequence[str], vocab: Vocabulary,
+               features: FeatureSet | None = None, missing: str = "error") -> tuple[SplitData, list[str]]:
+    """The images of ``splits`` that have features; returns (data, ids without features).
+
+    ``missing="error"`` (evaluation: a protocol must see every image) raises when an image has no features;
+    ``missing="skip"`` (training) leaves such images out and returns their ids so the caller can say so.
+    """
+    records = read_manifest(manifest, splits=list(splits))
+    if not records:
+        raise UserError(f"{manifest} has no images in split(s) {', '.join(splits)}")
+    absent: list[str] = []
+    if features is not None:
+        absent = [r.id for r in records if r.id not in features]
+        if absent and missing == "error":
+            raise UserError(f"{len(absent)} image(s) of split {'+'.join(splits)} have no features in "
+                            f"{features.path} (first: {absent[0]}); extract them or pick the matching manifest")
+        if len(absent) == len(records):
+            raise UserError(f"no image of split {'+'.join(splits)} has features in {features.path}: "
+                            "is this the feature set of that manifest?")
+        records = [r for r in records if r.id in features]
+    return SplitData.from_records(records, vocab), absent
+
+
+class ImageFeatures:
+    """Feature rows ``[N, K, D]`` of a list of image ids, preloaded or read per batch."""
+
+    def __init__(self, feature_set: FeatureSet, image_ids: Sequence[str], preload: bool | None = None,
+                 preload_limit_bytes: int = DEFAULT_PRELOAD_LIMIT):
+        self.feature_set = feature_set
+        self.rows = feature_set.rows_of(image_ids)
+        k, d = feature_set.feature_shape
+        self.feature_shape = (k, d)
+        itemsize = np.dtype(feature_set.datasets["features"][1]).itemsize
+        self.nbytes = int(len(self.rows) * k * d * itemsize)
+        self.preloaded = preload if preload is not None else self.nbytes <= preload_limit_bytes
+        if "num_boxes" in feature_set.datasets:
+            num_boxes = feature_set.read_rows(self.rows, "num_boxes").astype(np.int64).reshape(-1)
+            if (num_boxes < 1).any() or (num_boxes > k).any():
+                bad = int(np.flatnonzero((num_boxes < 1) | (num_boxes > k))[0])
+                raise UserError(f"{feature_set.path}: image {image_ids[bad]} has num_boxes={num_boxes[bad]} "
+                                f"(must be 1..{k})")
+        else:
+            num_boxes = np.full(len(self.rows), k, dtype=np.int64)
+        self.num_boxes = num_boxes
+        self._memory: np.ndarray | None = None
+        if self.preloaded:
+            if len(self.rows) == len(feature_set) and np.array_equal(self.rows, np.arange(len(feature_set))):
+                self._memory = feature_set.read_all()
+            else:
+                self._memory = feature_set.read_rows(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get(self, images: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features ``[B, K, D]`` float32 and region mask ``[B, K]`` bool of image indices ``images``."""
+        images = np.asarray(images, dtype=np.int64)
+        block = self._memory[images] if self._memory is not None else self.feature_set.read_rows(self.rows[images])
+        features = torch.from_numpy(np.ascontiguousarray(block)).float()
+        k = self.feature_shape[0]
+        mask = torch.arange(k).view(1, -1) < torch.from_numpy(self.num_boxes[images]).view(-1, 1)
+        return features, mask
+
+
+def pad_tokens(token_lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[B, L_max]`` (padded with ``<pad>``) and lengths ``[B]``."""
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
+    tokens = torch.full((len(token_lists), int(lengths.max()) if len(token_lists) else 0), PAD_ID, dtype=torch.long)
+    for row, ids in enumerate(token_lists):
+        tokens[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return tokens, lengths
+
+
+class CaptionBatches(torch.utils.data.Dataset):
+    """Item = one batch of captions given as a list of caption indices, with their images' features.
+
+    Returns a dict: ``features`` [B, K, D] float32, ``mask`` [B, K] bool, ``tokens`` [B, L] long, ``lengths`` [B],
+    ``image_index`` [B] and ``caption_index`` [B] (indices into the :class:`SplitData`). An image appears once
+    per caption of it in the batch, as in the authors' loaders.
+    """
+
+    def __init__(self, data: SplitData, features: ImageFeatures):
+        self.data, self.features = data, features
+
+    def __len__(self) -> int:
+        return self.data.num_captions
+
+    def __getitem__(self, captions: Sequence[int]) -> dict[str, torch.Tensor]:
+        captions = np.asarray(captions, dtype=np.int64)
+        images = self.data.caption_image[captions]
+        features, mask = self.features.get(images)
+        tokens, lengths = pad_tokens([self.data.tokens[m] for m in captions])
+        return {"features": features, "mask": mask, "tokens": tokens, "lengths": lengths,
+                "image_index": torch.from_numpy(images), "caption_index": torch.from_numpy(captions)}
+
+
+class EpochBatchSampler(torch.utils.data.Sampler):
+    """Batches of caption indices: a permutation drawn from ``(seed, epoch)``, cut into global batches of
+    ``batch_size``; with ``world_size`` > 1 each rank gets its contiguous part of every global batch (so a
+    DDP step sees exactly the global batch a single process would). The last, smaller batch is kept."""
+
+    def __init__(self, num_items: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        if batch_size % world_size:
+            raise UserError(f"batch size {batch_size} is not divisible by the {world_size} processes")
+        self.num_items, self.batch_size, self.seed = num_items, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def global_batches(self) -> list[np.ndarray]:
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        order = torch.randperm(self.num_items, generator=generator).numpy()
+        batches = [order[i:i + self.batch_size] for i in range(0, self.num_items, self.batch_size)]
+        return [b for b in batches if len(b) >= self.world_size]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.global_batches():
+            parts = np.array_split(batch, self.world_size)
+            yield parts[self.rank].tolist()
+
+    def __len__(self) -> int:
+        return len(self.global_batches())
