@@ -1,0 +1,395 @@
+"""Parsing backends: one interface from captions to stanza ``Sentence`` objects.
+
+* :class:`StanzaBackend` — a stanza pipeline (tokenize, pos, lemma, depparse and, by default, constituency)
+  loaded from a local model folder (``--stanza-dir``, else ``$STANZA_RESOURCES_DIR``, else stanza's default
+  folder), never downloading; captions are sent in batches as one text with a blank line between captions
+  and ``tokenize_no_ssplit``, so each caption is exactly one sentence; CPU or CUDA.
+* :class:`ConlluBackend` — sentences parsed elsewhere, in a CoNLL-U file read with stanza's own CoNLL-U
+  reader (``# constituency =`` comments included). Sentences are matched to captions by ``# sent_id =
+  <image id>#<caption index>`` or, when the file has no ``sent_id`` at all, by order (sentence ``i`` ↔ the
+  ``i``-th caption of the manifest). The file is indexed once (byte offsets), so a 600K-sentence file is not
+  held in memory.
+
+Both return one :class:`ParseOutcome` per caption: a sentence, or the reason there is none (no sentence for
+this key, text differs from the caption, the parser failed on it). Outcomes never raise for a single bad
+caption, so the stage records it and goes on.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from retr.common.errors import MissingResourceError, UserError
+
+STANZA_PROCESSORS = "tokenize,pos,lemma,depparse,constituency"
+STANZA_PROCESSORS_NO_CONSTITUENCY = "tokenize,pos,lemma,depparse"
+STANZA_LANGUAGE = "en"
+#: stanza's plain English package (charlm models); ``default_accurate`` needs transformers and is avoided.
+STANZA_PACKAGE = "default"
+
+
+@dataclass(frozen=True)
+class CaptionItem:
+    """One caption to parse: its position in the manifest's caption order, key and text."""
+
+    index: int
+    key: str
+    text: str
+
+
+@dataclass
+class ParseOutcome:
+    """A parsed sentence for ``key`` (stanza ``Sentence``), or ``error`` saying why there is none."""
+
+    key: str
+    sentence: Any | None = None
+    error: str | None = None
+
+
+class ParserBackend(ABC):
+    """Turns captions into parsed sentences."""
+
+    #: ``"stanza"`` or ``"conllu"``
+    name: str
+
+    @abstractmethod
+    def parse(self, items: Sequence[CaptionItem]) -> list[ParseOutcome]:
+        """One outcome per item, in the same order."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Provenance recorded in ``trees.h5`` (``backend`` attribute)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _word_tokenizer():
+    # NLTKWordTokenizer is word_tokenize without the punkt sentence splitter: it needs no downloaded data.
+    from nltk.tokenize import NLTKWordTokenizer
+
+    return NLTKWordTokenizer()
+
+
+_PUNCT = re.compile(r"^\W+$")
+
+
+def normalize_caption(text: str) -> str:
+    """Lower-cased tokens without punctuation, single-spaced: how caption and parse texts are compared."""
+    tokens = _word_tokenizer().tokenize(" ".join(text.lower().split()))
+    return " ".join(t for t in tokens if not _PUNCT.match(t))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CoNLL-U
+
+@dataclass(frozen=True)
+class _Block:
+    offset: int
+    length: int
+    sent_id: str | None
+    text: str | None
+
+
+def _conll_to_sentences(text: str) -> list[Any]:
+    from stanza.utils.conll import CoNLL
+
+    return list(CoNLL.conll2doc(input_str=text).sentences)
+
+
+class ConlluBackend(ParserBackend):
+    """Sentences from a CoNLL-U file.
+
+    Args:
+        path: the CoNLL-U file (UD v2 columns; ``# sent_id``, ``# text`` and ``# constituency`` comments read).
+        match: ``"auto"`` (by key when every sentence has a ``sent_id``, by order when none has),
+            ``"key"`` or ``"order"``.
+        check_text: compare each sentence's ``# text`` (or its words) with the caption after
+            :func:`normalize_caption`; a difference is recorded as that caption's failure.
+    """
+
+    name = "conllu"
+
+    def __init__(self, path: str | os.PathLike, match: str = "auto", check_text: bool = True):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"CoNLL-U file {self.path} does not exist")
+        if match not in ("auto", "key", "order"):
+            raise UserError(f"match must be auto, key or order, not {match!r}")
+        self.check_text = check_text
+        self.blocks = self._index()
+        if not self.blocks:
+            raise UserError(f"{self.path} holds no CoNLL-U sentences")
+        with_ids = sum(1 for b in self.blocks if b.sent_id is not None)
+        if match == "auto":
+            if with_ids == len(self.blocks):
+                match = "key"
+            elif with_ids == 0:
+                match = "order"
+            else:
+                raise UserError(f"{self.path}: {with_ids} of {len(self.blocks)} sentences have '# sent_id'; "
+                                "give every sentence one (<image id>#<caption index>) or none (manifest order)")
+        if match == "key" and with_ids < len(self.blocks):
+            raise UserError(f"{self.path}: {len(self.blocks) - with_ids} sentences have no '# sent_id' "
+                            "(needed to match by key)")
+        self.match = match
+        self.by_key: dict[str, int] = {}
+        if match == "key":
+            for i, block in enumerate(self.blocks):
+                if block.sent_id in self.by_key:
+                    raise UserError(f"{self.path}: sent_id {block.sent_id!r} occurs twice")
+                self.by_key[block.sent_id] = i
+
+    def _index(self) -> list[_Block]:
+        blocks: list[_Block] = []
+        start, sent_id, text, has_rows = None, None, None, False
+        offset = 0
+        with open(self.path, "rb") as handle:
+            for raw in handle:
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if not line.strip():
+                    if start is not None and has_rows:
+                        blocks.append(_Block(start, offset - start, sent_id, text))
+                    start, sent_id, text, has_rows = None, None, None, False
+                else:
+                    if start is None:
+                        start = offset
+                    if line.startswith("#"):
+                        body = line[1:].strip()
+                        if body.startswith("sent_id") and "=" in body:
+                            sent_id = body.split("=", 1)[1].strip()
+                        elif body.startswith("text") and "=" in body and body.split("=", 1)[0].strip() == "text":
+                            text = body.split("=", 1)[1].strip()
+                    else:
+                        has_rows = True
+                offset += len(raw)
+        if start is not None and has_rows:
+            blocks.append(_Block(start, offset - start, sent_id, text))
+        return blocks
+
+    def describe(self) -> str:
+        return f"conllu:{self.path.name} (matched by {self.match})"
+
+    def check_count(self, num_captions: int) -> None:
+        """Order matching needs exactly one sentence per caption; say so otherwise."""
+        if self.match == "order" and len(self.blocks) != num_captions:
+            raise UserError(f"{self.path} has {len(self.blocks)} sentences and no sent_id; matching by order "
+                            f"needs one per caption, the manifest has {num_captions}")
+
+    def unmatched_keys(self, keys: set[str]) -> list[str]:
+        """sent_ids in the file that are not caption keys of the manifest (reported, not parsed)."""
+        if self.match != "key":
+            return []
+        return [k for k in self.by_key if k not in keys]
+
+    def _block_for(self, item: CaptionItem) -> tuple[_Block | None, str | None]:
+        if self.match == "key":
+            i = self.by_key.get(item.key)
+            if i is None:
+                return None, f"no sentence with sent_id {item.key} in {self.path.name}"
+            return self.blocks[i], None
+        if item.index >= len(self.blocks):
+            return None, f"{self.path.name} has only {len(self.blocks)} sentences (caption {item.index})"
+        return self.blocks[item.index], None
+
+    def _read(self, handle, block: _Block) -> str:
+        handle.seek(block.offset)
+        return handle.read(block.length).decode("utf-8", errors="replace").rstrip("\n") + "\n\n"
+
+    def parse(self, items: Sequence[CaptionItem]) -> list[ParseOutcome]:
+        outcomes = [ParseOutcome(item.key) for item in items]
+        todo: list[tuple[int, str]] = []
+        with open(self.path, "rb") as handle:
+            for i, item in enumerate(items):
+                block, error = self._block_for(item)
+                if block is None:
+                    outcomes[i].error = error
+                    continue
+                if self.check_text and block.text is not None \
+                        and normalize_caption(block.text) != normalize_caption(item.text):
+                    outcomes[i].error = (f"CoNLL-U sentence {block.sent_id or item.index} reads "
+                                         f"{block.text!r}, the caption is {item.text!r}")
+                    continue
+                todo.append((i, self._read(handle, block)))
+        if not todo:
+            return outcomes
+        try:
+            sentences = _conll_to_sentences("".join(text for _, text in todo))
+            if len(sentences) != len(todo):
+                raise ValueError(f"read {len(sentences)} sentences from {len(todo)} blocks")
+        except Exception:  # isolate the broken block(s): read one at a time
+            sentences = []
+            for i, text in todo:
+                try:
+                    found = _conll_to_sentences(text)
+                    sentences.append(found[0] if len(found) == 1 else ValueError(f"{len(found)} sentences"))
+                except Exception as exc:  # noqa: BLE001 — recorded as this caption's failure
+                    sentences.append(exc)
+        for (i, _), sentence in zip(todo, sentences):
+            if isinstance(sentence, Exception):
+                outcomes[i].error = f"unreadable CoNLL-U ({type(sentence).__name__}: {sentence})"
+            else:
+                if self.check_text and sentence.text is None and items[i].text:
+                    words = " ".join(w.text for w in sentence.words)
+                    if normalize_caption(words) != normalize_caption(items[i].text):
+                        outcomes[i].error = (f"CoNLL-U sentence {items[i].key} has words {words!r}, "
+                                             f"the caption is {items[i].text!r}")
+                        continue
+                outcomes[i].sentence = sentence
+        return outcomes
+
+    def find_text(self, text: str) -> Any | None:
+        """The first sentence whose text matches ``text`` (after :func:`normalize_caption`), or ``None``."""
+        wanted = normalize_caption(text)
+        with open(self.path, "rb") as handle:
+            for block in self.blocks:
+                raw = self._read(handle, block)
+                if block.text is not None:
+                    if normalize_caption(block.text) == wanted:
+                        return _conll_to_sentences(raw)[0]
+                    continue
+                sentence = _conll_to_sentences(raw)[0]
+                if normalize_caption(" ".join(w.text for w in sentence.words)) == wanted:
+                    return sentence
+        return None
+
+    def find_key(self, key: str) -> Any | None:
+        i = self.by_key.get(key)
+        if i is None:
+            return None
+        with open(self.path, "rb") as handle:
+            return _conll_to_sentences(self._read(handle, self.blocks[i]))[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stanza
+
+def stanza_model_dir(model_dir: str | os.PathLike | None = None) -> tuple[Path, str]:
+    """The model folder to use and where the choice came from (``--stanza-dir``, the env, stanza's default)."""
+    if model_dir is not None:
+        return Path(model_dir), "--stanza-dir"
+    env = os.environ.get("STANZA_RESOURCES_DIR")
+    if env:
+        return Path(env), "STANZA_RESOURCES_DIR"
+    from stanza.resources.common import DEFAULT_MODEL_DIR
+
+    return Path(DEFAULT_MODEL_DIR), "stanza's default folder"
+
+
+def _how_to_fetch(folder: Path) -> str:
+    return (f"on a machine with internet access run `retr-pipeline fetch-parser-models {folder}` (it calls "
+            f"stanza.download('en', model_dir=…, processors='{STANZA_PROCESSORS}')), copy the folder here and "
+            f"pass --stanza-dir {folder} (or set STANZA_RESOURCES_DIR), or give parses with --conllu FILE")
+
+
+def missing_models_error(folder: Path, source: str) -> MissingResourceError:
+    return MissingResourceError("stanza English models (tokenize, pos, lemma, depparse, constituency)",
+                                f"{folder} ({source})", _how_to_fetch(folder))
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` → ``cuda`` when available, else ``cpu``; ``cpu``/``cuda``/``cuda:N`` pass through."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not device.startswith("cuda"):
+        raise UserError(f"device must be auto, cpu, cuda or cuda:N, not {device!r}")
+    return device
+
+
+class StanzaBackend(ParserBackend):
+    """A stanza English pipeline from a local folder.
+
+    Args:
+        model_dir: the folder holding ``resources.json`` and ``en/…``; ``None`` → ``$STANZA_RESOURCES_DIR`` →
+            stanza's default folder.
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        constituency: also run the constituency parser (DESIGN's processor list; the tree rules read only
+            dependencies, so ``False`` saves time).
+        pipeline: an already built callable ``text → stanza.Document`` (tests, or a custom pipeline); skips
+            the model-folder check.
+    """
+
+    name = "stanza"
+
+    def __init__(self, model_dir: str | os.PathLike | None = None, device: str = "auto",
+                 constituency: bool = True, pipeline: Callable[[str], Any] | None = None):
+        self.processors = STANZA_PROCESSORS if constituency else STANZA_PROCESSORS_NO_CONSTITUENCY
+        self.device = resolve_device(device)
+        self.folder, source = stanza_model_dir(model_dir)
+        if pipeline is None:
+            pipeline = self._load(source)
+        self.pipeline = pipeline
+
+    def _load(self, source: str) -> Callable[[str], Any]:
+        folder = self.folder
+        if not (folder / "resources.json").is_file() or not (folder / STANZA_LANGUAGE).is_dir():
+            raise missing_models_error(folder, source)
+        import stanza
+
+        try:
+            return stanza.Pipeline(STANZA_LANGUAGE, dir=str(folder), processors=self.processors,
+                                   download_method=None, tokenize_no_ssplit=True,
+                                   use_gpu=self.device.startswith("cuda"), device=self.device,
+                                   logging_level="WARN")
+        except (FileNotFoundError, KeyError, ValueError) as exc:
+            raise MissingResourceError(
+                f"a stanza model file ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})",
+                f"{folder} ({source})", _how_to_fetch(folder)) from None
+        except Exception as exc:  # stanza's own ResourcesFileNotFoundError, UnsupportedProcessorError, …
+            if "resource" in type(exc).__name__.lower() or "download" in str(exc).lower():
+                raise missing_models_error(folder, source) from None
+            raise UserError(f"could not load stanza from {folder}: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:200]}") from None
+
+    def describe(self) -> str:
+        return f"stanza {self.processors} from {self.folder}"
+
+    def _run(self, texts: Sequence[str]) -> list[Any]:
+        return list(self.pipeline("\n\n".join(texts)).sentences)
+
+    def parse(self, items: Sequence[CaptionItem]) -> list[ParseOutcome]:
+        outcomes = [ParseOutcome(item.key) for item in items]
+        texts = [" ".join(item.text.split()) for item in items]
+        try:
+            sentences = self._run(texts)
+        except Exception:  # noqa: BLE001 — retried one caption at a time below
+            sentences = None
+        if sentences is not None and len(sentences) == len(items):
+            for outcome, sentence in zip(outcomes, sentences):
+                outcome.sentence = sentence
+            return outcomes
+        for outcome, text in zip(outcomes, texts):
+            if not text:
+                outcome.error = "empty caption"
+                continue
+            try:
+                found = self._run([text])
+            except Exception as exc:  # noqa: BLE001 — recorded as this caption's failure
+                outcome.error = f"stanza failed ({type(exc).__name__}: {str(exc)[:200]})"
+                continue
+            if len(found) != 1:
+                outcome.error = f"stanza read {len(found)} sentences in this caption"
+            else:
+                outcome.sentence = found[0]
+        return outcomes
+
+
+def fetch_parser_models(model_dir: str | os.PathLike, constituency: bool = True) -> Path:
+    """Download stanza's English models into ``model_dir`` (needs internet; for connected machines)."""
+    import stanza
+
+    folder = Path(model_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    processors = STANZA_PROCESSORS if constituency else STANZA_PROCESSORS_NO_CONSTITUENCY
+    try:
+        stanza.download(STANZA_LANGUAGE, model_dir=str(folder), package=STANZA_PACKAGE, processors=processors)
+    except Exception as exc:  # noqa: BLE001 — network and server errors come in many types
+        raise UserError(f"could not download stanza models into {folder} ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:160] if str(exc) else 'no detail'}); run this command on a "
+                        "machine with internet access and copy the folder here") from None
+    return folder

@@ -1,0 +1,482 @@
+"""From one dependency-parsed caption to SMFEA's shared referral tree ``[E1 R2 E3 R4 E5 R6 E7]``.
+
+The tree (SMFEA §3.2.1, DESIGN "Referral trees") is a fixed three-layer binary tree read in in-order::
+
+                 R4                      main predicate
+            /          \\
+          R2            R6               relation modifying the subject / the object
+         /  \\          /  \\
+       E1    E3      E5    E7            E1 subject, E3 R2's noun, E5 object, E7 R6's noun
+
+Entity slots (even positions 0, 2, 4, 6) hold nouns; relation slots (1, 3, 5) hold a verb, ``verb_PREP``, a
+preposition or a conjunction. The paper fixes the shape but not the rules that fill it; these are the
+project's own, deterministic, and read only the dependency layer (UD v2, as stanza's English EWT models
+produce it). The constituency layer, when present, is not needed by any rule.
+
+Labels
+------
+* Words are lower-cased lemmas (``dogs`` → ``dog``, ``sits`` → ``sit``); a missing lemma (``_`` in CoNLL-U)
+  falls back to WordNet's lemmatizer when NLTK's WordNet data is installed, else to the lower-cased form.
+* An entity slot holds *candidates*, most specific first: the compound noun (``tennis_racket``, modifiers
+  as written, head as lemma), the adjective–noun pair (the ``amod`` adjective nearest the noun, e.g.
+  ``a small red circle`` → ``red_circle``), then the noun lemma (``circle``). The dictionary decides: the
+  first candidate it knows is the slot's id. An empty candidate list is ``null``. Only nouns (``NOUN``,
+  ``PROPN``) are entities; pronouns and numbers are ``null``.
+* A relation slot holds one label: a verb lemma (``ride``), a verb with particle (``pick_up``), a verb that
+  takes a prepositional complement (``run_PREP`` — the paper's Figure 4 spelling, default — or, with
+  ``verb_prep="word"``, ``run_on``), a preposition (``on``), a multi-word preposition (``next_to`` from a
+  ``fixed`` expression; ``to_left_of``, ``in_front_of``, ``on_top_of`` from a :data:`RELATIONAL_NOUNS` noun
+  between a preposition and ``of``), a conjunction (``and``), ``be`` for a copula with a noun predicate.
+
+Rules, in the order they are applied
+------------------------------------
+1. **Framing and quantity nouns are transparent.** ``an image of X``, ``a group of X``, ``two of the X``:
+   a :data:`FRAME_NOUNS` / :data:`QUANTITY_NOUNS` noun, or a number, with an ``of`` dependent stands for
+   that dependent (recursively).
+2. **Main predicate (R4) and object (E5)**, from the root:
+   * *Verb root*: subject = ``nsubj`` / ``nsubj:pass`` (passives keep the surface subject; the agent
+     ``by X`` is a prepositional complement like any other). With an ``obj``: R4 = verb, E5 = object. Else with
+     a prepositional complement (``obl`` with a ``case`` word, ``obl:agent``): R4 = ``verb_PREP``, E5 = its
+     noun. Else R4 = verb, E5 = ``null``. A verb with neither but an ``xcomp`` verb
+     (``tries to catch a frisbee``) takes the ``xcomp``'s predicate. Temporal/bare ``obl:tmod``/
+     ``obl:npmod`` are not complements.
+   * *Copula* (root with a ``cop`` child): a prepositional predicate (``is on the grass``) gives R4 = the
+     preposition, E5 = its noun; a noun predicate (``is a chef``) gives R4 = ``be``, E5 = the noun; an
+     adjective with a prepositional complement (``is full of food``) is treated like a verb (``full_PREP``);
+     a bare adjective (``is black``) leaves R4 ``null`` and becomes the subject's adjective when the subject
+     has none (``black_cat``).
+   * *Existential* (``there is/are``, a root with an ``expl`` child): subject = the ``nsubj``; the predicate
+     is the root's first prepositional complement, else the subject's own first modifier is promoted as in
+     a verbless caption. So ``there is a cat on a bed`` ≡ ``a cat is on a bed`` ≡ ``a cat on a bed``.
+   * *Verbless caption* (a noun root without ``cop``): subject = the root; its first clausal modifier
+     (``acl``, ``acl:relcl``: ``a man riding a horse``, ``a circle that is above a star``), else its first
+     prepositional ``nmod``, is promoted to the main predicate (R4, E5). If the root has none, its noun
+     conjuncts are searched the same way.
+3. **Modifier of a noun** (gives R2/E3 for the subject, R6/E7 for the object), the first in word order of:
+   a prepositional ``nmod`` (R = preposition, E = its noun; possessives ``nmod:poss`` are ignored), a clausal
+   modifier ``acl``/``acl:relcl`` (R, E = that clause's predicate and object by rule 2), a noun conjunct
+   ``conj`` (R = its ``cc`` word, default ``and``; E = the conjunct). A modifier promoted to R4 is not reused.
+4. **Right subtree fallback**: when the object has no modifier, R6/E7 is the predicate's next prepositional
+   complement (``throws a frisbee in the park`` → R6 ``in``, E7 ``park``).
+5. Anything not placed by these rules is dropped; a slot left empty is ``null`` (id 0 in the dictionaries),
+   a label the dictionaries do not know is ``unknown`` (id 1). Numerals (``nummod``), determiners, adverbs,
+   punctuation, conjoined second predicates and possessives never fill a slot.
+
+Worked examples (verified in ``tests/test_referral_trees.py`` with their CoNLL-U parses)::
+
+    a dog runs on the grass near a fence
+        → [dog null null run_PREP grass near fence]
+    a man in a red shirt is riding a bike down the street
+        → [man in red_shirt ride bike down street]
+    there are two dogs playing with a frisbee
+        → [dog null null play_PREP frisbee null null]
+    a small red circle is placed below a large blue square
+        → [red_circle null null place_PREP blue_square null null]
+    an image of a cat that is sitting on a couch
+        → [cat null null sit_PREP couch null null]
+    a man and a woman sitting on a bench next to a dog
+        → [man and woman sit_PREP bench next_to dog]
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import nltk
+
+#: Slot names in in-order traversal; even positions are entities, odd positions relations.
+SLOT_NAMES = ("E1", "R2", "E3", "R4", "E5", "R6", "E7")
+ENTITY_SLOTS = (0, 2, 4, 6)
+RELATION_SLOTS = (1, 3, 5)
+NULL_LABEL = "null"
+
+#: Nouns that only frame the picture: ``an image of X`` stands for X.
+FRAME_NOUNS = frozenset({"image", "picture", "photo", "photograph", "view", "shot", "snapshot", "closeup",
+                         "close-up", "scene", "depiction", "drawing", "painting"})
+#: Nouns that only count or group: ``a group of X`` stands for X.
+QUANTITY_NOUNS = frozenset({"group", "couple", "pair", "bunch", "herd", "flock", "pack", "number", "lot",
+                            "lots", "crowd", "variety", "collection", "set", "pile", "stack", "row", "line",
+                            "few", "several", "team", "handful", "dozen", "assortment", "array", "litter"})
+#: Nouns that form a multi-word preposition between a preposition and ``of``: ``to the left of``.
+RELATIONAL_NOUNS = frozenset({"left", "right", "front", "top", "middle", "side", "back", "edge", "bottom",
+                              "center", "centre", "end", "corner", "rear", "inside", "outside", "underside",
+                              "base", "foot", "head"})
+#: Adjectives that quantify or compare rather than describe; never paired with a noun.
+NON_DESCRIPTIVE_ADJECTIVES = frozenset({"other", "many", "several", "few", "various", "different", "same",
+                                        "more", "most", "such", "much", "own", "certain", "numerous",
+                                        "multiple", "single", "next", "last", "first"})
+NOMINAL_UPOS = frozenset({"NOUN", "PROPN"})
+VERB_PREP_STYLES = ("placeholder", "word")
+
+
+@dataclass(frozen=True)
+class TreeRules:
+    """Options of the tree builder.
+
+    Attributes:
+        verb_prep: how a verb with a prepositional complement is written. ``"placeholder"`` (default) follows
+            the paper's Figure 4 (``run_PREP``: the preposition itself is not part of the label, which keeps
+            the relation dictionary small); ``"word"`` keeps it (``run_on``, ``sit_to_left_of``).
+    """
+
+    verb_prep: str = "placeholder"
+
+    def __post_init__(self) -> None:
+        if self.verb_prep not in VERB_PREP_STYLES:
+            raise ValueError(f"verb_prep must be one of {', '.join(VERB_PREP_STYLES)}, not {self.verb_prep!r}")
+
+    def to_json(self) -> str:
+        return json.dumps({"verb_prep": self.verb_prep}, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class ReferralTree:
+    """Seven slots in in-order ``[E1 R2 E3 R4 E5 R6 E7]``, each a tuple of candidate labels.
+
+    Entity slots list candidates most specific first (``("red_circle", "circle")``); relation slots hold at
+    most one label. An empty tuple is ``null``.
+    """
+
+    slots: tuple[tuple[str, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.slots) != 7:
+            raise ValueError(f"a referral tree has 7 slots, got {len(self.slots)}")
+
+    @classmethod
+    def empty(cls) -> "ReferralTree":
+        return cls(((),) * 7)
+
+    def labels(self) -> list[str]:
+        """The most specific label of each slot (``null`` for empty slots): 7 strings."""
+        return [slot[0] if slot else NULL_LABEL for slot in self.slots]
+
+    def to_json(self) -> str:
+        """Compact JSON (a list of 7 candidate lists) — the form parse shards store."""
+        return json.dumps([list(slot) for slot in self.slots], separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ReferralTree":
+        return cls(tuple(tuple(str(label) for label in slot) for slot in json.loads(text)))
+
+    def to_nltk(self, labels: Sequence[str] | None = None) -> nltk.Tree:
+        """``(R4 (R2 E1 E3) (R6 E5 E7))`` as an :class:`nltk.Tree` (``labels`` overrides the 7 names)."""
+        return slots_to_nltk(labels if labels is not None else self.labels())
+
+    def bracketed(self, labels: Sequence[str] | None = None) -> str:
+        """One-line bracketed form, e.g. ``(run_PREP (null dog null) (near grass fence))``."""
+        return self.to_nltk(labels).pformat(margin=10**6)
+
+    def __str__(self) -> str:
+        return "[" + " ".join(self.labels()) + "]"
+
+
+def slots_to_nltk(labels: Sequence[str]) -> nltk.Tree:
+    """Seven in-order labels → ``nltk.Tree`` ``(R4 (R2 E1 E3) (R6 E5 E7))``."""
+    if len(labels) != 7:
+        raise ValueError(f"expected 7 labels, got {len(labels)}")
+    e1, r2, e3, r4, e5, r6, e7 = (str(label) for label in labels)
+    return nltk.Tree(r4, [nltk.Tree(r2, [e1, e3]), nltk.Tree(r6, [e5, e7])])
+
+
+def nltk_to_slots(tree: nltk.Tree) -> list[str]:
+    """Inverse of :func:`slots_to_nltk`: the 7 in-order labels of a bracketed referral tree."""
+    left, right = tree[0], tree[1]
+    return [left[0], left.label(), left[1], tree.label(), right[0], right.label(), right[1]]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Lemma fallback
+
+@functools.lru_cache(maxsize=1)
+def _wordnet_lemmatizer():
+    """NLTK's WordNet lemmatizer if its data is installed here, else ``None`` (never downloaded)."""
+    try:
+        from nltk.corpus import wordnet
+        from nltk.stem import WordNetLemmatizer
+
+        wordnet.ensure_loaded()
+        return WordNetLemmatizer()
+    except LookupError:
+        return None
+
+
+def fallback_lemma(form: str, upos: str) -> str:
+    """Lemma of a word whose parse has none: WordNet (if installed) by part of speech, else the lower-cased form."""
+    form = form.lower()
+    lemmatizer = _wordnet_lemmatizer()
+    if lemmatizer is None:
+        return form
+    pos = {"NOUN": "n", "PROPN": "n", "VERB": "v", "AUX": "v", "ADJ": "a", "ADV": "r"}.get(upos)
+    return lemmatizer.lemmatize(form, pos) if pos else form
+
+
+# --------------------------------------------------------------------------------------------------------
+# A dependency view of one sentence
+
+@dataclass(frozen=True)
+class _Word:
+    id: int
+    form: str
+    lemma: str
+    upos: str
+    xpos: str
+    feats: str
+    head: int
+    deprel: str
+
+
+class DependencySentence:
+    """Index over one parsed sentence: words by id, children by head, in word order.
+
+    Built from anything with ``.words`` whose items have ``id``, ``text``, ``lemma``, ``upos``, ``xpos``,
+    ``feats``, ``head``, ``deprel`` (a stanza ``Sentence``). Multi-word tokens use their syntactic words.
+    """
+
+    def __init__(self, sentence: Any):
+        words = []
+        for w in sentence.words:
+            upos = w.upos or "X"
+            lemma = w.lemma if w.lemma not in (None, "", "_") else fallback_lemma(w.text, upos)
+            words.append(_Word(int(w.id), w.text, lemma.lower(), upos, w.xpos or "_", w.feats or "_",
+                               int(w.head) if w.head is not None else -1, (w.deprel or "dep").lower()))
+        if not words:
+            raise ValueError("the sentence has no words")
+        self.words = {w.id: w for w in words}
+        self.children: dict[int, list[_Word]] = {}
+        for w in words:
+            self.children.setdefault(w.head, []).append(w)
+        roots = self.children.get(0, [])
+        if not roots:
+            raise ValueError("the parse has no root (no word with head 0)")
+        self.root = roots[0]
+
+    def kids(self, word: _Word, *deprels: str) -> list[_Word]:
+        """Children of ``word`` whose relation is one of ``deprels`` (a name without ``:`` matches every
+        subtype, e.g. ``obl`` matches ``obl:agent``; a full name matches only itself)."""
+        found = []
+        for child in self.children.get(word.id, []):
+            base = child.deprel.split(":")[0]
+            if any(child.deprel == d or (":" not in d and base == d) for d in deprels):
+                found.append(child)
+        return found
+
+
+def _is_relative_pronoun(word: _Word) -> bool:
+    return word.xpos in ("WDT", "WP", "WP$") or "PronType=Rel" in word.feats
+
+
+# --------------------------------------------------------------------------------------------------------
+# The builder
+
+@dataclass(frozen=True)
+class _Predicate:
+    relation: str | None
+    obj: _Word | None
+    rest: tuple[tuple[str, _Word], ...] = ()
+    subject: _Word | None = None
+    predicative_adjective: str | None = None
+    promoted_from_subject: _Word | None = None  # the subject modifier used as the predicate (not reused)
+
+
+class TreeBuilder:
+    """Applies the rules of this module's docstring to one parsed sentence at a time."""
+
+    def __init__(self, rules: TreeRules | None = None):
+        self.rules = rules or TreeRules()
+
+    # -- public -------------------------------------------------------------------------------------
+    def build(self, sentence: Any) -> ReferralTree:
+        """The referral tree of one parsed sentence (a stanza ``Sentence`` or anything shaped like one)."""
+        s = DependencySentence(sentence)
+        root = s.root
+        if root.upos in NOMINAL_UPOS | {"NUM", "PRON"} and not s.kids(root, "cop"):
+            subject = self._resolve(s, root)
+            predicate = self._promote(s, subject) if subject is not None else _Predicate(None, None)
+            predicate = _Predicate(predicate.relation, predicate.obj, predicate.rest, subject,
+                                   promoted_from_subject=predicate.promoted_from_subject)
+        else:
+            predicate = self._clause(s, root)
+        subject = self._resolve(s, predicate.subject) if predicate.subject is not None else None
+
+        e1 = self._entity(s, subject, predicate.predicative_adjective) if subject is not None else ()
+        r2, e3 = self._modifier(s, subject, exclude=predicate.promoted_from_subject)
+        obj = self._resolve(s, predicate.obj) if predicate.obj is not None else None
+        e5 = self._entity(s, obj) if obj is not None else ()
+        r6, e7 = self._modifier(s, obj) if obj is not None else ((), ())
+        if not r6 and not e7 and predicate.rest:
+            label, noun = predicate.rest[0]
+            r6, e7 = (label,), self._entity(s, self._resolve(s, noun))
+        r4 = (predicate.relation,) if predicate.relation else ()
+        return ReferralTree((e1, r2, e3, r4, e5, r6, e7))
+
+    # -- nouns --------------------------------------------------------------------------------------
+    def _resolve(self, s: DependencySentence, word: _Word | None) -> _Word | None:
+        """Rule 1: skip framing/quantity nouns and numbers that have an ``of`` dependent."""
+        seen = set()
+        while word is not None and word.id not in seen:
+            seen.add(word.id)
+            transparent = word.upos == "NUM" or (word.upos in NOMINAL_UPOS
+                                                 and word.lemma in FRAME_NOUNS | QUANTITY_NOUNS)
+            if not transparent:
+                return word
+            inner = [n for n in s.kids(word, "nmod") if n.deprel != "nmod:poss"
+                     and any(c.lemma == "of" for c in s.kids(n, "case"))]
+            if not inner:
+                return word
+            word = inner[0]
+        return word
+
+    def _entity(self, s: DependencySentence, noun: _Word | None, predicative_adjective: str | None = None
+                ) -> tuple[str, ...]:
+        """Candidates of an entity slot: compound, adjective–noun, noun (most specific first)."""
+        if noun is None or noun.upos not in NOMINAL_UPOS:
+            return ()
+        head = noun.lemma
+        candidates = []
+        compounds = [c for c in s.kids(noun, "compound") if c.deprel == "compound" and c.id < noun.id
+                     and c.upos in NOMINAL_UPOS | {"ADJ"}]
+        if compounds:
+            candidates.append("_".join([c.form.lower() for c in compounds] + [head]))
+        adjectives = [a for a in s.kids(noun, "amod") if a.id < noun.id and a.upos in ("ADJ", "VERB")
+                      and a.lemma not in NON_DESCRIPTIVE_ADJECTIVES]
+        adjective = adjectives[-1].lemma if adjectives else predicative_adjective
+        if adjective:
+            candidates.append(f"{adjective}_{head}")
+        candidates.append(head)
+        return tuple(candidates)
+
+    # -- relations ----------------------------------------------------------------------------------
+    def _preposition(self, s: DependencySentence, dependent: _Word) -> tuple[str, _Word] | None:
+        """``(label, landmark)`` of a prepositional dependent, or ``None`` if it has no ``case`` word.
+
+        ``on the grass`` → ``("on", grass)``; ``next to a dog`` (``to`` fixed on ``next``) → ``("next_to",
+        dog)``; ``to the left of a star`` → ``("to_left_of", star)``.
+        """
+        words = []
+        for case in s.kids(dependent, "case"):
+            if case.xpos == "POS":  # possessive 's
+                continue
+            words.append("_".join([case.lemma] + [f.lemma for f in s.kids(case, "fixed")]))
+        if dependent.lemma in RELATIONAL_NOUNS and dependent.upos in NOMINAL_UPOS:
+            of_dependents = [n for n in s.kids(dependent, "nmod") if n.deprel != "nmod:poss"
+                             and any(c.lemma == "of" for c in s.kids(n, "case"))]
+            if of_dependents:
+                return "_".join(words + [dependent.lemma, "of"]), of_dependents[0]
+        if not words:
+            return None
+        return "_".join(words), dependent
+
+    def _complements(self, s: DependencySentence, head: _Word) -> list[tuple[str, _Word]]:
+        """Prepositional complements of a predicate (``obl`` with a case word, ``obl:agent``) in word order."""
+        found = []
+        for dependent in s.kids(head, "obl"):
+            if dependent.deprel in ("obl:tmod", "obl:npmod", "obl:unmarked"):
+                continue
+            prep = self._preposition(s, dependent)
+            if prep is not None:
+                found.append(prep)
+        return found
+
+    def _verb_label(self, s: DependencySentence, verb: _Word) -> str:
+        particles = [p.lemma for p in s.kids(verb, "compound:prt")]
+        return "_".join([verb.lemma] + particles)
+
+    def _with_preposition(self, verb_label: str, preposition: str) -> str:
+        if self.rules.verb_prep == "word":
+            return f"{verb_label}_{preposition}"
+        return f"{verb_label}_PREP"
+
+    def _clause(self, s: DependencySentence, head: _Word) -> _Predicate:
+        """Rule 2 for a clause headed by ``head`` (a root, a relative clause, a clausal modifier)."""
+        subjects = [w for w in s.kids(head, "nsubj") if not _is_relative_pronoun(w)]
+        subject = subjects[0] if subjects else None
+        if s.kids(head, "cop"):
+            return self._copular(s, head, subject)
+        if s.kids(head, "expl") and subject is not None:
+            complements = self._complements(s, head)
+            if complements:
+                (label, noun), rest = complements[0], tuple(complements[1:])
+                return _Predicate(label, noun, rest, subject)
+            promoted = self._promote(s, self._resolve(s, subject))
+            return _Predicate(promoted.relation, promoted.obj, promoted.rest, subject,
+                              promoted_from_subject=promoted.promoted_from_subject)
+        objects = s.kids(head, "obj") or s.kids(head, "iobj")
+        complements = self._complements(s, head)
+        if not objects and not complements:
+            xcomps = [x for x in s.kids(head, "xcomp") if x.upos == "VERB"]
+            if xcomps:
+                inner = self._clause(s, xcomps[0])
+                return _Predicate(inner.relation, inner.obj, inner.rest, subject)
+        verb = self._verb_label(s, head) if head.upos in ("VERB", "AUX") else head.lemma
+        if objects:
+            return _Predicate(verb, objects[0], tuple(complements), subject)
+        if complements:
+            (label, noun), rest = complements[0], tuple(complements[1:])
+            return _Predicate(self._with_preposition(verb, label), noun, rest, subject)
+        return _Predicate(verb, None, (), subject)
+
+    def _copular(self, s: DependencySentence, head: _Word, subject: _Word | None) -> _Predicate:
+        if head.upos == "ADJ":
+            complements = self._complements(s, head)
+            if complements:
+                (label, noun), rest = complements[0], tuple(complements[1:])
+                return _Predicate(self._with_preposition(head.lemma, label), noun, rest, subject)
+            return _Predicate(None, None, (), subject, predicative_adjective=head.lemma)
+        prep = self._preposition(s, head)
+        if prep is not None:
+            label, noun = prep
+            return _Predicate(label, noun, tuple(self._complements(s, head)), subject)
+        return _Predicate("be", head, tuple(self._complements(s, head)), subject)
+
+    def _promote(self, s: DependencySentence, noun: _Word | None) -> _Predicate:
+        """Verbless captions: the first clausal, else prepositional, modifier of ``noun`` (or of its
+        conjuncts) becomes the main predicate."""
+        if noun is None:
+            return _Predicate(None, None)
+        for candidate in [noun] + [c for c in s.kids(noun, "conj") if c.upos in NOMINAL_UPOS]:
+            clauses = s.kids(candidate, "acl")
+            if clauses:
+                inner = self._clause(s, clauses[0])
+                return _Predicate(inner.relation, inner.obj, inner.rest, promoted_from_subject=clauses[0])
+            for dependent in s.kids(candidate, "nmod"):
+                if dependent.deprel == "nmod:poss":
+                    continue
+                prep = self._preposition(s, dependent)
+                if prep is not None:
+                    return _Predicate(prep[0], prep[1], (), promoted_from_subject=dependent)
+        return _Predicate(None, None)
+
+    def _modifier(self, s: DependencySentence, noun: _Word | None, exclude: _Word | None = None
+                  ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Rule 3: ``(relation candidates, entity candidates)`` of the first modifier of ``noun``."""
+        if noun is None:
+            return (), ()
+        for child in s.children.get(noun.id, []):
+            if exclude is not None and child.id == exclude.id:
+                continue
+            base = child.deprel.split(":")[0]
+            if base == "nmod" and child.deprel != "nmod:poss":
+                prep = self._preposition(s, child)
+                if prep is not None:
+                    return (prep[0],), self._entity(s, self._resolve(s, prep[1]))
+            elif base == "acl":
+                inner = self._clause(s, child)
+                obj = self._resolve(s, inner.obj) if inner.obj is not None else None
+                return ((inner.relation,) if inner.relation else ()), self._entity(s, obj)
+            elif base == "conj" and child.upos in NOMINAL_UPOS:
+                ccs = s.kids(child, "cc")
+                return (ccs[0].lemma if ccs else "and",), self._entity(s, self._resolve(s, child))
+        return (), ()
+
+
+def build_tree(sentence: Any, rules: TreeRules | None = None) -> ReferralTree:
+    """The referral tree of one parsed sentence (see the module docstring for the rules)."""
+    return TreeBuilder(rules).build(sentence)
+
+
+def build_trees(sentences: Iterable[Any], rules: TreeRules | None = None) -> list[ReferralTree]:
+    builder = TreeBuilder(rules)
+    return [builder.build(sentence) for sentence in sentences]

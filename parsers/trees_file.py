@@ -1,0 +1,214 @@
+"""``trees.h5`` (the trees contract of DESIGN.md) and the parse shards it is merged from.
+
+``trees.h5``::
+
+    /caption_keys  [M]     utf-8   "<image id>#<caption index>", manifest order
+    /nodes         [M, 7]  int32   ids in slot order E1 R2 E3 R4 E5 R6 E7 (entity ids at 0, 2, 4, 6 index
+                                   ``entities``; relation ids at 1, 3, 5 index ``relations``)
+    /text          [M]     utf-8   bracketed tree ``(R4 (R2 E1 E3) (R6 E5 E7))``, what the ids stand for;
+                                   an ``unknown`` slot shows its word as ``unknown:<word>``
+    /candidates    [M]     utf-8   JSON, the 7 candidate lists the ids were chosen from (re-encoding)
+    /failures      [F, 2]  utf-8   (caption key, reason) of captions that got no tree (never rows)
+    attrs: format_version, kind="trees", entities, relations (JSON lists, position = id; null = 0,
+           unknown = 1), null_id, unknown_id, manifest_sha256, backend, rules, dictionaries_source,
+           created, retr_version, num_rows, complete
+
+A parse shard (``<out>.shards/shard-RRRRR-of-WWWWW.h5``) holds the same ``caption_keys``, ``candidates``,
+``failures`` for one contiguous range of captions (no ids: dictionaries are built once every shard exists).
+Both are written to ``<name>.partial`` and renamed when complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import h5py
+import numpy as np
+
+from retr.common.errors import UserError
+from retr.common.version import __version__
+from retr.parsers.dictionaries import NULL_ID, UNKNOWN_ID, Dictionaries
+
+FORMAT_VERSION = 1
+PARTIAL_SUFFIX = ".partial"
+_STR = h5py.string_dtype("utf-8")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _strings(values: Sequence[str]) -> np.ndarray:
+    return np.array(list(values), dtype=object)
+
+
+def _pairs(rows: Sequence[tuple[str, str]]) -> np.ndarray:
+    return np.array([list(r) for r in rows], dtype=object).reshape(len(rows), 2)
+
+
+def _decode(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _write_atomically(path: Path, fill) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    try:
+        with h5py.File(partial, "w") as f:
+            fill(f)
+            f.attrs["complete"] = True
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parse shards
+
+def parse_shard_name(index: int, count: int) -> str:
+    return f"shard-{index:05d}-of-{count:05d}.h5"
+
+
+@dataclass
+class ParseShard:
+    """One shard's parse results: ``candidates[i]`` is the JSON tree of ``keys[i]``."""
+
+    keys: list[str]
+    candidates: list[str]
+    failures: list[tuple[str, str]]
+    attrs: dict
+
+
+def write_parse_shard(path: str | os.PathLike, keys: Sequence[str], candidates: Sequence[str],
+                      failures: Sequence[tuple[str, str]], attrs: Mapping[str, object]) -> Path:
+    """Write one shard atomically (``attrs`` must identify the run: manifest hash, backend, rules, range)."""
+    if len(keys) != len(candidates):
+        raise ValueError("keys and candidates differ in length")
+
+    def fill(f: h5py.File) -> None:
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        f.attrs.update({"format_version": FORMAT_VERSION, "kind": "tree-parse-shard", "created": _now(),
+                        "retr_version": __version__, "num_rows": len(keys)})
+        f.create_dataset("caption_keys", data=_strings(keys), dtype=_STR)
+        f.create_dataset("candidates", data=_strings(candidates), dtype=_STR)
+        f.create_dataset("failures", data=_pairs(failures), dtype=_STR, maxshape=(None, 2))
+
+    return _write_atomically(Path(path), fill)
+
+
+def read_parse_shard(path: str | os.PathLike) -> ParseShard | None:
+    """A complete shard, or ``None`` if the file is absent, unreadable or unfinished."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        with h5py.File(path, "r") as f:
+            if not f.attrs.get("complete", False):
+                return None
+            return ParseShard([_decode(v) for v in f["caption_keys"][:]],
+                              [_decode(v) for v in f["candidates"][:]],
+                              [(_decode(a), _decode(b)) for a, b in f["failures"][:]],
+                              {k: (_decode(v) if isinstance(v, bytes) else v) for k, v in f.attrs.items()})
+    except (OSError, KeyError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# trees.h5
+
+def write_trees(path: str | os.PathLike, keys: Sequence[str], nodes: np.ndarray, text: Sequence[str],
+                candidates: Sequence[str], failures: Sequence[tuple[str, str]], dictionaries: Dictionaries,
+                attrs: Mapping[str, object]) -> Path:
+    """Write ``trees.h5`` atomically. ``nodes`` is ``[M, 7]`` int; ``attrs`` adds provenance
+    (``manifest_sha256``, ``backend``, ``rules``, ``dictionaries_source``)."""
+    nodes = np.asarray(nodes, dtype=np.int32).reshape(len(keys), 7)
+    if not (len(keys) == len(text) == len(candidates)):
+        raise ValueError("keys, text and candidates differ in length")
+    if len(set(keys)) != len(keys):
+        raise UserError(f"duplicate caption keys while writing {path}")
+
+    def fill(f: h5py.File) -> None:
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        f.attrs.update({"format_version": FORMAT_VERSION, "kind": "trees", "created": _now(),
+                        "retr_version": __version__, "num_rows": len(keys),
+                        "entities": json.dumps(dictionaries.entities, ensure_ascii=False),
+                        "relations": json.dumps(dictionaries.relations, ensure_ascii=False),
+                        "null_id": NULL_ID, "unknown_id": UNKNOWN_ID,
+                        "slot_order": "E1 R2 E3 R4 E5 R6 E7"})
+        f.create_dataset("caption_keys", data=_strings(keys), dtype=_STR)
+        f.create_dataset("nodes", data=nodes, dtype=np.int32)
+        f.create_dataset("text", data=_strings(text), dtype=_STR)
+        f.create_dataset("candidates", data=_strings(candidates), dtype=_STR)
+        f.create_dataset("failures", data=_pairs(failures), dtype=_STR, maxshape=(None, 2))
+
+    return _write_atomically(Path(path), fill)
+
+
+class TreeSet:
+    """A ``trees.h5`` read into memory (a trees file is small: 616K COCO captions ≈ 17 MB of ids).
+
+    Attributes:
+        keys: ``[M]`` caption keys. nodes: ``[M, 7]`` int32. text: ``[M]`` bracketed trees.
+        entities, relations: the dictionaries (position = id). failures: ``[(key, reason)]``. attrs: root
+        attributes.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"trees file {self.path} does not exist")
+        try:
+            f = h5py.File(self.path, "r")
+        except OSError as exc:
+            raise UserError(f"{self.path} is not a readable HDF5 file ({exc})") from None
+        with f:
+            if f.attrs.get("kind") != "trees" or "nodes" not in f:
+                raise UserError(f"{self.path} is not a trees file (kind {f.attrs.get('kind')!r})")
+            if not f.attrs.get("complete", False):
+                raise UserError(f"{self.path} is incomplete (its writer did not finish); re-run parse-trees")
+            self.attrs = {k: (_decode(v) if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+            self.keys = [_decode(v) for v in f["caption_keys"][:]]
+            self.nodes = f["nodes"][:].astype(np.int32)
+            self.text = [_decode(v) for v in f["text"][:]]
+            self.failures = [(_decode(a), _decode(b)) for a, b in f["failures"][:]]
+        self.entities = json.loads(self.attrs["entities"])
+        self.relations = json.loads(self.attrs["relations"])
+        self._rows = {key: i for i, key in enumerate(self.keys)}
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._rows
+
+    def nodes_for(self, keys: Sequence[str], missing: str = "error") -> np.ndarray:
+        """``[len(keys), 7]`` int32 node ids of ``keys``; a key without a tree raises (``missing="error"``)
+        or gets an all-``null`` row (``missing="null"``)."""
+        if missing not in ("error", "null"):
+            raise ValueError("missing must be 'error' or 'null'")
+        out = np.full((len(keys), 7), NULL_ID, dtype=np.int32)
+        for i, key in enumerate(keys):
+            row = self._rows.get(key)
+            if row is not None:
+                out[i] = self.nodes[row]
+            elif missing == "error":
+                raise UserError(f"no tree for caption {key!r} in {self.path}")
+        return out
+
+    def labels(self, row: int) -> list[str]:
+        """The 7 dictionary labels of one row."""
+        return [(self.entities if i % 2 == 0 else self.relations)[int(n)] for i, n in enumerate(self.nodes[row])]
+
+
+def read_trees(path: str | os.PathLike) -> tuple[list[str], np.ndarray, list[str], list[str]]:
+    """``(caption_keys [M], nodes [M, 7] int32, entities, relations)`` of a ``trees.h5``."""
+    trees = TreeSet(path)
+    return trees.keys, trees.nodes, trees.entities, trees.relations

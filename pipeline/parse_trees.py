@@ -1,0 +1,316 @@
+"""The referral-tree stage: ``parse-trees``, ``show-tree`` and ``fetch-parser-models``.
+
+``parse-trees`` works in two steps:
+
+1. **Parse** (the slow part with stanza): the manifest's captions, in manifest order, are cut into shards of
+   ``--shard-size`` consecutive captions. Each shard is parsed in batches, every caption's referral tree is
+   built (:mod:`retr.parsers.referral_tree`), and the shard — caption keys, the 7 candidate lists of each
+   tree, failures — is written atomically to ``<out>.shards/shard-RRRRR-of-WWWWW.h5``. A re-run skips the
+   shards that are complete, so an interrupted run resumes; a shard made from another manifest, backend kind,
+   rule set or shard size is refused (delete the folder to start over).
+2. **Encode**: once every shard exists, the dictionaries are built from the training captions'
+   (``train`` + ``restval``) trees — or read from ``--dictionaries`` — and ``<out>`` (``trees.h5``) is
+   written atomically with the ids. The shards stay as the parse cache: running again with other
+   dictionaries or sizes re-encodes without re-parsing.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import click
+import numpy as np
+
+from retr.common.cli import progress, quiet_option
+from retr.common.errors import UserError
+from retr.manifests.schema import ManifestRecord, manifest_sha256, read_manifest
+from retr.parsers.backends import (CaptionItem, ConlluBackend, ParserBackend, StanzaBackend,
+                                   fetch_parser_models)
+from retr.parsers.dictionaries import (DEFAULT_NUM_ENTITIES, DEFAULT_NUM_RELATIONS, NULL_ID, UNKNOWN_ID,
+                                       Dictionaries, build_dictionaries, load_dictionaries)
+from retr.parsers.referral_tree import (VERB_PREP_STYLES, ReferralTree, TreeBuilder, TreeRules)
+from retr.parsers.trees_file import parse_shard_name, read_parse_shard, write_parse_shard, write_trees
+
+DEFAULT_SHARD_SIZE = 5000
+DEFAULT_BATCH_SIZE = 64
+DICTIONARY_SPLITS = ("train", "restval")
+#: Shard attributes that must match the current run for a finished shard to be reused.
+_IDENTITY = ("manifest_sha256", "backend_kind", "rules", "shard_index", "num_shards", "first_caption",
+             "stop_caption")
+
+
+@dataclass
+class ParseTreesSummary:
+    out: Path
+    captions: int
+    trees: int
+    failures: list[tuple[str, str]]
+    shards_parsed: int
+    shards_reused: int
+    num_entities: int
+    num_relations: int
+    entity_known: float  # share of non-null entity slots with a dictionary id (not unknown)
+    relation_known: float
+    unmatched_parses: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        lines = [f"wrote {self.trees} trees for {self.captions} captions to {self.out} "
+                 f"({len(self.failures)} failures; shards parsed {self.shards_parsed}, reused {self.shards_reused})",
+                 f"dictionaries: {self.num_entities} entities, {self.num_relations} relations "
+                 f"(null = {NULL_ID}, unknown = {UNKNOWN_ID}); known slots: entities {100 * self.entity_known:.1f}%, "
+                 f"relations {100 * self.relation_known:.1f}%"]
+        for key, reason in self.failures[:5]:
+            lines.append(f"  failed {key}: {reason}")
+        if len(self.failures) > 5:
+            lines.append(f"  … {len(self.failures) - 5} more failures (listed in {self.out.name}:/failures)")
+        if self.unmatched_parses:
+            lines.append(f"note: {len(self.unmatched_parses)} CoNLL-U sentences match no manifest caption "
+                         f"(e.g. {self.unmatched_parses[0]})")
+        return lines
+
+
+def caption_items(records: Sequence[ManifestRecord]) -> tuple[list[CaptionItem], list[str]]:
+    """Every caption of the manifest in order, with the split of its image."""
+    items, splits = [], []
+    for record in records:
+        for k, text in enumerate(record.captions):
+            items.append(CaptionItem(len(items), record.caption_key(k), text))
+            splits.append(record.split)
+    return items, splits
+
+
+def shard_folder(out: str | os.PathLike) -> Path:
+    """``<out>.shards`` next to ``<out>``."""
+    out = Path(out)
+    return out.with_name(out.name + ".shards")
+
+
+def _parse_shard(backend: ParserBackend, builder: TreeBuilder, items: Sequence[CaptionItem], batch_size: int,
+                 bar) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    keys, candidates, failures = [], [], []
+    for start in range(0, len(items), batch_size):
+        batch = items[start:start + batch_size]
+        for item, outcome in zip(batch, backend.parse(batch)):
+            if outcome.sentence is None:
+                failures.append((item.key, outcome.error or "no parse"))
+                continue
+            try:
+                tree = builder.build(outcome.sentence)
+            except Exception as exc:  # noqa: BLE001 — a malformed parse is this caption's failure
+                failures.append((item.key, f"tree rules failed ({type(exc).__name__}: {exc})"))
+                continue
+            keys.append(item.key)
+            candidates.append(tree.to_json())
+        bar.update(len(batch))
+    return keys, candidates, failures
+
+
+def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend: ParserBackend, *,
+                    dictionaries: str | os.PathLike | None = None, num_entities: int = DEFAULT_NUM_ENTITIES,
+                    num_relations: int = DEFAULT_NUM_RELATIONS, min_count: int = 1,
+                    rules: TreeRules | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
+                    batch_size: int = DEFAULT_BATCH_SIZE, quiet: bool = True) -> ParseTreesSummary:
+    """Parse every caption of ``manifest`` into ``out`` (``trees.h5``); see the module docstring."""
+    if shard_size < 1 or batch_size < 1:
+        raise UserError("--shard-size and --batch-size must be at least 1")
+    rules = rules or TreeRules()
+    out = Path(out)
+    records = read_manifest(manifest)
+    items, splits = caption_items(records)
+    if not items:
+        raise UserError(f"manifest {manifest} has no captions")
+    unmatched: list[str] = []
+    if isinstance(backend, ConlluBackend):
+        backend.check_count(len(items))
+        unmatched = backend.unmatched_keys({item.key for item in items})
+    reused_dictionaries = load_dictionaries(dictionaries) if dictionaries is not None else None
+    identity = {"manifest_sha256": manifest_sha256(manifest), "backend_kind": backend.name,
+                "rules": rules.to_json()}
+    num_shards = math.ceil(len(items) / shard_size)
+    folder = shard_folder(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    stale = sorted(p.name for p in folder.glob("shard-*.h5") if not p.name.endswith(f"-of-{num_shards:05d}.h5"))
+    if stale:
+        raise UserError(f"{folder} holds shards of another run ({stale[0]}, not of {num_shards}); delete the "
+                        "folder to start over")
+    builder = TreeBuilder(rules)
+    shards, parsed, reused = [], 0, 0
+    done = {}
+    for r in range(num_shards):
+        shard = read_parse_shard(folder / parse_shard_name(r, num_shards))
+        if shard is not None:
+            done[r] = shard
+    with progress(total=len(items), desc="parse-trees", unit="caption", quiet=quiet,
+                  initial=sum(len(items[r * shard_size:(r + 1) * shard_size]) for r in done)) as bar:
+        for r in range(num_shards):
+            first, stop = r * shard_size, min(len(items), (r + 1) * shard_size)
+            expected = dict(identity, shard_index=r, num_shards=num_shards, first_caption=first, stop_caption=stop)
+            path = folder / parse_shard_name(r, num_shards)
+            shard = done.get(r)
+            if shard is not None:
+                differs = [k for k in _IDENTITY if str(shard.attrs.get(k)) != str(expected[k])]
+                if differs:
+                    raise UserError(f"{path} was made by another run (its {differs[0]} differs); delete {folder} "
+                                    "to start over")
+                reused += 1
+            else:
+                keys, candidates, failures = _parse_shard(backend, builder, items[first:stop], batch_size, bar)
+                attrs = dict(expected, backend=backend.describe())
+                write_parse_shard(path, keys, candidates, failures, attrs)
+                shard = read_parse_shard(path)
+                parsed += 1
+            shards.append(shard)
+    keys = [k for s in shards for k in s.keys]
+    trees = [ReferralTree.from_json(c) for s in shards for c in s.candidates]
+    failures = [f for s in shards for f in s.failures]
+    if reused_dictionaries is not None:
+        dicts, source = reused_dictionaries, str(dictionaries)
+    else:
+        split_of = {item.key: split for item, split in zip(items, splits)}
+        training = [t for k, t in zip(keys, trees) if split_of[k] in DICTIONARY_SPLITS]
+        if not training:
+            raise UserError(f"no {'/'.join(DICTIONARY_SPLITS)} captions with trees in {manifest} to build the "
+                            "dictionaries from; pass --dictionaries FILE (e.g. another dataset's trees.h5)")
+        dicts = build_dictionaries(training, num_entities, num_relations, min_count)
+        source = f"built from {len(training)} {'+'.join(DICTIONARY_SPLITS)} captions"
+    nodes = np.stack([dicts.encode(t) for t in trees]) if trees else np.zeros((0, 7), np.int32)
+    text = [t.bracketed(dicts.display_labels(t, row)) for t, row in zip(trees, nodes)]
+    backends = sorted({str(s.attrs.get("backend")) for s in shards})
+    write_trees(out, keys, nodes, text, [t.to_json() for t in trees], failures, dicts, {
+        "manifest_sha256": identity["manifest_sha256"], "backend": "; ".join(backends), "rules": rules.to_json(),
+        "dictionaries_source": source, "num_failures": len(failures), "shard_size": shard_size,
+        "conllu_unmatched": len(unmatched)})
+    return ParseTreesSummary(out, len(items), len(keys), failures, parsed, reused, len(dicts.entities),
+                             len(dicts.relations), *_known_shares(nodes), unmatched_parses=unmatched)
+
+
+def _known_shares(nodes: np.ndarray) -> tuple[float, float]:
+    shares = []
+    for block in (nodes[:, 0::2], nodes[:, 1::2]):
+        filled = block != NULL_ID
+        shares.append(float((block[filled] != UNKNOWN_ID).mean()) if filled.any() else 0.0)
+    return shares[0], shares[1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Commands
+
+def _backend(conllu: str | None, stanza_dir: str | None, match: str, device: str, constituency: bool
+             ) -> ParserBackend:
+    if conllu is not None and stanza_dir is not None:
+        raise UserError("give either --conllu FILE or --stanza-dir DIR, not both")
+    if conllu is not None:
+        return ConlluBackend(conllu, match=match)
+    return StanzaBackend(stanza_dir, device=device, constituency=constituency)
+
+
+def _parser_options(f):
+    f = click.option("--no-constituency", "no_constituency", is_flag=True,
+                     help="stanza: skip the constituency parser (the tree rules read dependencies only).")(f)
+    f = click.option("--device", default="auto", show_default=True, help="stanza: auto, cpu, cuda or cuda:N.")(f)
+    f = click.option("--match", type=click.Choice(["auto", "key", "order"]), default="auto", show_default=True,
+                     help="CoNLL-U: match sentences to captions by '# sent_id' (key) or by order.")(f)
+    f = click.option("--stanza-dir", type=click.Path(file_okay=False),
+                     help="stanza model folder (default: $STANZA_RESOURCES_DIR, else stanza's own).")(f)
+    f = click.option("--conllu", type=click.Path(dir_okay=False),
+                     help="parses made elsewhere (CoNLL-U, '# sent_id = <image id>#<caption index>').")(f)
+    f = click.option("--verb-prep", type=click.Choice(VERB_PREP_STYLES), default="placeholder",
+                     show_default=True,
+                     help="verb with a prepositional complement: run_PREP (paper) or run_on (word).")(f)
+    return f
+
+
+@click.command("parse-trees")
+@click.option("--manifest", required=True, type=click.Path(dir_okay=False), help="manifest.jsonl")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="trees.h5 to write")
+@_parser_options
+@click.option("--dictionaries", type=click.Path(dir_okay=False),
+              help="reuse the dictionaries of this trees.h5 (or JSON) instead of building them.")
+@click.option("--num-entities", default=DEFAULT_NUM_ENTITIES, show_default=True,
+              help="entity dictionary size, null and unknown included.")
+@click.option("--num-relations", default=DEFAULT_NUM_RELATIONS, show_default=True,
+              help="relation dictionary size, null and unknown included.")
+@click.option("--min-count", default=1, show_default=True, help="drop labels seen fewer times in training.")
+@click.option("--shard-size", default=DEFAULT_SHARD_SIZE, show_default=True, help="captions per parse shard.")
+@click.option("--batch-size", default=DEFAULT_BATCH_SIZE, show_default=True, help="captions per parser call.")
+@quiet_option
+def parse_trees_command(manifest, out, verb_prep, conllu, stanza_dir, match, device, no_constituency,
+                        dictionaries, num_entities, num_relations, min_count, shard_size, batch_size, quiet):
+    """Parse every caption of a manifest into a referral tree [E1 R2 E3 R4 E5 R6 E7] (trees.h5).
+
+    Sharded under OUT.shards/ and resumable: run the same command again after an interruption.
+
+    \b
+    Example:
+      retr-pipeline parse-trees --manifest data/synthetic/manifest.jsonl \\
+          --conllu data/synthetic/captions.conllu --out data/synthetic/trees.h5
+      retr-pipeline parse-trees --manifest data/f30k/manifest.jsonl --stanza-dir ~/stanza_resources \\
+          --dictionaries data/coco/trees.h5 --out data/f30k/trees.h5
+    """
+    backend = _backend(conllu, stanza_dir, match, device, not no_constituency)
+    summary = run_parse_trees(manifest, out, backend, dictionaries=dictionaries, num_entities=num_entities,
+                              num_relations=num_relations, min_count=min_count,
+                              rules=TreeRules(verb_prep=verb_prep), shard_size=shard_size,
+                              batch_size=batch_size, quiet=quiet)
+    for line in summary.lines():
+        click.echo(line)
+
+
+@click.command("show-tree")
+@click.argument("text")
+@_parser_options
+@click.option("--key", help="CoNLL-U: take the sentence with this sent_id instead of matching TEXT.")
+@click.option("--dictionaries", type=click.Path(dir_okay=False),
+              help="also show the ids in these dictionaries (a trees.h5 or JSON).")
+def show_tree_command(text, verb_prep, conllu, stanza_dir, match, device, no_constituency, key, dictionaries):
+    """Print the referral tree of one caption (bracketed, slots, and drawn).
+
+    \b
+    Example:
+      retr-pipeline show-tree "a dog runs on the grass near a fence" --stanza-dir ~/stanza_resources
+      retr-pipeline show-tree "a small red circle sits above a large blue square" \\
+          --conllu data/synthetic/captions.conllu
+    """
+    backend = _backend(conllu, stanza_dir, match, device, not no_constituency)
+    if isinstance(backend, ConlluBackend):
+        sentence = backend.find_key(key) if key else backend.find_text(text)
+        if sentence is None:
+            raise UserError(f"no sentence in {conllu} " + (f"with sent_id {key}" if key else f"reads {text!r}"))
+    else:
+        outcome = backend.parse([CaptionItem(0, "input#0", text)])[0]
+        if outcome.sentence is None:
+            raise UserError(outcome.error or "stanza returned no sentence")
+        sentence = outcome.sentence
+    tree = TreeBuilder(TreeRules(verb_prep=verb_prep)).build(sentence)
+    click.echo(f"caption  {text}")
+    click.echo(f"tree     {tree.bracketed()}")
+    click.echo("slots    " + "  ".join(f"{name}={label}" for name, label in
+                                       zip(("E1", "R2", "E3", "R4", "E5", "R6", "E7"), tree.labels())))
+    if dictionaries:
+        dicts: Dictionaries = load_dictionaries(dictionaries)
+        ids = dicts.encode(tree)
+        click.echo(f"ids      {ids.tolist()}  {tree.bracketed(dicts.display_labels(tree, ids))}")
+    constituency = getattr(sentence, "constituency", None)
+    if constituency is not None:
+        click.echo(f"parse    {constituency}")
+    click.echo("")
+    tree.to_nltk().pretty_print(stream=click.get_text_stream("stdout"))
+
+
+@click.command("fetch-parser-models")
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.option("--no-constituency", "no_constituency", is_flag=True, help="skip the constituency model.")
+def fetch_parser_models_command(model_dir, no_constituency):
+    """Download stanza's English models into MODEL_DIR (run on a machine with internet access).
+
+    Copy MODEL_DIR to the machine that parses and pass it as --stanza-dir (or set STANZA_RESOURCES_DIR).
+
+    \b
+    Example:
+      retr-pipeline fetch-parser-models ~/stanza_resources
+    """
+    folder = fetch_parser_models(model_dir, constituency=not no_constituency)
+    click.echo(f"stanza English models are in {folder}; use --stanza-dir {folder}")
