@@ -1,0 +1,197 @@
+"""Loading the converted bottom-up-attention checkpoints users have.
+
+* **MILVLG** ``.pth`` (``bua-caffe-frcn-r101-k36.pth`` a.k.a. ``…_with_attributes_fix36.pth``, and the 10–100
+  model): a state dict, bare or under ``"model"``, whose names are this package's module names — loading is
+  key for key. Keys that describe nothing this model learns are ignored and reported: detectron2's
+  ``pixel_mean``/``pixel_std`` buffers and the stored ``anchor_generator.cell_anchors`` (the anchors are the
+  Caffe table, always recomputed).
+* **airsplay** ``.pkl`` (``faster_rcnn_from_caffe_attr.pkl``): a latin-1 pickle of ``{"model": {name:
+  ndarray}, "__author__": …}`` in detectron2's own layout, mapped here to the Caffe layout by
+  :func:`airsplay_to_caffe`.
+
+Safety: ``.pth`` files are read with ``torch.load(weights_only=True)``; ``.pkl`` files with an unpickler that
+accepts only NumPy arrays, dtypes, dicts and plain values. A file that needs more (arbitrary Python objects)
+loads only with ``trust_pickle=True`` (``--trust-checkpoint``), for files from a trusted source.
+
+Completeness: missing or unexpected keys and shape mismatches are reported with the first few names, and a
+load with missing keys is refused unless ``allow_partial=True`` (``--allow-partial``).
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from retr.common.errors import MissingResourceError, UserError
+from retr.extractors.butd.heads import NUM_ATTRIBUTE_CLASSES, NUM_OBJECT_CLASSES
+
+#: keys of the MILVLG/detectron2 files that carry nothing this model learns (ignored, reported)
+IGNORED_KEYS = re.compile(r"^(pixel_mean|pixel_std|proposal_generator\.anchor_generator\.cell_anchors\.\d+)$")
+#: where the weights come from, for the "missing file" message
+WEIGHTS_HOW = ("download bua-caffe-frcn-r101-k36.pth from the MILVLG/bottom-up-attention.pytorch model zoo "
+               "(or faster_rcnn_from_caffe_attr.pkl from airsplay/py-bottom-up-attention) and pass its path "
+               "to --weights")
+NUM_ANCHORS = 12
+_ANCHOR_RATIOS, _ANCHOR_SCALES = 3, 4
+
+
+@dataclass
+class LoadReport:
+    """What happened when a state dict was loaded into the detector."""
+
+    loaded: int
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        parts = [f"{self.loaded} tensors loaded"]
+        for label, names in (("missing", self.missing), ("unexpected", self.unexpected),
+                             ("ignored", self.ignored)):
+            if names:
+                parts.append(f"{len(names)} {label} ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})")
+        return "; ".join(parts)
+
+
+# -- reading files ---------------------------------------------------------------------------------------
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickles NumPy arrays and plain containers only (what a converted-weights pickle holds)."""
+
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"), ("numpy", "dtype"), ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def read_airsplay_pickle(path: str | Path, trust_pickle: bool = False) -> dict[str, np.ndarray]:
+    """The ``{name: ndarray}`` of an airsplay/detectron2 ``.pkl`` (under ``"model"`` or bare)."""
+    data = Path(path).read_bytes()
+    try:
+        if trust_pickle:
+            obj = pickle.loads(data, encoding="latin1")
+        else:
+            obj = _ArrayUnpickler(io.BytesIO(data), encoding="latin1").load()
+    except pickle.UnpicklingError as exc:
+        raise UserError(f"{path} holds Python objects beyond arrays ({exc}); if you trust the file, pass "
+                        f"--trust-checkpoint") from None
+    except Exception as exc:  # noqa: BLE001 - a broken pickle can raise almost anything
+        raise UserError(f"{path} is not a readable pickle ({type(exc).__name__}: {exc})") from None
+    if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
+        obj = obj["model"]
+    if not isinstance(obj, Mapping):
+        raise UserError(f"{path} does not hold a dict of weights")
+    return {str(k): np.asarray(v) for k, v in obj.items()}
+
+
+def read_pth(path: str | Path, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict of a ``.pth`` file (bare, or under ``"model"``/``"state_dict"``)."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsupported object"
+        raise UserError(f"{path} holds Python objects beyond tensors ({first[:120]}); if you trust the file, "
+                        f"pass --trust-checkpoint") from None
+    except Exception as exc:  # noqa: BLE001
+        raise UserError(f"{path} is not a readable PyTorch checkpoint ({type(exc).__name__}: {exc})") from None
+    for key in ("model", "state_dict"):
+        if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
+            obj = obj[key]
+            break
+    if not isinstance(obj, Mapping):
+        raise UserError(f"{path} does not hold a state dict")
+    return {str(k): torch.as_tensor(v) for k, v in obj.items()}
+
+
+# -- airsplay → Caffe layout -------------------------------------------------------------------------------
+def _anchor_order_d2_to_caffe() -> list[int]:
+    """detectron2 anchors are size-major (size s, ratio r → s·3 + r); Caffe's are ratio-major (r·4 + s)."""
+    return [s * _ANCHOR_RATIOS + r for r in range(_ANCHOR_RATIOS) for s in range(_ANCHOR_SCALES)]
+
+
+def airsplay_to_caffe(weights: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map an airsplay (detectron2-layout) state dict onto this model's (Caffe-layout) names and orders.
+
+    * classes: detectron2 puts background **last**, Caffe first — ``cls_score`` rows and ``cls_embedding`` rows
+      are rotated; ``bbox_pred`` has no background rows (6400) and gets zero rows for it (6404; unused);
+    * attributes: ``fc_attr`` → ``attr_linear1``, ``attr_score`` → ``attr_linear2`` with "no attribute"
+      moved from last to first; ``cls_embedding`` → ``cls_embed``;
+    * RPN: 12 sigmoid logits become the two-way softmax's 24 channels (background 0, foreground = logit, since
+      sigmoid(x) = softmax([0, x])₁), and anchors go from size-major to ratio-major (deltas in blocks of 4).
+    """
+    out: dict[str, torch.Tensor] = {}
+    order = torch.tensor(_anchor_order_d2_to_caffe())
+    prefix = "roi_heads.box_predictor."
+    for name, value in weights.items():
+        tensor = torch.as_tensor(np.asarray(value)).clone()
+        if name.startswith(prefix):
+            leaf = name[len(prefix):]
+            if leaf.startswith("cls_score.") or leaf.startswith("cls_embedding."):
+                tensor = torch.cat([tensor[-1:], tensor[:-1]])             # background last → first
+                leaf = leaf.replace("cls_embedding.", "cls_embed.")
+            elif leaf.startswith("bbox_pred."):
+                tensor = torch.cat([torch.zeros_like(tensor[:4]), tensor])  # add background rows
+            elif leaf.startswith("fc_attr."):
+                leaf = leaf.replace("fc_attr.", "attr_linear1.")
+            elif leaf.startswith("attr_score."):
+                tensor = torch.cat([tensor[-1:], tensor[:-1]])             # no-attribute last → first
+                leaf = leaf.replace("attr_score.", "attr_linear2.")
+            name = prefix + leaf
+        elif name.startswith("proposal_generator.rpn_head.objectness_logits."):
+            fg = tensor[order]
+            tensor = torch.cat([torch.zeros_like(fg), fg])
+        elif name.startswith("proposal_generator.rpn_head.anchor_deltas."):
+            tensor = tensor.reshape(NUM_ANCHORS, 4, *tensor.shape[1:])[order].reshape(tensor.shape)
+        out[name] = tensor
+    return out
+
+
+# -- putting weights into the model ------------------------------------------------------------------------
+def load_into(model: nn.Module, state: Mapping[str, torch.Tensor], allow_partial: bool = False,
+              source: str = "checkpoint") -> LoadReport:
+    """Copy ``state`` into ``model`` key for key; refuse (``UserError``) a partial or mismatched load."""
+    own = model.state_dict()
+    ignored = sorted(k for k in state if IGNORED_KEYS.match(k))
+    given = {k: v for k, v in state.items() if not IGNORED_KEYS.match(k)}
+    missing = sorted(k for k in own if k not in given)
+    unexpected = sorted(k for k in given if k not in own)
+    mismatched = [f"{k} {tuple(given[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(given)
+                  if k in own and tuple(given[k].shape) != tuple(own[k].shape)]
+    if mismatched:
+        raise UserError(f"{source}: {len(mismatched)} tensors have the wrong shape (e.g. {mismatched[0]}); "
+                        f"is this a bottom-up-attention ResNet-101 checkpoint with {NUM_OBJECT_CLASSES} classes "
+                        f"and {NUM_ATTRIBUTE_CLASSES} attributes?")
+    report = LoadReport(loaded=len(given) - len(unexpected), missing=missing, unexpected=unexpected,
+                        ignored=ignored)
+    if (missing or unexpected) and not allow_partial:
+        raise UserError(f"{source} does not match the detector: {report.summary()}; pass --allow-partial to "
+                        f"load it anyway")
+    model.load_state_dict({k: v for k, v in given.items() if k in own}, strict=False)
+    return report
+
+
+def load_weights(model: nn.Module, path: str | Path, allow_partial: bool = False,
+                 trust_pickle: bool = False) -> LoadReport:
+    """Load a MILVLG ``.pth`` or airsplay ``.pkl`` file into ``model`` (format chosen by the suffix)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingResourceError(f"bottom-up-attention weights {path.name}", str(path.resolve().parent),
+                                   WEIGHTS_HOW)
+    if path.suffix == ".pkl":
+        state = airsplay_to_caffe(read_airsplay_pickle(path, trust_pickle))
+    else:
+        state = read_pth(path, trust_pickle)
+    return load_into(model, state, allow_partial=allow_partial, source=str(path))

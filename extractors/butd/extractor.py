@@ -1,0 +1,174 @@
+"""The registered ``butd-regions`` extractor: 36 bottom-up-attention regions per image.
+
+Per image: ``features`` [36, 2048] (mean-pooled res5 of each kept proposal), ``boxes`` [36, 4] float32
+(x1, y1, x2, y2 in original pixels), ``object_ids``/``object_conf`` [36] (best object class over the 1,600,
+0-based into the Visual Genome object vocabulary, and its probability), ``attr_ids``/``attr_conf`` [36] (same
+over the 400 attributes), ``num_boxes`` (rows that are real; fewer than 36 only when the image has fewer
+proposals) and ``image_hw`` (original height, width). Rows past ``num_boxes`` are zeros.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from retr.common.hashing import sha256_file
+from retr.extractors.backbone import resolve_device
+from retr.extractors.base import Extractor, register
+from retr.extractors.butd.checkpoint import LoadReport, load_weights
+from retr.extractors.butd.heads import FEATURE_DIM
+from retr.extractors.butd.model import BottomUpAttention, DetectorSettings, Regions
+from retr.extractors.butd.preprocess import MAX_SIDE, SHORT_SIDE, CaffeImage, load_caffe_image
+from retr.extractors.butd.random_weights import randomize_
+from retr.extractors.butd.vocab import NUM_ATTRIBUTES, NUM_OBJECTS, read_vocab
+
+BACKBONE = "resnet101-c4-caffe (bottom-up-attention Faster R-CNN, Visual Genome)"
+
+
+class BottomUpRegionExtractor(Extractor):
+    """Caffe preprocessing in workers, the detector and generate_tsv's selection in the main process.
+
+    Args:
+        weights: ``random`` or a MILVLG ``.pth`` / airsplay ``.pkl`` path (see :mod:`…butd.checkpoint`).
+        device: ``cpu`` | ``cuda`` | ``cuda:N``; half: float16 network on CUDA (selection stays float32).
+        settings: detector settings (defaults are the original's).
+        short_side / max_side: Caffe scaling targets (600 / 1000).
+        exif_orientation: apply EXIF orientation when decoding (the original did not; default False).
+        object_vocab / attr_vocab: Visual Genome vocabulary files, recorded in the attributes when given.
+        allow_partial / trust_checkpoint: checkpoint opt-ins (see :func:`load_weights`).
+    """
+
+    name = "butd-regions"
+    kind = "regions"
+
+    def __init__(self, *, weights: str = "random", device: str = "cpu", half: bool = False,
+                 settings: DetectorSettings = DetectorSettings(), short_side: int = SHORT_SIDE,
+                 max_side: int = MAX_SIDE, exif_orientation: bool = False, object_vocab: str | None = None,
+                 attr_vocab: str | None = None, allow_partial: bool = False, trust_checkpoint: bool = False):
+        from retr.common.errors import UserError
+        if settings.min_boxes < 1 or settings.max_boxes < settings.min_boxes:
+            raise UserError(f"need 1 ≤ min_boxes ≤ max_boxes, got {settings.min_boxes} and {settings.max_boxes}")
+        if settings.post_nms_topk < settings.max_boxes:
+            raise UserError(f"post_nms_topk ({settings.post_nms_topk}) must be at least max_boxes "
+                            f"({settings.max_boxes})")
+        if short_side < 16 or max_side < short_side:
+            raise UserError(f"need 16 ≤ short_side ≤ max_side, got {short_side} and {max_side}")
+        self.half = bool(half)
+        self.device = resolve_device(device, self.half)
+        self.settings = settings
+        self.short_side, self.max_side, self.exif_orientation = short_side, max_side, bool(exif_orientation)
+        self.object_names = read_vocab(object_vocab, NUM_OBJECTS, "object") if object_vocab else None
+        self.attr_names = read_vocab(attr_vocab, NUM_ATTRIBUTES, "attribute") if attr_vocab else None
+        self.network = BottomUpAttention(settings).eval()
+        self.network.requires_grad_(False)
+        self.load_report: LoadReport | None = None
+        if weights == "random":
+            randomize_(self.network)
+            self.weights = "random"
+        else:
+            self.load_report = load_weights(self.network, weights, allow_partial=allow_partial,
+                                            trust_pickle=trust_checkpoint)
+            self.weights = f"{Path(weights).name} sha256:{sha256_file(weights)}"
+        self.to(self.device)
+
+    @property
+    def feature_shape(self) -> tuple[int, int]:
+        return (self.settings.max_boxes, FEATURE_DIM)
+
+    @property
+    def extras(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        k = self.settings.max_boxes
+        return {"boxes": ((k, 4), "float32"), "object_ids": ((k,), "int32"), "object_conf": ((k,), "float32"),
+                "attr_ids": ((k,), "int32"), "attr_conf": ((k,), "float32"), "num_boxes": ((), "int32"),
+                "image_hw": ((2,), "int32")}
+
+    def attrs(self) -> dict[str, Any]:
+        s = self.settings
+        attrs: dict[str, Any] = {
+            "kind": self.kind, "extractor": self.name, "backbone": BACKBONE, "weights": self.weights,
+            "image_size": f"short side {self.short_side}, long side <= {self.max_side}",
+            "short_side": self.short_side, "max_side": self.max_side,
+            "preprocessing": "Caffe: BGR, minus pixel means [102.9801, 115.9465, 122.7717], bilinear resize",
+            "exif_orientation": self.exif_orientation, "half": self.half,
+            "detector_settings": json.dumps(s.__dict__, sort_keys=True),
+            "min_boxes": s.min_boxes, "max_boxes": s.max_boxes, "conf_threshold": s.conf_threshold,
+            "object_ids_base": "0-based into the 1600 Visual Genome objects (network class id - 1)",
+            "attr_ids_base": "0-based into the 400 Visual Genome attributes (network attribute id - 1)",
+        }
+        if self.object_names is not None:
+            attrs["object_vocab"] = self.object_names
+        if self.attr_names is not None:
+            attrs["attr_vocab"] = self.attr_names
+        if self.load_report is not None:
+            attrs["checkpoint_load"] = self.load_report.summary()
+        return attrs
+
+    # -- worker side --------------------------------------------------------------------------------------
+    def load(self, path: str) -> CaffeImage:
+        return load_caffe_image(path, self.short_side, self.max_side, exif=self.exif_orientation)
+
+    def collate(self, samples: list[CaffeImage]) -> list[CaffeImage]:
+        """One image per forward, as the original (no padding): the batch is the list itself."""
+        return list(samples)
+
+    # -- main process -------------------------------------------------------------------------------------
+    def to(self, device: torch.device | str) -> "BottomUpRegionExtractor":
+        self.device = resolve_device(device, self.half)
+        self.network.to(self.device, dtype=torch.float16 if self.half else torch.float32)
+        return self
+
+    def regions(self, image: CaffeImage) -> Regions:
+        """The kept regions of one preprocessed image (float32 outputs)."""
+        dtype = torch.float16 if self.half else torch.float32
+        return self.network(image.pixels.to(self.device, dtype=dtype), image.scale)
+
+    def extract(self, batch: list[CaffeImage]) -> dict[str, np.ndarray]:
+        k = self.settings.max_boxes
+        b = len(batch)
+        out = {"features": np.zeros((b, k, FEATURE_DIM), np.float32), "boxes": np.zeros((b, k, 4), np.float32),
+               "object_ids": np.zeros((b, k), np.int32), "object_conf": np.zeros((b, k), np.float32),
+               "attr_ids": np.zeros((b, k), np.int32), "attr_conf": np.zeros((b, k), np.float32),
+               "num_boxes": np.zeros((b,), np.int32), "image_hw": np.zeros((b, 2), np.int32)}
+        for i, image in enumerate(batch):
+            regions = self.regions(image)
+            n = len(regions.boxes)
+            object_conf, object_ids = regions.cls_prob[:, 1:].max(dim=1)
+            attr_conf, attr_ids = regions.attr_prob[:, 1:].max(dim=1)
+            out["features"][i, :n] = regions.features.cpu().numpy()
+            out["boxes"][i, :n] = regions.boxes.float().cpu().numpy()
+            out["object_ids"][i, :n] = object_ids.cpu().numpy()
+            out["object_conf"][i, :n] = object_conf.cpu().numpy()
+            out["attr_ids"][i, :n] = attr_ids.cpu().numpy()
+            out["attr_conf"][i, :n] = attr_conf.cpu().numpy()
+            out["num_boxes"][i] = n
+            out["image_hw"][i] = image.original_hw
+        return out
+
+
+@register("butd-regions")
+def build_butd_regions(weights: str = "random", device: str = "cpu", half: bool = False,
+                       exif_orientation: bool = False, min_boxes: int = 36, max_boxes: int = 36,
+                       conf_threshold: float = 0.2, short_side: int = SHORT_SIDE, max_side: int = MAX_SIDE,
+                       pre_nms_topk: int = 6000, post_nms_topk: int = 300, pooled_size: int = 14,
+                       object_vocab: str | None = None, attr_vocab: str | None = None,
+                       allow_partial: bool = False, trust_checkpoint: bool = False,
+                       **unused: Any) -> BottomUpRegionExtractor:
+    """Bottom-up-attention regions. Defaults are the original's (600/1000, 6000/300, 14×14 pool, 36/36, 0.2).
+
+    ``short_side``/``max_side``/``post_nms_topk``/``pooled_size`` below the defaults are speed options (they
+    change the features; the demo uses them). Options meant for other extractors (e.g. ``image_size``) are
+    refused unless None.
+    """
+    given = sorted(name for name, value in unused.items() if value is not None)
+    if given:
+        from retr.common.errors import UserError
+        raise UserError(f"butd-regions does not take {', '.join(given)}")
+    settings = DetectorSettings(pre_nms_topk=pre_nms_topk, post_nms_topk=post_nms_topk, pooled_size=pooled_size,
+                                conf_threshold=conf_threshold, min_boxes=min_boxes, max_boxes=max_boxes)
+    return BottomUpRegionExtractor(weights=weights, device=device, half=half, settings=settings,
+                                   short_side=short_side, max_side=max_side, exif_orientation=exif_orientation,
+                                   object_vocab=object_vocab, attr_vocab=attr_vocab, allow_partial=allow_partial,
+                                   trust_checkpoint=trust_checkpoint)

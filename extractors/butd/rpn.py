@@ -1,0 +1,75 @@
+"""The region proposal network of the Caffe model and its test-time proposal layer.
+
+Head: 3×3 conv 1024→512 + ReLU; ``objectness_logits`` 1×1 → 24 channels (two-way softmax per anchor:
+channels 0–11 background, 12–23 foreground); ``anchor_deltas`` 1×1 → 48 (anchor-major dx, dy, dw, dh).
+
+Proposal layer (Caffe ``proposal_layer.py``, TEST): decode every shifted anchor with "+1" widths → clip to the
+resized image → drop boxes narrower or shorter than ``16 · scale`` → keep the ``pre_nms_topk`` (6000) best by
+foreground probability → legacy NMS 0.7 → first ``post_nms_topk`` (300).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from retr.extractors.butd.anchors import FEATURE_STRIDE, caffe_cell_anchors, shift_anchors
+from retr.extractors.butd.boxes import clip_boxes, decode_deltas, keep_min_size, legacy_nms
+
+
+class RPNHead(nn.Module):
+    """``[1, 1024, h, w]`` → (foreground probability ``[h·w·A]``, deltas ``[h·w·A, 4]``) in (h, w, anchor) order."""
+
+    def __init__(self, in_channels: int = 1024, hidden_channels: int = 512, num_anchors: int = 12):
+        super().__init__()
+        self.num_anchors = num_anchors
+        self.conv = nn.Conv2d(in_channels, hidden_channels, 3, padding=1)
+        self.objectness_logits = nn.Conv2d(hidden_channels, 2 * num_anchors, 1)
+        self.anchor_deltas = nn.Conv2d(hidden_channels, 4 * num_anchors, 1)
+
+    def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.relu(self.conv(features))
+        logits = self.objectness_logits(hidden)[0]                    # [2A, h, w]
+        a = self.num_anchors
+        two_way = logits.reshape(2, a, *logits.shape[1:])              # [bg|fg, A, h, w]
+        fg_prob = torch.softmax(two_way, dim=0)[1]                     # [A, h, w]
+        deltas = self.anchor_deltas(hidden)[0]                         # [4A, h, w]
+        deltas = deltas.reshape(a, 4, *deltas.shape[1:])               # [A, 4, h, w]
+        return fg_prob.permute(1, 2, 0).reshape(-1), deltas.permute(2, 3, 0, 1).reshape(-1, 4)
+
+
+class ProposalGenerator(nn.Module):
+    """RPN head + Caffe test-time proposal layer. Holds the anchor table as a non-persistent buffer.
+
+    Args:
+        pre_nms_topk: boxes kept before NMS (Caffe ``RPN_PRE_NMS_TOP_N`` = 6000).
+        post_nms_topk: proposals kept after NMS (``RPN_POST_NMS_TOP_N`` = 300).
+        nms_threshold: proposal NMS IoU threshold (0.7).
+        min_size: minimum box side in original-image pixels (16; multiplied by the image scale).
+    """
+
+    def __init__(self, pre_nms_topk: int = 6000, post_nms_topk: int = 300, nms_threshold: float = 0.7,
+                 min_size: float = 16.0):
+        super().__init__()
+        self.rpn_head = RPNHead()
+        self.register_buffer("cell_anchors", caffe_cell_anchors(), persistent=False)
+        self.pre_nms_topk, self.post_nms_topk = pre_nms_topk, post_nms_topk
+        self.nms_threshold, self.min_size = nms_threshold, min_size
+
+    @torch.no_grad()
+    def forward(self, features: torch.Tensor, image_hw: tuple[int, int], scale: float) -> torch.Tensor:
+        """Proposals ``[P, 4]`` (P ≤ post_nms_topk) in resized-image pixels, best first.
+
+        Args:
+            features: res4 ``[1, 1024, h, w]``.
+            image_hw: (height, width) of the resized network input.
+            scale: resize factor applied to the original image.
+        """
+        fg_prob, deltas = self.rpn_head(features)
+        anchors = shift_anchors(self.cell_anchors, features.shape[-2], features.shape[-1], FEATURE_STRIDE)
+        boxes = clip_boxes(decode_deltas(anchors, deltas.float()), *image_hw)
+        keep = keep_min_size(boxes, self.min_size * scale)
+        boxes, fg_prob = boxes[keep], fg_prob[keep].float()
+        order = torch.argsort(fg_prob, descending=True, stable=True)[: self.pre_nms_topk]
+        boxes, fg_prob = boxes[order], fg_prob[order]
+        keep = legacy_nms(boxes, fg_prob, self.nms_threshold)[: self.post_nms_topk]
+        return boxes[keep]
