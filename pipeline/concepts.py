@@ -1,0 +1,449 @@
+"""Consensus-aware concepts (CVSE, used by SMFEA): concept vocabulary, multi-hot labels, co-occurrence graph.
+
+``retr-pipeline build-concepts --manifest M --out concepts.h5 [--conllu F]`` writes, once per dataset, what
+every SMFEA run reuses::
+
+    /concepts        [C]     utf-8   concept words (lemmas), nouns first, then adjectives, then verbs
+    /pos             [C]     utf-8   NOUN / ADJ / VERB, or ANY for the frequency fallback
+    /counts          [C]     int64   number of training captions that contain the concept
+    /cooccurrence    [C, C]  int64   number of training captions that contain both (diagonal = counts)
+    /adjacency       [C, C]  float32 the normalised graph ``D^(-1/2) Aᵀ D^(-1/2)`` the GCN multiplies by
+    /caption_keys    [M]     utf-8   "<image id>#<k>", every caption of the manifest (all splits)
+    /caption_labels  [M, C]  uint8   1 where the caption's own words contain the concept
+    /image_ids       [N]     utf-8   every image of the manifest
+    /image_labels    [N, C]  uint8   union of the labels of the image's captions
+    attrs: kind="concepts", format_version, manifest_sha256, pos_source, train_splits, requested and actual
+           numbers per part of speech, graph parameters, created, retr_version, complete
+
+Vocabulary (CVSE: 300 concepts = 210 nouns + 60 adjectives + 30 verbs, the most frequent in the training
+captions). The part of speech needs a tagger; retr downloads none, so:
+
+* with ``--conllu`` (CoNLL-U of every caption, ``# sent_id = <caption key>``, e.g. the synthetic dataset's gold
+  ``captions.conllu`` or the file ``parse-trees`` reads): words are the LEMMA column, lower-cased; UPOS NOUN and
+  PROPN count as nouns, ADJ as adjectives, VERB as verbs. Frequency = number of training tokens.
+* without it (**frequency fallback**, ``pos_source="frequency"``): words are the lower-cased tokens of the
+  trainer's tokenizer (:func:`retr.trainers.vocab.tokenize`), closed-class words (:data:`FUNCTION_WORDS`:
+  determiners, pronouns, prepositions, conjunctions, auxiliaries, numerals) and tokens without a letter are
+  dropped, and the ``nouns + adjectives + verbs`` most frequent remaining words are taken with POS ``ANY``.
+  No lemmatisation (WordNet data is not assumed), so ``dog`` and ``dogs`` are two concepts.
+
+Ties in frequency are broken alphabetically, so the vocabulary is deterministic. A word already taken as a
+noun is not taken again as an adjective or verb. When a part of speech has fewer distinct words than asked
+(small datasets) all of them are taken; the file records the actual numbers.
+
+Labels: a caption's label is built from **its own words only** (a concept is on when one of the caption's
+words — lemma with CoNLL-U, token otherwise — equals it), for every caption of every split. An image's label
+is the union over its captions (CVSE's image training label). The trainer decides which one a caption sees
+(see ``docs/models-smfea.md``: at evaluation always its own).
+
+Graph (CVSE / ML-GCN, ``reference/models.md``), from the training captions only:
+``P[i, j] = count(i, j) / count(i)`` for i ≠ j (the conditional probability of j given i; the diagonal is not an
+edge), ``R = 5^(P − 0.02) − 5^(−0.02)``, ``B = [R ≥ 0.3]``, ``A = 0.25·B / (column sums of B + 1e−6) + I``,
+``Â = D^(−½) Aᵀ D^(−½)`` with ``D = diag(row sums of A)``. :func:`concept_graph` computes it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import h5py
+import numpy as np
+
+from retr.common.errors import MissingResourceError, UserError
+from retr.common.version import __version__
+from retr.manifests.schema import ManifestRecord, manifest_sha256, read_manifest
+
+FORMAT_VERSION = 1
+TRAIN_SPLITS = ("train", "restval")
+DEFAULT_NOUNS, DEFAULT_ADJECTIVES, DEFAULT_VERBS = 210, 60, 30
+#: graph parameters of CVSE (models.md): rescale base, offset, edge threshold, neighbour weight
+GRAPH_DEFAULTS = {"scale_base": 5.0, "offset": 0.02, "threshold": 0.3, "neighbour_weight": 0.25}
+POS_GROUPS = {"NOUN": "NOUN", "PROPN": "NOUN", "ADJ": "ADJ", "VERB": "VERB"}
+
+#: closed-class English words the frequency fallback never takes as concepts (no tagger is assumed)
+FUNCTION_WORDS = frozenset("""
+a an the this that these those there here some any each every no all both either neither another other such
+i me my mine we us our ours you your yours he him his she her hers it its they them their theirs one ones
+who whom whose which what where when why how that's it's there's
+of in on at by for from to with without into onto over under above below near behind beside besides between
+among around through across along against toward towards up down out off about after before during until upon
+within inside outside beneath underneath next than via per like
+and or but nor so yet as if while because though although whether
+is are was were be been being am 's do does did done have has had having will would can could shall should
+may might must not n't
+one two three four five six seven eight nine ten several many much more most few less
+very too also just only then now again still even
+""".split())
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _decode(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Words of each caption
+
+CaptionWords = list[tuple[str, str]]   # (word, POS group or "ANY")
+
+
+def read_conllu_words(path: str | os.PathLike) -> dict[str, CaptionWords]:
+    """``{caption key: [(lemma, POS group), …]}`` from a CoNLL-U file with ``# sent_id = <caption key>``.
+
+    Read with stanza's CoNLL reader. POS group is NOUN (NOUN, PROPN), ADJ, VERB or ``"OTHER"``; a missing lemma
+    (``_``) falls back to the lower-cased form.
+    """
+    from stanza.utils.conll import CoNLL
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"CoNLL-U file {path} does not exist")
+    try:
+        doc = CoNLL.conll2doc(input_file=str(path))
+    except Exception as exc:  # stanza raises plain ValueError/IndexError on malformed rows
+        raise UserError(f"{path} is not readable CoNLL-U ({exc})") from None
+    words: dict[str, CaptionWords] = {}
+    for number, sentence in enumerate(doc.sentences, start=1):
+        key = sentence.sent_id
+        if not key:
+            raise UserError(f"{path}: sentence {number} has no '# sent_id = <image id>#<caption index>' comment")
+        row = []
+        for word in sentence.words:
+            lemma = word.lemma if word.lemma not in (None, "", "_") else word.text
+            row.append((lemma.lower(), POS_GROUPS.get(word.upos or "", "OTHER")))
+        words[key] = row
+    return words
+
+
+def fallback_words(caption: str) -> CaptionWords:
+    """The frequency fallback's words of a caption: tokens minus :data:`FUNCTION_WORDS` and non-words."""
+    from retr.trainers.vocab import tokenize
+
+    return [(t, "ANY") for t in tokenize(caption) if t not in FUNCTION_WORDS and any(c.isalpha() for c in t)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Vocabulary, labels, graph
+
+def select_concepts(train_words: Iterable[CaptionWords], num_nouns: int = DEFAULT_NOUNS,
+                    num_adjectives: int = DEFAULT_ADJECTIVES, num_verbs: int = DEFAULT_VERBS,
+                    pos_source: str = "conllu") -> list[tuple[str, str]]:
+    """The concept vocabulary ``[(word, POS)]``: most frequent nouns, then adjectives, then verbs.
+
+    With ``pos_source="frequency"`` the ``num_nouns + num_adjectives + num_verbs`` most frequent words of any
+    POS are taken (POS ``ANY``). Ties are broken alphabetically; a word is taken at most once.
+    """
+    counts: dict[str, Counter] = {"NOUN": Counter(), "ADJ": Counter(), "VERB": Counter(), "ANY": Counter()}
+    for caption in train_words:
+        for word, pos in caption:
+            if pos in counts:
+                counts[pos][word] += 1
+
+    def top(counter: Counter, n: int, taken: set[str]) -> list[str]:
+        ranked = sorted((w for w in counter if w not in taken), key=lambda w: (-counter[w], w))
+        return ranked[:max(n, 0)]
+
+    chosen: list[tuple[str, str]] = []
+    taken: set[str] = set()
+    plan = ([("ANY", num_nouns + num_adjectives + num_verbs)] if pos_source == "frequency"
+            else [("NOUN", num_nouns), ("ADJ", num_adjectives), ("VERB", num_verbs)])
+    for pos, n in plan:
+        for word in top(counts[pos], n, taken):
+            chosen.append((word, pos))
+            taken.add(word)
+    return chosen
+
+
+def multi_hot(captions: Sequence[CaptionWords], concepts: Sequence[str]) -> np.ndarray:
+    """``[len(captions), C]`` uint8: 1 where a caption's words contain concept c (matched by word, any POS)."""
+    index = {word: c for c, word in enumerate(concepts)}
+    labels = np.zeros((len(captions), len(concepts)), dtype=np.uint8)
+    for m, caption in enumerate(captions):
+        for word, _ in caption:
+            c = index.get(word)
+            if c is not None:
+                labels[m, c] = 1
+    return labels
+
+
+def cooccurrence_counts(labels: np.ndarray) -> np.ndarray:
+    """``[C, C]`` int64 number of captions containing both concepts (diagonal: containing the concept)."""
+    y = np.asarray(labels, dtype=np.int64)
+    return y.T @ y
+
+
+def concept_graph(cooccurrence: np.ndarray, scale_base: float = 5.0, offset: float = 0.02,
+                  threshold: float = 0.3, neighbour_weight: float = 0.25) -> np.ndarray:
+    """The fixed GCN matrix ``[C, C]`` float32 from co-occurrence counts (diagonal = per-concept counts).
+
+    ``P[i, j] = n(i, j) / n(i)`` off the diagonal (0 for a concept never seen), ``R = b^(P − o) − b^(−o)``,
+    ``B = [R ≥ threshold]``, ``A = w·B / (Σ_i B[i, j] + 1e−6) + I``, result ``D^(−½) Aᵀ D^(−½)`` with
+    ``D = diag(Σ_j A[i, j])``.
+    """
+    counts = np.asarray(cooccurrence, dtype=np.float64)
+    if counts.ndim != 2 or counts.shape[0] != counts.shape[1]:
+        raise ValueError(f"co-occurrence must be square, got {counts.shape}")
+    n = np.diag(counts).copy()
+    pairs = counts.copy()
+    np.fill_diagonal(pairs, 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(n[:, None] > 0, pairs / n[:, None], 0.0)
+    rescaled = np.power(scale_base, p - offset) - np.power(scale_base, -offset)
+    binary = (rescaled >= threshold).astype(np.float64)
+    a = binary * neighbour_weight / (binary.sum(axis=0, keepdims=True) + 1e-6) + np.eye(len(n))
+    d = np.power(a.sum(axis=1), -0.5)
+    return (d[:, None] * a.T * d[None, :]).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# concepts.h5
+
+@dataclass
+class ConceptData:
+    """Everything ``concepts.h5`` holds (see the module docstring for shapes)."""
+
+    concepts: list[str]
+    pos: list[str]
+    counts: np.ndarray
+    cooccurrence: np.ndarray
+    adjacency: np.ndarray
+    caption_keys: list[str]
+    caption_labels: np.ndarray
+    image_ids: list[str]
+    image_labels: np.ndarray
+    attrs: dict
+
+
+def build_concepts(records: Sequence[ManifestRecord], words: Mapping[str, CaptionWords] | None = None,
+                   num_nouns: int = DEFAULT_NOUNS, num_adjectives: int = DEFAULT_ADJECTIVES,
+                   num_verbs: int = DEFAULT_VERBS, train_splits: Sequence[str] = TRAIN_SPLITS,
+                   graph: Mapping[str, float] | None = None) -> ConceptData:
+    """Concept data of a manifest. ``words`` (from :func:`read_conllu_words`) must cover every caption;
+    ``None`` uses the frequency fallback."""
+    pos_source = "conllu" if words is not None else "frequency"
+    keys, caption_words, owner = [], [], []
+    missing = []
+    for i, record in enumerate(records):
+        for k, caption in enumerate(record.captions):
+            key = record.caption_key(k)
+            if words is None:
+                row = fallback_words(caption)
+            else:
+                row = words.get(key)
+                if row is None:
+                    missing.append(key)
+                    continue
+            keys.append(key)
+            caption_words.append(row)
+            owner.append(i)
+    if missing:
+        raise UserError(f"the CoNLL-U file has no sentence for {len(missing)} caption(s) of the manifest "
+                        f"(first: {missing[0]}); parse every caption or leave out --conllu")
+    owner_arr = np.asarray(owner, dtype=np.int64)
+    is_train = np.array([records[i].split in train_splits for i in owner], dtype=bool)
+    if not is_train.any():
+        raise UserError(f"the manifest has no caption in split(s) {', '.join(train_splits)} to learn concepts from")
+    chosen = select_concepts([caption_words[m] for m in np.flatnonzero(is_train)], num_nouns, num_adjectives,
+                             num_verbs, pos_source)
+    if not chosen:
+        raise UserError("no concept word found in the training captions")
+    concepts = [w for w, _ in chosen]
+    labels = multi_hot(caption_words, concepts)
+    image_labels = np.zeros((len(records), len(concepts)), dtype=np.uint8)
+    np.maximum.at(image_labels, owner_arr, labels)
+    cooc = cooccurrence_counts(labels[is_train])
+    params = {**GRAPH_DEFAULTS, **(graph or {})}
+    adjacency = concept_graph(cooc, **params)
+    actual = Counter(p for _, p in chosen)
+    attrs = {"pos_source": pos_source, "train_splits": ",".join(train_splits),
+             "requested": json.dumps({"NOUN": num_nouns, "ADJ": num_adjectives, "VERB": num_verbs}),
+             "actual": json.dumps(dict(actual)), "graph": json.dumps(params)}
+    return ConceptData(concepts, [p for _, p in chosen], np.diag(cooc).copy(), cooc, adjacency, keys, labels,
+                       [r.id for r in records], image_labels, attrs)
+
+
+def write_concepts(path: str | os.PathLike, data: ConceptData, attrs: Mapping[str, object] | None = None) -> Path:
+    """Write ``concepts.h5`` to ``<path>.partial`` and rename it when complete."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    text = h5py.string_dtype("utf-8")
+    c = len(data.concepts)
+    try:
+        with h5py.File(partial, "w") as f:
+            for key, value in {**data.attrs, **(attrs or {})}.items():
+                f.attrs[key] = value
+            f.attrs.update({"kind": "concepts", "format_version": FORMAT_VERSION, "created": _now(),
+                            "retr_version": __version__, "num_concepts": c})
+            f.create_dataset("concepts", data=np.array(data.concepts, dtype=object), dtype=text)
+            f.create_dataset("pos", data=np.array(data.pos, dtype=object), dtype=text)
+            f.create_dataset("counts", data=data.counts.astype(np.int64))
+            f.create_dataset("cooccurrence", data=data.cooccurrence.astype(np.int64))
+            f.create_dataset("adjacency", data=data.adjacency.astype(np.float32))
+            f.create_dataset("caption_keys", data=np.array(data.caption_keys, dtype=object), dtype=text)
+            f.create_dataset("caption_labels", data=data.caption_labels, dtype=np.uint8,
+                             chunks=(min(4096, max(len(data.caption_keys), 1)), c), compression="gzip")
+            f.create_dataset("image_ids", data=np.array(data.image_ids, dtype=object), dtype=text)
+            f.create_dataset("image_labels", data=data.image_labels, dtype=np.uint8,
+                             chunks=(min(4096, max(len(data.image_ids), 1)), c), compression="gzip")
+            f.attrs["complete"] = True
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, path)
+    return path
+
+
+class ConceptSet:
+    """A ``concepts.h5`` read into memory, with lookups by caption key and image id."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise MissingResourceError(f"concept file {self.path}", str(self.path.parent),
+                                       "build it with: retr-pipeline build-concepts --manifest M --out "
+                                       f"{self.path}")
+        try:
+            f = h5py.File(self.path, "r")
+        except OSError as exc:
+            raise UserError(f"{self.path} is not a readable HDF5 file ({exc})") from None
+        with f:
+            if f.attrs.get("kind") != "concepts":
+                raise UserError(f"{self.path} is not a concepts file (kind {f.attrs.get('kind')!r})")
+            if not f.attrs.get("complete", False):
+                raise UserError(f"{self.path} is incomplete; re-run build-concepts")
+            self.attrs = {k: (_decode(v) if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+            self.concepts = [_decode(v) for v in f["concepts"][:]]
+            self.pos = [_decode(v) for v in f["pos"][:]]
+            self.counts = f["counts"][:]
+            self.cooccurrence = f["cooccurrence"][:]
+            self.adjacency = f["adjacency"][:]
+            self.caption_keys = [_decode(v) for v in f["caption_keys"][:]]
+            self.caption_labels = f["caption_labels"][:]
+            self.image_ids = [_decode(v) for v in f["image_ids"][:]]
+            self.image_labels = f["image_labels"][:]
+        self._caption_rows = {k: i for i, k in enumerate(self.caption_keys)}
+        self._image_rows = {k: i for i, k in enumerate(self.image_ids)}
+
+    def __len__(self) -> int:
+        return len(self.concepts)
+
+    def _rows(self, keys: Sequence[str], table: dict[str, int], what: str) -> np.ndarray:
+        rows = np.fromiter((table.get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        if (rows < 0).any():
+            first = keys[int(np.flatnonzero(rows < 0)[0])]
+            raise UserError(f"{self.path} has no concept labels for {int((rows < 0).sum())} {what}(s) "
+                            f"(first: {first}); rebuild it from this manifest")
+        return rows
+
+    def labels_for_captions(self, keys: Sequence[str]) -> np.ndarray:
+        """``[len(keys), C]`` uint8 labels of captions (their own words)."""
+        return self.caption_labels[self._rows(keys, self._caption_rows, "caption")]
+
+    def labels_for_images(self, ids: Sequence[str]) -> np.ndarray:
+        """``[len(ids), C]`` uint8 labels of images (union over their captions)."""
+        return self.image_labels[self._rows(ids, self._image_rows, "image")]
+
+
+def read_word_vectors(path: str | os.PathLike, words: Sequence[str]) -> tuple[np.ndarray, list[str]]:
+    """Vectors ``[len(words), D]`` float32 of ``words`` from a GloVe-format text file (``word v1 … vD``).
+
+    A multi-word concept (``tennis_racket``) gets the mean of its parts. Returns the vectors and the words the
+    file does not cover (their rows are zero; the caller decides what to do with them).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MissingResourceError(f"word-vector file {path}", str(path.parent),
+                                   "download GloVe (e.g. glove.840B.300d.txt from nlp.stanford.edu/projects/"
+                                   "glove) on a connected machine, or train concept vectors with --concept-vectors"
+                                   " learned")
+    wanted = {part for w in words for part in w.split("_")}
+    found: dict[str, np.ndarray] = {}
+    dim = None
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            head, _, rest = line.rstrip("\n").partition(" ")
+            if head not in wanted or head in found:
+                continue
+            try:
+                vector = np.array(rest.split(" "), dtype=np.float32)
+            except ValueError:
+                raise UserError(f"{path} line {number}: not 'word v1 … vD' (GloVe text format)") from None
+            if dim is None:
+                dim = len(vector)
+            elif len(vector) != dim:
+                raise UserError(f"{path} line {number}: {len(vector)} values, earlier lines have {dim}")
+            found[head] = vector
+    if dim is None:
+        raise UserError(f"{path} covers none of the {len(words)} concept words")
+    out = np.zeros((len(words), dim), dtype=np.float32)
+    missing = []
+    for i, word in enumerate(words):
+        parts = [found[p] for p in word.split("_") if p in found]
+        if parts:
+            out[i] = np.mean(parts, axis=0)
+        else:
+            missing.append(word)
+    return out, missing
+
+
+def build_concepts_file(manifest: str | os.PathLike, out: str | os.PathLike, conllu: str | os.PathLike | None = None,
+                        num_nouns: int = DEFAULT_NOUNS, num_adjectives: int = DEFAULT_ADJECTIVES,
+                        num_verbs: int = DEFAULT_VERBS, train_splits: Sequence[str] = TRAIN_SPLITS) -> ConceptData:
+    """Read the manifest (and CoNLL-U), build the concept data, write ``out``; returns the data."""
+    records = read_manifest(manifest)
+    if not records:
+        raise UserError(f"{manifest} has no images")
+    words = read_conllu_words(conllu) if conllu is not None else None
+    data = build_concepts(records, words, num_nouns, num_adjectives, num_verbs, train_splits)
+    write_concepts(out, data, {"manifest_sha256": manifest_sha256(manifest), "manifest": str(manifest),
+                               "conllu": str(conllu) if conllu else ""})
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------
+# retr-pipeline build-concepts
+
+import click  # noqa: E402  (kept next to the command it serves)
+
+
+@click.command("build-concepts")
+@click.option("--manifest", "manifest", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The dataset's manifest.jsonl (labels are written for every caption of every split).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="concepts.h5 to write.")
+@click.option("--conllu", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="CoNLL-U of every caption (# sent_id = <image id>#<k>): lemmas and POS. "
+                   "Without it: frequency fallback (no POS split, no lemmas).")
+@click.option("--nouns", type=click.IntRange(min=0), default=DEFAULT_NOUNS, show_default=True)
+@click.option("--adjectives", type=click.IntRange(min=0), default=DEFAULT_ADJECTIVES, show_default=True)
+@click.option("--verbs", type=click.IntRange(min=0), default=DEFAULT_VERBS, show_default=True)
+@click.option("--train-splits", default="train,restval", show_default=True,
+              help="Splits whose captions define the vocabulary and the graph.")
+def build_concepts_command(manifest: Path, out: Path, conllu: Path | None, nouns: int, adjectives: int,
+                           verbs: int, train_splits: str) -> None:
+    """Build SMFEA/CVSE concept data: vocabulary, caption/image multi-hot labels, co-occurrence graph.
+
+    The vocabulary is the most frequent training nouns, adjectives and verbs (CVSE: 210/60/30); the graph is
+    CVSE's thresholded conditional-probability graph. Every `retr-train smfea` run reuses the file.
+
+    \b
+    Example:
+      retr-pipeline build-concepts --manifest data/synthetic/manifest.jsonl \\
+          --conllu data/synthetic/captions.conllu --out data/synthetic/concepts.h5
+    """
+    splits = tuple(s.strip() for s in train_splits.split(",") if s.strip())
+    data = build_concepts_file(manifest, out, conllu, nouns, adjectives, verbs, splits)
+    parts = Counter(data.pos)
+    edges = int(((data.adjacency > 0) & ~np.eye(len(data.concepts), dtype=bool)).sum())
+    click.echo(f"wrote {out}: {len(data.concepts)} concepts ("
+               + ", ".join(f"{n} {p}" for p, n in parts.items())
+               + f"; POS from {data.attrs['pos_source']}), {edges} graph edges, labels for "
+               f"{len(data.caption_keys)} captions / {len(data.image_ids)} images")
