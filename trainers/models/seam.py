@@ -1,0 +1,238 @@
+"""SEAM — Self-attentive Embeddings for Aligning Modalities (Wehrmann et al.; ``papers/seam.txt``).
+
+Three caption encoders share one self-attention module (Lin et al. 2017); images are 10-crop global vectors;
+both sides live in the non-negative orthant and are compared by order violation. Shapes: ``B`` batch, ``T``
+words (``<start>`` … ``<end>``), ``hops`` attention views, ``d`` = 1024 joint space, ``D_in`` image features
+(4096 VGG-19 fc7, 2048 ResNet-152 pool).
+
+* Self-attention (:class:`SelfAttention`): ``A = softmax_T(W2 · tanh(W1 · H))`` (W1: z → 300, W2: 300 → hops,
+  no biases), padded words get −10000 before the softmax; output ``M = A·H`` flattened to ``hops·z``;
+  penalty ``P = ‖AAᵀ − I‖_F²`` per caption.
+* SEAM-E (``text_encoder="e"``): attention over the 300-d word embeddings (hops 30) → Linear(300·hops → d).
+* SEAM-C (``"c"``): Conv1d(300 → 100, k=2, pad 1, cropped back to T) → ReLU → BatchNorm, Conv1d(300 → 100,
+  k=3, pad 1) → ReLU → BatchNorm, and the embeddings themselves: three attention modules (hops 10 each),
+  concatenated → Linear((100 + 100 + 300)·hops → d).
+* SEAM-G (``"g"``): GRU(300 → k, one direction) → attention over all its outputs (hops 30) → Linear(k·hops → d).
+* Both sides end with l2norm then absolute value: ``f(x) = |x / ‖x‖|`` (order embeddings need non-negative
+  coordinates). Image: ``|l2norm(Linear(D_in → d)(x))|``. Words are embedded from scratch (U(−0.1, 0.1));
+  Linear/Conv weights Xavier-uniform.
+* Score: order violation ``S(i, c) = −‖max(0, c − i)‖₂`` (image i, caption c): a caption, the more abstract
+  item, must lie below its image coordinate-wise.
+* Loss: ``Σ hinge`` in both directions over **all** negatives of the batch (margin 0.05) ``+ λ · mean_B P``
+  (λ = 0.5), summed over SEAM-C's three attention modules.
+
+Decisions (``docs/models-seam-sman.md``):
+
+* The penalty is **added to the loss** as the paper says (the public code computes it and never adds it).
+  It is the paper's squared Frobenius norm, averaged over the batch; ``penalty_norm="plain"`` takes the
+  plain norm as the public code and Lin et al.'s code do. ``penalty_weight=0`` removes it.
+* Order violation: the public code's form (caption − image, not squared); the paper prints the image − text
+  order and a square. ``order_squared=True`` squares it (the original order-embedding paper).
+* 10 crops: the features of the crops are averaged (``crops="mean"``, the public pipeline, train and test);
+  ``crops="random"`` trains on one random crop per image and still evaluates on the mean. The averaged vector
+  is l2-normalised before the linear map, as the public pipeline stores it (``input_l2norm=False`` skips it).
+* SEAM-C's BatchNorm takes its statistics over real words only (the public code includes padding, which
+  makes a caption's embedding depend on the other captions' lengths); padded embeddings are zeroed before
+  the convolutions, so they see the same zero padding as an unpadded caption.
+* SEAM-G's GRU size: 1024 in the authors' code default; the paper's reported model is SEAM-G (512), which
+  the presets use (``gru_size``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from retr.trainers.losses import hinge_triplet_loss
+from retr.trainers.models import register_model, register_preset
+from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
+
+TEXT_ENCODERS = ("e", "c", "g")
+DEFAULT_HOPS = {"e": 30, "c": 10, "g": 30}
+CROP_MODES = ("mean", "random")
+PENALTY_NORMS = ("squared", "plain")
+PAD_LOGIT = -10000.0
+
+
+def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``[B, max_len]`` bool, True at positions ``< lengths[b]``."""
+    return torch.arange(max_len, device=lengths.device).view(1, -1) < lengths.view(-1, 1)
+
+
+def _xavier(module: nn.Module) -> nn.Module:
+    nn.init.xavier_uniform_(module.weight)
+    if getattr(module, "bias", None) is not None:
+        nn.init.zeros_(module.bias)
+    return module
+
+
+class SelfAttention(nn.Module):
+    """Lin et al.'s structured self-attention over ``H`` [B, T, z] → ``M`` [B, hops·z] and ``A`` [B, hops, T]."""
+
+    def __init__(self, in_dim: int, hops: int, hidden: int = 300):
+        super().__init__()
+        self.hops = hops
+        self.ws1 = _xavier(nn.Linear(in_dim, hidden, bias=False))
+        self.ws2 = _xavier(nn.Linear(hidden, hops, bias=False))
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.ws2(torch.tanh(self.ws1(h))).transpose(1, 2)               # [B, hops, T]
+        logits = logits.masked_fill(~mask.unsqueeze(1), PAD_LOGIT)
+        attention = torch.softmax(logits, dim=-1)
+        return (attention @ h).flatten(1), attention
+
+
+def attention_penalty(attention: torch.Tensor, squared: bool = True) -> torch.Tensor:
+    """``‖A Aᵀ − I‖_F`` (squared by default) per caption for ``attention`` [B, hops, T] → [B]."""
+    gram = attention @ attention.transpose(1, 2)
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    squares = (gram - eye).pow(2).sum(dim=(1, 2))
+    return squares if squared else squares.clamp(min=1e-12).sqrt()
+
+
+class MaskedBatchNorm1d(nn.BatchNorm1d):
+    """BatchNorm over the channels of ``x`` [B, C, T] using only positions where ``mask`` [B, T] is True."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        flat = x.transpose(1, 2)[mask]                                            # [N_real, C]
+        normed = super().forward(flat)
+        out = torch.zeros_like(x.transpose(1, 2))
+        out[mask] = normed
+        return out.transpose(1, 2)
+
+
+class SEAMTextEncoder(nn.Module):
+    """Caption ``[B, T]`` → ``(vector [B, d] before normalisation, [attention [B, hops, T] per module])``."""
+
+    def __init__(self, vocab_size: int, kind: str, embed_size: int = 1024, word_dim: int = 300,
+                 hops: int | None = None, attention_hidden: int = 300, conv_filters: int = 100,
+                 gru_size: int = 1024):
+        super().__init__()
+        if kind not in TEXT_ENCODERS:
+            raise ValueError(f"text_encoder must be one of {', '.join(TEXT_ENCODERS)}, not {kind!r}")
+        self.kind = kind
+        hops = hops or DEFAULT_HOPS[kind]
+        self.embed = nn.Embedding(vocab_size, word_dim)
+        nn.init.uniform_(self.embed.weight, -0.1, 0.1)
+        if kind == "e":
+            widths = [word_dim]
+        elif kind == "c":
+            self.conv2 = _xavier(nn.Conv1d(word_dim, conv_filters, kernel_size=2, padding=1))
+            self.conv3 = _xavier(nn.Conv1d(word_dim, conv_filters, kernel_size=3, padding=1))
+            self.bn2, self.bn3 = MaskedBatchNorm1d(conv_filters), MaskedBatchNorm1d(conv_filters)
+            widths = [conv_filters, conv_filters, word_dim]
+        else:
+            self.rnn = nn.GRU(word_dim, gru_size, batch_first=True)
+            widths = [gru_size]
+        self.attention = nn.ModuleList(SelfAttention(w, hops, attention_hidden) for w in widths)
+        self.fc = _xavier(nn.Linear(sum(widths) * hops, embed_size))
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        length = int(lengths.max())
+        tokens = tokens[:, :length]
+        mask = lengths_mask(lengths.to(tokens.device), length)
+        words = self.embed(tokens) * mask.unsqueeze(-1)                           # [B, T, 300], padding = 0
+        if self.kind == "e":
+            views = [words]
+        elif self.kind == "c":
+            x = words.transpose(1, 2)                                             # [B, 300, T]
+            bigram = self.bn2(F.relu(self.conv2(x)[..., :length]), mask)         # crop the k=2 output to T
+            trigram = self.bn3(F.relu(self.conv3(x)), mask)
+            views = [bigram.transpose(1, 2), trigram.transpose(1, 2), words]
+        else:
+            packed = pack_padded_sequence(words, lengths.cpu(), batch_first=True, enforce_sorted=False)
+            out, _ = self.rnn(packed)
+            views = [pad_packed_sequence(out, batch_first=True, total_length=length)[0]]
+        pooled, attentions = zip(*(attend(v, mask) for attend, v in zip(self.attention, views)))
+        return self.fc(torch.cat(pooled, dim=1)), list(attentions)
+
+
+@register_model("seam")
+class SEAM(MatchingModel):
+    """SEAM-E/C/G on 10-crop features ``[B, 10, D_in]`` (module docstring: equations and decisions)."""
+
+    def __init__(self, vocab_size: int, img_dim: int = 4096, text_encoder: str = "c", embed_size: int = 1024,
+                 word_dim: int = 300, hops: int | None = None, attention_hidden: int = 300,
+                 conv_filters: int = 100, gru_size: int = 1024, penalty_weight: float = 0.5,
+                 penalty_norm: str = "squared", order_squared: bool = False, crops: str = "mean",
+                 input_l2norm: bool = True, margin: float = 0.05, max_violation: bool = False):
+        super().__init__(margin, max_violation)
+        if crops not in CROP_MODES:
+            raise ValueError(f"crops must be one of {', '.join(CROP_MODES)}, not {crops!r}")
+        if penalty_norm not in PENALTY_NORMS:
+            raise ValueError(f"penalty_norm must be one of {', '.join(PENALTY_NORMS)}, not {penalty_norm!r}")
+        self.text_encoder, self.crops, self.input_l2norm = text_encoder, crops, input_l2norm
+        self.penalty_weight, self.penalty_squared = float(penalty_weight), penalty_norm == "squared"
+        self.order_squared = bool(order_squared)
+        self.img_fc = _xavier(nn.Linear(img_dim, embed_size))
+        self.txt_enc = SEAMTextEncoder(vocab_size, text_encoder, embed_size, word_dim, hops, attention_hidden,
+                                       conv_filters, gru_size)
+        #: dtype of the order-violation arithmetic in ``score`` (the evaluator may set float64)
+        self.score_dtype: torch.dtype | None = None
+        #: upper bound on n_img·n_cap·d elements per chunk inside ``score``
+        self.max_chunk_elements = 1 << 24
+
+    def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
+        """``features`` [B, K crops, D_in], ``mask`` [B, K] → ``{"vector": [B, d]}`` (non-negative, unit norm)."""
+        features, mask = features.float(), mask.bool()
+        if self.crops == "random" and self.training:
+            # one valid crop per image, uniformly
+            choice = torch.multinomial(mask.float(), 1).squeeze(1)
+            pooled = features[torch.arange(features.shape[0], device=features.device), choice]
+        else:
+            weights = mask.to(features.dtype).unsqueeze(-1)
+            pooled = (features * weights).sum(1) / weights.sum(1).clamp(min=1)
+        if self.input_l2norm:
+            pooled = l2norm(pooled)
+        return {"vector": l2norm(self.img_fc(pooled)).abs()}
+
+    def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
+        """``tokens`` [B, T], ``lengths`` [B] → ``{"vector": [B, d], "penalty": [B]}`` (penalty summed over modules)."""
+        vector, attentions = self.txt_enc(tokens, lengths)
+        penalty = sum(attention_penalty(a, self.penalty_squared) for a in attentions)
+        return {"vector": l2norm(vector).abs(), "penalty": penalty}
+
+    def score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+        """Order-violation similarity ``[n_img, n_cap]``: ``−‖max(0, c − i)‖₂`` (squared with ``order_squared``)."""
+        dtype = self.score_dtype or images["vector"].dtype
+        im, cap = images["vector"].to(dtype), captions["vector"].to(dtype)
+        step = max(1, self.max_chunk_elements // max(1, cap.shape[0] * cap.shape[1]))
+        rows = []
+        for start in range(0, im.shape[0], step):
+            violation = (cap.unsqueeze(0) - im[start:start + step].unsqueeze(1)).clamp(min=0).pow(2).sum(-1)
+            rows.append(-violation if self.order_squared else -violation.clamp(min=1e-12).sqrt())
+        return torch.cat(rows, 0)
+
+    def loss(self, scores: torch.Tensor, penalty: torch.Tensor | None = None) -> torch.Tensor:
+        """Hinge over ``scores`` [B, B] (all negatives, margin 0.05) + λ · mean of ``penalty`` [B]."""
+        total = hinge_triplet_loss(scores, self.margin, self.max_violation)
+        if self.penalty_weight > 0:
+            if penalty is None:
+                raise ValueError("SEAM's loss needs the captions' attention penalty (use model.forward)")
+            total = total + self.penalty_weight * penalty.mean()
+        return total
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+                gather=None) -> torch.Tensor:
+        """One training step's loss: the hinge on the (gathered) batch plus this process's captions' penalty."""
+        images = self.encode_images(features, mask)
+        captions = self.encode_captions(tokens, lengths)
+        penalty = captions["penalty"]
+        if gather is not None:
+            images, captions = gather(images), gather(captions)
+        return self.loss(self.score(images, captions), penalty)
+
+
+#: The paper's settings (§3.2, COCO; the paper trains no Flickr30K model, so its preset is the same).
+SEAM_COMMON = {"epochs": 30, "lr": 1e-3, "lr_update": 15, "batch_size": 128, "grad_clip": 1.0,
+               "optimizer": "adam", "margin": 0.05, "max_violation": False, "embed_size": 1024, "word_dim": 300,
+               "attention_hidden": 300, "penalty_weight": 0.5, "conv_filters": 100, "gru_size": 512}
+
+
+def seam_preset(dataset: str | None, direction: str | None = None) -> dict:
+    """SEAM's published hyperparameters (identical for every dataset)."""
+    return dict(SEAM_COMMON)
+
+
+register_preset("seam", seam_preset)

@@ -1,0 +1,321 @@
+"""SMAN — Stacked Multi-modal Attention Network (Ji, Wang, Han, Pang; ``papers/sman.txt``).
+
+There is no public code; the paper is the specification and every point it leaves open is decided below
+(``docs/models-seam-sman.md`` has the table). Dimensions: ``M`` grid cells (49 = 7×7 ResNet-152 res5c),
+``D_in`` their size (2048), ``d`` the common size (512 in the paper: word embedding, GRU, LSTM, attention and
+joint space), ``L`` words of a caption.
+
+Image side (Eq. 2–7), pair-independent, computed by :meth:`SMAN.encode_images`:
+
+* ``v_glo = tanh(P0 · mean_m I_m)``; ``v_loc = mean_m GRU(I_1 … I_M)`` — a GRU (D_in → d) run over the cells
+  in raster order (row by row, the order the feature set stores them); ``v0 = v_glo + v_loc``
+  (``use_location=False`` drops ``v_loc``: the SMAN-IM ablation);
+* intra-modal attention: ``h_m = tanh(W_v I_m) ⊙ tanh(W_q v0)``, ``a = softmax_m(w_h · h_m)``,
+  ``v1 = tanh(P1 · Σ_m a_m I_m)``.
+
+Text side (Eq. 1, 8–11): word embedding (d, Xavier-uniform — the paper's "random initialization (Xavier
+initialization)") → bidirectional LSTM (d per direction), the two directions **averaged** per word (the text
+says "averaging", the printed formula adds; the choice only rescales S); ``t0 = mean_l S_l``;
+``t1 = Σ_l a_l S_l`` with the same attention form. Padded words are masked out of every mean and softmax.
+
+Multi-modal step (Eq. 12–18), pair-specific, computed by :meth:`SMAN.score` for every pair of a block:
+``v̂ = U_v(v0 + v1)``, ``t̂ = U_t(t0 + t1)``, ``o_v = σ(α v̂ + (1−α) t̂)``, ``o_t = σ(α t̂ + (1−α) v̂)``
+(α = 0.9; ``alpha=1`` is the SMAN-SIM ablation: stacked intra-modal attention), then the attention above with
+``o_v``/``o_t`` as queries gives ``v2 = tanh(P2 · Σ a I)`` and ``t2 = Σ a S``. ``multimodal_step=False`` stops
+after the first step (SMAN-IM / SMAN-IM-LOC ablations: two levels).
+
+Decisions where the paper is silent or contradicts itself:
+
+* Eq. 5/9/13/16 "⊙": the element-wise product of two tanh projections (each Linear with bias), as in DAN.
+* Eq. 7/15 print ``P (1/M) Σ α I``; the weights already sum to one, so the 1/M is read as a leftover of Eq. 2
+  and dropped (``divide_by_cells=True`` keeps it).
+* Score (Eq. 19–20): the sum of the per-level cosines ``Σ_k cos(v_k, t_k)``, for training and evaluation.
+  The paper's inference sentence (cosine of the concatenations ``[v0, v1, v2]``, ``[t0, t1, t2]``) ranks the
+  same only if each level is normalised first; ``eval_score="concat"`` evaluates with the raw concatenation.
+* Loss (Eq. 21–23): bidirectional hinge with the hardest negatives of the batch on the summed score (m1 =
+  0.2) plus ``λ · L_intra``. Eq. 22 is written on distances; on cosines the distance is ``1 − cos``, so the
+  term is ``[1 − cos_k(v_i, t_i) − m2]₊``. Its subscript ``k`` reads as one term per level, summed over the
+  levels (``intra_pair_level="each"``, default); ``"sum"`` applies it once to ``Σ_k (1 − cos_k)``. Both
+  printed terms of Eq. 22 are the same matched pair's distance (cosine is symmetric), so the term is counted
+  twice, as printed. ``intra_pair_weight=0`` is the SMAN-inter ablation.
+* Dropout (0.3, place unstated): on the grid features and on the word embeddings, before everything else.
+* Biases everywhere ("they actually exist in our model"); PyTorch's default initialisation otherwise.
+
+Scoring cost: the attention logits of the multi-modal step are ``(w_h ⊙ tanh(W I_m)) · tanh(W_q o)``, one
+batched matrix product per block, and ``P2 Σ a I = Σ a (P2 I)`` (the weights sum to one), so each image keeps
+its projected cells ``[M, d]`` (not ``[M, D_in]``) and a block costs ``O(n_img · n_cap · (M + L) · d)``
+without ever forming ``[n_img, n_cap, M, d]``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from retr.trainers.losses import hinge_triplet_loss
+from retr.trainers.models import register_model, register_preset
+from retr.trainers.models.base import Embeddings, MatchingModel
+
+INTRA_PAIR_LEVELS = ("each", "sum")
+EVAL_SCORES = ("sum", "concat")
+TEXT_RNNS = ("lstm", "gru")
+EPS = 1e-8
+
+
+def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``[B, max_len]`` bool, True at positions ``< lengths[b]``."""
+    return torch.arange(max_len, device=lengths.device).view(1, -1) < lengths.view(-1, 1)
+
+
+def masked_softmax(logits: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax of ``logits`` over ``dim`` where ``mask`` (broadcastable bool) is True; 0 elsewhere."""
+    logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+    return torch.softmax(logits, dim=dim) * mask
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` [B, T, d] over T where ``mask`` [B, T] is True → [B, d]."""
+    weights = mask.to(x.dtype).unsqueeze(-1)
+    return (x * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
+
+
+def cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cosine along the last axis (broadcasting), ``x·y / max(‖x‖‖y‖, 1e-8)``."""
+    return (x * y).sum(-1) / (x.norm(dim=-1) * y.norm(dim=-1)).clamp(min=EPS)
+
+
+class GuidedAttention(nn.Module):
+    """One attention step of SMAN: ``a = softmax(w_h · (tanh(W x_m) ⊙ tanh(W_q q)))`` over the items ``m``.
+
+    Split in two so that the pair-specific step never forms ``[n_img, n_cap, T, d]``: :meth:`keys` is
+    per item (``w_h ⊙ tanh(W x)``, [B, T, d]), :meth:`gate` per query (``tanh(W_q q)``, [..., d]); the logits are
+    their dot product. ``w_h``'s bias is dropped because softmax ignores a constant.
+    """
+
+    def __init__(self, in_dim: int, query_dim: int, hidden: int):
+        super().__init__()
+        self.item = nn.Linear(in_dim, hidden)     # W_v / W_t
+        self.query = nn.Linear(query_dim, hidden)  # W_{v,q} / W_{t,q}
+        self.logit = nn.Linear(hidden, 1)          # W_{v,h} / W_{t,h}
+
+    def keys(self, items: torch.Tensor) -> torch.Tensor:
+        """``items`` [B, T, in_dim] → ``w_h ⊙ tanh(W x)`` [B, T, hidden]."""
+        return torch.tanh(self.item(items)) * self.logit.weight.view(-1)
+
+    def gate(self, query: torch.Tensor) -> torch.Tensor:
+        """``query`` [..., query_dim] → ``tanh(W_q q)`` [..., hidden]."""
+        return torch.tanh(self.query(query))
+
+    def forward(self, items: torch.Tensor, mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """Weights [B, T] of ``items`` [B, T, in_dim] (``mask`` [B, T]) for one query per row, [B, query_dim]."""
+        logits = (self.keys(items) * self.gate(query).unsqueeze(1)).sum(-1)
+        return masked_softmax(logits, mask)
+
+
+class WordEncoder(nn.Module):
+    """Per-word features S ``[B, L', d]`` (L' = max length) of captions ``[B, L]``: embedding → bi-RNN, averaged.
+
+    ``rnn="lstm"`` is the paper's bi-LSTM; ``"gru"`` is offered for comparison with the GRU-based models.
+    Dropout applies to the word embeddings. Positions past a caption's length are 0.
+    """
+
+    def __init__(self, vocab_size: int, word_dim: int, hidden: int, rnn: str = "lstm", dropout: float = 0.0):
+        super().__init__()
+        if rnn not in TEXT_RNNS:
+            raise ValueError(f"text_rnn must be one of {', '.join(TEXT_RNNS)}, not {rnn!r}")
+        self.hidden = hidden
+        self.embed = nn.Embedding(vocab_size, word_dim)
+        nn.init.xavier_uniform_(self.embed.weight)
+        self.dropout = nn.Dropout(dropout)
+        cls = nn.LSTM if rnn == "lstm" else nn.GRU
+        self.rnn = cls(word_dim, hidden, batch_first=True, bidirectional=True)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(self.embed(tokens))
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=int(lengths.max()))
+        return (out[..., :self.hidden] + out[..., self.hidden:]) / 2
+
+
+@register_model("sman")
+class SMAN(MatchingModel):
+    """SMAN on grid features ``[B, M, D_in]`` (module docstring: equations and decisions)."""
+
+    def __init__(self, vocab_size: int, img_dim: int = 2048, embed_size: int = 512, word_dim: int = 512,
+                 alpha: float = 0.9, use_location: bool = True, multimodal_step: bool = True,
+                 intra_pair_weight: float = 1.0, intra_pair_margin: float = 0.25, intra_pair_level: str = "each",
+                 eval_score: str = "sum", divide_by_cells: bool = False, text_rnn: str = "lstm",
+                 dropout: float = 0.3, margin: float = 0.2, max_violation: bool = True):
+        super().__init__(margin, max_violation)
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        if intra_pair_level not in INTRA_PAIR_LEVELS:
+            raise ValueError(f"intra_pair_level must be one of {', '.join(INTRA_PAIR_LEVELS)}")
+        if eval_score not in EVAL_SCORES:
+            raise ValueError(f"eval_score must be one of {', '.join(EVAL_SCORES)}")
+        d = embed_size
+        self.alpha, self.use_location, self.multimodal_step = float(alpha), bool(use_location), bool(multimodal_step)
+        self.intra_pair_weight, self.intra_pair_margin = float(intra_pair_weight), float(intra_pair_margin)
+        self.intra_pair_level, self.eval_score, self.divide_by_cells = intra_pair_level, eval_score, divide_by_cells
+        self.feature_dropout = nn.Dropout(dropout)
+        # image side
+        self.img_global = nn.Linear(img_dim, d)                                   # P0
+        self.img_location = nn.GRU(img_dim, d, batch_first=True) if use_location else None
+        self.img_attn1 = GuidedAttention(img_dim, d, d)
+        self.img_proj1 = nn.Linear(img_dim, d)                                    # P1
+        # text side
+        self.txt_enc = WordEncoder(vocab_size, word_dim, d, text_rnn, dropout)
+        self.txt_attn1 = GuidedAttention(d, d, d)
+        if self.multimodal_step:
+            self.img_memory = nn.Linear(d, d)                                     # U_v
+            self.txt_memory = nn.Linear(d, d)                                     # U_t
+            self.img_attn2 = GuidedAttention(img_dim, d, d)
+            self.img_proj2 = nn.Linear(img_dim, d)                                # P2
+            self.txt_attn2 = GuidedAttention(d, d, d)
+        #: dtype of the cosine arithmetic in ``score`` (the evaluator may set float64)
+        self.score_dtype: torch.dtype | None = None
+        #: upper bound on n_img·n_cap·d elements per pair-specific chunk inside ``score``
+        self.max_chunk_elements = 1 << 23
+
+    # -- encoders (pair-independent) -------------------------------------------------------------------------
+    def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
+        """``features`` [B, M, D_in], ``mask`` [B, M] → ``v0``, ``v1`` [B, d]; ``keys``, ``values`` [B, M, d]; mask.
+
+        ``keys``/``values`` (only with the multi-modal step) are ``w_h ⊙ tanh(W2_v I_m)`` and ``P2 I_m``
+        without P2's bias: all the multi-modal step needs of the cells.
+        """
+        x = self.feature_dropout(features.float())
+        mask = mask.bool()
+        v0 = torch.tanh(self.img_global(masked_mean(x, mask)))
+        if self.img_location is not None:
+            hidden, _ = self.img_location(x)     # raster order: cells as stored, row by row
+            v0 = v0 + masked_mean(hidden, mask)
+        a1 = self.img_attn1(x, mask, v0)
+        v1 = torch.tanh(self.img_proj1(self._pool(a1, x, mask)))
+        out = {"v0": v0, "v1": v1, "mask": mask}
+        if self.multimodal_step:
+            out["keys"] = self.img_attn2.keys(x)
+            out["values"] = x @ self.img_proj2.weight.t()
+        return out
+
+    def _pool(self, weights: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        pooled = (weights.unsqueeze(-1) * x).sum(1)
+        if self.divide_by_cells:
+            pooled = pooled / mask.sum(1, keepdim=True).clamp(min=1)
+        return pooled
+
+    def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
+        """``tokens`` [B, L], ``lengths`` [B] → ``t0``, ``t1`` [B, d]; ``words`` S, ``keys`` [B, L', d]; ``mask``."""
+        words = self.txt_enc(tokens, lengths)
+        mask = lengths_mask(lengths.to(words.device), words.shape[1])
+        t0 = masked_mean(words, mask)
+        t1 = (self.txt_attn1(words, mask, t0).unsqueeze(-1) * words).sum(1)
+        out = {"t0": t0, "t1": t1, "words": words, "mask": mask}
+        if self.multimodal_step:
+            out["keys"] = self.txt_attn2.keys(words)
+        return out
+
+    # -- pair-specific scoring --------------------------------------------------------------------------------
+    def level_scores(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+        """Per-level cosines ``[n_img, n_cap, levels]`` (levels: v0·t0, v1·t1 and, with the multi-modal step, v2·t2)."""
+        return self._levels(images, captions, dots=False)
+
+    def score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+        """``[n_img, n_cap]``: Σ_k cos(v_k, t_k) (or, evaluating with ``eval_score="concat"``, the cosine of the
+        concatenated levels)."""
+        if self.eval_score == "concat" and not self.training:
+            parts = self._levels(images, captions, dots=True)   # [n_i, n_c, levels, 3]: v·t, ‖v‖², ‖t‖²
+            dot, vv, tt = parts.sum(2).unbind(-1)
+            return dot / (vv.sqrt() * tt.sqrt()).clamp(min=EPS)
+        return self.level_scores(images, captions).sum(-1)
+
+    def _levels(self, images: Embeddings, captions: Embeddings, dots: bool) -> torch.Tensor:
+        dtype = self.score_dtype or images["v0"].dtype
+        n_img, n_cap = images["v0"].shape[0], captions["t0"].shape[0]
+        pair_independent = []
+        for k in ("0", "1"):
+            v, t = images["v" + k].to(dtype), captions["t" + k].to(dtype)
+            if dots:
+                pair_independent.append(torch.stack(torch.broadcast_tensors(
+                    v @ t.t(), v.pow(2).sum(-1, keepdim=True), t.pow(2).sum(-1).unsqueeze(0)), -1))
+            else:
+                pair_independent.append(cosine(v.unsqueeze(1), t.unsqueeze(0)))
+        if not self.multimodal_step:
+            return torch.stack(pair_independent, 2)
+        d = images["v0"].shape[-1]
+        step = max(1, self.max_chunk_elements // max(1, n_cap * d))
+        chunks = [self._multimodal(images, captions, slice(i, i + step), dtype, dots) for i in range(0, n_img, step)]
+        return torch.stack([*pair_independent, torch.cat(chunks, 0)], 2)
+
+    def _multimodal(self, images: Embeddings, captions: Embeddings, rows: slice, dtype: torch.dtype,
+                    dots: bool) -> torch.Tensor:
+        """Level-2 cosines (or [v·t, ‖v‖², ‖t‖²]) of images ``rows`` × every caption: ``[n_i, n_cap(, 3)]``."""
+        v_mem = self.img_memory(images["v0"][rows] + images["v1"][rows])          # v̂ [n_i, d]
+        t_mem = self.txt_memory(captions["t0"] + captions["t1"])                   # t̂ [n_c, d]
+        a = self.alpha
+        o_v = torch.sigmoid(a * v_mem.unsqueeze(1) + (1 - a) * t_mem.unsqueeze(0))  # [n_i, n_c, d]
+        o_t = torch.sigmoid(a * t_mem.unsqueeze(0) + (1 - a) * v_mem.unsqueeze(1))  # [n_i, n_c, d]
+        # visual multi-modal attention: logits[i, c, m] = keys[i, m] · gate[i, c]
+        img_mask = images["mask"][rows]
+        logits = torch.bmm(self.img_attn2.gate(o_v), images["keys"][rows].transpose(1, 2))
+        weights = masked_softmax(logits, img_mask.unsqueeze(1))                     # [n_i, n_c, M]
+        pooled = torch.bmm(weights, images["values"][rows])                        # [n_i, n_c, d]
+        if self.divide_by_cells:
+            pooled = pooled / img_mask.sum(1).clamp(min=1).view(-1, 1, 1)
+        v2 = torch.tanh(pooled + self.img_proj2.bias)
+        # textual multi-modal attention: logits[i, c, l] = keys[c, l] · gate[i, c]
+        gate_t = self.txt_attn2.gate(o_t).transpose(0, 1)                          # [n_c, n_i, d]
+        logits_t = torch.bmm(gate_t, captions["keys"].transpose(1, 2))             # [n_c, n_i, L]
+        weights_t = masked_softmax(logits_t, captions["mask"].unsqueeze(1))
+        t2 = torch.bmm(weights_t, captions["words"]).transpose(0, 1)               # [n_i, n_c, d]
+        v2, t2 = v2.to(dtype), t2.to(dtype)
+        if dots:
+            return torch.stack(((v2 * t2).sum(-1), v2.pow(2).sum(-1), t2.pow(2).sum(-1)), -1)
+        return cosine(v2, t2)
+
+    # -- objective ----------------------------------------------------------------------------------------------
+    def intra_pair_loss(self, matched_levels: torch.Tensor) -> torch.Tensor:
+        """Eq. 22 on cosines for the matched pairs' per-level cosines ``[B, levels]``: a scalar (sum over pairs)."""
+        distance = 1 - matched_levels
+        if self.intra_pair_level == "sum":
+            distance = distance.sum(-1, keepdim=True)
+        per_direction = (distance - self.intra_pair_margin).clamp(min=0).sum()
+        return 2 * per_direction   # Eq. 22's two terms: d(v, t+) and d(t, v+) are the same matched pair
+
+    def loss(self, scores: torch.Tensor, matched_levels: torch.Tensor | None = None) -> torch.Tensor:
+        """Eq. 23: hinge (hardest negatives, m1) on ``scores`` [B, B] + λ · intra-pair on ``matched_levels``
+        [B, levels] (the per-level cosines of the diagonal pairs, required when λ > 0)."""
+        total = hinge_triplet_loss(scores, self.margin, self.max_violation)
+        if self.intra_pair_weight > 0:
+            if matched_levels is None:
+                raise ValueError("SMAN's loss needs the matched pairs' per-level cosines (use model.forward)")
+            total = total + self.intra_pair_weight * self.intra_pair_loss(matched_levels)
+        return total
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+                gather=None) -> torch.Tensor:
+        """One training step's loss (Eq. 23) for a batch whose i-th image and i-th caption match."""
+        images = self.encode_images(features, mask)
+        captions = self.encode_captions(tokens, lengths)
+        if gather is not None:
+            images, captions = gather(images), gather(captions)
+        levels = self.level_scores(images, captions)                                # [B, B, levels]
+        return self.loss(levels.sum(-1), levels.diagonal(dim1=0, dim2=1).t())
+
+
+#: The paper's settings (§IV-A3), the same for Flickr30K and COCO.
+SMAN_PRESET = {
+    "epochs": 60, "lr": 0.05, "lr_update": 50, "batch_size": 128, "grad_clip": 0.1,
+    "optimizer": "adadelta", "weight_decay": 5e-4,
+    "embed_size": 512, "word_dim": 512, "dropout": 0.3, "alpha": 0.9, "margin": 0.2, "max_violation": True,
+    "intra_pair_weight": 1.0, "intra_pair_margin": 0.25,
+}
+
+
+def sman_preset(dataset: str | None, direction: str | None = None) -> dict:
+    """SMAN's published hyperparameters (one set for both datasets: Adadelta 0.05 → 0.005 after epoch 50)."""
+    return dict(SMAN_PRESET)
+
+
+register_preset("sman", sman_preset)
