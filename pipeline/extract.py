@@ -1,0 +1,364 @@
+"""The extraction stage: manifest → sharded feature set (``DIR/NAME/shard-*.h5`` + the index ``DIR/NAME.h5``).
+
+Sharding. The manifest's N images are split into W shards of contiguous rows in manifest order: shard ``r``
+holds rows ``[r·N // W, (r+1)·N // W)`` (sizes differ by at most one). The assignment depends only on N and W,
+so any process, machine or re-run agrees on it, and the index (shards joined in order) lists the rows in
+manifest order, minus the images recorded in ``errors``.
+
+Who runs which shard. ``--num-shards W --shard-index r`` runs exactly shard r. Under ``torchrun`` (``RANK`` and
+``WORLD_SIZE`` in the environment) rank r of w runs shard r of w, or — with ``--num-shards W`` — shards
+``r, r+w, r+2w, …``. A plain run without flags does every shard in turn (one shard by default).
+
+Resume. A shard is written to ``shard-….h5.partial`` and renamed when complete (:class:`ShardWriter`); a
+complete shard is skipped by any later run, after checking it was made by the same extractor, weights,
+options and manifest (otherwise the run stops and says so rather than mixing feature sets). An interrupted
+shard is started again from its first row.
+
+Index. After its shards, every process takes an exclusive lock (``fcntl.flock`` on ``NAME/.index.lock``, so
+concurrent ranks never write it together) and, if all W shards are complete and the index is missing or
+older than a shard, writes it. Hence the last rank to finish — or any re-run — writes it; no
+``torch.distributed`` process group is needed. ``retr-pipeline index DIR/NAME`` does the same by hand.
+
+Decoding runs in DataLoader workers (``--workers``), so it overlaps the network; an image that cannot be read
+becomes one ``errors`` row ``(id, reason)`` and the run goes on.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import h5py
+import numpy as np
+from torch.utils.data import DataLoader, Dataset
+
+from retr.common.cli import progress
+from retr.common.errors import UserError
+from retr.extractors.base import Extractor, ImageError, build_extractor
+from retr.manifests.schema import ManifestRecord, manifest_sha256, read_manifest
+from retr.pipeline.store import (ShardWriter, decode_str, index_path_for, is_complete,
+                                 shard_name, shard_status, write_index)
+
+#: Attributes the shard writer adds that change with the run, not with what the features are; a complete
+#: shard from an earlier run must agree with this run on every other attribute to be reused.
+_RUN_ATTRS = ("created", "retr_version", "shard_index", "num_shards", "complete", "num_rows", "format_version")
+
+
+def shard_ranges(num_rows: int, num_shards: int) -> list[tuple[int, int]]:
+    """``[(start, stop)]`` of every shard: contiguous manifest rows, sizes differing by at most one."""
+    if num_shards < 1:
+        raise UserError(f"--num-shards must be at least 1, not {num_shards}")
+    return [(r * num_rows // num_shards, (r + 1) * num_rows // num_shards) for r in range(num_shards)]
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """What ``torchrun`` tells a process: its rank, the world size, its local rank (for ``cuda:N``)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> "DistributedEnv":
+        env = os.environ if environ is None else environ
+        try:
+            world = int(env.get("WORLD_SIZE", "1"))
+            rank = int(env.get("RANK", "0"))
+            local = int(env.get("LOCAL_RANK", str(rank)))
+        except ValueError:
+            raise UserError("RANK / WORLD_SIZE / LOCAL_RANK in the environment are not integers") from None
+        if not 0 <= rank < max(world, 1):
+            raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}")
+        return cls(rank, max(world, 1), local)
+
+
+def plan_shards(num_shards: int | None, shard_index: int | None,
+                env: DistributedEnv) -> tuple[int, list[int]]:
+    """``(W, the shard indices this process runs)`` from the flags and the torchrun environment."""
+    if shard_index is not None:
+        if num_shards is None:
+            raise UserError("--shard-index needs --num-shards")
+        if env.world_size > 1:
+            raise UserError("--shard-index under torchrun would make every rank write the same shard; "
+                            "leave it out (rank r takes shard r)")
+        if not 0 <= shard_index < num_shards:
+            raise UserError(f"--shard-index {shard_index} is outside 0..{num_shards - 1}")
+        return num_shards, [shard_index]
+    if env.world_size > 1:
+        count = env.world_size if num_shards is None else num_shards
+        if count < env.world_size:
+            raise UserError(f"--num-shards {count} is less than the {env.world_size} torchrun processes; "
+                            f"some would have nothing to do")
+        return count, list(range(env.rank, count, env.world_size))
+    count = 1 if num_shards is None else num_shards
+    if count < 1:
+        raise UserError(f"--num-shards must be at least 1, not {count}")
+    return count, list(range(count))
+
+
+class ImageFiles(Dataset):
+    """Rows of one shard for a DataLoader: item ``i`` → ``(i, sample or None, error reason or None)``."""
+
+    def __init__(self, paths: Sequence[str], preprocess: Callable[[str], Any]):
+        self.paths = list(paths)
+        self.preprocess = preprocess
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[int, Any, str | None]:
+        try:
+            return i, self.preprocess(self.paths[i]), None
+        except ImageError as exc:
+            return i, None, str(exc) or "unusable image"
+
+
+@dataclass
+class Batch:
+    """A collated batch: positions (within the shard) of usable images, their batch, and the failed ones."""
+
+    positions: list[int]
+    samples: Any
+    failures: list[tuple[int, str]]
+
+
+class BatchCollator:
+    """DataLoader ``collate_fn``: splits failed images off and batches the rest with ``extractor.collate``."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]):
+        self.collate = collate
+
+    def __call__(self, items: list[tuple[int, Any, str | None]]) -> Batch:
+        good = [(i, sample) for i, sample, reason in items if reason is None]
+        failures = [(i, reason) for i, _sample, reason in items if reason is not None]
+        samples = self.collate([s for _, s in good]) if good else None
+        return Batch([i for i, _ in good], samples, failures)
+
+
+@dataclass
+class ShardResult:
+    index: int
+    images: int
+    rows: int
+    errors: int
+    skipped: bool
+    seconds: float = 0.0
+
+
+@dataclass
+class ExtractionSummary:
+    """What one process did; :meth:`line` is the one-line report printed at the end."""
+
+    extractor: str
+    folder: Path
+    num_shards: int
+    shards: list[ShardResult] = field(default_factory=list)
+    index_path: Path | None = None
+    index_written: bool = False
+    missing_shards: int = 0
+    seconds: float = 0.0
+
+    @property
+    def images(self) -> int:
+        return sum(s.images for s in self.shards if not s.skipped)
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    @property
+    def errors(self) -> int:
+        return sum(s.errors for s in self.shards)
+
+    def line(self) -> str:
+        done = [s for s in self.shards if not s.skipped]
+        skipped = [s for s in self.shards if s.skipped]
+        run_seconds = sum(s.seconds for s in done)
+        parts = [f"{self.extractor}:"]
+        if done:
+            rate = self.images / run_seconds if run_seconds > 0 else 0.0
+            parts.append(f"{self.images} images in {len(done)} shard{'s' if len(done) != 1 else ''} "
+                         f"({run_seconds:.1f} s, {rate:.2f} images/s)")
+        if skipped:
+            parts.append(f"{len(skipped)} shard{'s' if len(skipped) != 1 else ''} already complete, skipped;")
+        parts.append(f"{self.rows} rows, {self.errors} unreadable image{'s' if self.errors != 1 else ''}"
+                     + (" (listed in errors)" if self.errors else "") + ";")
+        if self.index_written:
+            parts.append(f"index written: {self.index_path}")
+        elif self.index_path is not None:
+            parts.append(f"index up to date: {self.index_path}")
+        else:
+            parts.append(f"index not written yet: {self.missing_shards} of {self.num_shards} shards still to do "
+                         f"(the run that finishes last writes it; or `retr-pipeline index {self.folder}`)")
+        return " ".join(parts)
+
+
+def _comparable(attrs: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in attrs.items():
+        if key in _RUN_ATTRS:
+            continue
+        if isinstance(value, bytes):
+            value = value.decode("utf-8")
+        if isinstance(value, np.ndarray):
+            value = value.tolist()
+        if isinstance(value, np.generic):
+            value = value.item()
+        if isinstance(value, (list, tuple, dict)):
+            value = json.dumps(value)
+        out[key] = value
+    return out
+
+
+def check_existing_shard(path: Path, attrs: dict[str, Any], dtype: str, ids: list[str]) -> None:
+    """Refuse to reuse a complete shard made with other settings (attributes, dtype) or for other rows."""
+    from retr.pipeline.store import _attr_value  # the same JSON encoding the writer applies
+    with h5py.File(path, "r") as f:
+        have = _comparable({k: f.attrs[k] for k in f.attrs})
+        shard_ids = [decode_str(v) for v in f["ids"][:]]
+        error_ids = [decode_str(v) for v in f["errors"][:, 0]] if len(f["errors"]) else []
+    want = _comparable({k: _attr_value(v) for k, v in {**attrs, "dtype": dtype}.items()})
+    differing = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+    if differing:
+        key = differing[0]
+        raise UserError(f"{path} was made with {key} = {have.get(key)!r}, this run has {want.get(key)!r}; "
+                        f"use another --out or delete {path.parent} to start over")
+    if sorted(shard_ids + error_ids) != sorted(ids):
+        raise UserError(f"{path} holds other images than this manifest assigns to it; use another --out or delete "
+                        f"{path.parent} to start over")
+
+
+def run_shard(extractor: Extractor, records: Sequence[ManifestRecord], image_root: Path, path: Path,
+              attrs: dict[str, Any], dtype: str, shard_index: int, num_shards: int, batch_size: int,
+              workers: int, pin_memory: bool, bar) -> ShardResult:
+    """Extract ``records`` into the shard file ``path`` (atomically); update ``bar`` per batch."""
+    start = time.perf_counter()
+    paths = [str(image_root / record.path) for record in records]
+    loader = DataLoader(ImageFiles(paths, extractor.preprocessor()), batch_size=batch_size, shuffle=False,
+                        num_workers=workers, collate_fn=BatchCollator(extractor.collate), pin_memory=pin_memory,
+                        prefetch_factor=2 if workers > 0 else None)
+    rows = errors = 0
+    with ShardWriter(path, attrs, extractor.feature_shape, dtype=dtype, extras=extractor.extras,
+                     shard_index=shard_index, num_shards=num_shards) as writer:
+        for batch in loader:
+            for position, reason in batch.failures:
+                writer.add_error(records[position].id, reason)
+            errors += len(batch.failures)
+            if batch.positions:
+                out = extractor.extract(batch.samples)
+                ids = [records[p].id for p in batch.positions]
+                extras = {name: out[name] for name in extractor.extras}
+                try:
+                    writer.append(ids, out["features"], **extras)
+                except ValueError as exc:  # e.g. values beyond float16's range: the writer says what to do
+                    raise UserError(f"{path.name}: {exc}") from None
+                rows += len(ids)
+            bar.update(len(batch.positions) + len(batch.failures))
+    return ShardResult(shard_index, len(records), rows, errors, skipped=False,
+                       seconds=time.perf_counter() - start)
+
+
+def _existing_shard_result(path: Path, shard_index: int) -> ShardResult:
+    with h5py.File(path, "r") as f:
+        rows, errors = int(f["features"].shape[0]), int(f["errors"].shape[0])
+    return ShardResult(shard_index, rows + errors, rows, errors, skipped=True)
+
+
+def write_index_when_complete(folder: Path) -> tuple[Path | None, bool, int]:
+    """Under an exclusive lock: write ``DIR/NAME.h5`` if every shard is complete and the index is stale.
+
+    Returns ``(index path or None, whether it was written now, number of shards still missing)``.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".index.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        count, complete, _partial = shard_status(folder)
+        if count is None:
+            return None, False, 0
+        missing = count - len(complete)
+        if missing:
+            return None, False, missing
+        index = index_path_for(folder)
+        shards = [complete[i] for i in range(count)]
+        if is_complete(index) and all(index.stat().st_mtime_ns >= s.stat().st_mtime_ns for s in shards):
+            with h5py.File(index, "r") as f:
+                if int(f.attrs.get("num_shards", -1)) == count:
+                    return index, False, 0
+        return write_index(index, shards), True, 0
+
+
+def extract_features(manifest: str | os.PathLike, extractor: str, out: str | os.PathLike, *,
+                     image_root: str | os.PathLike | None = None, options: dict[str, Any] | None = None,
+                     batch_size: int = 8, workers: int = 2, num_shards: int | None = None,
+                     shard_index: int | None = None, dtype: str = "float16", quiet: bool = False,
+                     env: DistributedEnv | None = None,
+                     build: Callable[..., Extractor] = build_extractor) -> ExtractionSummary:
+    """Run extractor ``extractor`` over the manifest into ``out/<extractor>/`` and index it when complete.
+
+    Args:
+        manifest: JSON Lines manifest (validated entirely before any work).
+        out: the features folder; shards go to ``out/<extractor>/``, the index to ``out/<extractor>.h5``.
+        image_root: folder manifest paths are relative to (default: the manifest's folder).
+        options: builder options (``weights``, ``device``, ``half``, ``image_size``, …). Under torchrun a
+            ``cuda`` device becomes ``cuda:LOCAL_RANK``.
+        batch_size: images per network call; workers: DataLoader decoding processes (0 = in this process).
+        num_shards / shard_index / env: see the module docstring.
+        dtype: ``float16`` (default) or ``float32`` on disk.
+    """
+    started = time.perf_counter()
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, not {batch_size}")
+    if workers < 0:
+        raise UserError(f"--workers must be 0 or more, not {workers}")
+    env = env or DistributedEnv.from_environ()
+    count, mine = plan_shards(num_shards, shard_index, env)
+    manifest = Path(manifest)
+    records = read_manifest(manifest)
+    if not records:
+        raise UserError(f"manifest {manifest} has no images")
+    root = Path(image_root) if image_root is not None else manifest.resolve().parent
+    if not root.is_dir():
+        raise UserError(f"image root {root} is not a folder (give --image-root)")
+    folder = Path(out) / extractor
+    existing_count, complete, _partial = shard_status(folder)
+    if existing_count is not None and existing_count != count:
+        raise UserError(f"{folder} holds shards of a {existing_count}-shard run; use --num-shards {existing_count} "
+                        f"to resume it, or delete the folder to start over")
+
+    options = dict(options or {})
+    device = str(options.get("device", "cpu"))
+    if env.world_size > 1 and device == "cuda":
+        options["device"] = f"cuda:{env.local_rank}"
+    model = build(extractor, **options)
+    attrs = dict(model.attrs())
+    attrs["manifest_sha256"] = manifest_sha256(manifest)
+    ranges = shard_ranges(len(records), count)
+
+    summary = ExtractionSummary(extractor, folder, count)
+    todo = []
+    for r in mine:
+        start, stop = ranges[r]
+        path = folder / shard_name(r, count)
+        if r in complete:
+            check_existing_shard(path, attrs, dtype, [rec.id for rec in records[start:stop]])
+            summary.shards.append(_existing_shard_result(path, r))
+        else:
+            todo.append(r)
+    total = sum(ranges[r][1] - ranges[r][0] for r in todo)
+    pin = str(options.get("device", "cpu")).startswith("cuda")
+    rank_note = f" [rank {env.rank}/{env.world_size}]" if env.world_size > 1 else ""
+    with progress(total=total, desc=f"{extractor}{rank_note}", unit="img", quiet=quiet) as bar:
+        for r in todo:
+            start, stop = ranges[r]
+            summary.shards.append(run_shard(model, records[start:stop], root, folder / shard_name(r, count), attrs,
+                                            dtype, r, count, batch_size, workers, pin, bar))
+    summary.shards.sort(key=lambda s: s.index)
+    del model
+    summary.index_path, summary.index_written, summary.missing_shards = write_index_when_complete(folder)
+    summary.seconds = time.perf_counter() - started
+    return summary
