@@ -1,0 +1,530 @@
+"""JGCAR — Joint Global and Co-Attentive Representation learning (ACM MM 2018; ``papers/jgcar.txt``).
+
+There is no public code: the paper is the specification, and every choice it leaves open is listed below
+(and in ``docs/models-jgcar.md``) with the option that changes it.
+
+Shapes: ``N`` regions (196 = 14×14 VGG-16 pool5 cells), ``T`` words, ``d`` the joint dimension (256),
+``l`` the co-attention hidden size (512), ``B`` the batch, ``I``/``C`` images/captions of a scoring block.
+
+Component representations (§2.1)
+--------------------------------
+* Image: ``V_i = tanh(W_I r_i(n) + b_I)`` per region (Eq. 5) → ``[B, N, d]``.
+* Text: ``S^w = W_e g`` (Eq. 1, word_dim 512) → three convolutions of width 1, 2, 3 with ``tanh`` (Eq. 2, 512
+  channels each; the window ``t : t+c-1`` looks forward and the words are zero-padded after the caption, so
+  every caption keeps its length and padding words never leak in) → element-wise max over the three (Eq. 3)
+  → bi-LSTM with hidden size ``d``, the two directions **summed** (Eq. 4) → ``S^s`` ``[B, T, d]``, zero at
+  padding positions. Captions are cut to ``max_words`` tokens (``<start>``/``<end>`` count; 20 COCO, 15
+  Flickr30K, the paper's "maximum word numbers").
+* Dropout 0.5 "on each layer": applied to the region features before ``W_I``, to the word embeddings and to the
+  phrase features before the LSTM (``dropout``); not to ``V``/``S^s`` themselves, which the losses compare.
+
+Global branch (§2.2) — ``J_G = J1 + λ2 J2 + λ3 J3 + λ4 J4`` (Eq. 10, λ = 1)
+---------------------------------------------------------------------------
+* ``V̂``/``Ŝ``: mean of ``V`` over regions / of ``S^s`` over real words; ``Ω_ij = V̂_iᵀ Ŝ_j``.
+  ``global_similarity="dot"`` is the paper's printed dot product; ``"cosine"`` l2-normalises ``V̂``/``Ŝ`` first
+  (the paper gives no margin for its unnormalised scores, see ``margin``).
+* J1 (Eq. 6): the bidirectional triplet loss, summed over every (anchor, negative) — the shared
+  :func:`~retr.trainers.losses.hinge_triplet_loss` with ``max_violation=False``; captions of the same image in
+  the batch are not negatives of each other. Margin ``m`` (paper silent): 0.2, ``margin``.
+* J2/J3 (Eq. 7–8): intra-modal triplets ``[m − Ω_kk⁺ + Ω_kk⁻]₊`` among the batch's images / captions.
+  Positives share a label, negatives share none (the paper: COCO's 80 categories, Flickr30K's entity types,
+  "instances with no identical label" are negatives); an instance is always a positive of another row of the
+  same image. Labels come from a label file (``--labels``); without one the **fallback** is: two captions are
+  positives iff they describe the same image; two images are positives iff they share a *caption concept*
+  (:func:`caption_concepts`). Reduction (paper: a sum over all triplets, which grows as B³ and would
+  outweigh J1 by a factor ≈ B): ``intra_reduction="mean_positive"`` (default) sums over anchors and negatives
+  and averages over the anchor's positives — J1's scale, one positive per anchor; ``"sum"`` is the literal
+  sum over every triplet.
+* J4 (Eq. 9): de-correlation on the batch covariance **per spatial location**:
+  ``C(d1, d2) = 1/B Σ_k Σ_n (V_k(n, d1) − μ(n, d1)) (V_k(n, d2) − μ(n, d2))`` with ``μ`` the batch mean at each
+  location, ``J4 = ½(‖C_v‖²_F − ‖diag C_v‖²) + ½(‖C_t‖²_F − ‖diag C_t‖²)``; for text a location is a word
+  position and the mean at position t is over the captions that have a word there.
+
+Co-attention (§2.3, Eq. 11–15), for a pair (image i, caption j)
+---------------------------------------------------------------
+``A = S_j W_b V_iᵀ`` [T, N]; ``H^v = tanh(V_i W_vᵀ + b_v) ⊙ tanh(Aᵀ S_j W_sᵀ)`` [N, l];
+``H^s = tanh(S_j W_sᵀ + b_s) ⊙ tanh(A V_i W_vᵀ)`` [T, l]; ``a^v = softmax_N(H^v w_hv)``,
+``a^s = softmax_T(H^s w_hs)`` (padding masked); ``v̄ = Σ a^v V``, ``s̄ = Σ a^s S``; score ``α = cos(v̄, s̄)``.
+``b_v`` ∈ R^{l×N} and ``b_s`` ∈ R^{l×T} are per-position biases as printed (``position_bias=False`` uses one
+bias vector each; per-position ``b_s`` needs ``max_words`` rows). The scalar biases ``b_hv``/``b_hs`` of Eq. 13
+are left out: a constant added before a softmax changes nothing. Computation never forms ``A`` per pair:
+``Aᵀ S_j W_sᵀ = V_i Q_j`` with ``Q_j = W_bᵀ S_jᵀ S_j W_sᵀ`` [d, l] per caption and ``A V_i W_vᵀ = S_j R_i``
+with ``R_i = W_b V_iᵀ V_i W_vᵀ`` [d, l] per image, so a pair costs two ``[N, d]×[d, l]``-sized products.
+
+Bi-rank loss (Eq. 16) — ``J_C``
+-------------------------------
+Every ``α`` is a co-attentive image–caption score (the co-attention defines no image–image score), so the
+second ("intra-modal") term of Eq. 16 is read as: the anchor's positive caption ranks the anchor image among
+the anchor's intra-modal negative images. For an image anchor i with positive caption j:
+``P_i = 2 − softmax_γ(α(i, s) : s ∈ {j} ∪ S⁻_i)[j] − softmax_γ(α(v, j) : v ∈ {i} ∪ V⁻_i)[i]``, where S⁻_i are
+the ``num_negatives`` (M′ = 30) captions of other images with the lowest global score ``Ω_i·`` and V⁻_i the M′
+other images least similar to i by ``V̂ᵀV̂`` (the paper: "the top M′ most dissimilar"; which similarity is not
+said — the global one is used, it is cheap and is what the test-time shortlist uses). The caption anchor j is
+"defined in a similar way": V⁻_j by ``Ω_·j``, S⁻_j by ``ŜᵀŜ``, ``P_j = 2 − softmax(α(v, j))[i] −
+softmax(α(i, s))[j]``. ``J_C = Σ_i P_i + Σ_j P_j`` (a sum over the batch, like the other terms).
+``negative_mining="similar"`` takes the most similar negatives instead. ``gamma``: the text says 10 in §3.1 and
+20 in §3.4; default 10.
+
+Joint objective (Eq. 17): ``J = β J_G + (1 − β) J_C``, β = 0.5. At test time retrieval is two-step
+(:mod:`retr.trainers.two_step`): :meth:`JGCAR.global_score` shortlists, :meth:`JGCAR.score` re-ranks.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.utils.checkpoint import checkpoint
+
+from retr.common.errors import UserError
+from retr.trainers.losses import hinge_triplet_loss
+from retr.trainers.models import register_model, register_preset
+from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
+
+GLOBAL_SIMILARITIES = ("dot", "cosine")
+INTRA_REDUCTIONS = ("mean_positive", "sum")
+NEGATIVE_MINING = ("dissimilar", "similar")
+
+
+def _lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    return torch.arange(max_len, device=lengths.device).view(1, -1) < lengths.view(-1, 1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` [B, K, d] over K where ``mask`` [B, K] is True → ``[B, d]``."""
+    w = mask.to(x.dtype).unsqueeze(-1)
+    return (x * w).sum(1) / w.sum(1).clamp(min=1)
+
+
+# ------------------------------------------------------------------------------------------------ encoders
+
+class PhraseTextEncoder(nn.Module):
+    """Word → phrase → sentence-level features ``S^s`` ``[B, T, d]`` (Eq. 1–4); zero at padding positions."""
+
+    def __init__(self, vocab_size: int, word_dim: int = 512, phrase_dim: int = 512, embed_size: int = 256,
+                 dropout: float = 0.5):
+        super().__init__()
+        self.embed_size = embed_size
+        self.embed = nn.Embedding(vocab_size, word_dim)
+        self.convs = nn.ModuleList(nn.Conv1d(word_dim, phrase_dim, c) for c in (1, 2, 3))
+        self.lstm = nn.LSTM(phrase_dim, embed_size, batch_first=True, bidirectional=True)
+        self.dropout = nn.Dropout(dropout)
+        nn.init.uniform_(self.embed.weight, -0.1, 0.1)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``tokens`` [B, L] long, ``lengths`` [B] (≥ 1) → ``[B, max(lengths), d]``."""
+        t = int(lengths.max())
+        tokens = tokens[:, :t]
+        mask = _lengths_mask(lengths.to(tokens.device), t)
+        words = self.dropout(self.embed(tokens)) * mask.unsqueeze(-1)            # S^w, 0 after each caption
+        x = words.transpose(1, 2)                                                 # [B, word_dim, T]
+        phrases = torch.stack([torch.tanh(conv(F.pad(x, (0, c - 1))))            # window t : t+c-1
+                               for c, conv in zip((1, 2, 3), self.convs)]).amax(0)  # [B, phrase_dim, T]
+        phrases = self.dropout(phrases.transpose(1, 2))
+        packed = pack_padded_sequence(phrases, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=t)
+        return out[..., :self.embed_size] + out[..., self.embed_size:]           # sum of the two directions
+
+
+class MapEncoder(nn.Module):
+    """``[B, N, 512]`` pool5 cells → ``V`` ``[B, N, d]`` = tanh(W_I r + b_I) (Eq. 5)."""
+
+    def __init__(self, img_dim: int = 512, embed_size: int = 256, dropout: float = 0.5):
+        super().__init__()
+        self.fc = nn.Linear(img_dim, embed_size)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(self.dropout(features)))
+
+
+class CoAttention(nn.Module):
+    """Parallel co-attention of Eq. 11–15; scores aligned pairs (``pair_scores``) or whole blocks (``block_scores``)."""
+
+    def __init__(self, embed_size: int = 256, hidden: int = 512, num_regions: int = 196, max_words: int = 20,
+                 position_bias: bool = True):
+        super().__init__()
+        self.W_b = nn.Linear(embed_size, embed_size, bias=False)
+        self.W_v = nn.Linear(embed_size, hidden, bias=False)
+        self.W_s = nn.Linear(embed_size, hidden, bias=False)
+        self.b_v = nn.Parameter(torch.zeros(num_regions if position_bias else 1, hidden))
+        self.b_s = nn.Parameter(torch.zeros(max_words if position_bias else 1, hidden))
+        self.w_hv = nn.Linear(hidden, 1, bias=False)
+        self.w_hs = nn.Linear(hidden, 1, bias=False)
+        self.position_bias = position_bias
+
+    # pair-independent parts ------------------------------------------------------------------------------
+    def image_side(self, regions: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``regions`` [I, N, d] → ``X = tanh(V W_vᵀ + b_v)`` [I, N, l] and ``R = W_b Vᵀ V W_vᵀ`` [I, d, l]."""
+        n = regions.shape[1]
+        if self.position_bias and n != self.b_v.shape[0]:
+            raise UserError(f"JGCAR's per-region bias b_v was built for {self.b_v.shape[0]} regions, the features "
+                            f"have {n} (set num_regions, or position_bias=False)")
+        v = regions * mask.unsqueeze(-1).to(regions.dtype)
+        proj = self.W_v(v)                                                        # [I, N, l]
+        x = torch.tanh(proj + self.b_v.to(v.dtype))
+        r = v.transpose(1, 2) @ proj                                              # Vᵀ V W_vᵀ  [I, d, l]
+        r = torch.einsum("ed,idl->iel", self.W_b.weight.to(v.dtype), r)           # W_b · …     [I, d, l]
+        return {"X": x, "R": r}
+
+    def caption_side(self, words: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``words`` [C, T, d] → ``Z = tanh(S W_sᵀ + b_s)`` [C, T, l] and ``Q = W_bᵀ Sᵀ S W_sᵀ`` [C, d, l]."""
+        t = words.shape[1]
+        s = words * mask.unsqueeze(-1).to(words.dtype)
+        proj = self.W_s(s)                                                        # [C, T, l]
+        bias = self.b_s[:t] if self.position_bias else self.b_s
+        if self.position_bias and t > self.b_s.shape[0]:
+            raise ValueError(f"captions of {t} tokens exceed max_words={self.b_s.shape[0]}")
+        z = torch.tanh(proj + bias.to(s.dtype))
+        q = s.transpose(1, 2) @ proj                                              # Sᵀ S W_sᵀ   [C, d, l]
+        q = torch.einsum("de,cdl->cel", self.W_b.weight.to(s.dtype), q)           # W_bᵀ · …    [C, d, l]
+        return {"Z": z, "Q": q}
+
+    # the pair-specific step ------------------------------------------------------------------------------
+    def _aligned(self, v, vmask, x, r, s, smask, z, q) -> torch.Tensor:
+        """Scores ``[P]`` of P aligned pairs (all arguments have the pair on dim 0)."""
+        hv = x * torch.tanh(v @ q)                                                # [P, N, l]
+        hs = z * torch.tanh(s @ r)                                                # [P, T, l]
+        av = torch.softmax(self.w_hv(hv).squeeze(-1).masked_fill(~vmask, float("-inf")), dim=1)
+        as_ = torch.softmax(self.w_hs(hs).squeeze(-1).masked_fill(~smask, float("-inf")), dim=1)
+        v_bar = (av.unsqueeze(-1) * v).sum(1)                                     # [P, d]
+        s_bar = (as_.unsqueeze(-1) * s).sum(1)
+        return F.cosine_similarity(v_bar, s_bar, dim=-1, eps=1e-8)
+
+    def pair_scores(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor, cap_idx: torch.Tensor,
+                    chunk: int = 256, recompute: bool = False) -> torch.Tensor:
+        """α of pairs ``(img_idx[p], cap_idx[p])`` → ``[P]``; ``images``/``captions`` from ``image_side`` etc.
+
+        ``images`` holds ``regions``/``mask``/``X``/``R``, ``captions`` ``words``/``mask``/``Z``/``Q``. Pairs are
+        processed ``chunk`` at a time; with ``recompute`` (training) each chunk is checkpointed, so memory holds
+        only the block's tensors and the ``[P]`` outputs, not the ``[P, N, l]`` intermediates.
+        """
+        out = []
+        for start in range(0, img_idx.numel(), chunk):
+            ii, cc = img_idx[start:start + chunk], cap_idx[start:start + chunk]
+
+            def run(ii=ii, cc=cc, iv=images["regions"], ix=images["X"], ir=images["R"],
+                    cs=captions["words"], cz=captions["Z"], cq=captions["Q"]):
+                return self._aligned(iv[ii], images["mask"][ii], ix[ii], ir[ii],
+                                     cs[cc], captions["mask"][cc], cz[cc], cq[cc])
+            out.append(checkpoint(run, use_reentrant=False) if recompute else run())
+        return torch.cat(out) if out else images["regions"].new_zeros(0)
+
+    def block_scores(self, images: Embeddings, captions: Embeddings, chunk: int = 256) -> torch.Tensor:
+        """α of every pair of a block → ``[I, C]`` (the pairs are enumerated and scored ``chunk`` at a time)."""
+        n_img, n_cap = images["regions"].shape[0], captions["words"].shape[0]
+        device = images["regions"].device
+        img_idx = torch.arange(n_img, device=device).repeat_interleave(n_cap)
+        cap_idx = torch.arange(n_cap, device=device).repeat(n_img)
+        return self.pair_scores(images, captions, img_idx, cap_idx, chunk).view(n_img, n_cap)
+
+
+# ------------------------------------------------------------------------------------------------ losses
+
+def intra_modal_triplet(sims: torch.Tensor, positives: torch.Tensor, negatives: torch.Tensor, margin: float,
+                        reduction: str = "mean_positive") -> torch.Tensor:
+    """J2/J3 (Eq. 7–8) of a within-modality similarity matrix ``sims`` [B, B].
+
+    ``positives``/``negatives`` [B, B] bool (the diagonal is ignored). Triplet (k, p, n) costs
+    ``[margin − sims[k, p] + sims[k, n]]₊``. ``mean_positive``: Σ_k Σ_n mean_p; ``sum``: Σ_k Σ_p Σ_n.
+    """
+    if reduction not in INTRA_REDUCTIONS:
+        raise ValueError(f"intra_reduction must be one of {', '.join(INTRA_REDUCTIONS)}")
+    eye = torch.eye(sims.shape[0], dtype=torch.bool, device=sims.device)
+    pos, neg = positives & ~eye, negatives & ~eye & ~positives
+    cost = (margin - sims.unsqueeze(2) + sims.unsqueeze(1)).clamp(min=0)       # [k, p, n]
+    valid = pos.unsqueeze(2) & neg.unsqueeze(1)
+    cost = cost * valid.to(cost.dtype)
+    if reduction == "sum":
+        return cost.sum()
+    per_anchor_negative = cost.sum(1) / pos.sum(1, keepdim=True).clamp(min=1).to(cost.dtype)  # [k, n]
+    return per_anchor_negative.sum()
+
+
+def decorrelation_loss(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """½(‖C‖²_F − ‖diag C‖²) of the per-location batch covariance of ``x`` [B, K, d] (Eq. 9; ``mask`` [B, K])."""
+    w = mask.to(x.dtype).unsqueeze(-1)                                            # [B, K, 1]
+    mean = (x * w).sum(0, keepdim=True) / w.sum(0, keepdim=True).clamp(min=1)     # μ per location [1, K, d]
+    centred = (x - mean) * w
+    cov = torch.einsum("bkd,bke->de", centred, centred) / x.shape[0]
+    return 0.5 * (cov.pow(2).sum() - cov.diagonal().pow(2).sum())
+
+
+def bi_rank_loss(alpha_i2t: torch.Tensor, alpha_i2t_intra: torch.Tensor, alpha_t2i: torch.Tensor,
+                 alpha_t2i_intra: torch.Tensor, gamma: float) -> torch.Tensor:
+    """J_C (Eq. 16, both directions) from co-attentive scores of the comparison sets, summed over anchors.
+
+    Each argument is ``[B, 1 + M']``: column 0 the positive pair's α, the rest the negatives' (``-inf`` where an
+    anchor has fewer than M′ valid negatives). Image anchor: ``alpha_i2t`` = α(i, s) over {j} ∪ S⁻_i,
+    ``alpha_i2t_intra`` = α(v, j) over {i} ∪ V⁻_i; caption anchor: ``alpha_t2i`` = α(v, j) over {i} ∪ V⁻_j,
+    ``alpha_t2i_intra`` = α(i, s) over {j} ∪ S⁻_j. ``P = 2 − p_cross − p_intra`` per anchor.
+    """
+    def p0(a: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(gamma * a, dim=1)[:, 0]
+    p_images = 2 - p0(alpha_i2t) - p0(alpha_i2t_intra)
+    p_captions = 2 - p0(alpha_t2i) - p0(alpha_t2i_intra)
+    return p_images.sum() + p_captions.sum()
+
+
+def mine_negatives(sims: torch.Tensor, valid: torch.Tensor, count: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``sims`` [B, M], ``count`` columns among ``valid`` ones: the least (``dissimilar``) or most
+    (``similar``) similar. Returns (indices [B, count'], found [B, count'] bool), count' = min(count, M)."""
+    if mode not in NEGATIVE_MINING:
+        raise ValueError(f"negative_mining must be one of {', '.join(NEGATIVE_MINING)}")
+    count = min(count, sims.shape[1])
+    fill = float("inf") if mode == "dissimilar" else float("-inf")
+    keyed = sims.detach().masked_fill(~valid, fill)
+    values, idx = keyed.topk(count, dim=1, largest=(mode == "similar"))
+    return idx, torch.isfinite(values)
+
+
+# ----------------------------------------------------------------------------------------- intra-modal labels
+
+#: function words never used as caption concepts (NLTK's stopword list needs downloaded data)
+FUNCTION_WORDS = frozenset("""a an the of to in on at by for with from into onto over under above below near
+next beside behind front left right top bottom and or but is are was were be been being it its this that these
+those there here some two three four one while his her their them they he she him who which what as up down
+out off has have had having very <start> <end> <unk> <pad> . , ' ''""".split())
+
+
+def caption_concepts(captions_per_image: Sequence[Sequence[Sequence[str]]], min_captions: int = 2) -> list[set[str]]:
+    """The fallback image labels: words (not function words) found in at least ``min_captions`` of an image's
+    tokenised captions (a consensus of its captions, so one caption's detail does not make a label)."""
+    concepts = []
+    for captions in captions_per_image:
+        counts = Counter(w for caption in captions for w in set(caption) if w not in FUNCTION_WORDS)
+        concepts.append({w for w, n in counts.items() if n >= min(min_captions, len(captions))})
+    return concepts
+
+
+def read_label_file(path: str | os.PathLike) -> dict[str, list[str]]:
+    """Image labels from JSON ``{"<image id>": ["label", …], …}`` or JSON Lines ``{"id": …, "labels": […]}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"label file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        entries = data.items()
+    except ValueError:
+        entries = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                entries.append((obj["id"], obj["labels"]))
+            except (ValueError, KeyError, TypeError):
+                raise UserError(f"{path}:{n}: expected {{\"id\": …, \"labels\": […]}} per line, or one JSON "
+                                "object mapping image ids to label lists") from None
+    labels = {}
+    for image_id, values in entries:
+        if not isinstance(values, list) or not all(isinstance(v, (str, int)) for v in values):
+            raise UserError(f"{path}: labels of {image_id!r} must be a list of strings or integers")
+        labels[str(image_id)] = [str(v) for v in values]
+    return labels
+
+
+def labels_to_multihot(label_sets: Sequence[Sequence[str]]) -> torch.Tensor:
+    """``[N, L]`` bool multi-hot matrix of N label sets over their L distinct labels (sorted)."""
+    names = sorted({x for s in label_sets for x in s})
+    index = {x: k for k, x in enumerate(names)}
+    out = torch.zeros(len(label_sets), max(1, len(names)), dtype=torch.bool)
+    for row, s in enumerate(label_sets):
+        for x in s:
+            out[row, index[x]] = True
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- model
+
+@register_model("jgcar")
+class JGCAR(MatchingModel):
+    """JGCAR on VGG-16 14×14 maps (see the module docstring for every equation and choice)."""
+
+    def __init__(self, vocab_size: int, img_dim: int = 512, embed_size: int = 256, word_dim: int = 512,
+                 hidden_size: int = 512, num_regions: int = 196, max_words: int = 20, dropout: float = 0.5,
+                 position_bias: bool = True, global_similarity: str = "dot", margin: float = 0.2,
+                 lambda2: float = 1.0, lambda3: float = 1.0, lambda4: float = 1.0,
+                 intra_reduction: str = "mean_positive", gamma: float = 10.0, num_negatives: int = 30,
+                 negative_mining: str = "dissimilar", beta: float = 0.5, pair_chunk: int = 256,
+                 max_violation: bool = False):
+        super().__init__(margin, max_violation)
+        for value, allowed, what in ((global_similarity, GLOBAL_SIMILARITIES, "global_similarity"),
+                                     (intra_reduction, INTRA_REDUCTIONS, "intra_reduction"),
+                                     (negative_mining, NEGATIVE_MINING, "negative_mining")):
+            if value not in allowed:
+                raise ValueError(f"{what} must be one of {', '.join(allowed)}, not {value!r}")
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError("beta must be in [0, 1]")
+        self.max_words, self.global_similarity = int(max_words), global_similarity
+        self.lambda2, self.lambda3, self.lambda4 = float(lambda2), float(lambda3), float(lambda4)
+        self.intra_reduction, self.gamma = intra_reduction, float(gamma)
+        self.num_negatives, self.negative_mining = int(num_negatives), negative_mining
+        self.beta, self.pair_chunk = float(beta), int(pair_chunk)
+        self.img_enc = MapEncoder(img_dim, embed_size, dropout)
+        self.txt_enc = PhraseTextEncoder(vocab_size, word_dim, hidden_size, embed_size, dropout)
+        self.coattn = CoAttention(embed_size, hidden_size, num_regions, max_words, position_bias)
+        #: dtype of scoring (the evaluator sets float64); the embeddings are cast to it
+        self.score_dtype: torch.dtype | None = None
+
+    # -- the shared interface ---------------------------------------------------------------------------
+    def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
+        """``features`` [B, N, 512], ``mask`` [B, N] → ``regions`` V [B, N, d], ``mask``, ``global`` V̂ [B, d]."""
+        v = self.img_enc(features) * mask.unsqueeze(-1).to(features.dtype)
+        g = masked_mean(v, mask)
+        return {"regions": v, "mask": mask, "global": l2norm(g) if self.global_similarity == "cosine" else g}
+
+    def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
+        """``tokens`` [B, L], ``lengths`` [B] → ``words`` S^s [B, T, d] (T ≤ max_words), ``mask`` [B, T], ``global``."""
+        lengths = lengths.clamp(max=self.max_words)
+        words = self.txt_enc(tokens, lengths)
+        mask = _lengths_mask(lengths.to(words.device), words.shape[1])
+        g = masked_mean(words, mask)
+        return {"words": words, "mask": mask, "global": l2norm(g) if self.global_similarity == "cosine" else g}
+
+    def _dtype(self, images: Embeddings) -> torch.dtype:
+        return self.score_dtype or images["regions"].dtype
+
+    def global_score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+        """Ω = V̂ Ŝᵀ ``[n_img, n_cap]``: the first step of retrieval and J1's scores."""
+        dtype = self._dtype(images)
+        return images["global"].to(dtype) @ captions["global"].to(dtype).t()
+
+    def _sides(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype) -> tuple[Embeddings, Embeddings]:
+        regions, words = images["regions"].to(dtype), captions["words"].to(dtype)
+        img = {"regions": regions, "mask": images["mask"].bool(),
+               **self.coattn.image_side(regions, images["mask"].bool())}
+        cap = {"words": words, "mask": captions["mask"].bool(),
+               **self.coattn.caption_side(words, captions["mask"].bool())}
+        return img, cap
+
+    def score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+        """Co-attentive α of every pair of the block ``[n_img, n_cap]`` (Eq. 11–15): the re-rank score."""
+        img, cap = self._sides(images, captions, self._dtype(images))
+        return self.coattn.block_scores(img, cap, self.pair_chunk)
+
+    def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor,
+                   cap_idx: torch.Tensor) -> torch.Tensor:
+        """Co-attentive α of the listed pairs ``[P]`` only (two-step re-ranking scores only its shortlist)."""
+        img, cap = self._sides(images, captions, self._dtype(images))
+        return self.coattn.pair_scores(img, cap, img_idx, cap_idx, self.pair_chunk)
+
+    # -- the objective ----------------------------------------------------------------------------------
+    def joint_loss(self, images: Embeddings, captions: Embeddings, image_index: torch.Tensor,
+                   image_labels: torch.Tensor | None = None, caption_labels: torch.Tensor | None = None,
+                   terms: dict[str, float] | None = None) -> torch.Tensor:
+        """J = β J_G + (1 − β) J_C of a batch whose row k pairs image k with caption k.
+
+        ``image_index`` [B] identifies each row's image (rows of the same image are positives everywhere);
+        ``image_labels`` [B, L] bool are the label-file labels or the caption-concept fallback of each row's
+        image (None: only same-image rows are intra-modal positives); ``caption_labels`` [B, L] bool are used
+        for J3 (None: captions are positives iff same image — the fallback). ``terms``, if given, receives each
+        term's value (floats) for logging.
+        """
+        same = image_index.view(-1, 1) == image_index.view(1, -1)                  # [B, B]
+        omega = self.global_score(images, captions)                                # [B, B]
+        j1 = hinge_triplet_loss(omega, self.margin, max_violation=self.max_violation, positives=same)
+
+        def related(labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            if labels is None:
+                return same, ~same
+            shared = (labels.float() @ labels.float().t()) > 0
+            return same | shared, ~same & ~shared
+        gi, gc = images["global"], captions["global"]
+        img_pos, img_neg = related(image_labels)
+        cap_pos, cap_neg = related(caption_labels)
+        j2 = intra_modal_triplet(gi @ gi.t(), img_pos, img_neg, self.margin, self.intra_reduction)
+        j3 = intra_modal_triplet(gc @ gc.t(), cap_pos, cap_neg, self.margin, self.intra_reduction)
+        j4 = decorrelation_loss(images["regions"], images["mask"].bool()) + \
+            decorrelation_loss(captions["words"], captions["mask"].bool())
+        j_g = j1 + self.lambda2 * j2 + self.lambda3 * j3 + self.lambda4 * j4
+        j_c = self.bi_rank(images, captions, omega, gi @ gi.t(), gc @ gc.t(), same) if self.beta < 1 else omega.new_zeros(())
+        if terms is not None:
+            terms.update(j1=float(j1), j2=float(j2), j3=float(j3), j4=float(j4), j_g=float(j_g), j_c=float(j_c))
+        return self.beta * j_g + (1 - self.beta) * j_c
+
+    def bi_rank(self, images: Embeddings, captions: Embeddings, omega: torch.Tensor, image_sims: torch.Tensor,
+                caption_sims: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
+        """J_C: mine the comparison sets from the global similarities, score them co-attentively, Eq. 16."""
+        b = omega.shape[0]
+        rows = torch.arange(b, device=omega.device)
+        other = ~same
+        s_neg, s_ok = mine_negatives(omega, other, self.num_negatives, self.negative_mining)          # S⁻_i
+        v_neg_i, v_ok_i = mine_negatives(image_sims, other, self.num_negatives, self.negative_mining)  # V⁻_i
+        v_neg, v_ok = mine_negatives(omega.t(), other, self.num_negatives, self.negative_mining)      # V⁻_j
+        s_neg_j, s_ok_j = mine_negatives(caption_sims, other, self.num_negatives, self.negative_mining)  # S⁻_j
+        m = s_neg.shape[1]
+        anchor = rows.view(-1, 1).expand(b, m)
+        # pairs (image, caption): positives, then the four negative sets
+        img_idx = torch.cat([rows, anchor.reshape(-1), v_neg_i.reshape(-1), v_neg.reshape(-1), anchor.reshape(-1)])
+        cap_idx = torch.cat([rows, s_neg.reshape(-1), anchor.reshape(-1), anchor.reshape(-1), s_neg_j.reshape(-1)])
+        img, cap = self._sides(images, captions, images["regions"].dtype)
+        alpha = self.coattn.pair_scores(img, cap, img_idx, cap_idx, self.pair_chunk,
+                                        recompute=torch.is_grad_enabled())
+        pos, rest = alpha[:b].view(b, 1), alpha[b:].view(4, b, m)
+
+        def comparison(neg: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+            return torch.cat([pos, neg.masked_fill(~ok, float("-inf"))], dim=1)
+        return bi_rank_loss(comparison(rest[0], s_ok), comparison(rest[1], v_ok_i), comparison(rest[2], v_ok),
+                            comparison(rest[3], s_ok_j), self.gamma)
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+                gather: Callable[[Embeddings], Embeddings] | None = None, image_index: torch.Tensor | None = None,
+                image_labels: torch.Tensor | None = None, caption_labels: torch.Tensor | None = None) -> torch.Tensor:
+        """One training step's joint loss (``image_index`` [B] defaults to every row being its own image)."""
+        images = self.encode_images(features, mask)
+        captions = self.encode_captions(tokens, lengths)
+        extras = {"image_index": image_index if image_index is not None
+                  else torch.arange(features.shape[0], device=features.device)}
+        if image_labels is not None:
+            extras["image_labels"] = image_labels
+        if caption_labels is not None:
+            extras["caption_labels"] = caption_labels
+        if gather is not None:
+            images, captions, extras = gather(images), gather(captions), gather(extras)
+        return self.joint_loss(images, captions, extras["image_index"], extras.get("image_labels"),
+                               extras.get("caption_labels"))
+
+    def loss(self, scores: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("JGCAR's objective needs the embeddings: call forward() or joint_loss()")
+
+
+# ------------------------------------------------------------------------------------------------ presets
+
+JGCAR_COMMON = {"embed_size": 256, "word_dim": 512, "hidden_size": 512, "img_dim": 512, "num_regions": 196,
+                "dropout": 0.5, "batch_size": 200, "epochs": 128, "early_stop": 5, "lr": 4e-4, "momentum": 0.99,
+                "weight_decay": 1e-8, "gamma": 10.0, "num_negatives": 30, "beta": 0.5, "lambda2": 1.0,
+                "lambda3": 1.0, "lambda4": 1.0, "margin": 0.2, "global_similarity": "dot",
+                "negative_mining": "dissimilar", "intra_reduction": "mean_positive", "position_bias": True}
+JGCAR_MAX_WORDS = {"coco": 20, "f30k": 15}
+
+
+def jgcar_preset(dataset: str | None, direction: str | None = None) -> dict:
+    """The paper's §3.1 settings; ``max_words`` 20 on COCO, 15 on Flickr30K (None → Flickr30K's)."""
+    return {**JGCAR_COMMON, "max_words": JGCAR_MAX_WORDS[dataset or "f30k"]}
+
+
+register_preset("jgcar", jgcar_preset)
+
+
+def coattention_parameter_names(model: nn.Module) -> list[str]:
+    """Names of the co-attention parameters (trained with RMSprop; the encoders with SGD, §3.1)."""
+    return [name for name, _ in model.named_parameters() if name.startswith("coattn.")]
+
+
+def split_parameters(model: "JGCAR") -> Mapping[str, list[nn.Parameter]]:
+    """``{"global": encoder parameters (SGD), "coattention": co-attention parameters (RMSprop)}``."""
+    groups: dict[str, list[nn.Parameter]] = {"global": [], "coattention": []}
+    for name, p in model.named_parameters():
+        groups["coattention" if name.startswith("coattn.") else "global"].append(p)
+    return groups
