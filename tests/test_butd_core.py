@@ -40,7 +40,7 @@ def test_decode_uses_plus_one_widths():
     anchors = torch.tensor([[0.0, 0.0, 15.0, 15.0]])  # 16×16, centre 8
     assert decode_deltas(anchors, torch.zeros(1, 4)).tolist() == [[0.0, 0.0, 16.0, 16.0]]
     moved = decode_deltas(anchors, torch.tensor([[0.5, -0.25, float(np.log(2.0)), 0.0]]))
-    assert torch.allclose(moved, torch.tensor([[0.0, -4.0, 32.0, 12.0]])  # centre (16, 4), size 32×16)
+    assert torch.allclose(moved, torch.tensor([[0.0, -4.0, 32.0, 12.0]]))  # centre (16, 4), size 32×16
 
 
 def test_clip_and_min_size():
