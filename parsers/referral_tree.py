@@ -19,7 +19,8 @@ Labels
   falls back to WordNet's lemmatizer when NLTK's WordNet data is installed, else to the lower-cased form.
 * An entity slot holds *candidates*, most specific first: the compound noun (``tennis_racket``, modifiers
   as written, head as lemma), the adjective–noun pair (the ``amod`` adjective nearest the noun, e.g.
-  ``a small red circle`` → ``red_circle``), then the noun lemma (``circle``). The dictionary decides: the
+  ``a small red circle`` → ``red_circle``; an adjectival participle keeps its form: ``parked_car``), then
+  the noun lemma (``circle``). The dictionary decides: the
   first candidate it knows is the slot's id. An empty candidate list is ``null``. Only nouns (``NOUN``,
   ``PROPN``) are entities; pronouns and numbers are ``null``.
 * A relation slot holds one label: a verb lemma (``ride``), a verb with particle (``pick_up``), a verb that
@@ -342,7 +343,10 @@ class TreeBuilder:
             candidates.append("_".join([c.form.lower() for c in compounds] + [head]))
         adjectives = [a for a in s.kids(noun, "amod") if a.id < noun.id and a.upos in ("ADJ", "VERB")
                       and a.lemma not in NON_DESCRIPTIVE_ADJECTIVES]
-        adjective = adjectives[-1].lemma if adjectives else predicative_adjective
+        # participles keep their form: "a parked car" → parked_car, not park_car
+        nearest = adjectives[-1] if adjectives else None
+        adjective = (nearest.form.lower() if nearest.upos == "VERB" else nearest.lemma) if nearest \
+            else predicative_adjective
         if adjective:
             candidates.append(f"{adjective}_{head}")
         candidates.append(head)
