@@ -12,7 +12,8 @@ from retr.common.errors import UserError
 _MODELS: dict[str, type] = {}
 _PRESETS: dict[str, Callable[[str | None, str | None], dict]] = {}
 #: modules that register models on import; later models append themselves here
-MODEL_MODULES = ["retr.trainers.models.scan", "retr.trainers.models.vsepp", "retr.trainers.models.jgcar"]
+MODEL_MODULES = ["retr.trainers.models.scan", "retr.trainers.models.vsepp", "retr.trainers.models.jgcar",
+                 "retr.trainers.models.smfea"]
 
 
 def register_model(name: str):

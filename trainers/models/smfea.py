@@ -1,0 +1,278 @@
+"""SMFEA — Structured Multi-modal Feature Embedding and Alignment (ACM MM 2021), on CVSE's instance and concept
+branches. Decisions the paper leaves open are listed in ``docs/models-smfea.md``; each is an option here.
+
+Image side (``encode_images``), regions ``[B, K, D_in]`` with mask ``[B, K]``:
+
+1. regions → ``Linear(D_in → d)`` (Xavier, SCAN's ``RegionEncoder``) → l2norm per region: ``v_i`` [B, K, d];
+2. instance feature (Eq. 1–3, CVSE's form): ``h_i = tanh(BN(fc1 v_i)) ⊙ tanh(BN(fc2 v̄))``, ``α = softmax_i(fc3 h_i)``,
+   ``V_D = l2norm(Σ α_i v_i)`` with ``v̄`` the mean of the real regions (padding regions get no weight and are left
+   out of the mean and of the batch-norm statistics);
+3. VCS-Tree (:class:`~retr.trainers.models.tree_lstm.StructuredTreeEncoder`): node logits and ``V_T`` [B, d];
+4. consensus concepts (:mod:`~retr.trainers.models.concepts`): ``w_v`` [B, C] and ``V_C = l2norm(w_v · C)``;
+5. ``V_F = l2norm(β_d V_D + β_t V_T + β_c V_C)`` (Eq. 15; normalised so the score is the cosine of Eq. 17).
+
+Caption side (``encode_captions``), tokens ``[B, L]``: bi-GRU words (directions averaged, l2norm per word), the same
+attention without batch norm and with padding masked (CVSE does not mask it — a defect we do not copy), TCS-Tree,
+concepts with the text label mixing ``w_t = r·softmax(10·y) + (1−r)·w`` and ``S_F`` likewise.
+
+The concept labels ``y`` of a caption come from **its own tokens** through the buffer ``token_concepts`` [V]
+(vocabulary id → concept id, −1 for none; set by the training command from ``concepts.h5``). So at evaluation a
+caption's embedding — hence its score — depends on nothing but that caption: no information from the other
+captions of its image. In training, CVSE mixes the *image's* labels (the union over its captions) instead;
+``train_text_labels="image"`` (default) does that with the labels the loop passes, ``"caption"`` keeps the
+caption's own also in training.
+
+Loss (Eq. 20): ``Rank(V_F, S_F) + L_CE + D_KL`` —
+``Rank``: the shared hinge loss (hardest negatives, margin 0.2, sum over the batch);
+``L_CE`` (Eq. 18): for each pair, Σ over the 7 nodes of the cross-entropy of the image tree's and of the text
+tree's node distribution against the caption's referral tree (leaves against entity ids, inner nodes against
+relation ids; ``null`` and ``unknown`` are ordinary classes, as the paper's Figure 4 shows them predicted);
+``D_KL`` (Eq. 19): for each pair, Σ over nodes of ``KL(P_V ‖ P_S)``. Both are averaged over the batch (the paper
+gives no batch reduction; a sum over a batch of 128 would outweigh the ranking term a hundredfold) and weighted
+by ``ce_weight``/``kl_weight`` (1 in Eq. 20). Ablations (Tables 5–7): ``use_trees=False`` (no tree encoders,
+no L_CE/D_KL, fusion ``β_d V_D + β_c V_C``), ``kl_weight=0``, ``ce_weight=0``, any ``β``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from retr.trainers.models import register_model, register_preset
+from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
+from retr.trainers.models.concepts import (ConceptAttention, ConceptGCN, consensus_vector, mix_text_labels)
+from retr.trainers.models.scan import RegionEncoder
+from retr.trainers.models.text import GRUWordEncoder
+from retr.trainers.models.tree_lstm import ENTITY_SLOTS, NUM_NODES, RELATION_SLOTS, StructuredTreeEncoder
+
+TRAIN_TEXT_LABELS = ("image", "caption")
+
+
+def _lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    return torch.arange(max_len, device=lengths.device).view(1, -1) < lengths.view(-1, 1)
+
+
+class MeanQueryAttention(nn.Module):
+    """Attention pooling with the mean as query (CVSE's instance attention): ``[B, K, d]`` + mask → ``[B, d]``.
+
+    ``h_k = tanh(N(fc1 x_k)) ⊙ tanh(N(fc2 x̄))``, ``α = softmax_k(fc3 h_k)`` over unmasked positions,
+    output ``l2norm(Σ α_k x_k)``; ``N`` is BatchNorm1d (image side) or the identity (text side). Batch-norm
+    statistics use only the unmasked positions.
+    """
+
+    def __init__(self, embed_size: int, batch_norm: bool):
+        super().__init__()
+        self.fc_local = nn.Linear(embed_size, embed_size)
+        self.fc_query = nn.Linear(embed_size, embed_size)
+        self.fc_score = nn.Linear(embed_size, 1)
+        self.bn_local = nn.BatchNorm1d(embed_size) if batch_norm else None
+        self.bn_query = nn.BatchNorm1d(embed_size) if batch_norm else None
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = mask.to(x.dtype).unsqueeze(-1)                                  # [B, K, 1]
+        mean = (x * weights).sum(1) / weights.sum(1).clamp(min=1)                  # [B, d]
+        local = self.fc_local(x)                                                   # [B, K, d]
+        query = self.fc_query(mean)                                                # [B, d]
+        if self.bn_local is not None:
+            valid = local[mask]                                                    # [n_valid, d]
+            local = local.masked_scatter(mask.unsqueeze(-1), self.bn_local(valid).to(local.dtype))
+            query = self.bn_query(query)
+        h = torch.tanh(local) * torch.tanh(query).unsqueeze(1)
+        logits = self.fc_score(h).squeeze(-1).masked_fill(~mask, float("-inf"))   # [B, K]
+        alpha = torch.softmax(logits, dim=-1)
+        return l2norm((alpha.unsqueeze(-1) * x).sum(1), dim=-1)
+
+
+def node_cross_entropy(entity_logits: torch.Tensor, relation_logits: torch.Tensor,
+                       nodes: torch.Tensor) -> torch.Tensor:
+    """Per sample ``Σ_nodes CE`` [B]: logits [B, 4, E] (slots 0 2 4 6), [B, 3, R] (slots 1 3 5); nodes [B, 7]."""
+    nodes = nodes.long()
+    ce_e = F.cross_entropy(entity_logits.transpose(1, 2), nodes[:, list(ENTITY_SLOTS)], reduction="none")
+    ce_r = F.cross_entropy(relation_logits.transpose(1, 2), nodes[:, list(RELATION_SLOTS)], reduction="none")
+    return ce_e.sum(1) + ce_r.sum(1)
+
+
+def node_kl(image: Embeddings, text: Embeddings) -> torch.Tensor:
+    """Per pair ``Σ_nodes KL(P_V ‖ P_S)`` [B] between the image and text trees' node distributions."""
+    total = 0.0
+    for key in ("entity_logits", "relation_logits"):
+        log_pv = F.log_softmax(image[key], dim=-1)
+        log_ps = F.log_softmax(text[key], dim=-1)
+        total = total + (log_pv.exp() * (log_pv - log_ps)).sum(-1).sum(-1)
+    return total
+
+
+@register_model("smfea")
+class SMFEA(MatchingModel):
+    """SMFEA: instance + tree + consensus-concept embeddings fused by β, trained with Eq. 20."""
+
+    def __init__(self, vocab_size: int, num_entities: int, num_relations: int, num_concepts: int,
+                 img_dim: int = 2048, embed_size: int = 1024, word_dim: int = 300, tree_hidden: int = 128,
+                 tree_input_dim: int | None = None, forget_gate: str = "as-printed", tree_residual: bool = False,
+                 use_trees: bool = True, beta_d: float = 0.6, beta_t: float = 0.2, beta_c: float = 0.2,
+                 ce_weight: float = 1.0, kl_weight: float = 1.0, label_ratio: float = 0.35,
+                 concept_smooth: float = 10.0, concept_word_dim: int = 300, concept_vectors: str = "learned",
+                 train_text_labels: str = "image", margin: float = 0.2, max_violation: bool = True):
+        super().__init__(margin, max_violation)
+        if train_text_labels not in TRAIN_TEXT_LABELS:
+            raise ValueError(f"train_text_labels must be one of {', '.join(TRAIN_TEXT_LABELS)}")
+        self.use_trees = bool(use_trees)
+        self.betas = (float(beta_d), float(beta_t) if use_trees else 0.0, float(beta_c))
+        self.ce_weight = float(ce_weight) if use_trees else 0.0
+        self.kl_weight = float(kl_weight) if use_trees else 0.0
+        self.label_ratio, self.concept_smooth = float(label_ratio), float(concept_smooth)
+        self.train_text_labels = train_text_labels
+        self.num_concepts = int(num_concepts)
+        self.img_enc = RegionEncoder(img_dim, embed_size)
+        self.img_attn = MeanQueryAttention(embed_size, batch_norm=True)
+        self.txt_enc = GRUWordEncoder(vocab_size, word_dim, embed_size, bidirectional=True)
+        self.txt_attn = MeanQueryAttention(embed_size, batch_norm=False)
+        if self.use_trees:
+            tree_args = dict(embed_size=embed_size, num_entities=num_entities, num_relations=num_relations,
+                             hidden_size=tree_hidden, input_dim=tree_input_dim, forget_gate=forget_gate,
+                             residual=tree_residual)
+            self.img_tree = StructuredTreeEncoder(**tree_args)
+            self.txt_tree = StructuredTreeEncoder(**tree_args)
+        self.gcn = ConceptGCN(num_concepts, concept_word_dim, 512, embed_size, concept_vectors)
+        self.img_concept_attn = ConceptAttention(embed_size, concept_smooth)
+        self.txt_concept_attn = ConceptAttention(embed_size, concept_smooth)
+        #: vocabulary id → concept id (−1: the word is no concept); set from concepts.h5 by the command
+        self.register_buffer("token_concepts", torch.full((vocab_size,), -1, dtype=torch.long))
+        self.score_dtype: torch.dtype | None = None
+
+    # ---------------------------------------------------------------------------------------------- inputs
+    @torch.no_grad()
+    def set_token_concepts(self, token_concepts: torch.Tensor) -> None:
+        """Install the vocabulary → concept map ``[V]`` long (−1 = none)."""
+        if token_concepts.shape != self.token_concepts.shape:
+            raise ValueError(f"token_concepts must be {tuple(self.token_concepts.shape)}")
+        if int(token_concepts.max()) >= self.num_concepts:
+            raise ValueError("token_concepts names a concept id beyond num_concepts")
+        self.token_concepts.copy_(token_concepts)
+
+    def caption_concept_labels(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Multi-hot ``[B, C]`` float of the concepts among each caption's own tokens."""
+        concept = self.token_concepts[tokens]                                        # [B, L]
+        valid = _lengths_mask(lengths.to(tokens.device), tokens.shape[1]) & (concept >= 0)
+        labels = torch.zeros(tokens.shape[0], self.num_concepts + 1, device=tokens.device)
+        labels.scatter_(1, torch.where(valid, concept, self.num_concepts), 1.0)
+        return labels[:, :self.num_concepts]
+
+    # ---------------------------------------------------------------------------------------------- encoders
+    def _branches(self, instance: torch.Tensor, tree: StructuredTreeEncoder | None,
+                  concept_attn: ConceptAttention, labels: torch.Tensor | None) -> Embeddings:
+        out: Embeddings = {"instance": instance}
+        beta_d, beta_t, beta_c = self.betas
+        fused = beta_d * instance
+        if tree is not None:
+            nodes = tree(instance)
+            fused = fused + beta_t * nodes["tree"]
+            out["tree"] = nodes["tree"]
+            if self.training:   # node distributions only feed the training losses; evaluation skips them
+                out["entity_logits"], out["relation_logits"] = nodes["entity_logits"], nodes["relation_logits"]
+        if beta_c != 0.0:
+            concepts = self.gcn()                                                    # [C, d]
+            weights = concept_attn(concepts, instance)
+            if labels is not None:
+                weights = mix_text_labels(weights, labels, self.label_ratio, self.concept_smooth)
+            out["concept"] = consensus_vector(weights, concepts)
+            fused = fused + beta_c * out["concept"]
+        out["fused"] = l2norm(fused, dim=-1)
+        return out
+
+    def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
+        """``features`` [B, K, D_in], ``mask`` [B, K] → ``fused`` [B, d] (+ ``instance``/``tree``/``concept``
+        [B, d]; in training also ``entity_logits`` [B, 4, E], ``relation_logits`` [B, 3, R])."""
+        regions = self.img_enc(features)
+        instance = self.img_attn(regions, mask)
+        return self._branches(instance, self.img_tree if self.use_trees else None, self.img_concept_attn, None)
+
+    def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor,
+                        concept_labels: torch.Tensor | None = None) -> Embeddings:
+        """``tokens`` [B, L], ``lengths`` [B] → as :meth:`encode_images`. ``concept_labels`` [B, C] replaces the
+        caption's own labels (training with ``train_text_labels="image"`` only)."""
+        words = self.txt_enc(tokens, lengths)
+        instance = self.txt_attn(words, _lengths_mask(lengths.to(words.device), words.shape[1]))
+        labels = concept_labels if concept_labels is not None else self.caption_concept_labels(tokens, lengths)
+        return self._branches(instance, self.txt_tree if self.use_trees else None, self.txt_concept_attn, labels)
+
+    def score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+        """Cosine of the fused vectors ``[n_img, n_cap]``."""
+        dtype = self.score_dtype or images["fused"].dtype
+        return images["fused"].to(dtype) @ captions["fused"].to(dtype).t()
+
+    # ---------------------------------------------------------------------------------------------- loss
+    def loss(self, scores: torch.Tensor, images: Embeddings | None = None, captions: Embeddings | None = None,
+             nodes: torch.Tensor | None = None) -> torch.Tensor:
+        """Eq. 20 for a batch of matching pairs: ``scores`` [B, B]; ``nodes`` [B, 7] the captions' trees."""
+        return sum(self.loss_terms(scores, images, captions, nodes).values())
+
+    def loss_terms(self, scores: torch.Tensor, images: Embeddings | None, captions: Embeddings | None,
+                   nodes: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        terms = {"rank": super().loss(scores)}
+        if self.use_trees and (self.ce_weight or self.kl_weight):
+            if images is None or captions is None or "entity_logits" not in images:
+                raise ValueError("SMFEA's tree losses need the training-mode embeddings of both sides")
+            if self.ce_weight:
+                if nodes is None:
+                    raise ValueError("SMFEA's node cross-entropy needs the captions' referral trees (nodes [B, 7])")
+                ce = (node_cross_entropy(images["entity_logits"], images["relation_logits"], nodes)
+                      + node_cross_entropy(captions["entity_logits"], captions["relation_logits"], nodes))
+                terms["node_ce"] = self.ce_weight * ce.mean()
+            if self.kl_weight:
+                terms["node_kl"] = self.kl_weight * node_kl(images, captions).mean()
+        return terms
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+                gather: Callable[[Embeddings], Embeddings] | None = None, nodes: torch.Tensor | None = None,
+                image_concept_labels: torch.Tensor | None = None) -> torch.Tensor:
+        """One training step's loss. ``nodes`` [B, 7] int: each caption's referral tree; ``image_concept_labels``
+        [B, C]: the concept labels of each caption's image (used when ``train_text_labels="image"``)."""
+        labels = image_concept_labels.float() if (self.train_text_labels == "image"
+                                                  and image_concept_labels is not None) else None
+        images = self.encode_images(features, mask)
+        captions = self.encode_captions(tokens, lengths, labels)
+        if nodes is not None:
+            captions["nodes"] = nodes.long()
+        if gather is not None:
+            images, captions = gather(images), gather(captions)
+        return self.loss(self.score(images, captions), images, captions, captions.get("nodes"))
+
+    # ---------------------------------------------------------------------------------------------- analysis
+    @torch.no_grad()
+    def predict_nodes(self, embeddings: Embeddings | None = None, *, features: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
+                      lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Predicted node ids ``[B, 7]`` (slot order) of the image tree (``features``/``mask``) or the text
+        tree (``tokens``/``lengths``)."""
+        if not self.use_trees:
+            raise ValueError("this SMFEA was trained without trees")
+        if features is not None:
+            instance = self.img_attn(self.img_enc(features), mask)
+            tree = self.img_tree
+        else:
+            words = self.txt_enc(tokens, lengths)
+            instance = self.txt_attn(words, _lengths_mask(lengths.to(words.device), words.shape[1]))
+            tree = self.txt_tree
+        out = tree(instance)
+        pred = torch.empty(instance.shape[0], NUM_NODES, dtype=torch.long, device=instance.device)
+        pred[:, list(ENTITY_SLOTS)] = out["entity_logits"].argmax(-1)
+        pred[:, list(RELATION_SLOTS)] = out["relation_logits"].argmax(-1)
+        return pred
+
+
+# ------------------------------------------------------------------------------------------------ presets
+SMFEA_COMMON = {"batch_size": 128, "grad_clip": 2.0, "margin": 0.2, "max_violation": True, "embed_size": 1024,
+                "word_dim": 300, "tree_hidden": 128, "beta_d": 0.6, "beta_t": 0.2, "beta_c": 0.2,
+                "epochs": 50, "lr": 2e-4, "lr_update": 25}
+
+
+def smfea_preset(dataset: str | None, direction: str | None = None) -> dict:
+    """SMFEA §4.2 (Adam 2e-4 ×0.1 every 25 epochs, 50 epochs, margin 0.2, node hidden 128, β = 0.6/0.2/0.2);
+    CVSE's label ratio r: 0.4 COCO, 0.35 Flickr30K (the default)."""
+    return {**SMFEA_COMMON, "label_ratio": 0.4 if dataset == "coco" else 0.35}
+
+
+register_preset("smfea", smfea_preset)
