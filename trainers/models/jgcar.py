@@ -305,17 +305,21 @@ def caption_concepts(captions_per_image: Sequence[Sequence[Sequence[str]]], min_
 
 
 def read_label_file(path: str | os.PathLike) -> dict[str, list[str]]:
-    """Image labels from JSON ``{"<image id>": ["label", …], …}`` or JSON Lines ``{"id": …, "labels": […]}``."""
+    """Image labels from JSON ``{"<image id>": ["label", …], …}`` or, for a ``.jsonl`` file, JSON Lines
+    ``{"id": …, "labels": […]}`` (e.g. COCO's instance categories or Flickr30K's entity types per image)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"label file {path} does not exist")
     text = path.read_text(encoding="utf-8")
-    try:
-        data = json.loads(text)
+    if path.suffix != ".jsonl":
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise UserError(f"{path} is not JSON ({exc}); JSON Lines files must end in .jsonl") from None
         if not isinstance(data, dict):
-            raise ValueError("not an object")
-        entries = data.items()
-    except ValueError:
+            raise UserError(f"{path}: expected one JSON object mapping image ids to label lists")
+        entries = list(data.items())
+    else:
         entries = []
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -414,10 +418,31 @@ class JGCAR(MatchingModel):
         return self.coattn.block_scores(img, cap, self.pair_chunk)
 
     def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor,
-                   cap_idx: torch.Tensor) -> torch.Tensor:
-        """Co-attentive α of the listed pairs ``[P]`` only (two-step re-ranking scores only its shortlist)."""
-        img, cap = self._sides(images, captions, self._dtype(images))
-        return self.coattn.pair_scores(img, cap, img_idx, cap_idx, self.pair_chunk)
+                   cap_idx: torch.Tensor, image_block: int = 128) -> torch.Tensor:
+        """Co-attentive α of the listed pairs only → ``[P]`` (two-step re-ranking scores only its shortlists).
+
+        Memory stays bounded for any number of images and captions: pairs are taken ``image_block`` images at
+        a time (the images' ``X``/``R`` computed once per block) and ``pair_chunk`` pairs at a time (the chunk's
+        captions' ``Z``/``Q`` computed per chunk, about a tenth of a pair's cost).
+        """
+        dtype = self._dtype(images)
+        out = images["regions"].new_empty(img_idx.numel(), dtype=dtype)
+        n_img = images["regions"].shape[0]
+        for start in range(0, n_img, image_block):
+            sel = torch.nonzero((img_idx >= start) & (img_idx < start + image_block)).view(-1)
+            if sel.numel() == 0:
+                continue
+            block = {"regions": images["regions"][start:start + image_block], "mask": images["mask"][start:start + image_block]}
+            img = {"regions": block["regions"].to(dtype), "mask": block["mask"].bool()}
+            img.update(self.coattn.image_side(img["regions"], img["mask"]))
+            for c in range(0, sel.numel(), self.pair_chunk):
+                part = sel[c:c + self.pair_chunk]
+                caps, inverse = torch.unique(cap_idx[part], return_inverse=True)
+                words = captions["words"][caps].to(dtype)
+                mask = captions["mask"][caps].bool()
+                cap = {"words": words, "mask": mask, **self.coattn.caption_side(words, mask)}
+                out[part] = self.coattn.pair_scores(img, cap, img_idx[part] - start, inverse, chunk=part.numel())
+        return out
 
     # -- the objective ----------------------------------------------------------------------------------
     def joint_loss(self, images: Embeddings, captions: Embeddings, image_index: torch.Tensor,

@@ -1,0 +1,277 @@
+"""JGCAR: shapes and masking, every loss against its direct formula, pair/block scoring, two-step retrieval."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from retr.trainers.losses import hinge_triplet_loss
+from retr.trainers.models import create_model, preset
+from retr.trainers.models.jgcar import (JGCAR, caption_concepts, decorrelation_loss, intra_modal_triplet,
+                                        labels_to_multihot, read_label_file)
+from retr.trainers.two_step import rerank_matrices
+
+torch.set_num_threads(1)
+
+
+def small_model(**overrides) -> JGCAR:
+    args = dict(vocab_size=30, img_dim=8, embed_size=6, word_dim=5, hidden_size=7, num_regions=9, max_words=8,
+                dropout=0.0, num_negatives=3)
+    args.update(overrides)
+    torch.manual_seed(0)
+    model = create_model("jgcar", **args)
+    with torch.no_grad():   # non-zero position biases, so the masking tests see them
+        model.coattn.b_v.normal_()
+        model.coattn.b_s.normal_()
+    return model.double().eval()
+
+
+def batch(b=5, n=9, dim=8, max_len=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(b, n, dim, generator=g, dtype=torch.float64)
+    lengths = torch.randint(2, max_len + 1, (b,), generator=g)
+    tokens = torch.randint(4, 30, (b, max_len), generator=g)
+    for k in range(b):
+        tokens[k, lengths[k]:] = 0
+    return features, torch.ones(b, n, dtype=torch.bool), tokens, lengths
+
+
+def test_registry_and_presets():
+    assert preset("jgcar", "coco")["max_words"] == 20 and preset("jgcar", "f30k")["max_words"] == 15
+    p = preset("jgcar")
+    assert (p["embed_size"], p["batch_size"], p["gamma"], p["num_negatives"], p["beta"]) == (256, 200, 10.0, 30, 0.5)
+
+
+def test_shapes():
+    model = small_model()
+    features, mask, tokens, lengths = batch()
+    images, captions = model.encode_images(features, mask), model.encode_captions(tokens, lengths)
+    assert images["regions"].shape == (5, 9, 6) and images["global"].shape == (5, 6)
+    assert captions["words"].shape == (5, int(lengths.max()), 6) and captions["global"].shape == (5, 6)
+    assert model.score(images, captions).shape == (5, 5)
+    assert model.global_score(images, captions).shape == (5, 5)
+    # padding positions of S^s are exactly zero
+    assert torch.all(captions["words"][~captions["mask"]] == 0)
+
+
+def test_padded_caption_scores_like_unpadded():
+    model = small_model()
+    features, mask, tokens, lengths = batch()
+    images = model.encode_images(features, mask)
+    short = torch.tensor([[1, 7, 9, 2]])
+    alone = model.encode_captions(short, torch.tensor([4]))
+    padded_tokens = torch.tensor([[1, 7, 9, 2, 0, 0, 0], [1, 5, 6, 7, 8, 9, 2]])
+    padded_tokens_other = padded_tokens.clone()
+    padded_tokens_other[0, 4:] = 13                    # whatever sits after the length must not matter
+    for toks in (padded_tokens, padded_tokens_other):
+        together = model.encode_captions(toks, torch.tensor([4, 7]))
+        torch.testing.assert_close(model.score(images, together)[:, :1], model.score(images, alone))
+        torch.testing.assert_close(model.global_score(images, together)[:, :1], model.global_score(images, alone))
+
+
+def test_masked_regions_do_not_matter():
+    model = small_model(position_bias=False)
+    features, mask, tokens, lengths = batch()
+    captions = model.encode_captions(tokens, lengths)
+    mask[:, 6:] = False
+    a = model.score(model.encode_images(features, mask), captions)
+    features[:, 6:] = 100.0
+    b = model.score(model.encode_images(features, mask), captions)
+    torch.testing.assert_close(a, b)
+
+
+def direct_coattention(model: JGCAR, v: torch.Tensor, s: torch.Tensor) -> float:
+    """Eq. 11–15 for one pair as printed (A formed explicitly), ``v`` [N, d], ``s`` [T, d] real positions only."""
+    c = model.coattn
+    a = s @ c.W_b.weight @ v.t()                                                     # [T, N]
+    hv = torch.tanh(v @ c.W_v.weight.t() + c.b_v[:v.shape[0]]) * torch.tanh(a.t() @ s @ c.W_s.weight.t())
+    hs = torch.tanh(s @ c.W_s.weight.t() + c.b_s[:s.shape[0]]) * torch.tanh(a @ v @ c.W_v.weight.t())
+    av = torch.softmax(hv @ c.w_hv.weight.view(-1), 0)
+    as_ = torch.softmax(hs @ c.w_hs.weight.view(-1), 0)
+    vb, sb = av @ v, as_ @ s
+    return float((vb @ sb / (vb.norm() * sb.norm())).detach())
+
+
+def test_coattention_matches_direct_equations():
+    model = small_model()
+    features, mask, tokens, lengths = batch()
+    images, captions = model.encode_images(features, mask), model.encode_captions(tokens, lengths)
+    scores = model.score(images, captions)
+    for i in range(5):
+        for j in range(5):
+            s = captions["words"][j, :int(lengths[j])]
+            assert scores[i, j].item() == pytest.approx(direct_coattention(model, images["regions"][i], s), abs=1e-10)
+
+
+def test_blockwise_equals_pairs_one_by_one_and_pair_score():
+    model = small_model(pair_chunk=4)
+    features, mask, tokens, lengths = batch(b=6)
+    images, captions = model.encode_images(features, mask), model.encode_captions(tokens, lengths)
+    block = model.score(images, captions)
+    one = torch.tensor([[model.score({k: v[i:i + 1] for k, v in images.items()},
+                                     {k: v[j:j + 1, :int(lengths[j])] for k, v in captions.items()}).item()
+                         for j in range(6)] for i in range(6)], dtype=torch.float64)
+    torch.testing.assert_close(block, one)
+    ii = torch.tensor([5, 0, 3, 3, 1, 2, 4])
+    cc = torch.tensor([1, 0, 5, 2, 2, 4, 0])
+    torch.testing.assert_close(model.pair_score(images, captions, ii, cc, image_block=2), block[ii, cc])
+
+
+def test_global_losses_against_direct_formulas():
+    g = torch.Generator().manual_seed(1)
+    b = 6
+    omega = torch.randn(b, b, generator=g, dtype=torch.float64)
+    image_index = torch.tensor([0, 0, 1, 2, 3, 3])
+    same = image_index.view(-1, 1) == image_index.view(1, -1)
+    m = 0.3
+    direct = 0.0
+    for i in range(b):
+        for j in range(b):
+            if not same[i, j]:
+                direct += max(0.0, m - omega[i, i] + omega[i, j])   # Eq. 6, caption j negative of image i
+                direct += max(0.0, m - omega[j, j] + omega[i, j])   # image i negative of caption j
+    assert hinge_triplet_loss(omega, m, max_violation=False, positives=same).item() == pytest.approx(float(direct))
+
+    sims = torch.randn(b, b, generator=g, dtype=torch.float64)
+    labels = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 0], [0, 0, 1], [1, 0, 1], [0, 0, 1]], dtype=torch.bool)
+    pos = (labels.float() @ labels.float().t() > 0) | same
+    neg = ~pos
+    for reduction in ("sum", "mean_positive"):
+        direct = 0.0
+        for k in range(b):
+            ps = [p for p in range(b) if p != k and pos[k, p]]
+            for n in range(b):
+                if n == k or not neg[k, n]:
+                    continue
+                costs = [max(0.0, m - float(sims[k, p]) + float(sims[k, n])) for p in ps]
+                if costs:
+                    direct += sum(costs) if reduction == "sum" else sum(costs) / len(costs)
+        got = intra_modal_triplet(sims, pos, neg, m, reduction).item()
+        assert got == pytest.approx(direct), reduction
+
+
+def test_decorrelation_against_eq9():
+    g = torch.Generator().manual_seed(2)
+    b, k, d = 4, 3, 5
+    x = torch.randn(b, k, d, generator=g, dtype=torch.float64)
+    mask = torch.ones(b, k, dtype=torch.bool)
+    mu = x.mean(0)                                                               # [K, d]
+    c = torch.zeros(d, d, dtype=torch.float64)
+    for d1 in range(d):
+        for d2 in range(d):
+            c[d1, d2] = sum(float((x[kk, :, d1] - mu[:, d1]) @ (x[kk, :, d2] - mu[:, d2])) for kk in range(b)) / b
+    direct = 0.5 * (float((c ** 2).sum()) - float((c.diagonal() ** 2).sum()))
+    assert decorrelation_loss(x, mask).item() == pytest.approx(direct)
+    # text: the mean at a word position is over the captions that have a word there
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    c = torch.zeros(d, d, dtype=torch.float64)
+    for n in range(k):
+        rows = [kk for kk in range(b) if mask[kk, n]]
+        mu_n = x[rows, n].mean(0)
+        for kk in rows:
+            c += torch.outer(x[kk, n] - mu_n, x[kk, n] - mu_n) / b
+    direct = 0.5 * (float((c ** 2).sum()) - float((c.diagonal() ** 2).sum()))
+    assert decorrelation_loss(x, mask).item() == pytest.approx(direct)
+
+
+@pytest.mark.parametrize("mining", ["dissimilar", "similar"])
+def test_bi_rank_loss_against_eq16(mining):
+    b, m_neg, gamma = 6, 2, 10.0
+    model = small_model(num_negatives=m_neg, gamma=gamma, negative_mining=mining)
+    g = torch.Generator().manual_seed(3)
+    table = torch.rand(b, b, generator=g, dtype=torch.float64) * 2 - 1          # α(image, caption)
+    model.coattn.pair_scores = lambda img, cap, ii, cc, chunk=0, recompute=False: table[ii, cc]
+    omega = torch.randn(b, b, generator=g, dtype=torch.float64)
+    isims = torch.randn(b, b, generator=g, dtype=torch.float64)
+    csims = torch.randn(b, b, generator=g, dtype=torch.float64)
+    image_index = torch.tensor([0, 1, 1, 2, 3, 4])
+    same = image_index.view(-1, 1) == image_index.view(1, -1)
+    dummy = {"regions": torch.zeros(b, 9, 6, dtype=torch.float64), "mask": torch.ones(b, 9, dtype=torch.bool)}
+    dummy_c = {"words": torch.zeros(b, 3, 6, dtype=torch.float64), "mask": torch.ones(b, 3, dtype=torch.bool)}
+    got = model.bi_rank(dummy, dummy_c, omega, isims, csims, same).item()
+
+    def pick(scores, k):
+        cands = [j for j in range(b) if not same[k, j]]
+        cands.sort(key=lambda j: float(scores[j]), reverse=(mining == "similar"))
+        return cands[:m_neg]
+
+    def p(pos, negs):
+        den = math.exp(gamma * pos) + sum(math.exp(gamma * x) for x in negs)
+        return math.exp(gamma * pos) / den
+    direct = 0.0
+    for k in range(b):
+        pos = float(table[k, k])
+        s_neg, v_neg = pick(omega[k], k), pick(isims[k], k)                        # image anchor k
+        direct += 2 - p(pos, [float(table[k, j]) for j in s_neg]) - p(pos, [float(table[i, k]) for i in v_neg])
+        v_neg, s_neg = pick(omega[:, k], k), pick(csims[k], k)                     # caption anchor k
+        direct += 2 - p(pos, [float(table[i, k]) for i in v_neg]) - p(pos, [float(table[k, j]) for j in s_neg])
+    assert got == pytest.approx(direct)
+
+
+def test_joint_loss_is_beta_mix_and_trains():
+    model = small_model(num_negatives=2).train()
+    features, mask, tokens, lengths = batch(b=6)
+    index = torch.tensor([0, 0, 1, 2, 3, 4])
+    images, captions = model.encode_images(features, mask), model.encode_captions(tokens, lengths)
+    terms: dict = {}
+    loss = model.joint_loss(images, captions, index, terms=terms)
+    j_g = terms["j1"] + terms["j2"] + terms["j3"] + terms["j4"]
+    assert terms["j_g"] == pytest.approx(j_g)
+    assert loss.item() == pytest.approx(0.5 * j_g + 0.5 * terms["j_c"])
+    loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if n.startswith(("coattn.W", "img_enc", "txt_enc.lstm")))
+    # forward (what the loop calls) gives the same loss
+    assert model(features, mask, tokens, lengths, image_index=index).item() == pytest.approx(loss.item())
+
+
+def test_two_step_with_full_shortlist_equals_full_rerank():
+    model = small_model()
+    features, mask, tokens, lengths = batch(b=7)
+    images, captions = model.encode_images(features, mask), model.encode_captions(tokens, lengths)
+    full = model.score(images, captions)
+    g = model.global_score(images, captions)
+    i2t, t2i = rerank_matrices(g, lambda ii, cc: model.pair_score(images, captions, ii, cc), shortlist=100)
+    torch.testing.assert_close(i2t, full)
+    torch.testing.assert_close(t2i, full)
+
+
+def test_two_step_shortlist_placement():
+    g = torch.tensor([[0.9, 0.1, 0.5, 0.3], [0.2, 0.8, 0.7, 0.1], [0.4, 0.6, 0.0, 0.95]], dtype=torch.float64)
+    alpha = torch.tensor([[-0.5, 0.2, 0.9, 0.1], [0.3, -0.9, 0.4, 0.0], [0.6, 0.7, 0.8, -1.0]], dtype=torch.float64)
+    i2t, t2i = rerank_matrices(g, lambda ii, cc: alpha[ii, cc], shortlist=2)
+    for row in range(3):
+        top = set(g[row].topk(2).indices.tolist())
+        for col in range(4):
+            if col in top:
+                assert i2t[row, col] == alpha[row, col]
+            else:
+                assert i2t[row, col] < alpha.min()
+        rest = [c for c in range(4) if c not in top]
+        order = sorted(rest, key=lambda c: -float(g[row, c]))
+        assert sorted(rest, key=lambda c: -float(i2t[row, c])) == order
+    for col in range(4):
+        top = set(g[:, col].topk(2).indices.tolist())
+        for row in range(3):
+            assert (t2i[row, col] == alpha[row, col]) == (row in top)
+
+
+def test_labels_and_concepts(tmp_path):
+    path = tmp_path / "labels.json"
+    path.write_text('{"a": ["dog", "cat"], "b": ["cat"], "c": []}')
+    assert read_label_file(path) == {"a": ["dog", "cat"], "b": ["cat"], "c": []}
+    lines = tmp_path / "labels.jsonl"
+    lines.write_text('{"id": "a", "labels": [3]}\n{"id": "b", "labels": [3, 5]}\n')
+    assert read_label_file(lines) == {"a": ["3"], "b": ["3", "5"]}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a"}\n')
+    from retr.common.errors import UserError
+    with pytest.raises(UserError, match="bad.jsonl:1"):
+        read_label_file(bad)
+    hot = labels_to_multihot([["dog", "cat"], ["cat"], []])
+    assert hot.tolist() == [[True, True], [True, False], [False, False]]
+    concepts = caption_concepts([[["a", "red", "circle", "left", "of", "a", "blue", "star"],
+                                  ["the", "blue", "star", "right", "of", "red", "circle"],
+                                  ["a", "big", "red", "circle"]]])
+    assert concepts == [{"red", "circle", "blue", "star"}]

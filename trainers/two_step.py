@@ -1,0 +1,192 @@
+"""Two-step retrieval (JGCAR §2.4): shortlist by a cheap global score, re-rank the shortlist pair-specifically.
+
+A model takes part when it offers, besides the shared interface, ``global_score(images, captions) ->
+[n_img, n_cap]`` (pair-independent, cheap) and ``pair_score(images, captions, img_idx [P], cap_idx [P]) -> [P]``
+(the expensive re-rank score of listed pairs only); :func:`supports_two_step` checks for both. Its ``score``
+must equal ``pair_score`` on every pair (that is what one-step "score everything" evaluation uses).
+
+How each direction is shortlisted and ranked (``shortlist`` = k, 100 in the paper):
+
+* **i2t** — for each image query, the k captions with the highest global score Ω (ties broken by caption
+  order, ``torch.topk``) are re-scored by ``pair_score``;
+* **t2i** — for each caption query, the k images with the highest Ω, likewise;
+* the two directions have their own shortlists, so there are two images × captions matrices: in the i2t
+  matrix each row holds the re-rank score α on its k shortlisted captions and ``Ω − max(Ω) − 2`` elsewhere,
+  i.e. every shortlisted entry ranks above every other one (α is a cosine, ≥ −1 > any shifted value) and the
+  rest keep the order of the global score. The t2i matrix does the same per column. A true match outside
+  the shortlist therefore keeps its global rank (≥ k): R@K for K ≤ k is decided by the re-rank alone, and
+  the recall at k is the shortlist's.
+* i2t metrics come from the i2t matrix and t2i metrics from the t2i matrix, with the shared rank
+  definitions of :mod:`retr.trainers.evaluation` (best true caption, ties pessimistic). With k ≥ the number
+  of candidates the two-step numbers equal full re-ranking (``score`` on every pair).
+
+COCO 1K folds shortlist within each fold (the candidates of a fold query are that fold's items).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from retr.common.errors import UserError
+from retr.trainers.data import ImageFeatures, SplitData
+from retr.trainers.evaluation import (COCO_FOLDS, METRIC_KEYS, PROTOCOLS, _concat, coco_folds, encode_split,
+                                      i2t_ranks, rank_metrics, retrieval_metrics, t2i_ranks)
+
+DEFAULT_SHORTLIST = 100
+
+
+def supports_two_step(model) -> bool:
+    """True when ``model`` offers ``global_score`` and ``pair_score``."""
+    return callable(getattr(model, "global_score", None)) and callable(getattr(model, "pair_score", None))
+
+
+@torch.no_grad()
+def encode_all(model, data: SplitData, features: ImageFeatures, device: torch.device, batch_size: int = 128,
+               dtype: torch.dtype = torch.float64, quiet: bool = True) -> tuple[dict, dict]:
+    """Image and caption embeddings of a split, both in manifest order, cast to ``dtype``."""
+    image_blocks, caption_blocks = encode_split(model, data, features, device, batch_size, quiet)
+    images = _concat(image_blocks)
+    captions = _concat([emb for _, emb in caption_blocks])
+    order = torch.from_numpy(np.concatenate([idx for idx, _ in caption_blocks])).to(device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=device)
+    captions = {k: v[inverse] for k, v in captions.items()}
+
+    def cast(e: dict) -> dict:
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in e.items()}
+    return cast(images), cast(captions)
+
+
+def rerank_matrices(global_sims: torch.Tensor, pair_score, shortlist: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(i2t matrix, t2i matrix) ``[N_img, M]`` from global scores and ``pair_score(img_idx, cap_idx) -> [P]``."""
+    n_img, n_cap = global_sims.shape
+    k_cap, k_img = min(shortlist, n_cap), min(shortlist, n_img)
+    device = global_sims.device
+    top_caps = global_sims.topk(k_cap, dim=1).indices                            # [N_img, k]
+    top_imgs = global_sims.topk(k_img, dim=0).indices                            # [k, M]
+    img_idx = torch.cat([torch.arange(n_img, device=device).repeat_interleave(k_cap), top_imgs.t().reshape(-1)])
+    cap_idx = torch.cat([top_caps.reshape(-1), torch.arange(n_cap, device=device).repeat_interleave(k_img)])
+    alpha = pair_score(img_idx, cap_idx).to(global_sims.dtype)
+    below = global_sims - global_sims.max() - 2
+    i2t = below.clone()
+    i2t.scatter_(1, top_caps, alpha[:n_img * k_cap].view(n_img, k_cap))
+    t2i = below.clone()
+    t2i.scatter_(0, top_imgs, alpha[n_img * k_cap:].view(n_cap, k_img).t())
+    return i2t, t2i
+
+
+def _directions(i2t_sims: np.ndarray, t2i_sims: np.ndarray, caption_image: np.ndarray) -> dict:
+    i2t = rank_metrics(i2t_ranks(i2t_sims, caption_image))
+    t2i = rank_metrics(t2i_ranks(t2i_sims, caption_image))
+    return {"i2t": i2t, "t2i": t2i, "rsum": sum(d[k] for d in (i2t, t2i) for k in ("r1", "r5", "r10"))}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def two_step_split(model, data: SplitData, features: ImageFeatures, device: torch.device | str = "cpu",
+                   shortlist: int = DEFAULT_SHORTLIST, precision: str = "float64", encode_batch: int = 128,
+                   full: bool = False) -> dict:
+    """One-step (global) and two-step numbers of one split scored as a whole, with times in seconds.
+
+    ``full=True`` also scores every pair with ``model.score`` (the cost two-step retrieval avoids) and
+    reports it under ``"full"``. Returns ``{"one_step": metrics, "two_step": metrics, "seconds": {...},
+    "pairs_scored": {...}}``.
+    """
+    if shortlist < 1:
+        raise UserError("--shortlist must be ≥ 1")
+    if not supports_two_step(model):
+        raise UserError(f"model {getattr(model, 'name', type(model).__name__)} has no global score to shortlist by")
+    device = torch.device(device)
+    model.eval()
+    dtype = torch.float64 if precision == "float64" else torch.float32
+    previous = getattr(model, "score_dtype", None)
+    model.score_dtype = dtype
+    try:
+        t0 = time.perf_counter()
+        images, captions = encode_all(model, data, features, device, encode_batch, dtype)
+        _sync(device)
+        t1 = time.perf_counter()
+        global_sims = model.global_score(images, captions)
+        _sync(device)
+        t2 = time.perf_counter()
+        i2t, t2i = rerank_matrices(global_sims, lambda ii, cc: model.pair_score(images, captions, ii, cc), shortlist)
+        _sync(device)
+        t3 = time.perf_counter()
+        ci = data.caption_image
+        g = global_sims.double().cpu().numpy()
+        result = {"one_step": retrieval_metrics(g, ci),
+                  "two_step": _directions(i2t.double().cpu().numpy(), t2i.double().cpu().numpy(), ci),
+                  "shortlist": shortlist,
+                  "seconds": {"encode": t1 - t0, "global": t2 - t1, "rerank": t3 - t2,
+                              "one_step": t2 - t0, "two_step": t3 - t0},
+                  "pairs_scored": {"two_step": int(data.num_images * min(shortlist, data.num_captions)
+                                                   + data.num_captions * min(shortlist, data.num_images)),
+                                   "full": int(data.num_images * data.num_captions)}}
+        if full:
+            t4 = time.perf_counter()
+            sims = full_scores(model, images, captions)
+            _sync(device)
+            result["full"] = retrieval_metrics(sims.double().cpu().numpy(), ci)
+            result["seconds"]["full_rerank"] = time.perf_counter() - t4
+            result["seconds"]["full"] = result["seconds"]["full_rerank"] + result["seconds"]["encode"]
+        return result
+    finally:
+        model.score_dtype = previous
+
+
+@torch.no_grad()
+def full_scores(model, images: dict, captions: dict, image_block: int = 128, caption_block: int = 512) -> torch.Tensor:
+    """``model.score`` of every pair, block by block → ``[N_img, M]``."""
+    n_img, n_cap = next(iter(images.values())).shape[0], next(iter(captions.values())).shape[0]
+    out = None
+    for i in range(0, n_img, image_block):
+        block = {k: v[i:i + image_block] for k, v in images.items()}
+        for c in range(0, n_cap, caption_block):
+            caps = {k: v[c:c + caption_block] for k, v in captions.items()}
+            s = model.score(block, caps)
+            if out is None:
+                out = s.new_empty(n_img, n_cap)
+            out[i:i + s.shape[0], c:c + s.shape[1]] = s
+    return out
+
+
+def two_step_protocol(model, data: SplitData, features: ImageFeatures, protocol: str,
+                      device: torch.device | str = "cpu", shortlist: int = DEFAULT_SHORTLIST,
+                      precision: str = "float64", full: bool = False) -> dict:
+    """Every number of ``protocol`` for both steps; ``coco-1k`` runs each fold on its own and averages."""
+    if protocol not in PROTOCOLS:
+        raise UserError(f"unknown protocol {protocol!r} (expected one of {', '.join(PROTOCOLS)})")
+    if protocol != "coco-1k":
+        result = two_step_split(model, data, features, device, shortlist, precision, full=full)
+        result.update(images=data.num_images, captions=data.num_captions)
+        return result
+    folds = []
+    for start, stop in coco_folds(data.num_images, COCO_FOLDS):
+        sub = data.subset_images(start, stop)
+        sub_feats = _SubsetFeatures(features, start)
+        fold = two_step_split(model, sub, sub_feats, device, shortlist, precision, full=full)
+        fold.update(images=sub.num_images, captions=sub.num_captions)
+        folds.append(fold)
+    out: dict = {"folds": folds, "images": data.num_images, "captions": data.num_captions, "shortlist": shortlist}
+    for stage in ("one_step", "two_step", *(("full",) if full else ())):
+        out[stage] = {side: {k: float(np.mean([f[stage][side][k] for f in folds])) for k in METRIC_KEYS}
+                      for side in ("i2t", "t2i")}
+        out[stage]["rsum"] = float(np.mean([f[stage]["rsum"] for f in folds]))
+    out["seconds"] = {k: float(sum(f["seconds"][k] for f in folds)) for k in folds[0]["seconds"]}
+    return out
+
+
+class _SubsetFeatures:
+    """The rows ``offset:`` of an :class:`ImageFeatures` (a COCO fold) with the same ``get``."""
+
+    def __init__(self, features: ImageFeatures, offset: int):
+        self.features, self.offset = features, offset
+
+    def get(self, images):
+        return self.features.get(np.asarray(images, dtype=np.int64) + self.offset)
