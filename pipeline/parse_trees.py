@@ -23,6 +23,7 @@ from typing import Sequence
 
 import click
 import numpy as np
+from nltk.treeprettyprinter import TreePrettyPrinter
 
 from retr.common.cli import progress, quiet_option
 from retr.common.errors import UserError
@@ -297,7 +298,7 @@ def show_tree_command(text, verb_prep, conllu, stanza_dir, match, device, no_con
     if constituency is not None:
         click.echo(f"parse    {constituency}")
     click.echo("")
-    tree.to_nltk().pretty_print(stream=click.get_text_stream("stdout"))
+    click.echo(TreePrettyPrinter(tree.to_nltk()).text())
 
 
 @click.command("fetch-parser-models")
