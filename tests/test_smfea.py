@@ -1,0 +1,227 @@
+"""SMFEA: the 7-node tree-LSTM, node losses against their formulas, the concept branch, evaluation independence."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from retr.trainers.models import create_model, preset
+from retr.trainers.models.concepts import ConceptGCN, consensus_vector, mix_text_labels
+from retr.trainers.models.smfea import SMFEA, node_cross_entropy, node_kl
+from retr.trainers.models.tree_lstm import CHILDREN, SevenNodeTreeLSTM, StructuredTreeEncoder
+
+torch.set_num_threads(1)
+
+
+def _descendants(t: int) -> set[int]:
+    out = {t}
+    for k in CHILDREN[t]:
+        out |= _descendants(k)
+    return out
+
+
+@pytest.mark.parametrize("forget_gate", ["as-printed", "per-child"])
+def test_tree_lstm_shapes_and_dependencies(forget_gate):
+    torch.manual_seed(0)
+    lstm = SevenNodeTreeLSTM(input_dim=5, hidden_size=6, forget_gate=forget_gate)
+    x = torch.randn(3, 7, 5, requires_grad=True)
+    h, c = lstm(x)
+    assert h.shape == (3, 7, 6) and c.shape == (3, 7, 6)
+    for t in range(7):
+        grad, = torch.autograd.grad(h[:, t].sum(), x, retain_graph=True)
+        depends = {s for s in range(7) if grad[:, s].abs().sum() > 0}
+        assert depends == _descendants(t), (t, depends)
+    # the parents' children: R2 ← E1, E3; R6 ← E5, E7; R4 ← R2, R6; leaves none
+    assert CHILDREN == {0: (), 2: (), 4: (), 6: (), 1: (0, 2), 5: (4, 6), 3: (1, 5)}
+
+
+def test_tree_lstm_node_update_is_eq_6_to_11():
+    torch.manual_seed(1)
+    lstm = SevenNodeTreeLSTM(input_dim=4, hidden_size=3, forget_gate="as-printed")
+    x = torch.randn(2, 7, 4)
+    h, c = lstm(x)
+    W, b, U = lstm.W.weight, lstm.W.bias, lstm.U.weight
+    H = 3
+
+    def gates(t, h_sum):
+        z = x[:, t] @ W.t() + b + h_sum @ U.t()
+        return (torch.sigmoid(z[:, :H]), torch.sigmoid(z[:, H:2 * H]), torch.sigmoid(z[:, 2 * H:3 * H]),
+                torch.tanh(z[:, 3 * H:]))
+
+    f = {}
+    for leaf in (0, 2):
+        i, f[leaf], o, u = gates(leaf, torch.zeros(2, H))
+        torch.testing.assert_close(c[:, leaf], i * u)
+        torch.testing.assert_close(h[:, leaf], o * torch.tanh(i * u))
+    i, f_t, o, u = gates(1, h[:, 0] + h[:, 2])
+    c_parent = i * u + f_t * (f[0] * c[:, 0] + f[2] * c[:, 2])
+    torch.testing.assert_close(c[:, 1], c_parent)
+    torch.testing.assert_close(h[:, 1], o * torch.tanh(c_parent))
+
+
+def test_tree_encoder_outputs():
+    enc = StructuredTreeEncoder(embed_size=8, num_entities=11, num_relations=5, hidden_size=4)
+    out = enc(torch.randn(3, 8))
+    assert out["entity_logits"].shape == (3, 4, 11) and out["relation_logits"].shape == (3, 3, 5)
+    assert out["hidden"].shape == (3, 7, 4)
+    torch.testing.assert_close(out["tree"].norm(dim=-1), torch.ones(3))
+
+
+def test_node_cross_entropy_direct_formula():
+    torch.manual_seed(2)
+    ent, rel = torch.randn(2, 4, 6), torch.randn(2, 3, 5)
+    nodes = torch.tensor([[1, 0, 2, 3, 5, 4, 0], [0, 1, 0, 2, 1, 0, 4]])
+    expected = torch.zeros(2)
+    for b in range(2):
+        for j, slot in enumerate((0, 2, 4, 6)):
+            expected[b] -= torch.log(torch.softmax(ent[b, j], -1)[nodes[b, slot]])
+        for j, slot in enumerate((1, 3, 5)):
+            expected[b] -= torch.log(torch.softmax(rel[b, j], -1)[nodes[b, slot]])
+    torch.testing.assert_close(node_cross_entropy(ent, rel, nodes), expected)
+
+
+def test_node_kl_direct_formula():
+    torch.manual_seed(3)
+    img = {"entity_logits": torch.randn(2, 4, 6), "relation_logits": torch.randn(2, 3, 5)}
+    txt = {"entity_logits": torch.randn(2, 4, 6), "relation_logits": torch.randn(2, 3, 5)}
+    expected = torch.zeros(2)
+    for key in img:
+        p, q = torch.softmax(img[key], -1), torch.softmax(txt[key], -1)
+        expected += (p * torch.log(p / q)).sum(-1).sum(-1)
+    torch.testing.assert_close(node_kl(img, txt), expected)
+    assert torch.allclose(node_kl(img, img), torch.zeros(2), atol=1e-6)
+    assert (node_kl(img, txt) > 0).all()
+
+
+def _model(**kw) -> SMFEA:
+    torch.manual_seed(4)
+    args = dict(vocab_size=30, num_entities=9, num_relations=6, num_concepts=5, img_dim=12, embed_size=16,
+                word_dim=8, tree_hidden=6)
+    args.update(kw)
+    model = SMFEA(**args)
+    token_concepts = torch.full((30,), -1, dtype=torch.long)
+    token_concepts[10], token_concepts[11], token_concepts[12] = 0, 3, 3    # two forms of concept 3
+    model.set_token_concepts(token_concepts)
+    return model
+
+
+def _batch(b=4, k=5, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(b, k, 12, generator=g)
+    mask = torch.ones(b, k, dtype=torch.bool)
+    mask[0, 3:] = False
+    tokens = torch.randint(4, 30, (b, 6), generator=g)
+    lengths = torch.tensor([6, 4, 5, 3][:b])
+    nodes = torch.stack([torch.randint(0, 9, (b,), generator=g) if s % 2 == 0
+                         else torch.randint(0, 6, (b,), generator=g) for s in range(7)], dim=1)
+    return features, mask, tokens, lengths, nodes
+
+
+def test_loss_is_eq_20_and_ablations_drop_terms():
+    features, mask, tokens, lengths, nodes = _batch()
+    model = _model().train()
+    images = model.encode_images(features, mask)
+    captions = model.encode_captions(tokens, lengths)
+    scores = model.score(images, captions)
+    terms = model.loss_terms(scores, images, captions, nodes)
+    from retr.trainers.losses import hinge_triplet_loss
+    torch.testing.assert_close(terms["rank"], hinge_triplet_loss(scores, 0.2, True))
+    ce = (node_cross_entropy(images["entity_logits"], images["relation_logits"], nodes)
+          + node_cross_entropy(captions["entity_logits"], captions["relation_logits"], nodes)).mean()
+    torch.testing.assert_close(terms["node_ce"], ce)
+    torch.testing.assert_close(terms["node_kl"], node_kl(images, captions).mean())
+    torch.testing.assert_close(model.loss(scores, images, captions, nodes), sum(terms.values()))
+    assert set(_model(kl_weight=0).loss_terms(scores, images, captions, nodes)) == {"rank", "node_ce"}
+    assert set(_model(ce_weight=0).loss_terms(scores, images, captions, nodes)) == {"rank", "node_kl"}
+    no_trees = _model(use_trees=False).train()
+    out = no_trees.encode_images(features, mask)
+    assert "tree" not in out and "entity_logits" not in out
+    torch.testing.assert_close(out["fused"], F.normalize(0.6 * out["instance"] + 0.2 * out["concept"], dim=-1))
+
+
+def test_fusion_is_eq_15_and_score_is_cosine():
+    features, mask, tokens, lengths, _ = _batch()
+    model = _model(beta_d=0.5, beta_t=0.3, beta_c=0.2).eval()
+    img = model.encode_images(features, mask)
+    fused = 0.5 * img["instance"] + 0.3 * img["tree"] + 0.2 * img["concept"]
+    torch.testing.assert_close(img["fused"], F.normalize(fused, dim=-1))
+    cap = model.encode_captions(tokens, lengths)
+    torch.testing.assert_close(model.score(img, cap), F.normalize(fused, dim=-1) @ cap["fused"].t())
+    assert "entity_logits" not in img            # evaluation never carries node logits around
+
+
+def test_forward_backward_reaches_every_branch():
+    features, mask, tokens, lengths, nodes = _batch()
+    model = _model().train()
+    labels = torch.randint(0, 2, (4, 5))
+    model(features, mask, tokens, lengths, nodes=nodes, image_concept_labels=labels).backward()
+    for name in ("img_enc.fc.weight", "img_tree.lstm.W.weight", "txt_tree.entity_classifier.weight",
+                 "gcn.vectors", "gcn.weight2", "img_concept_attn.fc_score.weight", "txt_attn.fc_score.weight"):
+        grad = dict(model.named_parameters())[name].grad
+        assert grad is not None and grad.abs().sum() > 0, name
+
+
+def test_caption_labels_come_from_its_own_tokens():
+    model = _model()
+    tokens = torch.tensor([[1, 10, 5, 12, 2, 0], [1, 11, 2, 10, 0, 0]])   # second: token 10 is padding
+    lengths = torch.tensor([5, 3])
+    labels = model.caption_concept_labels(tokens, lengths)
+    assert labels.tolist() == [[1, 0, 0, 1, 0], [0, 0, 0, 1, 0]]
+
+
+def test_evaluation_score_of_a_caption_ignores_other_captions_of_its_image():
+    features, mask, tokens, lengths, _ = _batch()
+    model = _model().eval()
+    with torch.no_grad():
+        # train a few BN statistics so eval-mode normalisation is not the identity
+        model.train()
+        model.encode_images(features, mask), model.encode_captions(tokens, lengths)
+        model.eval()
+        image = model.encode_images(features[:1], mask[:1])
+        alone = model.score(image, model.encode_captions(tokens[:1], lengths[:1]))
+        # the same caption next to the other captions "of its image" (any other captions), in any order
+        order = torch.tensor([2, 0, 3, 1])
+        block = model.encode_captions(tokens[order], lengths[order])
+        together = model.score(image, block)[:, 1:2]
+    torch.testing.assert_close(alone, together)
+
+
+def test_padding_is_masked_on_both_sides():
+    features, mask, tokens, lengths, _ = _batch()
+    model = _model().eval()
+    with torch.no_grad():
+        changed = features.clone()
+        changed[0, 3:] = 100.0                       # padded regions of image 0
+        torch.testing.assert_close(model.encode_images(features, mask)["fused"],
+                                   model.encode_images(changed, mask)["fused"])
+        padded = torch.cat([tokens, torch.randint(4, 30, (4, 3))], dim=1)
+        torch.testing.assert_close(model.encode_captions(tokens, lengths)["fused"],
+                                   model.encode_captions(padded, lengths)["fused"])
+
+
+def test_concept_gcn_and_mixing():
+    gcn = ConceptGCN(num_concepts=3, word_dim=4, hidden_dim=5, embed_size=6, concept_vectors="fixed")
+    adjacency = torch.tensor([[0.7, 0.2, 0.0], [0.2, 0.7, 0.0], [0.1, 0.1, 1.0]])
+    vectors = torch.randn(3, 4)
+    gcn.set_graph(adjacency, vectors)
+    assert "vectors" not in dict(gcn.named_parameters())           # fixed vectors are a buffer
+    expected = adjacency @ (F.leaky_relu(adjacency @ (vectors @ gcn.weight1), 0.2) @ gcn.weight2)
+    torch.testing.assert_close(gcn(), F.normalize(expected, dim=-1))
+    w = torch.tensor([[0.2, 0.3, 0.5]])
+    y = torch.tensor([[1.0, 0.0, 0.0]])
+    soft = torch.tensor([math.exp(10), 1.0, 1.0]) / (math.exp(10) + 2)
+    torch.testing.assert_close(mix_text_labels(w, y, 0.35), 0.35 * soft.unsqueeze(0) + 0.65 * w)
+    concepts = torch.randn(3, 6)
+    torch.testing.assert_close(consensus_vector(w, concepts), F.normalize(w @ concepts, dim=-1))
+
+
+def test_registry_and_presets():
+    model = create_model("smfea", vocab_size=10, num_entities=5, num_relations=4, num_concepts=3, img_dim=8,
+                         embed_size=8, word_dim=4, tree_hidden=4)
+    assert isinstance(model, SMFEA)
+    f30k, coco = preset("smfea", "f30k"), preset("smfea", "coco")
+    assert (f30k["epochs"], f30k["lr"], f30k["lr_update"], f30k["margin"]) == (50, 2e-4, 25, 0.2)
+    assert (f30k["beta_d"], f30k["beta_t"], f30k["beta_c"]) == (0.6, 0.2, 0.2)
+    assert (f30k["label_ratio"], coco["label_ratio"]) == (0.35, 0.4)
