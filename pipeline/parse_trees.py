@@ -23,7 +23,7 @@ from typing import Sequence
 
 import click
 import numpy as np
-from nltk.treeprettyprinter import TreePrettyPrinter
+from nltk.tree import TreePrettyPrinter
 
 from retr.common.cli import progress, quiet_option
 from retr.common.errors import UserError
