@@ -361,7 +361,9 @@ class JGCAR(MatchingModel):
                  lambda2: float = 1.0, lambda3: float = 1.0, lambda4: float = 1.0,
                  intra_reduction: str = "mean_positive", gamma: float = 10.0, num_negatives: int = 30,
                  negative_mining: str = "dissimilar", beta: float = 0.5, pair_chunk: int = 256,
-                 max_violation: bool = False):
+                 max_violation: bool = False, labels: str | None = None, concept_min_captions: int = 2,
+                 shortlist: int = 100, optimizer: str = "paper", momentum: float = 0.99,
+                 weight_decay: float = 1e-8):
         super().__init__(margin, max_violation)
         for value, allowed, what in ((global_similarity, GLOBAL_SIMILARITIES, "global_similarity"),
                                      (intra_reduction, INTRA_REDUCTIONS, "intra_reduction"),
@@ -370,6 +372,15 @@ class JGCAR(MatchingModel):
                 raise ValueError(f"{what} must be one of {', '.join(allowed)}, not {value!r}")
         if not 0.0 <= beta <= 1.0:
             raise ValueError("beta must be in [0, 1]")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
+        self.labels_path, self.concept_min_captions = labels, int(concept_min_captions)
+        #: two-step evaluation: shortlist size per query (the evaluator and the loop's validation read it)
+        self.shortlist = int(shortlist)
+        self.optimizer_name, self.momentum, self.weight_decay = optimizer, float(momentum), float(weight_decay)
+        #: [N_train_images, L] bool labels of the training images (set by ``prepare_training``; not saved)
+        self.image_label_table: torch.Tensor | None = None
+        self.labels_are_captions = False
         self.max_words, self.global_similarity = int(max_words), global_similarity
         self.lambda2, self.lambda3, self.lambda4 = float(lambda2), float(lambda3), float(lambda4)
         self.intra_reduction, self.gamma = intra_reduction, float(gamma)
@@ -503,10 +514,53 @@ class JGCAR(MatchingModel):
         return bi_rank_loss(comparison(rest[0], s_ok), comparison(rest[1], v_ok_i), comparison(rest[2], v_ok),
                             comparison(rest[3], s_ok_j), self.gamma)
 
+    #: batch entries the training loop passes to ``forward`` besides the four tensors
+    batch_extras = ("image_index",)
+
+    def prepare_training(self, data) -> None:
+        """Build the intra-modal label table of the training images (a :class:`~retr.trainers.data.SplitData`).
+
+        With ``labels`` (a label file): every training image needs an entry (an empty list is allowed), and a
+        caption has its image's labels. Without: the caption-concept fallback for images, same-image for captions.
+        """
+        if self.labels_path:
+            table = read_label_file(self.labels_path)
+            missing = [i for i in data.image_ids if i not in table]
+            if missing:
+                raise UserError(f"{len(missing)} training image(s) have no entry in {self.labels_path} "
+                                f"(first: {missing[0]}); give every image a (possibly empty) label list")
+            sets = [table[i] for i in data.image_ids]
+            self.labels_are_captions = True
+        else:
+            from retr.trainers.vocab import tokenize
+            per_image: list[list[list[str]]] = [[] for _ in data.image_ids]
+            for caption, owner in zip(data.captions, data.caption_image):
+                per_image[int(owner)].append(tokenize(caption))
+            sets = [sorted(c) for c in caption_concepts(per_image, self.concept_min_captions)]
+            self.labels_are_captions = False
+        self.image_label_table = labels_to_multihot(sets)
+
+    def configure_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        """``paper``: SGD (momentum, weight decay) on the encoders + RMSprop on the co-attention, both at ``lr``
+        (§3.1: "SGD for training GRL and Rmsprop for training co-attention", lr 4e-4, momentum 0.99, weight
+        decay 1e-8; RMSprop's 0.99 is read as its smoothing constant α, with no momentum). ``adam``: Adam on all."""
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=lr)
+        groups = split_parameters(self)
+        return PerGroupOptimizer([
+            torch.optim.SGD(groups["global"], lr=lr, momentum=self.momentum, weight_decay=self.weight_decay),
+            torch.optim.RMSprop(groups["coattention"], lr=lr, alpha=self.momentum, weight_decay=self.weight_decay)])
+
     def forward(self, features: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
                 gather: Callable[[Embeddings], Embeddings] | None = None, image_index: torch.Tensor | None = None,
                 image_labels: torch.Tensor | None = None, caption_labels: torch.Tensor | None = None) -> torch.Tensor:
-        """One training step's joint loss (``image_index`` [B] defaults to every row being its own image)."""
+        """One training step's joint loss (``image_index`` [B] defaults to every row being its own image).
+
+        Labels not given are looked up in the table ``prepare_training`` built, by ``image_index``."""
+        if image_labels is None and image_index is not None and self.image_label_table is not None:
+            image_labels = self.image_label_table[image_index.cpu()].to(features.device)
+            if self.labels_are_captions and caption_labels is None:
+                caption_labels = image_labels
         images = self.encode_images(features, mask)
         captions = self.encode_captions(tokens, lengths)
         extras = {"image_index": image_index if image_index is not None
@@ -530,7 +584,8 @@ JGCAR_COMMON = {"embed_size": 256, "word_dim": 512, "hidden_size": 512, "img_dim
                 "dropout": 0.5, "batch_size": 200, "epochs": 128, "early_stop": 5, "lr": 4e-4, "momentum": 0.99,
                 "weight_decay": 1e-8, "gamma": 10.0, "num_negatives": 30, "beta": 0.5, "lambda2": 1.0,
                 "lambda3": 1.0, "lambda4": 1.0, "margin": 0.2, "global_similarity": "dot",
-                "negative_mining": "dissimilar", "intra_reduction": "mean_positive", "position_bias": True}
+                "negative_mining": "dissimilar", "intra_reduction": "mean_positive", "position_bias": True,
+                "shortlist": 100, "optimizer": "paper", "lr_update": 128, "grad_clip": 2.0}
 JGCAR_MAX_WORDS = {"coco": 20, "f30k": 15}
 
 
@@ -553,3 +608,39 @@ def split_parameters(model: "JGCAR") -> Mapping[str, list[nn.Parameter]]:
     for name, p in model.named_parameters():
         groups["coattention" if name.startswith("coattn.") else "global"].append(p)
     return groups
+
+
+# ------------------------------------------------------------------------------------------- optimisers
+
+OPTIMIZERS = ("paper", "adam")
+
+
+class PerGroupOptimizer(torch.optim.Optimizer):
+    """Several torch optimisers, each over its own parameters, behaving as one :class:`~torch.optim.Optimizer`.
+
+    JGCAR trains its global part with SGD and its co-attention with RMSprop (§3.1). The shared loop holds one
+    optimiser and one learning-rate scheduler; this wrapper shares the inner optimisers' ``param_groups``
+    (the same dicts, so a scheduler's lr changes reach them), steps each, and saves/loads their states
+    together. torch has no built-in for this (``torch.optim`` optimisers apply one algorithm to all groups).
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
+        self.optimizers = list(optimizers)
+        groups = [g for opt in self.optimizers for g in opt.param_groups]
+        super().__init__(groups, defaults={})
+        self.param_groups = groups          # the very dicts of the inner optimisers
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for opt, state in zip(self.optimizers, state_dict["optimizers"]):
+            opt.load_state_dict(state)
+        self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
