@@ -95,11 +95,12 @@ def _decode(value) -> str:
 CaptionWords = list[tuple[str, str]]   # (word, POS group or "ANY")
 
 
-def read_conllu_words(path: str | os.PathLike) -> dict[str, CaptionWords]:
+def read_conllu_words(path: str | os.PathLike, forms: Counter | None = None) -> dict[str, CaptionWords]:
     """``{caption key: [(lemma, POS group), …]}`` from a CoNLL-U file with ``# sent_id = <caption key>``.
 
     Read with stanza's CoNLL reader. POS group is NOUN (NOUN, PROPN), ADJ, VERB or ``"OTHER"``; a missing lemma
-    (``_``) falls back to the lower-cased form.
+    (``_``) falls back to the lower-cased form. ``forms``, when given, counts ``(lower-cased form, lemma)`` pairs
+    (the trainer maps caption tokens to concepts through them).
     """
     from stanza.utils.conll import CoNLL
 
@@ -119,6 +120,8 @@ def read_conllu_words(path: str | os.PathLike) -> dict[str, CaptionWords]:
         for word in sentence.words:
             lemma = word.lemma if word.lemma not in (None, "", "_") else word.text
             row.append((lemma.lower(), POS_GROUPS.get(word.upos or "", "OTHER")))
+            if forms is not None:
+                forms[(word.text.lower(), lemma.lower())] += 1
         words[key] = row
     return words
 
@@ -220,14 +223,30 @@ class ConceptData:
     image_ids: list[str]
     image_labels: np.ndarray
     attrs: dict
+    forms: dict[str, str]      # word form (as the tokenizer writes it) → concept word
+
+
+def concept_forms(concepts: Sequence[str], forms: Counter | None) -> dict[str, str]:
+    """``{form: concept}``: each concept is its own form; with CoNLL-U counts, every form whose most frequent
+    lemma is a concept (``dogs`` → ``dog``, ``sits`` → ``sit``)."""
+    known = set(concepts)
+    out = {c: c for c in concepts}
+    best: dict[str, tuple[int, str]] = {}
+    for (form, lemma), n in sorted((forms or {}).items()):
+        if n > best.get(form, (0, ""))[0]:
+            best[form] = (n, lemma)
+    for form, (_, lemma) in best.items():
+        if lemma in known and form not in out:
+            out[form] = lemma
+    return out
 
 
 def build_concepts(records: Sequence[ManifestRecord], words: Mapping[str, CaptionWords] | None = None,
                    num_nouns: int = DEFAULT_NOUNS, num_adjectives: int = DEFAULT_ADJECTIVES,
                    num_verbs: int = DEFAULT_VERBS, train_splits: Sequence[str] = TRAIN_SPLITS,
-                   graph: Mapping[str, float] | None = None) -> ConceptData:
+                   graph: Mapping[str, float] | None = None, forms: Counter | None = None) -> ConceptData:
     """Concept data of a manifest. ``words`` (from :func:`read_conllu_words`) must cover every caption;
-    ``None`` uses the frequency fallback."""
+    ``None`` uses the frequency fallback. ``forms``: the (form, lemma) counts of :func:`read_conllu_words`."""
     pos_source = "conllu" if words is not None else "frequency"
     keys, caption_words, owner = [], [], []
     missing = []
@@ -267,7 +286,7 @@ def build_concepts(records: Sequence[ManifestRecord], words: Mapping[str, Captio
              "requested": json.dumps({"NOUN": num_nouns, "ADJ": num_adjectives, "VERB": num_verbs}),
              "actual": json.dumps(dict(actual)), "graph": json.dumps(params)}
     return ConceptData(concepts, [p for _, p in chosen], np.diag(cooc).copy(), cooc, adjacency, keys, labels,
-                       [r.id for r in records], image_labels, attrs)
+                       [r.id for r in records], image_labels, attrs, concept_forms(concepts, forms))
 
 
 def write_concepts(path: str | os.PathLike, data: ConceptData, attrs: Mapping[str, object] | None = None) -> Path:
@@ -282,7 +301,8 @@ def write_concepts(path: str | os.PathLike, data: ConceptData, attrs: Mapping[st
             for key, value in {**data.attrs, **(attrs or {})}.items():
                 f.attrs[key] = value
             f.attrs.update({"kind": "concepts", "format_version": FORMAT_VERSION, "created": _now(),
-                            "retr_version": __version__, "num_concepts": c})
+                            "retr_version": __version__, "num_concepts": c,
+                            "forms": json.dumps(data.forms, ensure_ascii=False, sort_keys=True)})
             f.create_dataset("concepts", data=np.array(data.concepts, dtype=object), dtype=text)
             f.create_dataset("pos", data=np.array(data.pos, dtype=object), dtype=text)
             f.create_dataset("counts", data=data.counts.astype(np.int64))
@@ -330,6 +350,9 @@ class ConceptSet:
             self.caption_labels = f["caption_labels"][:]
             self.image_ids = [_decode(v) for v in f["image_ids"][:]]
             self.image_labels = f["image_labels"][:]
+        #: word form → concept index (the trainer's token → concept map is built from it)
+        self.forms = {form: self.concepts.index(c) for form, c in json.loads(self.attrs.get("forms", "{}")).items()
+                      if c in self.concepts}
         self._caption_rows = {k: i for i, k in enumerate(self.caption_keys)}
         self._image_rows = {k: i for i, k in enumerate(self.image_ids)}
 
@@ -402,8 +425,9 @@ def build_concepts_file(manifest: str | os.PathLike, out: str | os.PathLike, con
     records = read_manifest(manifest)
     if not records:
         raise UserError(f"{manifest} has no images")
-    words = read_conllu_words(conllu) if conllu is not None else None
-    data = build_concepts(records, words, num_nouns, num_adjectives, num_verbs, train_splits)
+    forms: Counter = Counter()
+    words = read_conllu_words(conllu, forms) if conllu is not None else None
+    data = build_concepts(records, words, num_nouns, num_adjectives, num_verbs, train_splits, forms=forms)
     write_concepts(out, data, {"manifest_sha256": manifest_sha256(manifest), "manifest": str(manifest),
                                "conllu": str(conllu) if conllu else ""})
     return data

@@ -114,15 +114,16 @@ def test_build_concepts_command_on_synthetic(tmp_path):
     out = tmp_path / "concepts.h5"
     result = CliRunner().invoke(cli, ["build-concepts", "--manifest", str(tmp_path / "s" / "manifest.jsonl"),
                                       "--conllu", str(tmp_path / "s" / "captions.conllu"), "--out", str(out),
-                                      "--nouns", "5", "--adjectives", "6", "--verbs", "2"])
+                                      "--nouns", "5", "--adjectives", "6", "--verbs", "3"])
     assert result.exit_code == 0, result.output
     concepts = ConceptSet(out)
     assert concepts.attrs["pos_source"] == "conllu"
-    assert json.loads(concepts.attrs["actual"]) == {"NOUN": 5, "ADJ": 6, "VERB": 2}
+    assert json.loads(concepts.attrs["actual"]) == {"NOUN": 5, "ADJ": 6, "VERB": 3}
     colours = {"red", "green", "blue", "yellow", "purple", "orange"}
     assert set(concepts.concepts[5:11]) <= colours | {"small", "large"}
     # lemmas: "sits" is counted as the verb "sit"
     assert "sits" not in concepts.concepts
+    assert concepts.forms["sits"] == concepts.concepts.index("sit") and concepts.forms["is"] == concepts.forms["be"]
     adjacency = concepts.adjacency
     assert np.isfinite(adjacency).all() and (np.diag(adjacency) > 0).all()
     bad = CliRunner().invoke(cli, ["build-concepts", "--manifest", str(tmp_path / "none.jsonl"), "--out", str(out)])
