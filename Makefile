@@ -33,6 +33,10 @@ demo: $(STAMP)
 	@echo "== synthetic dataset =="
 	$(BIN)/retr-pipeline synth --out $(DEMO_DIR)/synthetic --images 240 --seed 0
 	$(BIN)/retr-pipeline manifest check $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic
+	@echo "== referral trees =="
+	$(BIN)/retr-pipeline parse-trees --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --conllu $(DEMO_DIR)/synthetic/captions.conllu --out $(DEMO_DIR)/synthetic/trees.h5 --quiet
+	$(BIN)/retr-pipeline show-tree --key 'synth_00000#1' --conllu $(DEMO_DIR)/synthetic/captions.conllu --dictionaries $(DEMO_DIR)/synthetic/trees.h5
+	$(BIN)/retr-pipeline show-tree --key 'synth_00001#3' --conllu $(DEMO_DIR)/synthetic/captions.conllu --dictionaries $(DEMO_DIR)/synthetic/trees.h5
 
 extract: $(STAMP)
 	$(BIN)/retr-pipeline extract-preset $(DATASET)

@@ -113,8 +113,13 @@ def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend
                     dictionaries: str | os.PathLike | None = None, num_entities: int = DEFAULT_NUM_ENTITIES,
                     num_relations: int = DEFAULT_NUM_RELATIONS, min_count: int = 1,
                     rules: TreeRules | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
-                    batch_size: int = DEFAULT_BATCH_SIZE, quiet: bool = True) -> ParseTreesSummary:
-    """Parse every caption of ``manifest`` into ``out`` (``trees.h5``); see the module docstring."""
+                    batch_size: int = DEFAULT_BATCH_SIZE, quiet: bool = True, restart: bool = False
+                    ) -> ParseTreesSummary:
+    """Parse every caption of ``manifest`` into ``out`` (``trees.h5``); see the module docstring.
+
+    ``restart`` deletes the parse shards of an earlier run first (otherwise finished shards are reused and
+    shards of a different run are refused).
+    """
     if shard_size < 1 or batch_size < 1:
         raise UserError("--shard-size and --batch-size must be at least 1")
     rules = rules or TreeRules()
@@ -132,11 +137,14 @@ def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend
                 "rules": rules.to_json()}
     num_shards = math.ceil(len(items) / shard_size)
     folder = shard_folder(out)
+    if restart and folder.is_dir():
+        for old in folder.glob("shard-*.h5*"):
+            old.unlink()
     folder.mkdir(parents=True, exist_ok=True)
     stale = sorted(p.name for p in folder.glob("shard-*.h5") if not p.name.endswith(f"-of-{num_shards:05d}.h5"))
     if stale:
         raise UserError(f"{folder} holds shards of another run ({stale[0]}, not of {num_shards}); delete the "
-                        "folder to start over")
+                        "folder or pass --restart to start over")
     builder = TreeBuilder(rules)
     shards, parsed, reused = [], 0, 0
     done = {}
@@ -155,7 +163,7 @@ def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend
                 differs = [k for k in _IDENTITY if str(shard.attrs.get(k)) != str(expected[k])]
                 if differs:
                     raise UserError(f"{path} was made by another run (its {differs[0]} differs); delete {folder} "
-                                    "to start over")
+                                    "to start over (or pass --restart)")
                 reused += 1
             else:
                 keys, candidates, failures = _parse_shard(backend, builder, items[first:stop], batch_size, bar)
@@ -237,9 +245,11 @@ def _parser_options(f):
 @click.option("--min-count", default=1, show_default=True, help="drop labels seen fewer times in training.")
 @click.option("--shard-size", default=DEFAULT_SHARD_SIZE, show_default=True, help="captions per parse shard.")
 @click.option("--batch-size", default=DEFAULT_BATCH_SIZE, show_default=True, help="captions per parser call.")
+@click.option("--restart", is_flag=True, help="discard the parse shards of an earlier run and parse again.")
 @quiet_option
 def parse_trees_command(manifest, out, verb_prep, conllu, stanza_dir, match, device, no_constituency,
-                        dictionaries, num_entities, num_relations, min_count, shard_size, batch_size, quiet):
+                        dictionaries, num_entities, num_relations, min_count, shard_size, batch_size, restart,
+                        quiet):
     """Parse every caption of a manifest into a referral tree [E1 R2 E3 R4 E5 R6 E7] (trees.h5).
 
     Sharded under OUT.shards/ and resumable: run the same command again after an interruption.
@@ -255,26 +265,31 @@ def parse_trees_command(manifest, out, verb_prep, conllu, stanza_dir, match, dev
     summary = run_parse_trees(manifest, out, backend, dictionaries=dictionaries, num_entities=num_entities,
                               num_relations=num_relations, min_count=min_count,
                               rules=TreeRules(verb_prep=verb_prep), shard_size=shard_size,
-                              batch_size=batch_size, quiet=quiet)
+                              batch_size=batch_size, quiet=quiet, restart=restart)
     for line in summary.lines():
         click.echo(line)
 
 
 @click.command("show-tree")
-@click.argument("text")
+@click.argument("text", required=False)
 @_parser_options
 @click.option("--key", help="CoNLL-U: take the sentence with this sent_id instead of matching TEXT.")
 @click.option("--dictionaries", type=click.Path(dir_okay=False),
               help="also show the ids in these dictionaries (a trees.h5 or JSON).")
 def show_tree_command(text, verb_prep, conllu, stanza_dir, match, device, no_constituency, key, dictionaries):
-    """Print the referral tree of one caption (bracketed, slots, and drawn).
+    """Print the referral tree of one caption TEXT (bracketed, slot by slot, and drawn).
+
+    With --conllu, TEXT is looked up in the file (or give --key instead of TEXT).
 
     \b
     Example:
       retr-pipeline show-tree "a dog runs on the grass near a fence" --stanza-dir ~/stanza_resources
       retr-pipeline show-tree "a small red circle sits above a large blue square" \\
           --conllu data/synthetic/captions.conllu
+      retr-pipeline show-tree --key synth_00000#0 --conllu data/synthetic/captions.conllu
     """
+    if not text and not (key and conllu):
+        raise UserError("give the caption TEXT (or --key KEY with --conllu FILE)")
     backend = _backend(conllu, stanza_dir, match, device, not no_constituency)
     if isinstance(backend, ConlluBackend):
         sentence = backend.find_key(key) if key else backend.find_text(text)
@@ -286,6 +301,7 @@ def show_tree_command(text, verb_prep, conllu, stanza_dir, match, device, no_con
             raise UserError(outcome.error or "stanza returned no sentence")
         sentence = outcome.sentence
     tree = TreeBuilder(TreeRules(verb_prep=verb_prep)).build(sentence)
+    text = text or sentence.text or " ".join(w.text for w in sentence.words)
     click.echo(f"caption  {text}")
     click.echo(f"tree     {tree.bracketed()}")
     click.echo("slots    " + "  ".join(f"{name}={label}" for name, label in

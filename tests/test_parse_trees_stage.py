@@ -117,6 +117,9 @@ def test_resume_after_interruption_skips_finished_shards(synth, tmp_path):
     # shards of another run are refused, not mixed
     with pytest.raises(UserError, match="another run"):
         run_parse_trees(manifest, out, ConlluBackend(conllu), shard_size=50)
+    restarted = run_parse_trees(manifest, out, ConlluBackend(conllu), shard_size=50, restart=True)
+    assert (restarted.shards_parsed, restarted.shards_reused) == (3, 0)
+    assert sorted(p.name for p in shard_folder(out).iterdir())[0] == "shard-00000-of-00003.h5"
 
 
 def test_dictionaries_reused_across_datasets(synth, tmp_path):
@@ -149,6 +152,9 @@ def test_show_tree_prints_the_tree(synth):
     lines = result.output.splitlines()
     assert lines[0] == f"caption  {caption}"
     assert lines[1].startswith("tree     (") and "slots    E1=" in lines[2]
+    by_key = CliRunner().invoke(cli, ["show-tree", "--key", manifest[0].caption_key(0), "--conllu",
+                                      str(synth / "captions.conllu")])
+    assert by_key.exit_code == 0 and by_key.output.splitlines()[:2] == lines[:2]
     assert "(ROOT" in result.output  # the constituency bracket of the gold parse
     missing = CliRunner().invoke(cli, ["show-tree", "no such caption", "--conllu", str(synth / "captions.conllu")])
     assert missing.exit_code != 0
