@@ -120,3 +120,17 @@ def test_scan_model_gradients_flow_and_padding_is_ignored():
     loss.backward()
     assert model.img_enc.fc.weight.grad.abs().sum() > 0
     assert model.txt_enc.rnn.weight_ih_l0.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("direction", ["t2i", "i2t"])
+def test_gradients_are_finite_with_padded_regions_and_words(direction):
+    """Zero vectors at padded positions must not turn gradients into NaN (norms of zero vectors)."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    for agg, norm in itertools.product(AGGREGATIONS, NORMS):
+        model = create_model("scan", vocab_size=30, img_dim=16, embed_size=8, word_dim=5, direction=direction,
+                             agg=agg, norm=norm)
+        loss = model(torch.randn(4, 4, 16), mask, torch.randint(4, 30, (4, 6)), torch.tensor([6, 3, 2, 5]))
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters()), (agg, norm)

@@ -25,7 +25,11 @@ def cli() -> None:
 
 def _register() -> None:
     # One line per command module, as they land.
-    commands: list[click.Command] = []
+    from retr.trainers.commands import scan_command, vsepp_command
+    from retr.trainers.eval_commands import eval_command, table_command
+    from retr.trainers.scan_import import import_scan_command
+
+    commands: list[click.Command] = [scan_command, vsepp_command, eval_command, table_command, import_scan_command]
     for command in commands:
         cli.add_command(command)
 

@@ -68,6 +68,8 @@ def rank_metrics(ranks: np.ndarray) -> dict[str, float]:
 def retrieval_metrics(sims: np.ndarray, caption_image: np.ndarray) -> dict:
     """``{"i2t": {r1, r5, r10, medr, meanr}, "t2i": {…}, "rsum": …}`` of one similarity matrix."""
     caption_image = np.asarray(caption_image, dtype=np.int64)
+    if not np.isfinite(sims).all():
+        raise UserError("the similarity matrix contains NaN/inf (a diverged model?); cannot rank")
     if sims.ndim != 2 or sims.shape[1] != caption_image.size or caption_image.max() >= sims.shape[0]:
         raise ValueError(f"similarities {sims.shape} do not fit {caption_image.size} captions")
     i2t = rank_metrics(i2t_ranks(sims, caption_image))

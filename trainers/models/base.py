@@ -26,8 +26,11 @@ Embeddings = dict[str, torch.Tensor]
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-8) -> torch.Tensor:
-    """``x / (‖x‖ + eps)`` along ``dim`` (the authors' ``l2norm``)."""
-    return x / (x.pow(2).sum(dim=dim, keepdim=True).sqrt() + eps)
+    """``x / (‖x‖ + eps)`` along ``dim`` (the authors' ``l2norm``).
+
+    ``vector_norm`` has a zero (not NaN) gradient at a zero vector, which padded word positions are.
+    """
+    return x / (torch.linalg.vector_norm(x, dim=dim, keepdim=True) + eps)
 
 
 class MatchingModel(nn.Module):

@@ -32,6 +32,7 @@ NORMS = ("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")
 AGGREGATIONS = ("lse", "avg", "max", "sum")
 DIRECTIONS = ("t2i", "i2t")
 EPS = 1e-8
+_TINY = 1e-30   # keeps sqrt's gradient finite where an attended vector is exactly zero (padding)
 
 
 def _normalise(attn: torch.Tensor, mask: torch.Tensor, dim: int, norm: str) -> torch.Tensor:
@@ -40,7 +41,7 @@ def _normalise(attn: torch.Tensor, mask: torch.Tensor, dim: int, norm: str) -> t
         attn = F.leaky_relu(attn, 0.1)
     if norm in ("clipped_l2norm", "l2norm"):
         attn = attn.masked_fill(~mask, 0)
-        attn = attn / (attn.pow(2).sum(dim=dim, keepdim=True).sqrt() + EPS)
+        attn = attn / (torch.linalg.vector_norm(attn, dim=dim, keepdim=True) + EPS)
     elif norm == "softmax":
         attn = torch.softmax(attn.masked_fill(~mask, float("-inf")), dim=dim)
     elif norm not in ("clipped", "no_norm"):
@@ -93,7 +94,7 @@ def xattn_scores(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.
         g_alpha = (gram @ alpha.reshape(n_img, k, n_cap * length)).view_as(alpha)
         attended_sq = (alpha * g_alpha).sum(dim=1)                                # ‖a_j‖²     [I, C, L]
         query_norm = words_acc.norm(dim=-1).view(1, n_cap, length)
-        relevance = along / (query_norm * attended_sq.clamp(min=0).sqrt()).clamp(min=EPS)
+        relevance = along / (query_norm * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
         return _aggregate(relevance, word_mask.view(1, n_cap, length), 2, agg, lambda_lse)
     # i2t: query = regions (axis 1), context = words (axis 3)
     attn = _normalise(dots, rmask, 1, norm)
@@ -103,5 +104,5 @@ def xattn_scores(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.
     alpha_c = alpha.permute(2, 3, 0, 1).reshape(n_cap, length, n_img * k)         # [C, L, I·K]
     attended_sq = (alpha_c * (gram @ alpha_c)).sum(dim=1).view(n_cap, n_img, k).permute(1, 2, 0)  # [I, K, C]
     query_norm = regions_acc.norm(dim=-1).view(n_img, k, 1)
-    relevance = along / (query_norm * attended_sq.clamp(min=0).sqrt()).clamp(min=EPS)
+    relevance = along / (query_norm * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
     return _aggregate(relevance, region_mask.view(n_img, k, 1), 1, agg, lambda_lse)

@@ -1,0 +1,123 @@
+"""Run directories and checkpoints.
+
+Run directory (``--out``)::
+
+    config.json          every hyperparameter, the model's constructor arguments, the feature file's attributes,
+                         the manifest, the package version
+    vocab.json           the caption vocabulary (SCAN's format)
+    checkpoint-NNN.pt    after epoch NNN (the last ``keep`` are kept)
+    best.pt              the checkpoint with the best validation rSum
+    metrics.jsonl        one JSON line per logged step and per epoch (validation numbers)
+    eval.json            results of ``retr-train eval`` (every protocol, single model or ensemble)
+
+A checkpoint holds ``model`` (state dict), ``optimizer``, ``scheduler``, ``scaler`` (AMP), ``vocab``
+(``Vocabulary.to_json()``), ``epoch`` (finished epochs, 0-based index of the last one), ``best_rsum``,
+``rng`` (python, numpy, torch CPU and CUDA states) and ``config`` — everything a resume needs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retr.common.errors import UserError
+from retr.trainers.vocab import Vocabulary
+
+CONFIG, VOCAB, BEST, METRICS, EVAL = "config.json", "vocab.json", "best.pt", "metrics.jsonl", "eval.json"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
+
+
+def write_json(path: str | os.PathLike, data) -> Path:
+    """Write JSON atomically (temporary file, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_config(run: str | os.PathLike) -> dict:
+    path = Path(run) / CONFIG
+    if not path.is_file():
+        raise UserError(f"{run} is not a run directory (no {CONFIG})")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_path(run: str | os.PathLike, epoch: int) -> Path:
+    return Path(run) / f"checkpoint-{epoch:03d}.pt"
+
+
+def list_checkpoints(run: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``[(epoch, path)]`` of the run's epoch checkpoints, oldest first."""
+    run = Path(run)
+    found = [(int(m.group(1)), p) for p in run.glob("checkpoint-*.pt") if (m := _CHECKPOINT.match(p.name))]
+    return sorted(found)
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
+    """``torch.save`` to a temporary name, then rename (a killed run never leaves a truncated checkpoint)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist")
+    try:
+        # Own checkpoints hold RNG states (numpy arrays, tuples): trusted files written by this project.
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file for the user
+        raise UserError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {exc})") from None
+
+
+def prune_checkpoints(run: str | os.PathLike, keep: int) -> None:
+    """Delete all but the newest ``keep`` epoch checkpoints (``best.pt`` is separate)."""
+    for _, path in list_checkpoints(run)[:-keep] if keep > 0 else []:
+        path.unlink(missing_ok=True)
+
+
+def load_run_model(run: str | os.PathLike, which: str = "best", device: torch.device | str = "cpu"):
+    """(model in eval mode, vocabulary, config) of a run; ``which`` is ``best``, ``last`` or a file name."""
+    from retr.trainers.models import create_model
+
+    run = Path(run)
+    config = read_config(run)
+    if which == "best":
+        path = run / BEST
+        if not path.is_file() and list_checkpoints(run):
+            path = list_checkpoints(run)[-1][1]
+    elif which == "last":
+        if not list_checkpoints(run):
+            raise UserError(f"{run} has no epoch checkpoints")
+        path = list_checkpoints(run)[-1][1]
+    else:
+        path = run / which
+    state = load_checkpoint(path)
+    vocab = Vocabulary.from_json(state["vocab"], str(path)) if "vocab" in state else Vocabulary.load(run / VOCAB)
+    model = create_model(config["model"], **config["model_args"])
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), vocab, config

@@ -1,0 +1,75 @@
+"""Multi-process training under ``torchrun`` (DDP): process-group setup and the embedding gather.
+
+Hardest negatives must come from the *global* batch. Every rank encodes its part of the batch, gathers all
+ranks' embeddings (padding every dim to the largest rank's, then trimming), and puts its own tensors back in its
+slot so gradients flow through the local part. Each rank then computes the same global loss; its gradient
+reaches only the local encoders' work, and the all-reduce of DDP (an average over ranks) times the loss scale
+``world_size`` gives exactly the single-process gradient of the global batch.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_from_env(device_type: str) -> DistInfo:
+    """Join the process group when started by ``torchrun`` (``WORLD_SIZE`` > 1): NCCL on CUDA, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype == torch.bool:                     # masks travel as uint8 (gloo and F.pad want numbers)
+        return _gather_tensor(tensor.to(torch.uint8)).bool()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shape = torch.tensor(tensor.shape, device=tensor.device, dtype=torch.long)
+    shapes = [torch.zeros_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape)
+    shapes = torch.stack(shapes)                       # [world, ndim]
+    biggest = shapes.max(dim=0).values.tolist()
+    pad = []
+    for d in reversed(range(tensor.dim())):
+        pad += [0, biggest[d] - tensor.shape[d]]
+    padded = F.pad(tensor, pad) if any(pad) else tensor
+    parts = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded.detach().contiguous())
+    parts[rank] = padded                               # the local part keeps its autograd history
+    return torch.cat([p[:int(shapes[r, 0])] for r, p in enumerate(parts)])
+
+
+def gather_embeddings(embeddings: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """All ranks' embeddings, rank order, along dim 0 (other dims zero-padded to the largest)."""
+    return {key: _gather_tensor(value) for key, value in embeddings.items()}
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def cleanup(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,141 @@
+"""``retr-train eval`` (single runs and ensembles), ``retr-train table`` and ``retr-train import-scan-checkpoint``."""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import click
+import numpy as np
+import torch
+
+from retr.common.cli import quiet_option
+from retr.common.errors import UserError
+from retr.pipeline.store import FeatureSet
+from retr.trainers import checkpoint as ckpt
+from retr.trainers.data import ImageFeatures, load_split
+from retr.trainers.evaluation import PRECISIONS, PROTOCOLS, protocol_metrics, similarity_matrix
+from retr.trainers.loop import resolve_device
+
+
+def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features: str | None = None,
+                  manifest: str | None = None, device: str = "auto", precision: str = "float64",
+                  which: str = "best", preload: bool | None = None, quiet: bool = False):
+    """Score ``split`` with every run, average the similarity matrices (ensemble) and apply ``protocol``.
+
+    Returns ``(result dict, sims [N_img, M] float64)``.
+    """
+    dev = resolve_device(device)
+    total, reference, models = None, None, []
+    for run in runs:
+        model, vocab, config = ckpt.load_run_model(run, which, dev)
+        feats_path = features or config.get("features")
+        manifest_path = manifest or config.get("manifest")
+        if not feats_path or not manifest_path:
+            raise UserError(f"{run} does not record its features/manifest (imported run?); "
+                            "pass --features and --manifest")
+        feature_set = FeatureSet(feats_path)
+        data, _ = load_split(manifest_path, [split], vocab, feature_set, missing="error")
+        key = (data.image_ids, data.captions)
+        if reference is not None and key != reference:
+            raise UserError(f"{run} sees other images/captions than {runs[0]}; an ensemble needs the same split")
+        reference = key
+        image_features = ImageFeatures(feature_set, data.image_ids, preload)
+        sims = similarity_matrix(model, data, image_features, dev, precision=precision, quiet=quiet)
+        total = sims if total is None else total + sims
+        models.append({"run": str(run), "model": config["model"],
+                       "direction": config["model_args"].get("direction"), "features": str(feats_path)})
+    sims = total / len(runs)
+    result = protocol_metrics(sims, data, protocol)
+    result.update(protocol=protocol, split=split, ensemble=len(runs) > 1, runs=[str(r) for r in runs],
+                  models=models, precision=precision,
+                  evaluated=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    return result, sims
+
+
+def _record(run: str, result: dict) -> None:
+    path = Path(run) / ckpt.EVAL
+    existing = json.loads(path.read_text()) if path.is_file() else {"results": []}
+    keep = [r for r in existing.get("results", []) if (r["protocol"], r["split"], r["runs"])
+            != (result["protocol"], result["split"], result["runs"])]
+    ckpt.write_json(path, {"results": keep + [result]})
+
+
+def _line(side: str, m: dict) -> str:
+    return (f"{side}: R@1 {m['r1']:.1f}  R@5 {m['r5']:.1f}  R@10 {m['r10']:.1f}  "
+            f"medr {m['medr']:.1f}  meanr {m['meanr']:.1f}")
+
+
+@click.command("eval")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("--protocol", type=click.Choice(PROTOCOLS), required=True,
+              help="f30k-1k / coco-5k: the split as given; coco-1k: five equal folds in file order, averaged.")
+@click.option("--split", default="test", show_default=True)
+@click.option("--features", type=click.Path(dir_okay=False), default=None, help="Override the run's feature set.")
+@click.option("--manifest", type=click.Path(dir_okay=False), default=None, help="Override the run's manifest.")
+@click.option("--checkpoint", "which", default="best", show_default=True, help="best, last, or a file in the run.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="float64", show_default=True,
+              help="float64: all scoring arithmetic in float64; mixed: float32 products, float64 after them.")
+@click.option("--device", default="auto", show_default=True)
+@click.option("--preload/--no-preload", default=None)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number.")
+@click.option("--save-sims", type=click.Path(dir_okay=False), default=None,
+              help="Write the images × captions similarities (float64 .npy, manifest order).")
+@quiet_option
+def eval_command(runs, protocol, split, features, manifest, which, precision, device, preload, as_json,
+                 save_sims, quiet) -> None:
+    """Evaluate one run, or an ensemble of runs (their similarity matrices averaged).
+
+    The result is also stored in each run's eval.json.
+
+    \b
+    Example:
+      retr-train eval runs/scan-f30k --protocol f30k-1k
+      retr-train eval runs/scan-coco-t2i runs/scan-coco-i2t --protocol coco-1k --json
+    """
+    result, sims = evaluate_runs(list(runs), protocol, split, features, manifest, device, precision, which,
+                                 preload, quiet)
+    if save_sims:
+        np.save(save_sims, sims.astype(np.float64))
+    for run in runs:
+        _record(run, result)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    kind = f"ensemble of {len(runs)} runs (averaged similarities)" if len(runs) > 1 else "single model"
+    click.echo(f"{protocol} on {split} ({result['images']} images, {result['captions']} captions) — {kind}: "
+               f"{', '.join(runs)}")
+    if protocol == "coco-1k":
+        click.echo("mean over 5 folds:")
+    click.echo(_line("image→text (i2t)", result["i2t"]))
+    click.echo(_line("text→image (t2i)", result["t2i"]))
+    click.echo(f"rsum: {result['rsum']:.1f}")
+
+
+@click.command("table")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+def table_command(runs) -> None:
+    """Print one table of every result stored in the runs' eval.json.
+
+    \b
+    Example:
+      retr-train table runs/scan-f30k runs/vsepp-f30k
+    """
+    rows, seen = [], set()
+    for run in runs:
+        path = Path(run) / ckpt.EVAL
+        if not path.is_file():
+            raise UserError(f"{run} has no {ckpt.EVAL}; run `retr-train eval {run} --protocol …` first")
+        for r in json.loads(path.read_text()).get("results", []):
+            key = (r["protocol"], r["split"], tuple(r["runs"]))
+            if key in seen:
+                continue
+            seen.add(key)
+            names = "+".join(m["model"] + (f"({m['direction']})" if m.get("direction") else "") for m in r["models"])
+            rows.append([names, r["protocol"], *(f"{r[s][k]:.1f}" for s in ("i2t", "t2i") for k in ("r1", "r5", "r10")),
+                         f"{r['rsum']:.1f}", f"ensemble of {len(r['runs'])}" if r["ensemble"] else "single"])
+    header = ["model", "protocol", "i2t R@1", "R@5", "R@10", "t2i R@1", "R@5", "R@10", "rSum", "kind"]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in [header, *rows]:
+        click.echo("  ".join(str(x).ljust(w) if i < 2 else str(x).rjust(w)
+                             for i, (x, w) in enumerate(zip(row, widths))).rstrip())

@@ -1,0 +1,100 @@
+"""Import an official SCAN checkpoint (``model_best.pth.tar`` of kuanghuei/SCAN) as a retr run.
+
+The official file is a pickle ``{'epoch', 'model': [img_enc_state, txt_enc_state], 'best_rsum', 'opt',
+'Eiters'}`` whose ``opt`` is an ``argparse.Namespace`` (so it is loaded with ``weights_only=False``: only import
+files from a source you trust). Parameter names of both encoders are those of :class:`SCAN` here
+(``fc.*`` / ``fc.weight_g``, ``fc.weight_v``; ``embed.weight``, ``rnn.*``), so the states are copied under
+``img_enc.`` and ``txt_enc.``. The run gets ``config.json`` (the options translated), ``vocab.json`` and
+``best.pt``; it records no features or manifest, so ``retr-train eval`` needs ``--features/--manifest``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import torch
+
+from retr.common.errors import UserError
+from retr.common.version import __version__
+from retr.trainers import checkpoint as ckpt
+from retr.trainers.models import create_model
+from retr.trainers.vocab import Vocabulary
+
+AGG_NAMES = {"LogSumExp": "lse", "Mean": "avg", "Max": "max", "Sum": "sum"}
+
+
+def scan_args_from_opt(opt) -> dict:
+    """SCAN constructor arguments from the official ``opt`` Namespace (their defaults where absent)."""
+    get = (lambda k, d=None: getattr(opt, k, d)) if not isinstance(opt, dict) else (lambda k, d=None: opt.get(k, d))
+    agg = get("agg_func", "LogSumExp")
+    if agg not in AGG_NAMES:
+        raise UserError(f"unknown agg_func {agg!r} in the checkpoint's options")
+    direction = get("cross_attn", "t2i")
+    lambda_lse = get("lambda_lse")
+    return {"img_dim": int(get("img_dim", 2048)), "embed_size": int(get("embed_size", 1024)),
+            "word_dim": int(get("word_dim", 300)), "direction": direction, "agg": AGG_NAMES[agg],
+            "norm": get("raw_feature_norm", "clipped_l2norm"), "lambda_softmax": float(get("lambda_softmax", 9.0)),
+            "lambda_lse": float(lambda_lse if lambda_lse is not None else 6.0),   # the authors' fallback
+            "bi_gru": bool(get("bi_gru", False)), "no_imgnorm": bool(get("no_imgnorm", False)),
+            "precomp_enc_type": get("precomp_enc_type", "basic"), "margin": float(get("margin", 0.2)),
+            "max_violation": bool(get("max_violation", False))}
+
+
+def import_scan_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out: str | Path) -> Path:
+    """Write a run directory ``out`` from an official SCAN checkpoint and its vocabulary."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    if not checkpoint.is_file():
+        raise UserError(f"checkpoint {checkpoint} does not exist")
+    if (out / ckpt.BEST).exists():
+        raise UserError(f"{out} already holds a run; choose another --out")
+    state = ckpt.load_checkpoint(checkpoint)
+    if not isinstance(state, dict) or "model" not in state or "opt" not in state \
+            or not isinstance(state["model"], (list, tuple)) or len(state["model"]) != 2:
+        raise UserError(f"{checkpoint} is not an official SCAN checkpoint "
+                        "(expected {'model': [img_enc, txt_enc], 'opt': …, 'epoch': …})")
+    vocab = Vocabulary.load(vocab_path)
+    args = scan_args_from_opt(state["opt"])
+    img_state, txt_state = state["model"]
+    vocab_rows = txt_state["embed.weight"].shape[0] if "embed.weight" in txt_state else None
+    if vocab_rows != len(vocab):
+        raise UserError(f"{vocab_path} has {len(vocab)} words but the checkpoint's embedding has {vocab_rows} rows; "
+                        "use the vocabulary the model was trained with")
+    args["vocab_size"] = len(vocab)
+    model = create_model("scan", **args)
+    merged = {f"img_enc.{k}": v for k, v in img_state.items()}
+    merged.update({f"txt_enc.{k}": v for k, v in txt_state.items()})
+    try:
+        model.load_state_dict(merged)
+    except RuntimeError as exc:
+        raise UserError(f"{checkpoint} does not match SCAN with its own options: {str(exc).splitlines()[0]}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    vocab.save(out / ckpt.VOCAB)
+    epoch = int(state.get("epoch", 0))
+    ckpt.write_json(out / ckpt.CONFIG, {"model": "scan", "model_args": args, "features": None, "manifest": None,
+                                         "imported_from": str(checkpoint), "epoch": epoch,
+                                         "best_rsum": float(state.get("best_rsum", 0.0) or 0.0),
+                                         "retr_version": __version__})
+    ckpt.save_checkpoint(out / ckpt.BEST, {"model": model.state_dict(), "vocab": vocab.to_json(), "epoch": epoch,
+                                           "imported_from": str(checkpoint)})
+    return out
+
+
+@click.command("import-scan-checkpoint")
+@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.option("--vocab", "vocab_path", required=True, type=click.Path(dir_okay=False),
+              help="The {name}_vocab.json the model was trained with.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory to create.")
+def import_scan_command(checkpoint, vocab_path, out) -> None:
+    """Turn an official SCAN checkpoint into a run that `retr-train eval` can evaluate.
+
+    The file is unpickled (it holds an argparse Namespace): import only checkpoints you trust.
+
+    \b
+    Example:
+      retr-train import-scan-checkpoint runs/coco_scan/model_best.pth.tar --vocab vocab/coco_precomp_vocab.json \\
+          --out runs/scan-official-coco
+      retr-train eval runs/scan-official-coco --protocol coco-1k --features data/coco/features/butd-regions.h5 \\
+          --manifest data/coco/manifest.jsonl
+    """
+    import_scan_checkpoint(checkpoint, vocab_path, out)
+    click.echo(f"imported {checkpoint} → {out}")
