@@ -4,15 +4,19 @@ The detections are meaningless, but the whole flow runs and the features are fin
 convolutions get He-normal weights (fan-out, as torchvision's ResNets), linear layers N(0, 0.01²) (the
 original heads' init), and every frozen batch norm's statistics are *calibrated*: one forward pass over a fixed
 pseudo-image sets each norm's running mean/variance to the statistics of its own input, so every norm outputs
-zero-mean, unit-variance activations, as a trained network's norms roughly do. Without that, 33 residual
-blocks of random weights grow the activations past float16's range.
+zero-mean, unit-variance activations, as a trained network's norms roughly do — except the last norm of each
+residual branch, which outputs variance ``RESIDUAL_GAIN²`` so that 33 random residual branches, which add up
+coherently, do not grow the activations past float16's range. The pseudo-image is smooth (upsampled noise),
+like photographs rather than white noise.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchvision.ops.misc import FrozenBatchNorm2d
 
+from retr.extractors.butd.backbone import Bottleneck
 from retr.extractors.butd.model import BottomUpAttention
 
 #: seed of the random weights (recorded as ``weights = "random"``; the same seed gives the same network)
@@ -24,17 +28,39 @@ CALIBRATION_PIXEL_STD = 60.0
 CALIBRATION_PROPOSALS = 32
 
 
+#: output standard deviation of each residual branch's last norm (the others output 1)
+RESIDUAL_GAIN = 0.2
+
+
 def _calibrate_norm(module: FrozenBatchNorm2d, inputs: tuple[torch.Tensor]) -> None:
     x = inputs[0]
     module.running_mean.copy_(x.mean(dim=(0, 2, 3)))
     module.running_var.copy_(x.var(dim=(0, 2, 3), unbiased=False))
-    module.weight.fill_(1.0)
+    module.weight.fill_(getattr(module, "calibration_gain", 1.0))
     module.bias.zero_()
+
+
+#: (seed, settings) → the random state dict already made in this process (building one costs seconds)
+_MADE: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
 @torch.no_grad()
 def randomize_(model: BottomUpAttention, seed: int = RANDOM_SEED) -> BottomUpAttention:
-    """Fill ``model`` with the seeded random weights and calibrated norms (in place; returns it)."""
+    """Fill ``model`` with the seeded random weights and calibrated norms (in place; returns it).
+
+    The result depends only on ``seed`` and the detector settings; it is made once per process and copied
+    into later models (a CPU copy of the 65 M parameters is kept for that).
+    """
+    key = (seed, model.settings)
+    if key in _MADE:
+        model.load_state_dict(_MADE[key])
+        return model
+    _randomize(model, seed)
+    _MADE[key] = {name: value.detach().to("cpu", copy=True) for name, value in model.state_dict().items()}
+    return model
+
+
+def _randomize(model: BottomUpAttention, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for module in model.modules():
         if isinstance(module, nn.Conv2d):
@@ -50,8 +76,13 @@ def randomize_(model: BottomUpAttention, seed: int = RANDOM_SEED) -> BottomUpAtt
             module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 0.01)
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
+    for module in model.modules():
+        if isinstance(module, Bottleneck):
+            module.conv3.norm.calibration_gain = RESIDUAL_GAIN
     device = next(model.parameters()).device
-    image = (torch.randn(3, *CALIBRATION_HW, generator=generator) * CALIBRATION_PIXEL_STD).to(device)
+    coarse = torch.randn(1, 3, CALIBRATION_HW[0] // 16, CALIBRATION_HW[1] // 16, generator=generator)
+    image = F.interpolate(coarse, size=CALIBRATION_HW, mode="bilinear", align_corners=False)[0]
+    image = (image / image.std() * CALIBRATION_PIXEL_STD).to(device)
     hooks = [m.register_forward_pre_hook(_calibrate_norm) for m in model.modules()
              if isinstance(m, FrozenBatchNorm2d)]
     proposals = model.proposal_generator
@@ -63,4 +94,6 @@ def randomize_(model: BottomUpAttention, seed: int = RANDOM_SEED) -> BottomUpAtt
         proposals.post_nms_topk = saved_topk
         for hook in hooks:
             hook.remove()
-    return model
+        for module in model.modules():
+            if hasattr(module, "calibration_gain"):
+                del module.calibration_gain
