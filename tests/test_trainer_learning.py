@@ -1,0 +1,70 @@
+"""End to end: `retr-train scan` / `vsepp` learn the synthetic task; `eval` (single, ensemble, JSON, sims); `table`.
+
+Features come from the scene descriptions (tests/trainer_synthetic.py), not from an extractor with random
+weights, so the test checks that the trainer learns rather than how informative random CNN features are.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from retr.trainers.cli import cli
+from trainer_synthetic import make_synthetic
+
+TINY = ["--embed-size", "64", "--word-dim", "32", "--batch-size", "32", "--lr", "2e-3", "--quiet",
+        "--log-every", "5"]
+
+
+def _invoke(args):
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("synthetic")
+    manifest, features = make_synthetic(folder, images=200)
+    return folder, str(manifest), str(features)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,extra", [("scan", ["--direction", "t2i", "--epochs", "3"]),
+                                         ("vsepp", ["--epochs", "4"])])
+def test_training_reaches_many_times_chance(synthetic, model, extra):
+    folder, manifest, features = synthetic
+    run = folder / f"run-{model}"
+    _invoke([model, "--features", features, "--manifest", manifest, "--out", str(run), *TINY, *extra])
+    assert {"config.json", "vocab.json", "best.pt", "metrics.jsonl"} <= {p.name for p in run.iterdir()}
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    epochs = [line for line in lines if "val" in line]
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+    out = _invoke(["eval", str(run), "--protocol", "f30k-1k", "--json", "--save-sims", str(folder / f"{model}.npy")])
+    result = json.loads(out)
+    assert result["images"] == 20 and result["captions"] == 100 and result["ensemble"] is False
+    chance = 100 * 1 / 20                          # R@1 of a random ranking of 20 images (and of 5 of 100 captions)
+    assert result["t2i"]["r1"] >= 5 * chance and result["i2t"]["r1"] >= 5 * chance, result
+    assert result["rsum"] == pytest.approx(sum(result[s][k] for s in ("i2t", "t2i") for k in ("r1", "r5", "r10")))
+    sims = np.load(folder / f"{model}.npy")
+    assert sims.shape == (20, 100) and sims.dtype == np.float64
+    assert (sims.argmax(axis=0) == np.arange(100) // 5).mean() * 100 == pytest.approx(result["t2i"]["r1"])
+    text = _invoke(["eval", str(run), "--protocol", "f30k-1k"])
+    assert "single model" in text and "rsum" in text
+
+
+@pytest.mark.slow
+def test_ensemble_and_table(synthetic):
+    folder, manifest, features = synthetic
+    runs = [folder / "run-scan", folder / "run-vsepp"]
+    if not all((r / "best.pt").exists() for r in runs):
+        pytest.skip("needs the runs of test_training_reaches_many_times_chance")
+    result = json.loads(_invoke(["eval", *map(str, runs), "--protocol", "coco-1k", "--json",
+                                 "--save-sims", str(folder / "ens.npy")]))
+    assert result["ensemble"] is True and len(result["folds"]) == 5
+    mean = (np.load(folder / "scan.npy") + np.load(folder / "vsepp.npy")) / 2
+    np.testing.assert_allclose(np.load(folder / "ens.npy"), mean, rtol=1e-12)
+    table = _invoke(["table", *map(str, runs)])
+    assert "ensemble of 2" in table and "single" in table and "scan(t2i)" in table and "vsepp" in table
