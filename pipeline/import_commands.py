@@ -1,0 +1,95 @@
+"""``retr-pipeline import-scan | import-tsv | import-npz``: bring existing region features into retr."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from retr.common.cli import progress, quiet_option
+from retr.pipeline.importers import SCAN_SPLITS, ImportSummary, import_npz, import_scan, import_tsv
+from retr.pipeline.store import FEATURE_DTYPES
+
+_dtype = click.option("--dtype", type=click.Choice(FEATURE_DTYPES), default="float16", show_default=True,
+                      help="On-disk type of the features.")
+_prefix = click.option("--id-prefix", default="", help="Prepended to every image id (e.g. coco_ to match a "
+                                                       "Karpathy manifest).")
+_max_boxes = click.option("--max-boxes", type=int, default=None,
+                          help="Boxes per row K (default: the largest count in the input).")
+_name = click.option("--name", default="regions", show_default=True, help="Writes OUT/NAME.h5.")
+
+
+def _bar(quiet: bool):
+    return lambda iterable=None, **kwargs: progress(iterable, quiet=quiet, **kwargs)
+
+
+def _report(summary: ImportSummary) -> None:
+    text = f"wrote {summary.features} ({summary.rows} images × {summary.max_boxes} boxes)"
+    if summary.manifest is not None:
+        counts = ", ".join(f"{split} {n}" for split, n in summary.splits.items())
+        text += f" and {summary.manifest} ({counts})"
+    click.echo(text)
+
+
+@click.command("import-scan")
+@click.option("--data-dir", type=click.Path(path_type=Path), required=True,
+              help="SCAN data folder with {split}_ims.npy and {split}_caps.txt (e.g. data/f30k_precomp).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Writes OUT/manifest.jsonl and OUT/regions.h5.")
+@click.option("--splits", default=None, help=f"Comma-separated SCAN splits ({', '.join(SCAN_SPLITS)}); default: "
+                                             "all present, testall instead of test when both exist.")
+@_prefix
+@_dtype
+@quiet_option
+def import_scan_command(data_dir: Path, out: Path, splits: str | None, id_prefix: str, dtype: str,
+                        quiet: bool) -> None:
+    """Import SCAN's precomputed features and captions as a regions feature set and a manifest.
+
+    SCAN's dev becomes val; COCO's testall (5K) becomes test. Ids come from {split}_ids.txt when present,
+    else <split>_<row>. Five captions per image.
+
+    \b
+    Example:
+      retr-pipeline import-scan --data-dir data/f30k_precomp --out data/f30k/scan
+      retr-train scan --features data/f30k/scan/regions.h5 --manifest data/f30k/scan/manifest.jsonl
+    """
+    chosen = [s.strip() for s in splits.split(",") if s.strip()] if splits else None
+    _report(import_scan(data_dir, out, chosen, dtype=dtype, id_prefix=id_prefix, progress=_bar(quiet)))
+
+
+@click.command("import-tsv")
+@click.argument("tsv", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder.")
+@_name
+@_max_boxes
+@_prefix
+@_dtype
+@quiet_option
+def import_tsv_command(tsv: Path, out: Path, name: str, max_boxes: int | None, id_prefix: str, dtype: str,
+                       quiet: bool) -> None:
+    """Import a bottom-up-attention TSV: the original 6 fields or LXMERT's 10 (with labels).
+
+    \b
+    Example:
+      retr-pipeline import-tsv trainval_36/trainval_resnet101_faster_rcnn_genome_36.tsv --out data/coco/features --id-prefix coco_
+    """
+    _report(import_tsv(tsv, out, dtype=dtype, max_boxes=max_boxes, id_prefix=id_prefix, name=name,
+                       progress=_bar(quiet)))
+
+
+@click.command("import-npz")
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder.")
+@_name
+@_max_boxes
+@_prefix
+@_dtype
+@quiet_option
+def import_npz_command(folder: Path, out: Path, name: str, max_boxes: int | None, id_prefix: str, dtype: str,
+                       quiet: bool) -> None:
+    """Import a folder of MILVLG per-image .npz files (id = file name without .npz).
+
+    \b
+    Example:
+      retr-pipeline import-npz output/coco_features --out data/coco/features --id-prefix coco_
+    """
+    _report(import_npz(folder, out, dtype=dtype, max_boxes=max_boxes, id_prefix=id_prefix, name=name,
+                       progress=_bar(quiet)))
