@@ -94,12 +94,9 @@ def build_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] = (),
                 f"on a connected machine download {member.url} into that folder (or run python -c "
                 f"\"import torchvision; torchvision.models.{arch}(weights='{member.name}')\"), set TORCH_HOME to "
                 f"use another cache, or pass --weights PATH")
-        model = builder(weights=None)
-        try:
-            state = member.get_state_dict(progress=False, check_hash=True)
-        except RuntimeError as exc:
-            raise UserError(f"cached weights {cached} are damaged ({str(exc).splitlines()[0]}); delete the file and "
-                            f"download {member.url} again") from None
+        check_hub_hash(cached, member.url)
+        model = _skeleton(builder)
+        state = member.get_state_dict(progress=False)
         load_checked(model, state, str(cached), arch, ())
         transforms = member.transforms()
         loaded = LoadedWeights(f"{type(member).__name__}.{member.name}", {"weights_url": member.url},
@@ -109,12 +106,47 @@ def build_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] = (),
         if not path.is_file():
             raise UserError(f"--weights {weights!r} is neither 'imagenet', 'random', a torchvision weight name, "
                             f"nor an existing state-dict file")
-        model = builder(weights=None)
+        model = _skeleton(builder)
         load_checked(model, read_state_dict(path), str(path), arch, tuple(unused_prefixes))
         from retr.extractors.images import IMAGENET_MEAN, IMAGENET_STD
         loaded = LoadedWeights(f"sha256:{sha256_file(path)}", {"weights_file": path.name}, IMAGENET_MEAN,
                                IMAGENET_STD)
     return model.eval(), loaded
+
+
+def _skeleton(builder: Callable[..., nn.Module]) -> nn.Module:
+    """The architecture with its tensors on the ``meta`` device: no time spent on an initialisation that loading
+    overwrites (VGG-19's 144M parameters take seconds to initialise)."""
+    with torch.device("meta"):
+        return builder(weights=None)
+
+
+def _materialise_leftovers(model: nn.Module) -> None:
+    """Give every tensor loading did not fill a real value: ``num_batches_tracked`` counters (absent from
+    torchvision's 2017-era checkpoints, unused in eval mode) become 0, never-run head parameters zeros."""
+    for module in model.modules():
+        for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if tensor.is_meta:
+                real = torch.zeros(tensor.shape, dtype=tensor.dtype)
+                if isinstance(tensor, nn.Parameter):
+                    setattr(module, name, nn.Parameter(real, requires_grad=False))
+                else:
+                    setattr(module, name, real)
+
+
+def check_hub_hash(path: Path, url: str) -> None:
+    """Check a cached file against the SHA-256 prefix in its name (``resnet152-394f9c45.pth``).
+
+    torch.hub checks that prefix only while downloading; a file copied into the cache by hand (or cut short)
+    is checked here, so a damaged file is reported as such instead of as a state-dict mismatch.
+    """
+    match = torch.hub.HASH_REGEX.search(path.name)
+    if match is None:
+        return
+    digest = sha256_file(path)
+    if not digest.startswith(match.group(1)):
+        raise UserError(f"cached weights {path} are damaged (sha256 {digest[:len(match.group(1))]}…, the file name "
+                        f"says {match.group(1)}…); delete it and download {url} again")
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -138,7 +170,8 @@ def load_checked(model: nn.Module, state: dict[str, torch.Tensor], source: str, 
                  unused_prefixes: tuple[str, ...] = ()) -> None:
     """Load ``state`` into ``model`` after checking every key and shape; one ``UserError`` lists what differs."""
     expected = model.state_dict()
-    missing = [k for k in expected if k not in state and not k.startswith(unused_prefixes)]
+    missing = [k for k in expected if k not in state and not k.startswith(unused_prefixes)
+               and not k.endswith("num_batches_tracked")]
     unexpected = [k for k in state if k not in expected]
     wrong = [f"{k} {list(state[k].shape)} (model {list(expected[k].shape)})" for k in state
              if k in expected and state[k].shape != expected[k].shape]
@@ -152,4 +185,5 @@ def load_checked(model: nn.Module, state: dict[str, torch.Tensor], source: str, 
             parts.append(f"{len(wrong)} with other shapes (e.g. {wrong[0]})")
         raise UserError(f"{source} does not fit {arch} of this extractor: {'; '.join(parts)} — is it a state dict "
                         f"of another architecture?")
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state, strict=False, assign=True)
+    _materialise_leftovers(model)

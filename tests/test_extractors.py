@@ -1,0 +1,291 @@
+"""Extractors: image decoding and colour modes, preprocessing, weights, and each network's output checked
+against torchvision's own modules run directly on the same preprocessed tensor."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from PIL import Image
+
+from retr.common.errors import MissingResourceError, UserError
+from retr.extractors.base import ImageError, available_extractors, build_extractor
+from retr.extractors.backbone import resolve_device
+from retr.extractors.images import IMAGENET_MEAN, IMAGENET_STD, SquareResize, TenCrop, decode_image, to_rgb
+from retr.extractors.weights import hub_checkpoint_path, read_state_dict
+
+
+def _scene(size=(96, 64), seed=0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+@pytest.fixture
+def jpeg(tmp_path) -> Path:
+    path = tmp_path / "scene.jpg"
+    _scene().save(path, quality=95)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+def test_every_mode_becomes_rgb(tmp_path):
+    cases = {}
+    gray = Image.new("L", (8, 6), 77)
+    cases["gray.png"] = (gray, (77, 77, 77))
+    cases["cmyk.jpg"] = (Image.new("CMYK", (8, 6), (0, 0, 0, 0)), (255, 255, 255))
+    palette = Image.new("P", (8, 6), 3)
+    palette.putpalette([0, 0, 0] * 3 + [10, 200, 30] + [0, 0, 0] * 252)
+    cases["palette.png"] = (palette, (10, 200, 30))
+    cases["transparent.png"] = (Image.new("RGBA", (8, 6), (0, 0, 0, 0)), (255, 255, 255))  # over white
+    cases["opaque.png"] = (Image.new("RGBA", (8, 6), (200, 10, 10, 255)), (200, 10, 10))
+    cases["la.png"] = (Image.new("LA", (8, 6), (0, 0)), (255, 255, 255))
+    cases["bilevel.png"] = (Image.new("1", (8, 6), 1), (255, 255, 255))
+    sixteen = Image.fromarray(np.full((6, 8), 32896, dtype=np.uint16))  # 32896 / 65535 · 255 = 128
+    cases["sixteen.png"] = (sixteen, (128, 128, 128))
+    for name, (image, colour) in cases.items():
+        image.save(tmp_path / name)
+        rgb = decode_image(tmp_path / name)
+        assert rgb.mode == "RGB" and rgb.size == (8, 6), name
+        assert rgb.getpixel((3, 3)) == pytest.approx(colour, abs=2), name
+
+
+def test_palette_transparency_and_float_modes():
+    palette = Image.new("P", (4, 4), 1)
+    palette.putpalette([0, 0, 0, 9, 9, 9] + [0] * 762)
+    palette.info["transparency"] = 1
+    assert to_rgb(palette).getpixel((0, 0)) == (255, 255, 255)
+    assert to_rgb(Image.fromarray(np.full((4, 4), 0.5, dtype=np.float32), "F")).getpixel((0, 0)) == (128, 128, 128)
+    assert to_rgb(Image.fromarray(np.full((4, 4), 200, dtype=np.int32), "I")).getpixel((0, 0)) == (200, 200, 200)
+
+
+def test_exif_orientation_is_optional(tmp_path):
+    image = _scene((40, 20))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90° clockwise to display
+    path = tmp_path / "rotated.jpg"
+    image.save(path, exif=exif.tobytes())
+    assert decode_image(path).size == (40, 20)
+    assert decode_image(path, exif_orientation=True).size == (20, 40)
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda p: None, "file not found"),
+    (lambda p: p.write_bytes(b""), "empty file"),
+    (lambda p: p.write_text("these are not pixels\n" * 10), "not an image"),
+    (lambda p: p.mkdir(), "directory"),
+])
+def test_unusable_files_raise_image_error(tmp_path, make, reason):
+    path = tmp_path / "broken.jpg"
+    make(path)
+    with pytest.raises(ImageError, match=reason):
+        decode_image(path)
+
+
+def test_truncated_jpeg_raises_image_error(tmp_path):
+    buffer = io.BytesIO()
+    _scene((200, 150)).save(buffer, "JPEG", quality=95)
+    path = tmp_path / "truncated.jpg"
+    path.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    with pytest.raises(ImageError, match="cannot decode image: image file is truncated"):
+        decode_image(path)
+
+
+def test_decompression_bomb_and_extreme_aspect(tmp_path, monkeypatch):
+    path = tmp_path / "big.png"
+    Image.new("RGB", (300, 300)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100 * 100 // 2)  # 300² > 2 × limit → Pillow refuses
+    with pytest.raises(ImageError, match="too many pixels"):
+        decode_image(path)
+    monkeypatch.undo()
+    strip = tmp_path / "strip.png"
+    Image.new("RGB", (505, 5)).save(strip)
+    with pytest.raises(ImageError, match="aspect ratio 101:1"):
+        TenCrop()(str(strip))
+
+
+def test_square_resize_normalises_with_imagenet_statistics(tmp_path):
+    path = tmp_path / "flat.png"
+    Image.new("RGB", (30, 50), (255, 128, 0)).save(path)
+    x = SquareResize(64)(str(path))
+    assert x.shape == (3, 64, 64) and x.dtype == torch.float32
+    expected = [(255 / 255 - IMAGENET_MEAN[0]) / IMAGENET_STD[0], (128 / 255 - IMAGENET_MEAN[1]) / IMAGENET_STD[1],
+                (0 - IMAGENET_MEAN[2]) / IMAGENET_STD[2]]
+    np.testing.assert_allclose(x.mean(dim=(1, 2)).numpy(), expected, atol=1e-5)
+    tiny = tmp_path / "one-pixel.png"
+    Image.new("RGB", (1, 1), (9, 9, 9)).save(tiny)
+    assert SquareResize(64)(str(tiny)).shape == (3, 64, 64)
+    assert TenCrop(32, 37)(str(tiny)).shape == (10, 3, 32, 32)
+
+
+def test_ten_crops_are_corners_centre_and_their_mirrors(tmp_path):
+    # A 74×37 image resized to short side 37 stays 74×37: crops can be located exactly.
+    path = tmp_path / "wide.png"
+    _scene((74, 37), seed=3).save(path)
+    crops = TenCrop(crop=32, resize=37)(str(path))
+    whole = torchvision.transforms.functional.normalize(
+        torchvision.transforms.functional.to_tensor(Image.open(path).convert("RGB")), IMAGENET_MEAN, IMAGENET_STD)
+    expected = [whole[:, :32, :32], whole[:, :32, -32:], whole[:, -32:, :32], whole[:, -32:, -32:],
+                whole[:, 2:34, 21:53]]
+    for k, region in enumerate(expected):
+        torch.testing.assert_close(crops[k], region)
+        torch.testing.assert_close(crops[k + 5], torch.flip(expected[[1, 0, 3, 2, 4][k]], dims=[2]))
+
+
+# ----------------------------------------------------------------------------------------------- registry
+def test_registry_names_and_option_check():
+    assert {"resnet152-grid", "vgg16-maps", "tencrop-vgg19", "tencrop-resnet152"} <= set(available_extractors())
+    with pytest.raises(UserError, match="does not take --grid-size"):
+        build_extractor("vgg16-maps", weights="random", grid_size=7)
+    with pytest.raises(UserError, match="unknown extractor 'resnet9-grid'"):
+        build_extractor("resnet9-grid")
+    with pytest.raises(UserError, match="does not pool to 7×7"):
+        build_extractor("resnet152-grid", weights="random", image_size=320)
+    with pytest.raises(UserError, match="must be one of"):
+        build_extractor("vgg16-maps", weights="random", image_size=300)
+
+
+def test_device_checks():
+    assert resolve_device("cpu", False) == torch.device("cpu")
+    with pytest.raises(UserError, match="--half needs --device cuda"):
+        resolve_device("cpu", True)
+    with pytest.raises(UserError, match="unknown device"):
+        resolve_device("gpu0", False)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="CUDA is not available"):
+            resolve_device("cuda", False)
+
+
+# ------------------------------------------------------------------------------ networks vs torchvision
+def _torchvision_model(arch: str, extractor) -> torch.nn.Module:
+    """A fresh torchvision model holding the extractor's weights (only the never-run head is left out)."""
+    with torch.device("meta"):  # no random init: every tensor that runs is assigned below
+        model = torchvision.models.get_model(arch, weights=None).eval()
+    missing, unexpected = model.load_state_dict(extractor.network.state_dict(), strict=False, assign=True)
+    assert not unexpected and all(k.startswith(("fc.", "classifier.")) for k in missing)
+    return model
+
+
+def _resnet_res5c(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = m.maxpool(m.relu(m.bn1(m.conv1(x))))
+    return m.layer4(m.layer3(m.layer2(m.layer1(x))))
+
+
+@pytest.mark.slow
+def test_resnet152_grid_matches_torchvision(jpeg):
+    pooled = build_extractor("resnet152-grid", weights="random")
+    raw = build_extractor("resnet152-grid", weights="random", grid_size=14)
+    assert pooled.feature_shape == (49, 2048) and raw.feature_shape == (196, 2048)
+    x = pooled.load(str(jpeg))
+    assert x.shape == (3, 448, 448)
+    batch = raw.collate([x])
+    out_raw = raw.extract(batch)["features"]  # the network at 448 runs once here and once for the reference
+    assert out_raw.shape == (1, 196, 2048) and out_raw.dtype == np.float32
+    with torch.no_grad():
+        res5c = _resnet_res5c(_torchvision_model("resnet152", raw), batch)  # [1, 2048, 14, 14]
+    expected_raw = res5c.permute(0, 2, 3, 1).reshape(1, 196, 2048)  # raster order: row-major cells
+    np.testing.assert_allclose(out_raw, expected_raw.numpy(), rtol=1e-4, atol=1e-5)
+    # Same seed, same weights: the default extractor is the raw map average-pooled 2×2.
+    torch.testing.assert_close(pooled.network.state_dict(), raw.network.state_dict())
+    out_pooled = pooled.to_features(res5c, 1).numpy()
+    expected_pooled = F.avg_pool2d(res5c, 2).permute(0, 2, 3, 1).reshape(1, 49, 2048)
+    np.testing.assert_allclose(out_pooled, expected_pooled.numpy(), rtol=1e-6, atol=1e-7)
+    assert out_pooled[0, 8].tolist() == pytest.approx(res5c[0, :, 2:4, 2:4].mean(dim=(1, 2)).tolist(), rel=1e-5)
+    assert np.isfinite(out_pooled).all() and 1e-3 < np.abs(out_pooled).max() < 100  # fits float16 usefully
+    attrs = pooled.attrs()
+    assert attrs["kind"] == "grid" and attrs["backbone"] == "resnet152" and attrs["weights"] == "random"
+    assert (attrs["image_size"], attrs["grid_size"], attrs["grid_pool"]) == (448, 7, 2)
+    assert attrs["weights_seed"] == 0 and attrs["exif_orientation"] is False
+
+
+@pytest.mark.slow
+def test_vgg16_maps_matches_torchvision(jpeg):
+    extractor = build_extractor("vgg16-maps", weights="random", image_size=224)
+    assert extractor.feature_shape == (49, 512)
+    batch = extractor.collate([extractor.load(str(jpeg))])
+    features = extractor.extract(batch)["features"]
+    with torch.no_grad():
+        pool5 = _torchvision_model("vgg16", extractor).features(batch)  # all 31 modules, ending with pool5
+    np.testing.assert_allclose(features, pool5.permute(0, 2, 3, 1).reshape(1, 49, 512).numpy(), rtol=1e-4, atol=1e-5)
+    attrs = extractor.attrs()
+    assert (attrs["kind"], attrs["backbone"], attrs["layer"], attrs["image_size"]) == ("maps", "vgg16", "features.30", 224)
+
+
+@pytest.mark.slow
+def test_tencrop_vgg19_is_fc7_after_relu(jpeg):
+    extractor = build_extractor("tencrop-vgg19", weights="random", image_size=64)
+    sample = extractor.load(str(jpeg))
+    assert sample.shape == (10, 3, 64, 64)
+    batch = extractor.collate([sample, sample])
+    features = extractor.extract(batch)["features"]
+    assert features.shape == (2, 10, 4096)
+    model = _torchvision_model("vgg19", extractor)
+    with torch.no_grad():
+        h = torch.flatten(model.avgpool(model.features(batch.flatten(0, 1))), 1)
+        fc7 = torch.relu(model.classifier[3](torch.relu(model.classifier[0](h))))  # fc6, ReLU, (dropout), fc7, ReLU
+    np.testing.assert_allclose(features, fc7.reshape(2, 10, 4096).numpy(), rtol=1e-4, atol=1e-5)
+    assert (features >= 0).all() and (features > 0).any()
+    attrs = extractor.attrs()
+    assert (attrs["kind"], attrs["image_size"], attrs["resize_short_side"], attrs["num_crops"]) == ("tencrop", 64, 73, 10)
+
+
+@pytest.mark.slow
+def test_tencrop_resnet152_from_a_state_dict_file(jpeg, tmp_path):
+    """--weights PATH: real key names, a DDP ``module.`` prefix and no fc (never run) are all accepted."""
+    torch.manual_seed(1)
+    source = torchvision.models.resnet152(weights=None, zero_init_residual=True).eval()
+    state = {f"module.{k}": v for k, v in source.state_dict().items() if not k.startswith("fc.")}
+    path = tmp_path / "resnet152.pth"
+    torch.save({"state_dict": state}, path)
+    assert set(read_state_dict(path)) == {k for k in source.state_dict() if not k.startswith("fc.")}
+    extractor = build_extractor("tencrop-resnet152", weights=str(path), image_size=32)
+    batch = extractor.collate([extractor.load(str(jpeg))])
+    features = extractor.extract(batch)["features"]
+    with torch.no_grad():
+        pooled = torch.flatten(source.avgpool(_resnet_res5c(source, batch.flatten(0, 1))), 1)
+    np.testing.assert_allclose(features, pooled.reshape(1, 10, 2048).numpy(), rtol=1e-4, atol=1e-5)
+    import hashlib
+    assert extractor.attrs()["weights"] == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    assert extractor.attrs()["weights_file"] == "resnet152.pth"
+
+
+def test_wrong_architecture_state_dict_is_one_clear_error(tmp_path):
+    path = tmp_path / "resnet18.pth"
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
+    with pytest.raises(UserError) as caught:
+        build_extractor("resnet152-grid", weights=str(path))
+    message = str(caught.value)
+    assert "does not fit resnet152" in message and "missing (e.g. layer1.0.conv3.weight)" in message
+    assert "other shapes (e.g. layer1.0.conv1.weight [64, 64, 3, 3] (model [64, 64, 1, 1]))" in message
+    assert "\n" not in message
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="cannot read .*junk.pth as a PyTorch state dict"):
+        build_extractor("resnet152-grid", weights=str(tmp_path / "junk.pth"))
+    with pytest.raises(UserError, match="neither 'imagenet', 'random'"):
+        build_extractor("resnet152-grid", weights=str(tmp_path / "absent.pth"))
+
+
+def test_imagenet_weights_missing_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    with pytest.raises(MissingResourceError) as caught:
+        build_extractor("tencrop-vgg19", weights="imagenet")
+    message = str(caught.value)
+    cache = tmp_path / "torch" / "hub" / "checkpoints"
+    assert "VGG19_Weights.IMAGENET1K_V1 (vgg19-dcbb9e9d.pth) not found" in message
+    assert f"looked in {cache}" in message
+    assert "https://download.pytorch.org/models/vgg19-dcbb9e9d.pth" in message and "\n" not in message
+    with pytest.raises(UserError, match="has no weights 'IMAGENET1K_V9'"):
+        build_extractor("resnet152-grid", weights="IMAGENET1K_V9")
+
+
+def test_damaged_cached_weights_are_reported(tmp_path, monkeypatch):
+    """A file in torchvision's cache is loaded with torchvision's loader, which checks its hash."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cached = hub_checkpoint_path(torchvision.models.ResNet152_Weights.IMAGENET1K_V2.url)
+    cached.parent.mkdir(parents=True)
+    torch.save({"conv1.weight": torch.zeros(1)}, cached)  # not the file whose hash the name carries
+    with pytest.raises(UserError, match=f"cached weights {cached} are damaged"):
+        build_extractor("resnet152-grid", weights="ResNet152_Weights.IMAGENET1K_V2")
