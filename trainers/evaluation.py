@@ -172,19 +172,33 @@ def similarity_matrix(model, data: SplitData, features: ImageFeatures, device: t
     images = _cast(images, embed_dtype)
     previous = getattr(model, "score_dtype", None)
     model.score_dtype = torch.float32 if precision == "float32" else torch.float64
-    caption_step = max(1, pair_budget // max(1, min(image_block, data.num_images)))
-    sims = np.empty((data.num_images, data.num_captions), dtype=np.float64)
+    try:
+        sims = score_blocks(model.score, images, [(idx, caps) for idx, caps in caption_blocks], data.num_images,
+                            data.num_captions, image_block, pair_budget, cast=embed_dtype, quiet=quiet)
+    finally:
+        model.score_dtype = previous
+    return sims
+
+
+def score_blocks(score, images: dict[str, torch.Tensor], caption_blocks, num_images: int, num_captions: int,
+                 image_block: int = 128, pair_budget: int = 1 << 16, cast: torch.dtype | None = None,
+                 quiet: bool = True) -> np.ndarray:
+    """Fill ``[num_images, num_captions]`` float64 with ``score(image block, caption block)``.
+
+    ``caption_blocks``: ``[(caption indices, embeddings)]`` (length-sorted blocks waste no padding); each is cut
+    so that a scored block holds at most ``pair_budget`` image–caption pairs.
+    """
+    caption_step = max(1, pair_budget // max(1, min(image_block, num_images)))
+    sims = np.empty((num_images, num_captions), dtype=np.float64)
     work = []
     for idx, caps in caption_blocks:
         for s in range(0, len(idx), caption_step):
             work.append((idx[s:s + caption_step], _slice(caps, slice(s, s + caption_step))))
-    try:
-        for cap_idx, caps in progress(work, desc="score", unit="block", quiet=quiet):
-            caps = _cast(caps, embed_dtype)
-            for start in range(0, data.num_images, image_block):
-                block = _slice(images, slice(start, start + image_block))
-                scores = model.score(block, caps)
-                sims[start:start + scores.shape[0], cap_idx] = scores.double().cpu().numpy()
-    finally:
-        model.score_dtype = previous
+    for cap_idx, caps in progress(work, desc="score", unit="block", quiet=quiet):
+        if cast is not None:
+            caps = _cast(caps, cast)
+        for start in range(0, num_images, image_block):
+            block = _slice(images, slice(start, start + image_block))
+            scores = score(block, caps)
+            sims[start:start + scores.shape[0], cap_idx] = scores.double().cpu().numpy()
     return sims
