@@ -250,17 +250,24 @@ class SMAN(MatchingModel):
 
     def _multimodal(self, images: Embeddings, captions: Embeddings, rows: slice, dtype: torch.dtype,
                     dots: bool) -> torch.Tensor:
-        """Level-2 cosines (or [v·t, ‖v‖², ‖t‖²]) of images ``rows`` × every caption: ``[n_i, n_cap(, 3)]``."""
-        v_mem = self.img_memory(images["v0"][rows] + images["v1"][rows])          # v̂ [n_i, d]
+        """Level-2 cosines (or [v·t, ‖v‖², ‖t‖²]) of images ``rows`` × every caption: ``[n_i, n_cap(, 3)]``.
+
+        The attention runs in the parameters' dtype (the evaluator may hand over float64 embeddings); only the
+        final cosine uses ``dtype``.
+        """
+        w = self.img_memory.weight.dtype
+        images = {k: (v[rows].to(w) if v.is_floating_point() else v[rows]) for k, v in images.items()}
+        captions = {k: (v.to(w) if v.is_floating_point() else v) for k, v in captions.items()}
+        v_mem = self.img_memory(images["v0"] + images["v1"])                      # v̂ [n_i, d]
         t_mem = self.txt_memory(captions["t0"] + captions["t1"])                   # t̂ [n_c, d]
         a = self.alpha
         o_v = torch.sigmoid(a * v_mem.unsqueeze(1) + (1 - a) * t_mem.unsqueeze(0))  # [n_i, n_c, d]
         o_t = torch.sigmoid(a * t_mem.unsqueeze(0) + (1 - a) * v_mem.unsqueeze(1))  # [n_i, n_c, d]
         # visual multi-modal attention: logits[i, c, m] = keys[i, m] · gate[i, c]
-        img_mask = images["mask"][rows]
-        logits = torch.bmm(self.img_attn2.gate(o_v), images["keys"][rows].transpose(1, 2))
+        img_mask = images["mask"]
+        logits = torch.bmm(self.img_attn2.gate(o_v), images["keys"].transpose(1, 2))
         weights = masked_softmax(logits, img_mask.unsqueeze(1))                     # [n_i, n_c, M]
-        pooled = torch.bmm(weights, images["values"][rows])                        # [n_i, n_c, d]
+        pooled = torch.bmm(weights, images["values"])                        # [n_i, n_c, d]
         if self.divide_by_cells:
             pooled = pooled / img_mask.sum(1).clamp(min=1).view(-1, 1, 1)
         v2 = torch.tanh(pooled + self.img_proj2.bias)

@@ -1,0 +1,255 @@
+"""SEAM: shapes, masking, self-attention/penalty/order-violation/loss against direct formulas, crops, learning."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from retr.trainers.models import create_model, preset
+from retr.trainers.models.seam import SEAM, MaskedBatchNorm1d, SelfAttention, attention_penalty
+
+VOCAB, D_IN, CROPS = 40, 20, 10
+
+
+def tiny(text_encoder="c", **kw) -> SEAM:
+    torch.manual_seed(kw.pop("seed", 0))
+    args = dict(vocab_size=VOCAB, img_dim=D_IN, text_encoder=text_encoder, embed_size=16, word_dim=12, hops=3,
+                attention_hidden=8, conv_filters=5, gru_size=10)
+    args.update(kw)
+    return SEAM(**args)
+
+
+def batch(n_img=3, n_cap=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    features = torch.rand(n_img, CROPS, D_IN, generator=g)
+    lengths = torch.tensor([9, 3, 6, 2, 7, 5, 4, 8][:n_cap])
+    tokens = torch.randint(4, VOCAB, (n_cap, int(lengths.max())), generator=g)
+    tokens = tokens.masked_fill(torch.arange(tokens.shape[1]) >= lengths.view(-1, 1), 0)
+    return features, torch.ones(n_img, CROPS, dtype=torch.bool), tokens, lengths
+
+
+@pytest.mark.parametrize("kind", ["e", "c", "g"])
+def test_shapes_and_abs_normalised_embeddings(kind):
+    m = tiny(kind).eval()
+    features, mask, tokens, lengths = batch()
+    with torch.no_grad():
+        im, caps = m.encode_images(features, mask), m.encode_captions(tokens, lengths)
+        scores = m.score(im, caps)
+    assert im["vector"].shape == (3, 16) and caps["vector"].shape == (4, 16) and caps["penalty"].shape == (4,)
+    assert scores.shape == (3, 4) and (scores <= 0).all()
+    for v in (im["vector"], caps["vector"]):
+        assert (v >= 0).all()
+        torch.testing.assert_close(v.norm(dim=1), torch.ones(v.shape[0]), rtol=1e-5, atol=1e-5)
+    modules = m.txt_enc.attention
+    assert len(modules) == (3 if kind == "c" else 1) and all(a.hops == 3 for a in modules)
+    assert m.txt_enc.fc.in_features == {"e": 12, "c": 5 + 5 + 12, "g": 10}[kind] * 3
+
+
+def test_default_hops_follow_the_paper():
+    assert [a.hops for a in tiny("e", hops=None).txt_enc.attention] == [30]
+    assert [a.hops for a in tiny("c", hops=None).txt_enc.attention] == [10, 10, 10]
+    assert [a.hops for a in tiny("g", hops=None).txt_enc.attention] == [30]
+
+
+@pytest.mark.parametrize("kind", ["e", "c", "g"])
+def test_padded_caption_scores_the_same_as_unpadded(kind):
+    m = tiny(kind).eval()
+    features, mask, tokens, lengths = batch()
+    with torch.no_grad():
+        im = m.encode_images(features, mask)
+        padded = m.score(im, m.encode_captions(tokens, lengths))     # caption 1: 3 words padded to 9
+        alone = m.score(im, m.encode_captions(tokens[1:2, :3], lengths[1:2]))
+        penalty = m.encode_captions(tokens, lengths)["penalty"][1]
+        penalty_alone = m.encode_captions(tokens[1:2, :3], lengths[1:2])["penalty"][0]
+    torch.testing.assert_close(padded[:, 1], alone[:, 0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(penalty, penalty_alone, rtol=1e-5, atol=1e-6)
+
+
+def test_self_attention_matches_its_formula():
+    torch.manual_seed(0)
+    att = SelfAttention(in_dim=6, hops=4, hidden=5)
+    h = torch.randn(2, 7, 6)
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    out, a = att(h, mask)
+    for b, n in ((0, 7), (1, 4)):
+        H = h[b, :n]                                                    # [T, z]
+        A = torch.softmax(torch.tanh(H @ att.ws1.weight.t()) @ att.ws2.weight.t(), dim=0).t()   # [hops, T]
+        torch.testing.assert_close(a[b, :, :n], A, rtol=1e-5, atol=1e-6)
+        assert a[b, :, n:].abs().sum() < 1e-6
+        torch.testing.assert_close(out[b], (A @ H).reshape(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_penalty_matches_the_frobenius_formula():
+    g = torch.Generator().manual_seed(2)
+    a = torch.softmax(torch.randn(3, 4, 6, generator=g), dim=-1)
+    for squared in (True, False):
+        got = attention_penalty(a, squared)
+        for b in range(3):
+            A = a[b].numpy().astype(np.float64)
+            frob = np.sqrt(((A @ A.T - np.eye(4)) ** 2).sum())
+            assert got[b].item() == pytest.approx(frob ** 2 if squared else frob, rel=1e-5)
+
+
+def test_masked_batch_norm_uses_real_words_only():
+    bn = MaskedBatchNorm1d(3).train()
+    x = torch.randn(2, 3, 5)
+    mask = torch.tensor([[True] * 5, [True, True, False, False, False]])
+    real = torch.cat([x[0].t(), x[1, :, :2].t()])                    # [7, 3]
+    expected = (real - real.mean(0)) / torch.sqrt(real.var(0, unbiased=False) + bn.eps)
+    out = bn(x, mask)
+    torch.testing.assert_close(torch.cat([out[0].t(), out[1, :, :2].t()]), expected, rtol=1e-5, atol=1e-5)
+    assert (out[1, :, 2:] == 0).all()
+
+
+@pytest.mark.parametrize("squared", [False, True])
+def test_order_violation_score_matches_the_direct_formula(squared):
+    m = tiny("e", order_squared=squared)
+    g = torch.Generator().manual_seed(4)
+    im, cap = torch.rand(5, 16, generator=g), torch.rand(7, 16, generator=g)
+    got = m.score({"vector": im}, {"vector": cap})
+    for i in range(5):
+        for c in range(7):
+            violation = sum(max(0.0, float(cap[c, k] - im[i, k])) ** 2 for k in range(16))
+            expected = -violation if squared else -violation ** 0.5
+            assert got[i, c].item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    m.max_chunk_elements = 16        # one image per chunk
+    torch.testing.assert_close(m.score({"vector": im}, {"vector": cap}), got)
+
+
+def test_loss_matches_the_direct_formula():
+    g = torch.Generator().manual_seed(5)
+    scores, penalty = -torch.rand(6, 6, generator=g), torch.rand(6, generator=g) * 3
+    m = tiny("e", margin=0.05, penalty_weight=0.5)
+    s = scores.tolist()
+    hinge = sum(max(0.0, 0.05 - s[i][i] + s[i][j]) + max(0.0, 0.05 - s[i][i] + s[j][i])
+                for i in range(6) for j in range(6) if j != i)           # every negative, both directions
+    assert m.loss(scores, penalty).item() == pytest.approx(hinge + 0.5 * float(penalty.mean()), rel=1e-5)
+    with pytest.raises(ValueError, match="penalty"):
+        m.loss(scores)
+    assert tiny("e", penalty_weight=0.0).loss(scores).item() == pytest.approx(hinge, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["e", "c", "g"])
+def test_penalty_changes_the_gradient_by_lambda_times_its_own(kind):
+    features, mask, tokens, lengths = batch(n_img=4)
+
+    def grads(weight, only_penalty=False):
+        m = tiny(kind, penalty_weight=weight).train()
+        if only_penalty:
+            loss = m.encode_captions(tokens, lengths)["penalty"].mean()
+        else:
+            loss = m(features, mask, tokens, lengths)
+        loss.backward()
+        return torch.cat([p.grad.flatten() for a in m.txt_enc.attention for p in a.parameters()])
+
+    without, with_penalty, penalty_only = grads(0.0), grads(0.5), grads(0.5, only_penalty=True)
+    assert (with_penalty - without).abs().max() > 1e-4
+    torch.testing.assert_close(with_penalty - without, 0.5 * penalty_only, rtol=1e-4, atol=1e-6)
+
+
+def test_forward_adds_the_penalty_to_the_hinge():
+    m = tiny("c").train()
+    features, mask, tokens, lengths = batch(n_img=4)
+    torch.manual_seed(9)
+    got = m(features, mask, tokens, lengths)
+    torch.manual_seed(9)
+    caps = m.encode_captions(tokens, lengths)
+    expected = m.loss(m.score(m.encode_images(features, mask), caps), caps["penalty"])
+    torch.testing.assert_close(got, expected)
+
+
+def test_crops_are_averaged_or_sampled():
+    features, mask, _, _ = batch()
+    m = tiny("e").train()
+    pooled = features.mean(1)
+    expected = m.img_fc(pooled / pooled.norm(dim=1, keepdim=True))
+    expected = (expected / expected.norm(dim=1, keepdim=True)).abs()
+    torch.testing.assert_close(m.encode_images(features, mask)["vector"], expected)
+    r = tiny("e", crops="random").train()
+    torch.manual_seed(3)
+    sampled = r.encode_images(features, mask)["vector"]
+    single = [r.encode_images(features[:, k:k + 1], mask[:, :1])["vector"] for k in range(CROPS)]
+    for i in range(3):      # every image's vector is the encoding of one of its own crops
+        assert any(torch.allclose(sampled[i], s[i], atol=1e-6) for s in single)
+    assert not torch.allclose(sampled, r.eval().encode_images(features, mask)["vector"])
+    torch.testing.assert_close(r.eval().encode_images(features, mask)["vector"], expected)   # eval: the mean
+
+
+def test_registry_preset_and_bad_options():
+    cfg = preset("seam", "coco")
+    assert cfg["margin"] == 0.05 and cfg["max_violation"] is False and cfg["penalty_weight"] == 0.5
+    assert cfg["lr"] == 1e-3 and cfg["lr_update"] == 15 and cfg["epochs"] == 30 and cfg["batch_size"] == 128
+    model_args = {k: v for k, v in cfg.items() if k in SEAM.__init__.__code__.co_varnames}
+    model = create_model("seam", vocab_size=VOCAB, img_dim=D_IN, text_encoder="g", **model_args)
+    assert isinstance(model, SEAM) and model.txt_enc.rnn.hidden_size == 512
+    for bad in ({"text_encoder": "x"}, {"crops": "centre"}, {"penalty_norm": "l1"}):
+        with pytest.raises(ValueError):
+            tiny(**bad)
+
+
+# -------------------------------------------------------------------------------------------------- learning
+
+def write_scene_tencrop_features(dataset, out, dim: int = 32, seed: int = 0):
+    """A 10-crop feature set [N, 10, dim] made from ``scenes.jsonl`` (what a perfect global CNN would see).
+
+    Slot 1 holds the one-hot attributes (size 2, colour 6, shape 5) of the left/upper object, slot 2 those of
+    the other, then the relation (left, above); each crop adds its own |N(0, 0.1²)| noise (features are
+    non-negative like fc7 after ReLU).
+    """
+    from retr.manifests.synthetic import COLOURS, SHAPES
+    from retr.pipeline.store import ShardWriter, shard_name, write_index
+    colours, shapes = list(COLOURS), list(SHAPES)
+    rng = np.random.default_rng(seed)
+    scenes = [json.loads(line) for line in (dataset / "scenes.jsonl").read_text().splitlines()]
+    base = np.zeros((len(scenes), dim), np.float32)
+    for n, scene in enumerate(scenes):
+        axis = 0 if scene["relation"] == "left" else 1
+        objects = sorted(scene["objects"], key=lambda o: o["centre"][axis])
+        for slot, obj in enumerate(objects):
+            o = 13 * slot
+            base[n, o + ["small", "large"].index(obj["size"])] = 1
+            base[n, o + 2 + colours.index(obj["colour"])] = 1
+            base[n, o + 8 + shapes.index(obj["shape"])] = 1
+        base[n, 26 + axis] = 1
+    features = base[:, None, :] + np.abs(rng.normal(0, 0.1, (len(scenes), 10, dim))).astype(np.float32)
+    attrs = dict(kind="tencrop", extractor="scene-tencrop", backbone="none", weights="random", image_size=224,
+                 manifest_sha256="0" * 64)
+    shard = out / "scene-tencrop" / shard_name(0, 1)
+    with ShardWriter(shard, attrs, (10, dim), dtype="float32", shard_index=0, num_shards=1) as writer:
+        writer.append([s["id"] for s in scenes], features)
+    return write_index(out / "scene-tencrop.h5", [shard])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["c", "g"])
+def test_seam_learns_the_synthetic_scenes(tmp_path, kind):
+    """Through the shared loop with the paper's loss: test R@1 (both directions) many times chance."""
+    from retr.manifests.synthetic import generate_synthetic
+    from retr.pipeline.store import FeatureSet
+    from retr.trainers.data import ImageFeatures, load_split
+    from retr.trainers.evaluation import retrieval_metrics, similarity_matrix
+    from retr.trainers.loop import TrainConfig, train
+    from retr.trainers.vocab import Vocabulary
+
+    dataset = tmp_path / "synth"
+    generate_synthetic(dataset, num_images=200, seed=0)
+    features = write_scene_tencrop_features(dataset, tmp_path)
+    cfg = TrainConfig(model="seam", model_args=dict(text_encoder=kind, embed_size=64, word_dim=32, hops=4,
+                                                     attention_hidden=32, conv_filters=16, gru_size=32),
+                      features=str(features), manifest=str(dataset / "manifest.jsonl"), out=str(tmp_path / "run"),
+                      epochs=4, batch_size=100, lr=1e-3 * 5, lr_update=100, grad_clip=1.0, device="cpu",
+                      train_splits=["train"], val_images=20)
+    train(cfg, quiet=True, log=lambda *_: None)
+    state = torch.load(tmp_path / "run" / "best.pt", map_location="cpu", weights_only=False)
+    vocab = Vocabulary.from_json(state["vocab"])
+    model = create_model("seam", **state["config"]["model_args"])
+    model.load_state_dict(state["model"])
+    fs = FeatureSet(features)
+    test, _ = load_split(dataset / "manifest.jsonl", ["test"], vocab, fs)
+    metrics = retrieval_metrics(similarity_matrix(model, test, ImageFeatures(fs, test.image_ids), "cpu", quiet=True),
+                                test.caption_image)
+    chance = 100.0 / test.num_images
+    assert metrics["t2i"]["r1"] > 5 * chance, metrics
+    assert metrics["i2t"]["r1"] > 5 * chance, metrics
