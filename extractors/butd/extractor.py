@@ -20,7 +20,7 @@ from retr.extractors.backbone import resolve_device
 from retr.extractors.base import Extractor, register
 from retr.extractors.butd.checkpoint import LoadReport, load_weights
 from retr.extractors.butd.heads import FEATURE_DIM
-from retr.extractors.butd.model import BottomUpAttention, DetectorSettings, Regions
+from retr.extractors.butd.model import BottomUpAttention, DetectorSettings, Regions, empty_detector
 from retr.extractors.butd.preprocess import MAX_SIDE, SHORT_SIDE, CaffeImage, load_caffe_image
 from retr.extractors.butd.random_weights import randomize_
 from retr.extractors.butd.vocab import NUM_ATTRIBUTES, NUM_OBJECTS, read_vocab
@@ -62,7 +62,9 @@ class BottomUpRegionExtractor(Extractor):
         self.short_side, self.max_side, self.exif_orientation = short_side, max_side, bool(exif_orientation)
         self.object_names = read_vocab(object_vocab, NUM_OBJECTS, "object") if object_vocab else None
         self.attr_names = read_vocab(attr_vocab, NUM_ATTRIBUTES, "attribute") if attr_vocab else None
-        self.network = BottomUpAttention(settings).eval()
+        # every parameter is overwritten below, so skip the default init unless a partial load may leave gaps
+        self.network = (BottomUpAttention(settings) if allow_partial and weights != "random"
+                        else empty_detector(settings)).eval()
         self.network.requires_grad_(False)
         self.load_report: LoadReport | None = None
         if weights == "random":
