@@ -13,7 +13,7 @@ _MODELS: dict[str, type] = {}
 _PRESETS: dict[str, Callable[[str | None, str | None], dict]] = {}
 #: modules that register models on import; later models append themselves here
 MODEL_MODULES = ["retr.trainers.models.scan", "retr.trainers.models.vsepp", "retr.trainers.models.jgcar",
-                 "retr.trainers.models.smfea"]
+                 "retr.trainers.models.smfea", "retr.trainers.models.sman", "retr.trainers.models.seam"]
 
 
 def register_model(name: str):
