@@ -29,9 +29,10 @@ def _register() -> None:
     from retr.trainers.eval_commands import eval_command, table_command
     from retr.trainers.scan_import import import_scan_command
     from retr.trainers.seam_sman_commands import seam_command, sman_command
+    from retr.trainers.smfea_inputs import smfea_command
 
     commands: list[click.Command] = [scan_command, vsepp_command, eval_command, table_command, import_scan_command,
-                                     sman_command, seam_command]
+                                     sman_command, seam_command, smfea_command]
     for command in commands:
         cli.add_command(command)
 

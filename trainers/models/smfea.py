@@ -114,8 +114,16 @@ class SMFEA(MatchingModel):
                  use_trees: bool = True, beta_d: float = 0.6, beta_t: float = 0.2, beta_c: float = 0.2,
                  ce_weight: float = 1.0, kl_weight: float = 1.0, label_ratio: float = 0.35,
                  concept_smooth: float = 10.0, concept_word_dim: int = 300, concept_vectors: str = "learned",
-                 train_text_labels: str = "image", margin: float = 0.2, max_violation: bool = True):
+                 train_text_labels: str = "image", trees: str | None = None, concepts: str | None = None,
+                 margin: float = 0.2, max_violation: bool = True):
         super().__init__(margin, max_violation)
+        #: side files read by :meth:`prepare_training` only (evaluation needs none: everything is in the state)
+        self.trees_path, self.concepts_path, self.concept_vectors_source = trees, concepts, concept_vectors
+        #: the loop passes these batch entries to :meth:`forward`
+        self.batch_extras = ("caption_index",)
+        #: per training caption: referral-tree node ids [M, 7] (−100 = no tree) and image concept labels [M, C]
+        self.train_nodes: torch.Tensor | None = None
+        self.train_image_labels: torch.Tensor | None = None
         if train_text_labels not in TRAIN_TEXT_LABELS:
             raise ValueError(f"train_text_labels must be one of {', '.join(TRAIN_TEXT_LABELS)}")
         self.use_trees = bool(use_trees)
@@ -135,7 +143,8 @@ class SMFEA(MatchingModel):
                              residual=tree_residual)
             self.img_tree = StructuredTreeEncoder(**tree_args)
             self.txt_tree = StructuredTreeEncoder(**tree_args)
-        self.gcn = ConceptGCN(num_concepts, concept_word_dim, 512, embed_size, concept_vectors)
+        self.gcn = ConceptGCN(num_concepts, concept_word_dim, 512, embed_size,
+                              "learned" if concept_vectors == "learned" else "fixed")
         self.img_concept_attn = ConceptAttention(embed_size, concept_smooth)
         self.txt_concept_attn = ConceptAttention(embed_size, concept_smooth)
         #: vocabulary id → concept id (−1: the word is no concept); set from concepts.h5 by the command
@@ -143,6 +152,20 @@ class SMFEA(MatchingModel):
         self.score_dtype: torch.dtype | None = None
 
     # ---------------------------------------------------------------------------------------------- inputs
+    def prepare_training(self, data) -> None:
+        """Install the run's side data for the training captions of ``data`` (a ``SplitData``): the concept
+        graph, vectors and token map from ``concepts``, the node targets from ``trees`` (the loop's hook)."""
+        from retr.trainers.smfea_inputs import load_training_inputs
+
+        inputs = load_training_inputs(data, self.trees_path if self.use_trees else None, self.concepts_path,
+                                      self.concept_vectors_source, vocab_size=self.token_concepts.numel())
+        device = self.token_concepts.device
+        self.gcn.set_graph(inputs.adjacency.to(device),
+                           None if inputs.vectors is None else inputs.vectors.to(device))
+        self.set_token_concepts(inputs.token_concepts.to(device))
+        self.train_nodes = inputs.nodes
+        self.train_image_labels = inputs.image_labels
+
     @torch.no_grad()
     def set_token_concepts(self, token_concepts: torch.Tensor) -> None:
         """Install the vocabulary → concept map ``[V]`` long (−1 = none)."""
@@ -226,10 +249,17 @@ class SMFEA(MatchingModel):
         return terms
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
-                gather: Callable[[Embeddings], Embeddings] | None = None, nodes: torch.Tensor | None = None,
-                image_concept_labels: torch.Tensor | None = None) -> torch.Tensor:
+                gather: Callable[[Embeddings], Embeddings] | None = None, caption_index: torch.Tensor | None = None,
+                nodes: torch.Tensor | None = None, image_concept_labels: torch.Tensor | None = None) -> torch.Tensor:
         """One training step's loss. ``nodes`` [B, 7] int: each caption's referral tree; ``image_concept_labels``
-        [B, C]: the concept labels of each caption's image (used when ``train_text_labels="image"``)."""
+        [B, C]: the concept labels of each caption's image (used when ``train_text_labels="image"``). From the
+        loop, ``caption_index`` [B] looks both up in the tables :meth:`prepare_training` installed."""
+        if caption_index is not None:
+            index = caption_index.cpu()
+            if nodes is None and self.train_nodes is not None:
+                nodes = self.train_nodes[index].to(tokens.device)
+            if image_concept_labels is None and self.train_image_labels is not None:
+                image_concept_labels = self.train_image_labels[index].to(tokens.device)
         labels = image_concept_labels.float() if (self.train_text_labels == "image"
                                                   and image_concept_labels is not None) else None
         images = self.encode_images(features, mask)
