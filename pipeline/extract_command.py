@@ -9,6 +9,7 @@ import click
 from retr.common.cli import quiet_option
 from retr.common.errors import RetrError, UserError
 from retr.extractors.base import available_extractors
+from retr.extractors.butd.cli_options import butd_options
 from retr.pipeline.extract import extract_features
 
 
@@ -63,11 +64,12 @@ def _builder_options(weights: str | None, device: str, half: bool, **specific: A
               help="resnet152-grid only: 7 (default; 448 input pooled 2×2) or 14 (the raw res5c map).")
 @click.option("--exif-orientation", is_flag=True,
               help="Rotate images by their EXIF orientation tag (off by default, like the published features).")
+@butd_options
 @_run_options
 def extract_command(manifest: Path, name: str, out: Path, shard_index: int | None, image_size: int | None,
                     grid_size: int | None, exif_orientation: bool, weights: str | None, batch_size: int,
                     workers: int, device: str, half: bool, dtype: str, num_shards: int | None,
-                    image_root: Path | None, quiet: bool) -> None:
+                    image_root: Path | None, quiet: bool, **butd: Any) -> None:
     """Extract one feature set from the images of a manifest (sharded, resumable).
 
     Writes OUT/NAME/shard-RRRRR-of-WWWWW.h5 (each renamed into place when complete) and, once every shard
@@ -82,7 +84,7 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
           --manifest data/coco/manifest.jsonl --extractor vgg16-maps --out data/coco/features
     """
     options = _builder_options(weights, device, half, image_size=image_size, grid_size=grid_size,
-                               exif_orientation=exif_orientation)
+                               exif_orientation=exif_orientation, **butd)
     summary = extract_features(manifest, name, out, image_root=image_root, options=options, batch_size=batch_size,
                                workers=workers, num_shards=num_shards, shard_index=shard_index, dtype=dtype,
                                quiet=quiet)
