@@ -44,8 +44,13 @@ demo: $(STAMP)
 	$(BIN)/retr-train vsepp --features $(DEMO_DIR)/synthetic/features/butd-regions.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/vsepp --epochs 3 --batch-size 32 --embed-size 256 --lr 1e-3 --quiet
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/scan --protocol f30k-1k --quiet
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/vsepp --protocol f30k-1k --quiet
+	@echo "== SMFEA (same region features + referral trees + consensus concepts; brief training) =="
+	$(BIN)/retr-pipeline build-concepts --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --conllu $(DEMO_DIR)/synthetic/captions.conllu --out $(DEMO_DIR)/synthetic/concepts.h5
+	rm -rf $(DEMO_DIR)/runs/smfea
+	$(BIN)/retr-train smfea --features $(DEMO_DIR)/synthetic/features/butd-regions.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --trees $(DEMO_DIR)/synthetic/trees.h5 --concepts $(DEMO_DIR)/synthetic/concepts.h5 --out $(DEMO_DIR)/runs/smfea --epochs 3 --batch-size 32 --embed-size 256 --lr 1e-3 --quiet
+	$(BIN)/retr-train eval $(DEMO_DIR)/runs/smfea --protocol f30k-1k --quiet
 	@echo "== results =="
-	$(BIN)/retr-train table $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp
+	$(BIN)/retr-train table $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp $(DEMO_DIR)/runs/smfea
 
 extract: $(STAMP)
 	$(BIN)/retr-pipeline extract-preset $(DATASET)
