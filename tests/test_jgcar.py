@@ -182,7 +182,7 @@ def test_bi_rank_loss_against_eq16(mining):
     model = small_model(num_negatives=m_neg, gamma=gamma, negative_mining=mining)
     g = torch.Generator().manual_seed(3)
     table = torch.rand(b, b, generator=g, dtype=torch.float64) * 2 - 1          # α(image, caption)
-    model.coattn.pair_scores = lambda img, cap, ii, cc, chunk=0, recompute=False: table[ii, cc]
+    model.coattn.block_scores = lambda img, cap, chunk=0, recompute=False: table
     omega = torch.randn(b, b, generator=g, dtype=torch.float64)
     isims = torch.randn(b, b, generator=g, dtype=torch.float64)
     csims = torch.randn(b, b, generator=g, dtype=torch.float64)

@@ -217,13 +217,43 @@ class CoAttention(nn.Module):
             out.append(checkpoint(run, use_reentrant=False) if recompute else run())
         return torch.cat(out) if out else images["regions"].new_zeros(0)
 
-    def block_scores(self, images: Embeddings, captions: Embeddings, chunk: int = 256) -> torch.Tensor:
-        """α of every pair of a block → ``[I, C]`` (the pairs are enumerated and scored ``chunk`` at a time)."""
+    def _block(self, v, vmask, x, r, s, smask, z, q) -> torch.Tensor:
+        """Scores ``[I, C]`` of every pair of ``I`` images × ``C`` captions, without gathering per pair.
+
+        ``V_i Q_j`` for all pairs is one product ``[I, N, d] × [d, C·l]``; ``S_j R_i`` one ``[C·T, d] × [d, I·l]``.
+        """
+        n_img, n, d = v.shape
+        n_cap, t, _ = s.shape
+        l = x.shape[-1]
+        vq = (v @ q.permute(1, 0, 2).reshape(d, n_cap * l)).view(n_img, n, n_cap, l)
+        logit_v = (x.unsqueeze(2) * torch.tanh(vq)) @ self.w_hv.weight.view(-1).to(v.dtype)          # [I, N, C]
+        sr = (s.reshape(n_cap * t, d) @ r.permute(1, 0, 2).reshape(d, n_img * l)).view(n_cap, t, n_img, l)
+        logit_s = (z.unsqueeze(2) * torch.tanh(sr)) @ self.w_hs.weight.view(-1).to(s.dtype)          # [C, T, I]
+        av = torch.softmax(logit_v.masked_fill(~vmask.unsqueeze(2), float("-inf")), dim=1)
+        as_ = torch.softmax(logit_s.masked_fill(~smask.unsqueeze(2), float("-inf")), dim=1)
+        v_bar = torch.einsum("inc,ind->icd", av, v)                                                   # [I, C, d]
+        s_bar = torch.einsum("cti,ctd->icd", as_, s)                                                  # [I, C, d]
+        return F.cosine_similarity(v_bar, s_bar, dim=-1, eps=1e-8)
+
+    def block_scores(self, images: Embeddings, captions: Embeddings, chunk: int = 256,
+                     recompute: bool = False) -> torch.Tensor:
+        """α of every pair of a block → ``[I, C]``, ``max(1, chunk // C)`` images at a time.
+
+        With ``recompute`` (training) each image chunk is checkpointed: memory keeps the block's inputs and the
+        ``[I, C]`` scores, not the ``[I, C, N, l]`` intermediates (they are recomputed in the backward pass).
+        """
         n_img, n_cap = images["regions"].shape[0], captions["words"].shape[0]
-        device = images["regions"].device
-        img_idx = torch.arange(n_img, device=device).repeat_interleave(n_cap)
-        cap_idx = torch.arange(n_cap, device=device).repeat(n_img)
-        return self.pair_scores(images, captions, img_idx, cap_idx, chunk).view(n_img, n_cap)
+        step = max(1, chunk // max(1, n_cap))
+        cap = (captions["words"], captions["mask"], captions["Z"], captions["Q"])
+        rows = []
+        for start in range(0, n_img, step):
+            sl = slice(start, start + step)
+            img = (images["regions"][sl], images["mask"][sl], images["X"][sl], images["R"][sl])
+            if recompute:
+                rows.append(checkpoint(self._block, *img, *cap, use_reentrant=False))
+            else:
+                rows.append(self._block(*img, *cap))
+        return torch.cat(rows) if rows else images["regions"].new_zeros(0, n_cap)
 
 
 # ------------------------------------------------------------------------------------------------ losses
@@ -505,8 +535,8 @@ class JGCAR(MatchingModel):
         img_idx = torch.cat([rows, anchor.reshape(-1), v_neg_i.reshape(-1), v_neg.reshape(-1), anchor.reshape(-1)])
         cap_idx = torch.cat([rows, s_neg.reshape(-1), anchor.reshape(-1), anchor.reshape(-1), s_neg_j.reshape(-1)])
         img, cap = self._sides(images, captions, images["regions"].dtype)
-        alpha = self.coattn.pair_scores(img, cap, img_idx, cap_idx, self.pair_chunk,
-                                        recompute=torch.is_grad_enabled())
+        # every pair of the batch as one block (no per-pair gathers), then the comparison sets' entries
+        alpha = self.coattn.block_scores(img, cap, self.pair_chunk, recompute=torch.is_grad_enabled())[img_idx, cap_idx]
         pos, rest = alpha[:b].view(b, 1), alpha[b:].view(4, b, m)
 
         def comparison(neg: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
