@@ -30,9 +30,10 @@ def _register() -> None:
     from retr.trainers.scan_import import import_scan_command
     from retr.trainers.seam_sman_commands import seam_command, sman_command
     from retr.trainers.smfea_inputs import smfea_command
+    from retr.trainers.jgcar_command import jgcar_command
 
     commands: list[click.Command] = [scan_command, vsepp_command, eval_command, table_command, import_scan_command,
-                                     sman_command, seam_command, smfea_command]
+                                     sman_command, seam_command, smfea_command, jgcar_command]
     for command in commands:
         cli.add_command(command)
 
