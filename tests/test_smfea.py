@@ -1,7 +1,10 @@
 """SMFEA: the 7-node tree-LSTM, node losses against their formulas, the concept branch, evaluation independence."""
 from __future__ import annotations
 
+import json
 import math
+
+import numpy as np
 
 import pytest
 import torch
@@ -225,3 +228,112 @@ def test_registry_and_presets():
     assert (f30k["epochs"], f30k["lr"], f30k["lr_update"], f30k["margin"]) == (50, 2e-4, 25, 0.2)
     assert (f30k["beta_d"], f30k["beta_t"], f30k["beta_c"]) == (0.6, 0.2, 0.2)
     assert (f30k["label_ratio"], coco["label_ratio"]) == (0.35, 0.4)
+
+
+# --------------------------------------------------------------------------------------------- end to end
+
+def _prepare_synthetic(tmp_path, images):
+    """Synthetic scenes, scene-description region features (``tests/trainer_synthetic.py``: one region per
+    object, noise regions, K = 4), gold-parse referral trees and concepts — through the real commands."""
+    from click.testing import CliRunner
+
+    from retr.pipeline.cli import cli as pipeline
+    from trainer_synthetic import make_synthetic
+
+    manifest, features = make_synthetic(tmp_path / "s", images=images, seed=0)
+    conllu = tmp_path / "s" / "captions.conllu"
+    for args in (["parse-trees", "--manifest", str(manifest), "--conllu", str(conllu),
+                  "--out", str(tmp_path / "trees.h5")],
+                 ["build-concepts", "--manifest", str(manifest), "--conllu", str(conllu),
+                  "--out", str(tmp_path / "concepts.h5")]):
+        result = CliRunner().invoke(pipeline, args)
+        assert result.exit_code == 0, result.output
+    return manifest, features
+
+
+TINY = ["--embed-size", "64", "--word-dim", "32", "--tree-hidden", "16", "--batch-size", "50", "--lr", "2e-3",
+        "--device", "cpu", "--quiet", "--val-images", "20"]
+
+
+@pytest.mark.slow
+def test_smfea_learns_the_synthetic_scenes_and_reports_node_accuracy(tmp_path):
+    from click.testing import CliRunner
+
+    from retr.trainers.cli import cli as train_cli
+    from retr.trainers.data import ImageFeatures, load_split
+    from retr.trainers.evaluation import retrieval_metrics, similarity_matrix
+    from retr.pipeline.store import FeatureSet
+    from retr.trainers import checkpoint as ckpt
+
+    manifest, features = _prepare_synthetic(tmp_path, images=200)
+    run = tmp_path / "run"
+    result = CliRunner().invoke(train_cli, ["smfea", "--features", str(features), "--manifest", str(manifest),
+                                            "--trees", str(tmp_path / "trees.h5"), "--concepts",
+                                            str(tmp_path / "concepts.h5"), "--out", str(run), "--epochs", "5",
+                                            "--lr-update", "100", *TINY])
+    assert result.exit_code == 0, result.output
+    model, vocab, config = ckpt.load_run_model(run)
+    assert config["model_args"]["num_concepts"] > 10 and config["model_args"]["num_entities"] > 10
+    fs = FeatureSet(features)
+    test, _ = load_split(manifest, ["test"], vocab, fs)
+    metrics = retrieval_metrics(similarity_matrix(model, test, ImageFeatures(fs, test.image_ids), "cpu", quiet=True),
+                                test.caption_image)
+    chance = 100.0 / test.num_images
+    assert metrics["i2t"]["r1"] > 5 * chance and metrics["t2i"]["r1"] > 5 * chance, metrics
+    accuracy = json.loads((run / "tree_accuracy.json").read_text())
+    print("SMFEA synthetic test:", json.dumps({"i2t": metrics["i2t"], "t2i": metrics["t2i"], "nodes": accuracy}))
+    assert accuracy["split"] == "test" and accuracy["captions"] == test.num_captions
+    # the trained trees against the same untrained network (random classifiers over the dictionaries)
+    from retr.trainers.models import create_model
+    from retr.trainers.smfea_inputs import tree_node_accuracy
+    torch.manual_seed(0)
+    untrained = create_model("smfea", **config["model_args"]).eval()
+    before = tree_node_accuracy(untrained, test, ImageFeatures(fs, test.image_ids), str(tmp_path / "trees.h5"))
+    assert accuracy["text"]["all"] > before["text"]["all"] + 20, (accuracy, before)
+    assert accuracy["image"]["all"] > before["image"]["all"] + 20, (accuracy, before)
+    assert "tree-node accuracy on test" in result.output
+
+
+@pytest.mark.slow
+def test_smfea_ablation_without_trees_and_errors(tmp_path):
+    from click.testing import CliRunner
+
+    from retr.trainers.cli import cli as train_cli
+
+    manifest, features = _prepare_synthetic(tmp_path, images=60)
+    common = ["--features", str(features), "--manifest", str(manifest), "--concepts", str(tmp_path / "concepts.h5"),
+              "--epochs", "1", *TINY]
+    missing = CliRunner().invoke(train_cli, ["smfea", *common, "--out", str(tmp_path / "r0")])
+    assert missing.exit_code != 0 and "--trees is required" in missing.output
+    result = CliRunner().invoke(train_cli, ["smfea", *common, "--no-trees", "--out", str(tmp_path / "r1")])
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "r1" / "config.json").read_text())
+    assert config["model_args"]["use_trees"] is False and not (tmp_path / "r1" / "tree_accuracy.json").exists()
+    bad = CliRunner().invoke(train_cli, ["smfea", *common, "--trees", str(tmp_path / "trees.h5"),
+                                         "--concept-vectors", str(tmp_path / "glove.txt"), "--out", str(tmp_path / "r2")])
+    assert bad.exit_code != 0 and "GloVe" in bad.output
+
+
+def test_token_concepts_agree_with_concepts_file(tmp_path):
+    """The labels a caption gets from its own tokens are the ones build-concepts wrote for it."""
+    from retr.pipeline.concepts import ConceptSet
+    from retr.pipeline.store import FeatureSet
+    from retr.trainers.data import load_split
+    from retr.trainers.smfea_inputs import caption_keys, load_training_inputs
+    from retr.trainers.vocab import Vocabulary
+    from retr.manifests.schema import read_manifest
+
+    manifest, features = _prepare_synthetic(tmp_path, images=40)
+    vocab = Vocabulary.build(c for r in read_manifest(manifest) for c in r.captions)
+    data, _ = load_split(manifest, ["train", "val", "test"], vocab, FeatureSet(features))
+    inputs = load_training_inputs(data, str(tmp_path / "trees.h5"), str(tmp_path / "concepts.h5"),
+                                  vocab_size=len(vocab))
+    concepts = ConceptSet(tmp_path / "concepts.h5")
+    model = SMFEA(vocab_size=len(vocab), num_entities=5, num_relations=5, num_concepts=len(concepts), img_dim=16,
+                  embed_size=8, word_dim=4, tree_hidden=4)
+    model.set_token_concepts(inputs.token_concepts)
+    from retr.trainers.data import pad_tokens
+    tokens, lengths = pad_tokens(data.tokens)
+    from_tokens = model.caption_concept_labels(tokens, lengths).numpy()
+    np.testing.assert_array_equal(from_tokens, concepts.labels_for_captions(caption_keys(data)))
+    assert inputs.nodes.shape == (data.num_captions, 7) and (inputs.nodes >= 0).all()
