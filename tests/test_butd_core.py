@@ -140,7 +140,8 @@ def test_batched_max_conf_equals_torchvision_per_class_loop_on_1600_classes():
     for c in range(1600):
         keep = nms(boxes + torch.tensor([0.0, 0.0, 1.0, 1.0]), scores[:, c], 0.3)
         expected[keep] = torch.maximum(expected[keep], scores[keep, c])
-    assert torch.equal(per_class_max_conf(boxes, scores, class_chunk=500), expected)
+    assert torch.equal(per_class_max_conf(boxes, scores), expected)
+    assert torch.equal(per_class_max_conf(boxes, scores, prune_every=10_000), expected)  # no pruning
 
 
 def test_choose_boxes_with_ties_prefers_lower_index():

@@ -9,7 +9,8 @@ All classes share the same boxes, so this module computes the pairwise overlap o
 suppression for every class together: at step ``i`` each class looks at its ``i``-th best box; the box is kept
 if no kept box of that class suppressed it, and it suppresses, in that class, every box overlapping it by more
 than the threshold. That is exactly greedy NMS per class (a box is only ever suppressed by a higher-ranked
-kept box), with ``P`` steps of ``[C, P]`` tensor operations instead of ``C`` NMS calls.
+kept box), with ``P`` steps of ``[C, P]`` tensor operations instead of ``C`` NMS calls, and classes that can
+no longer change any box's ``max_conf`` are dropped along the way (exact; see :func:`per_class_max_conf`).
 
 Order of the kept boxes: as in the original, index (proposal) order when the thresholded count is within
 ``[min_boxes, max_boxes]``, else decreasing ``max_conf``. Ties in ``max_conf`` (the original leaves their order
@@ -23,35 +24,48 @@ from retr.extractors.butd.boxes import legacy_iou
 
 
 def per_class_max_conf(boxes: torch.Tensor, class_scores: torch.Tensor, nms_threshold: float = 0.3,
-                       class_chunk: int = 1600) -> torch.Tensor:
+                       prune_every: int = 8) -> torch.Tensor:
     """Each box's best score over the classes in whose NMS it survives: ``[P]``.
 
     Args:
         boxes: ``[P, 4]`` proposals (any pixel frame; the original uses original-image pixels).
         class_scores: ``[P, C]`` scores of the foreground classes only (background column removed).
         nms_threshold: legacy IoU threshold of the per-class NMS (0.3).
-        class_chunk: classes processed together (bounds memory at ``chunk × P × P`` bytes).
+        prune_every: every this many ranks, classes that can no longer change the result are dropped.
+
+    Pruning (exact): the decisions for ranks already processed are final, so the maximum over them is a lower
+    bound ``L[b]`` of the result. A class whose remaining (lower-ranked) boxes all score ``≤ L[b]`` in it can
+    neither raise any box's maximum (the original updates only on a strictly larger score) nor matter for any
+    other class, so it is dropped. With peaked class probabilities most classes go after a few ranks.
     """
     num_boxes, num_classes = class_scores.shape
-    if num_boxes == 0:
-        return class_scores.new_zeros(0)
-    overlaps = legacy_iou(boxes.float()) > nms_threshold                 # [P, P] bool
-    scores = class_scores.t().contiguous()                               # [C, P]
     max_conf = class_scores.new_zeros(num_boxes)
-    for start in range(0, num_classes, class_chunk):
-        chunk = scores[start:start + class_chunk]                        # [c, P]
-        order = torch.argsort(chunk, dim=1, descending=True, stable=True)  # [c, P] box index at each rank
-        suppressed = torch.zeros_like(chunk, dtype=torch.bool)           # [c, P] by box index
-        kept = torch.zeros_like(suppressed)
-        rows = torch.arange(len(chunk), device=chunk.device)
-        for rank in range(num_boxes):
-            current = order[:, rank]                                     # [c]
-            alive = ~suppressed[rows, current]                           # [c]
-            kept[rows, current] = alive
-            suppressed |= overlaps[current] & alive[:, None]
-        kept_scores = torch.where(kept, chunk, torch.zeros_like(chunk))
-        max_conf = torch.maximum(max_conf, kept_scores.max(dim=0).values)
-    return max_conf
+    if num_boxes == 0 or num_classes == 0:
+        return max_conf
+    overlaps = legacy_iou(boxes.float()) > nms_threshold                  # [P, P] bool
+    scores = class_scores.t().contiguous()                                # [C, P]
+    order = torch.argsort(scores, dim=1, descending=True, stable=True)    # [C, P] box index at each rank
+    sorted_scores = torch.gather(scores, 1, order)                        # [C, P] decreasing
+    suppressed = torch.zeros_like(scores, dtype=torch.bool)               # [C, P] by box index
+    kept = torch.zeros_like(suppressed)
+    for rank in range(num_boxes):
+        if rank and rank % prune_every == 0:
+            kept_scores = torch.where(kept, scores, torch.zeros_like(scores))
+            max_conf = torch.maximum(max_conf, kept_scores.max(dim=0).values)
+            remaining = sorted_scores[:, rank:] > max_conf[order[:, rank:]]
+            needed = remaining.any(dim=1)
+            if not bool(needed.all()):
+                if not bool(needed.any()):
+                    return max_conf
+                scores, order, sorted_scores = scores[needed], order[needed], sorted_scores[needed]
+                suppressed, kept = suppressed[needed], kept[needed]
+        rows = torch.arange(len(scores), device=scores.device)
+        current = order[:, rank]                                          # [c]
+        alive = ~suppressed[rows, current]                                # [c]
+        kept[rows, current] = alive
+        suppressed |= overlaps[current] & alive[:, None]
+    kept_scores = torch.where(kept, scores, torch.zeros_like(scores))
+    return torch.maximum(max_conf, kept_scores.max(dim=0).values)
 
 
 def choose_boxes(max_conf: torch.Tensor, conf_threshold: float = 0.2, min_boxes: int = 36,
