@@ -38,7 +38,7 @@ demo: $(STAMP)
 	$(BIN)/retr-pipeline show-tree --key 'synth_00000#1' --conllu $(DEMO_DIR)/synthetic/captions.conllu --dictionaries $(DEMO_DIR)/synthetic/trees.h5
 	$(BIN)/retr-pipeline show-tree --key 'synth_00001#3' --conllu $(DEMO_DIR)/synthetic/captions.conllu --dictionaries $(DEMO_DIR)/synthetic/trees.h5
 	@echo "== SCAN and VSE++ (region features from the detector with random weights; brief training) =="
-	test -f $(DEMO_DIR)/synthetic/features/butd-regions.h5 || $(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor butd-regions --weights random --out $(DEMO_DIR)/synthetic/features --quiet
+	test -f $(DEMO_DIR)/synthetic/features/butd-regions.h5 || $(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor butd-regions --weights random --short-side 224 --max-side 224 --post-nms-topk 36 --pooled-size 7 --out $(DEMO_DIR)/synthetic/features --quiet
 	rm -rf $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp
 	$(BIN)/retr-train scan --features $(DEMO_DIR)/synthetic/features/butd-regions.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/scan --epochs 3 --batch-size 32 --embed-size 256 --lr 1e-3 --quiet
 	$(BIN)/retr-train vsepp --features $(DEMO_DIR)/synthetic/features/butd-regions.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/vsepp --epochs 3 --batch-size 32 --embed-size 256 --lr 1e-3 --quiet
