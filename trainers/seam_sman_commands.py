@@ -9,7 +9,7 @@ from retr.trainers.models.sman import EVAL_SCORES, INTRA_PAIR_LEVELS, OPTIMIZERS
 
 SMAN_KEYS = ("embed_size", "word_dim", "alpha", "use_location", "multimodal_step", "intra_pair_weight",
              "intra_pair_margin", "intra_pair_level", "eval_score", "divide_by_cells", "text_rnn", "dropout",
-             "optimizer", "rho", "weight_decay", "margin", "max_violation")
+             "optimizer", "rho", "weight_decay", "shortlist", "margin", "max_violation")
 
 
 @click.command("sman")
@@ -32,6 +32,9 @@ SMAN_KEYS = ("embed_size", "word_dim", "alpha", "use_location", "multimodal_step
 @click.option("--dropout", type=float, default=None, help="Dropout on grid features and word embeddings (0.3).")
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=None, help="Adadelta (paper) or Adam.")
 @click.option("--weight-decay", type=float, default=None, help="Adadelta weight decay (5e-4).")
+@click.option("--shortlist", type=int, default=None,
+              help="Evaluate in two steps: shortlist K by the pair-independent levels, re-score them with all "
+                   "three (default 0: score every pair, as the paper).")
 def sman_command(**options) -> None:
     """Train SMAN (stacked multi-modal attention) on ResNet-152 7×7 grid features.
 

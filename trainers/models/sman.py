@@ -46,7 +46,9 @@ Decisions where the paper is silent or contradicts itself:
 Scoring cost: the attention logits of the multi-modal step are ``(w_h ⊙ tanh(W I_m)) · tanh(W_q o)``, one
 batched matrix product per block, and ``P2 Σ a I = Σ a (P2 I)`` (the weights sum to one), so each image keeps
 its projected cells ``[M, d]`` (not ``[M, D_in]``) and a block costs ``O(n_img · n_cap · (M + L) · d)``
-without ever forming ``[n_img, n_cap, M, d]``.
+without ever forming ``[n_img, n_cap, M, d]``. ``shortlist=K`` (off by default: the paper scores every pair)
+evaluates in two steps through :mod:`retr.trainers.two_step`: the pair-independent levels 0 and 1
+(``global_score``) shortlist K candidates per query, ``pair_score`` re-scores them with all three levels.
 """
 from __future__ import annotations
 
@@ -150,11 +152,14 @@ class SMAN(MatchingModel):
                  intra_pair_weight: float = 1.0, intra_pair_margin: float = 0.25, intra_pair_level: str = "each",
                  eval_score: str = "sum", divide_by_cells: bool = False, text_rnn: str = "lstm",
                  dropout: float = 0.3, optimizer: str = "adadelta", rho: float = 0.9, weight_decay: float = 5e-4,
-                 margin: float = 0.2, max_violation: bool = True):
+                 shortlist: int = 0, margin: float = 0.2, max_violation: bool = True):
         super().__init__(margin, max_violation)
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
         self.optimizer_name, self.rho, self.weight_decay = optimizer, float(rho), float(weight_decay)
+        #: > 0: evaluate in two steps (``retr.trainers.two_step``) — shortlist by the pair-independent levels
+        #: 0 and 1, re-score the top ``shortlist`` with all three levels; 0 scores every pair (the paper)
+        self.shortlist = int(shortlist)
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         if intra_pair_level not in INTRA_PAIR_LEVELS:
@@ -237,7 +242,7 @@ class SMAN(MatchingModel):
             return dot / (vv.sqrt() * tt.sqrt()).clamp(min=EPS)
         return self.level_scores(images, captions).sum(-1)
 
-    def _levels(self, images: Embeddings, captions: Embeddings, dots: bool) -> torch.Tensor:
+    def _levels(self, images: Embeddings, captions: Embeddings, dots: bool, pair_specific: bool = True) -> torch.Tensor:
         dtype = self.score_dtype or images["v0"].dtype
         n_img, n_cap = images["v0"].shape[0], captions["t0"].shape[0]
         pair_independent = []
@@ -248,7 +253,7 @@ class SMAN(MatchingModel):
                     v @ t.t(), v.pow(2).sum(-1, keepdim=True), t.pow(2).sum(-1).unsqueeze(0)), -1))
             else:
                 pair_independent.append(cosine(v.unsqueeze(1), t.unsqueeze(0)))
-        if not self.multimodal_step:
+        if not (self.multimodal_step and pair_specific):
             return torch.stack(pair_independent, 2)
         d = images["v0"].shape[-1]
         step = max(1, self.max_chunk_elements // max(1, n_cap * d))
@@ -294,6 +299,49 @@ class SMAN(MatchingModel):
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=lr)
         return torch.optim.Adadelta(self.parameters(), lr=lr, rho=self.rho, weight_decay=self.weight_decay)
+
+    # -- two-step evaluation (optional) ---------------------------------------------------------------------------
+    def global_score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+        """The pair-independent part, ``cos(v0, t0) + cos(v1, t1)`` ``[n_img, n_cap]`` (two-step shortlist)."""
+        return self._levels(images, captions, dots=False, pair_specific=False).sum(-1)
+
+    def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor,
+                   cap_idx: torch.Tensor) -> torch.Tensor:
+        """``score`` of the listed pairs only: ``[P]`` for ``img_idx``, ``cap_idx`` [P] (chunked, bounded memory)."""
+        dtype = self.score_dtype or images["v0"].dtype
+        w = self.img_memory.weight.dtype if self.multimodal_step else dtype
+        per_pair = (images["mask"].shape[1] + captions["mask"].shape[1]) * images["v0"].shape[-1]
+        step = max(1, self.max_chunk_elements // per_pair)
+        out = []
+        for start in range(0, img_idx.numel(), step):
+            ii, cc = img_idx[start:start + step], cap_idx[start:start + step]
+            im = {k: (v[ii].to(w) if v.is_floating_point() else v[ii]) for k, v in images.items()}
+            cap = {k: (v[cc].to(w) if v.is_floating_point() else v[cc]) for k, v in captions.items()}
+            pairs = [(im["v0"], cap["t0"]), (im["v1"], cap["t1"])]
+            if self.multimodal_step:
+                pairs.append(self._multimodal_pairs(im, cap))
+            pairs = [(v.to(dtype), t.to(dtype)) for v, t in pairs]
+            if self.eval_score == "concat" and not self.training:
+                dot = sum((v * t).sum(-1) for v, t in pairs)
+                vv, tt = sum(v.pow(2).sum(-1) for v, _ in pairs), sum(t.pow(2).sum(-1) for _, t in pairs)
+                out.append(dot / (vv.sqrt() * tt.sqrt()).clamp(min=EPS))
+            else:
+                out.append(sum(cosine(v, t) for v, t in pairs))
+        return torch.cat(out) if out else images["v0"].new_zeros(0, dtype=dtype)
+
+    def _multimodal_pairs(self, im: Embeddings, cap: Embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v2, t2) ``[P, d]`` of P aligned pairs (image p with caption p): Eq. 12–18 without the block axes."""
+        v_mem, t_mem = self.img_memory(im["v0"] + im["v1"]), self.txt_memory(cap["t0"] + cap["t1"])
+        o_v = torch.sigmoid(self.alpha * v_mem + (1 - self.alpha) * t_mem)
+        o_t = torch.sigmoid(self.alpha * t_mem + (1 - self.alpha) * v_mem)
+        logits = torch.bmm(im["keys"], self.img_attn2.gate(o_v).unsqueeze(-1)).squeeze(-1)        # [P, M]
+        pooled = torch.bmm(masked_softmax(logits, im["mask"]).unsqueeze(1), im["values"]).squeeze(1)
+        if self.divide_by_cells:
+            pooled = pooled / im["mask"].sum(1, keepdim=True).clamp(min=1)
+        v2 = torch.tanh(pooled + self.img_proj2.bias)
+        logits_t = torch.bmm(cap["keys"], self.txt_attn2.gate(o_t).unsqueeze(-1)).squeeze(-1)     # [P, L]
+        t2 = torch.bmm(masked_softmax(logits_t, cap["mask"]).unsqueeze(1), cap["words"]).squeeze(1)
+        return v2, t2
 
     # -- objective ----------------------------------------------------------------------------------------------
     def intra_pair_loss(self, matched_levels: torch.Tensor) -> torch.Tensor:
