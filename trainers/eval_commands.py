@@ -41,6 +41,15 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
             raise UserError(f"{run} sees other images/captions than {runs[0]}; an ensemble needs the same split")
         reference = key
         image_features = ImageFeatures(feature_set, data.image_ids, preload)
+        if getattr(model, "shortlist", 0) and len(runs) == 1:   # hook: two-step models (JGCAR), see two_step.py
+            from retr.trainers.two_step import two_step_protocol
+            result = two_step_protocol(model, data, image_features, protocol, dev, model.shortlist, precision)
+            result.update({k: result["two_step"][k] for k in ("i2t", "t2i", "rsum")}, protocol=protocol,
+                          split=split, ensemble=False, runs=[str(run)], precision=precision,
+                          models=[{"run": str(run), "model": config["model"], "direction": None,
+                                   "features": str(feats_path)}],
+                          evaluated=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+            return result, None
         sims = similarity_matrix(model, data, image_features, dev, precision=precision, quiet=quiet)
         total = sims if total is None else total + sims
         models.append({"run": str(run), "model": config["model"],
@@ -95,6 +104,8 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
     """
     result, sims = evaluate_runs(list(runs), protocol, split, features, manifest, device, precision, which,
                                  preload, quiet)
+    if save_sims and sims is None:
+        raise UserError("--save-sims: a two-step run has no single similarity matrix (one per direction)")
     if save_sims:
         np.save(save_sims, sims.astype(np.float64))
     for run in runs:
@@ -110,6 +121,12 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
     click.echo(_line("image→text (i2t)", result["i2t"]))
     click.echo(_line("text→image (t2i)", result["t2i"]))
     click.echo(f"rsum: {result['rsum']:.1f}")
+    if "two_step" in result:
+        sec = result["seconds"]
+        click.echo(f"two-step (shortlist {result['shortlist']}, re-ranked by the pair score) above; "
+                   f"one-step (global score only): rsum {result['one_step']['rsum']:.1f}, "
+                   f"i2t R@1 {result['one_step']['i2t']['r1']:.1f}, t2i R@1 {result['one_step']['t2i']['r1']:.1f}; "
+                   f"seconds: one-step {sec['one_step']:.2f}, two-step {sec['two_step']:.2f}")
 
 
 @click.command("table")
