@@ -304,14 +304,14 @@ def test_smfea_ablation_without_trees_and_errors(tmp_path):
     common = ["--features", str(features), "--manifest", str(manifest), "--concepts", str(tmp_path / "concepts.h5"),
               "--epochs", "1", *TINY]
     missing = CliRunner().invoke(train_cli, ["smfea", *common, "--out", str(tmp_path / "r0")])
-    assert missing.exit_code != 0 and "--trees is required" in missing.output
+    assert missing.exit_code != 0 and "--trees is required" in str(missing.exception)
     result = CliRunner().invoke(train_cli, ["smfea", *common, "--no-trees", "--out", str(tmp_path / "r1")])
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "r1" / "config.json").read_text())
     assert config["model_args"]["use_trees"] is False and not (tmp_path / "r1" / "tree_accuracy.json").exists()
     bad = CliRunner().invoke(train_cli, ["smfea", *common, "--trees", str(tmp_path / "trees.h5"),
                                          "--concept-vectors", str(tmp_path / "glove.txt"), "--out", str(tmp_path / "r2")])
-    assert bad.exit_code != 0 and "GloVe" in bad.output
+    assert bad.exit_code != 0 and "GloVe" in str(bad.exception)
 
 
 def test_token_concepts_agree_with_concepts_file(tmp_path):
