@@ -337,3 +337,29 @@ def test_token_concepts_agree_with_concepts_file(tmp_path):
     from_tokens = model.caption_concept_labels(tokens, lengths).numpy()
     np.testing.assert_array_equal(from_tokens, concepts.labels_for_captions(caption_keys(data)))
     assert inputs.nodes.shape == (data.num_captions, 7) and (inputs.nodes >= 0).all()
+
+
+@pytest.mark.slow
+def test_smfea_with_glove_format_concept_vectors(tmp_path):
+    """--concept-vectors FILE: fixed vectors from the file (absent words start random), recorded in the run."""
+    from click.testing import CliRunner
+
+    from retr.pipeline.concepts import ConceptSet
+    from retr.trainers import checkpoint as ckpt
+    from retr.trainers.cli import cli as train_cli
+
+    manifest, features = _prepare_synthetic(tmp_path, images=60)
+    concepts = ConceptSet(tmp_path / "concepts.h5").concepts
+    glove = tmp_path / "glove.txt"
+    glove.write_text("".join(f"{w} {i} 0.5 -1 2 {i / 10}\n" for i, w in enumerate(concepts[1:], start=1)),
+                     encoding="utf-8")
+    result = CliRunner().invoke(train_cli, ["smfea", "--features", str(features), "--manifest", str(manifest),
+                                            "--trees", str(tmp_path / "trees.h5"), "--concepts",
+                                            str(tmp_path / "concepts.h5"), "--concept-vectors", str(glove),
+                                            "--out", str(tmp_path / "run"), "--epochs", "1", *TINY])
+    assert result.exit_code == 0, result.output
+    model, _, config = ckpt.load_run_model(tmp_path / "run")
+    assert config["model_args"]["concept_vectors"] == str(glove) and config["model_args"]["concept_word_dim"] == 5
+    assert "gcn.vectors" not in dict(model.named_parameters())          # fixed, as CVSE's GloVe input
+    torch.testing.assert_close(model.gcn.vectors[2], torch.tensor([2, 0.5, -1, 2, 0.2]))
+    assert model.gcn.vectors[0].abs().max() <= 0.1                        # not in the file: random start
