@@ -363,3 +363,11 @@ def test_smfea_with_glove_format_concept_vectors(tmp_path):
     assert "gcn.vectors" not in dict(model.named_parameters())          # fixed, as CVSE's GloVe input
     torch.testing.assert_close(model.gcn.vectors[2], torch.tensor([2, 0.5, -1, 2, 0.2]))
     assert model.gcn.vectors[0].abs().max() <= 0.1                        # not in the file: random start
+
+
+def test_one_pair_batch_contributes_nothing():
+    features, mask, tokens, lengths, nodes = _batch()
+    model = _model().train()
+    loss = model(features[:1], mask[:1], tokens[:1], lengths[:1], nodes=nodes[:1])
+    loss.backward()
+    assert float(loss) == 0.0

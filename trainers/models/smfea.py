@@ -254,6 +254,10 @@ class SMFEA(MatchingModel):
         """One training step's loss. ``nodes`` [B, 7] int: each caption's referral tree; ``image_concept_labels``
         [B, C]: the concept labels of each caption's image (used when ``train_text_labels="image"``). From the
         loop, ``caption_index`` [B] looks both up in the tables :meth:`prepare_training` installed."""
+        if features.shape[0] < 2 and gather is None:
+            # a one-pair batch (the loop keeps a last, smaller batch) has no negatives, and batch norm cannot
+            # take its statistics from one sample: it contributes nothing
+            return features.new_zeros((), requires_grad=True)
         if caption_index is not None:
             index = caption_index.cpu()
             if nodes is None and self.train_nodes is not None:
