@@ -134,9 +134,9 @@ def test_batched_selection_equals_the_per_class_loop(num_boxes, num_classes, sha
 
 def test_batched_max_conf_equals_torchvision_per_class_loop_on_1600_classes():
     rng = np.random.default_rng(7)
-    boxes = torch.from_numpy(random_boxes(rng, 300, extent=600.0))
-    scores = torch.softmax(torch.from_numpy(rng.standard_normal((300, 1600)).astype(np.float32)) * 4, dim=1)
-    expected = torch.zeros(300)
+    boxes = torch.from_numpy(random_boxes(rng, 120, extent=400.0))
+    scores = torch.softmax(torch.from_numpy(rng.standard_normal((120, 1600)).astype(np.float32)) * 4, dim=1)
+    expected = torch.zeros(120)
     for c in range(1600):
         keep = nms(boxes + torch.tensor([0.0, 0.0, 1.0, 1.0]), scores[:, c], 0.3)
         expected[keep] = torch.maximum(expected[keep], scores[keep, c])

@@ -18,7 +18,16 @@ from retr.pipeline.verify import verify_feature_set
 BIN = Path(sys.executable).parent
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str):
+    """Run a retr-pipeline command in this process (fast); returns click's result."""
+    from click.testing import CliRunner
+
+    from retr.pipeline.cli import cli
+    return CliRunner().invoke(cli, list(args))
+
+
+def run_console_script(*args: str) -> subprocess.CompletedProcess:
+    """Run the installed console script (to see exactly what a user sees on stderr)."""
     return subprocess.run([str(BIN / "retr-pipeline"), *args], capture_output=True, text=True)
 
 
@@ -41,7 +50,7 @@ def test_import_scan_reproduces_arrays_and_captions(tmp_path):
     test = write_scan(data, "test", 2, rng)
     result = run_cli("import-scan", "--data-dir", str(data), "--out", str(tmp_path / "out"), "--dtype", "float32",
                      "--id-prefix", "f30k_")
-    assert result.returncode == 0, result.stderr
+    assert result.exit_code == 0, result.output
     records = read_manifest(tmp_path / "out" / "manifest.jsonl")
     assert [(r.id, r.split) for r in records] == [
         ("f30k_1000092795", "train"), ("f30k_10002456", "train"), ("f30k_1000268201", "train"),
@@ -77,7 +86,7 @@ def test_import_scan_rejects_inconsistent_files(tmp_path):
     rng = np.random.default_rng(2)
     write_scan(tmp_path, "train", 3, rng)
     (tmp_path / "train_caps.txt").write_text("a\nb\nc\nd\ne\nf\ng\nh\ni\nj\n")   # 2 images for 3 rows
-    result = run_cli("import-scan", "--data-dir", str(tmp_path), "--out", str(tmp_path / "out"))
+    result = run_console_script("import-scan", "--data-dir", str(tmp_path), "--out", str(tmp_path / "out"))
     assert result.returncode == 1
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert "describes 2 images" in result.stderr
@@ -120,7 +129,7 @@ def test_import_tsv_lxmert_ten_fields_with_labels(tmp_path):
     tsv.write_text(f"COCO_val2014_000000391895\t480\t640\t{b64(obj_ids)}\t{b64(obj_conf)}\t{b64(attr_ids)}\t"
                    f"{b64(attr_conf)}\t{n}\t{b64(boxes)}\t{b64(features)}\n")
     result = run_cli("import-tsv", str(tsv), "--out", str(tmp_path / "out"), "--dtype", "float32", "--quiet")
-    assert result.returncode == 0, result.stderr
+    assert result.exit_code == 0, result.output
     fs = FeatureSet(tmp_path / "out" / "regions.h5")
     assert np.array_equal(fs.read_all()[0], features)
     assert np.array_equal(fs.read_all("object_ids")[0], obj_ids)
@@ -151,7 +160,7 @@ def test_import_npz_milvlg(tmp_path):
         np.savez_compressed(folder / f"{image_id}.npz", **arrays)
         expected[image_id] = arrays
     result = run_cli("import-npz", str(folder), "--out", str(tmp_path / "out"), "--dtype", "float32")
-    assert result.returncode == 0, result.stderr
+    assert result.exit_code == 0, result.output
     fs = FeatureSet(tmp_path / "out" / "regions.h5")
     assert list(fs.ids) == ["391895", "522418"] and fs.feature_shape == (20, 2048)
     for row, (image_id, arrays) in enumerate(expected.items()):
