@@ -168,7 +168,7 @@ class CoAttention(nn.Module):
             raise UserError(f"JGCAR's per-region bias b_v was built for {self.b_v.shape[0]} regions, the features "
                             f"have {n} (set num_regions, or position_bias=False)")
         v = regions * mask.unsqueeze(-1).to(regions.dtype)
-        proj = self.W_v(v)                                                        # [I, N, l]
+        proj = v @ self.W_v.weight.to(v.dtype).t()                                # [I, N, l]
         x = torch.tanh(proj + self.b_v.to(v.dtype))
         r = v.transpose(1, 2) @ proj                                              # Vᵀ V W_vᵀ  [I, d, l]
         r = torch.einsum("ed,idl->iel", self.W_b.weight.to(v.dtype), r)           # W_b · …     [I, d, l]
@@ -178,7 +178,7 @@ class CoAttention(nn.Module):
         """``words`` [C, T, d] → ``Z = tanh(S W_sᵀ + b_s)`` [C, T, l] and ``Q = W_bᵀ Sᵀ S W_sᵀ`` [C, d, l]."""
         t = words.shape[1]
         s = words * mask.unsqueeze(-1).to(words.dtype)
-        proj = self.W_s(s)                                                        # [C, T, l]
+        proj = s @ self.W_s.weight.to(s.dtype).t()                                # [C, T, l]
         bias = self.b_s[:t] if self.position_bias else self.b_s
         if self.position_bias and t > self.b_s.shape[0]:
             raise ValueError(f"captions of {t} tokens exceed max_words={self.b_s.shape[0]}")
@@ -192,8 +192,8 @@ class CoAttention(nn.Module):
         """Scores ``[P]`` of P aligned pairs (all arguments have the pair on dim 0)."""
         hv = x * torch.tanh(v @ q)                                                # [P, N, l]
         hs = z * torch.tanh(s @ r)                                                # [P, T, l]
-        av = torch.softmax(self.w_hv(hv).squeeze(-1).masked_fill(~vmask, float("-inf")), dim=1)
-        as_ = torch.softmax(self.w_hs(hs).squeeze(-1).masked_fill(~smask, float("-inf")), dim=1)
+        av = torch.softmax((hv @ self.w_hv.weight.view(-1).to(hv.dtype)).masked_fill(~vmask, float("-inf")), dim=1)
+        as_ = torch.softmax((hs @ self.w_hs.weight.view(-1).to(hs.dtype)).masked_fill(~smask, float("-inf")), dim=1)
         v_bar = (av.unsqueeze(-1) * v).sum(1)                                     # [P, d]
         s_bar = (as_.unsqueeze(-1) * s).sum(1)
         return F.cosine_similarity(v_bar, s_bar, dim=-1, eps=1e-8)
@@ -516,7 +516,7 @@ class JGCAR(MatchingModel):
         j_g = j1 + self.lambda2 * j2 + self.lambda3 * j3 + self.lambda4 * j4
         j_c = self.bi_rank(images, captions, omega, gi @ gi.t(), gc @ gc.t(), same) if self.beta < 1 else omega.new_zeros(())
         if terms is not None:
-            terms.update(j1=float(j1), j2=float(j2), j3=float(j3), j4=float(j4), j_g=float(j_g), j_c=float(j_c))
+            terms.update({k: float(v.detach()) for k, v in dict(j1=j1, j2=j2, j3=j3, j4=j4, j_g=j_g, j_c=j_c).items()})
         return self.beta * j_g + (1 - self.beta) * j_c
 
     def bi_rank(self, images: Embeddings, captions: Embeddings, omega: torch.Tensor, image_sims: torch.Tensor,
