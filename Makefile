@@ -59,6 +59,11 @@ demo: $(STAMP)
 	rm -rf $(DEMO_DIR)/runs/seam
 	$(BIN)/retr-train seam --features $(DEMO_DIR)/synthetic/features/tencrop-resnet152.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/seam --text-encoder c --epochs 3 --batch-size 32 --quiet
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/seam --protocol f30k-1k --quiet
+	@echo "== JGCAR (VGG-16 maps from random weights at 224 px: 7x7 cells; brief training, two-step evaluation) =="
+	test -f $(DEMO_DIR)/synthetic/features/vgg16-maps.h5 || $(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor vgg16-maps --weights random --image-size 224 --out $(DEMO_DIR)/synthetic/features --quiet
+	rm -rf $(DEMO_DIR)/runs/jgcar
+	$(BIN)/retr-train jgcar --features $(DEMO_DIR)/synthetic/features/vgg16-maps.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/jgcar --num-regions 49 --epochs 3 --batch-size 32 --embed-size 64 --word-dim 64 --hidden-size 32 --num-negatives 10 --dropout 0.1 --optimizer adam --lr 1e-3 --global-similarity cosine --shortlist 10 --quiet
+	$(BIN)/retr-train eval $(DEMO_DIR)/runs/jgcar --protocol f30k-1k --quiet
 	@echo "== results =="
 	$(BIN)/retr-train table $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp $(DEMO_DIR)/runs/smfea $(DEMO_DIR)/runs/sman $(DEMO_DIR)/runs/seam
 

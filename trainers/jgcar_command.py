@@ -32,6 +32,8 @@ JGCAR_KEYS = ("embed_size", "word_dim", "hidden_size", "max_words", "dropout", "
               help="Ω = V̂ᵀŜ as printed (dot) or on l2-normalised vectors (cosine).")
 @click.option("--hidden-size", type=int, default=None, help="Co-attention / phrase hidden size l (512).")
 @click.option("--max-words", type=int, default=None, help="Tokens kept per caption (20 COCO, 15 Flickr30K).")
+@click.option("--num-regions", type=int, default=None,
+              help="Map cells N per image (196 = 14×14 from a 448 input; 49 for --image-size 224 maps).")
 @click.option("--dropout", type=float, default=None, help="Dropout on features, words and phrases (0.5).")
 @click.option("--position-bias/--shared-bias", default=None,
               help="Per-region/per-word biases b_v, b_s as printed (default) or one bias vector each.")
