@@ -65,7 +65,7 @@ demo: $(STAMP)
 	$(BIN)/retr-train jgcar --features $(DEMO_DIR)/synthetic/features/vgg16-maps.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/jgcar --num-regions 49 --epochs 3 --batch-size 32 --embed-size 64 --word-dim 64 --hidden-size 32 --num-negatives 10 --dropout 0.1 --optimizer adam --lr 1e-3 --global-similarity cosine --shortlist 10 --quiet
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/jgcar --protocol f30k-1k --quiet
 	@echo "== results =="
-	$(BIN)/retr-train table $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp $(DEMO_DIR)/runs/smfea $(DEMO_DIR)/runs/sman $(DEMO_DIR)/runs/seam
+	$(BIN)/retr-train table $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp $(DEMO_DIR)/runs/smfea $(DEMO_DIR)/runs/sman $(DEMO_DIR)/runs/seam $(DEMO_DIR)/runs/jgcar
 
 extract: $(STAMP)
 	$(BIN)/retr-pipeline extract-preset $(DATASET)
