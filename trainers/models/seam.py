@@ -215,12 +215,18 @@ class SEAM(MatchingModel):
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
                 gather=None) -> torch.Tensor:
-        """One training step's loss: the hinge on the (gathered) batch plus this process's captions' penalty."""
+        """One training step's loss: the hinge on the (gathered) batch plus λ · the penalty's batch mean.
+
+        Under DDP each process adds its own captions' penalties divided by the global batch size, so that the
+        processes' terms add up to the global batch mean (the single-process loss).
+        """
         images = self.encode_images(features, mask)
         captions = self.encode_captions(tokens, lengths)
-        penalty = captions["penalty"]
+        local_penalty = captions["penalty"]
         if gather is not None:
             images, captions = gather(images), gather(captions)
+        global_batch = captions["vector"].shape[0]
+        penalty = local_penalty * (local_penalty.shape[0] / global_batch)    # mean → Σ_local / global batch
         return self.loss(self.score(images, captions), penalty)
 
 

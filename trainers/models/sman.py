@@ -53,6 +53,7 @@ evaluates in two steps through :mod:`retr.trainers.two_step`: the pair-independe
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
@@ -65,6 +66,17 @@ EVAL_SCORES = ("sum", "concat")
 TEXT_RNNS = ("lstm", "gru")
 OPTIMIZERS = ("adadelta", "adam")
 EPS = 1e-8
+
+
+def world_size() -> int:
+    """Processes of the current DDP job (1 without torch.distributed)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def scale_grad(p: torch.Tensor, scale: float) -> torch.Tensor:
+    """``p`` unchanged in value, with its gradient multiplied by ``scale``."""
+    return p if scale == 1.0 else p * scale + p.detach() * (1 - scale)
 
 
 def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -107,9 +119,10 @@ class GuidedAttention(nn.Module):
         """``items`` [B, T, in_dim] → ``w_h ⊙ tanh(W x)`` [B, T, hidden]."""
         return torch.tanh(self.item(items)) * self.logit.weight.view(-1)
 
-    def gate(self, query: torch.Tensor) -> torch.Tensor:
-        """``query`` [..., query_dim] → ``tanh(W_q q)`` [..., hidden]."""
-        return torch.tanh(self.query(query))
+    def gate(self, query: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
+        """``query`` [..., query_dim] → ``tanh(W_q q)`` [..., hidden] (``grad_scale``: see ``SMAN.forward``)."""
+        return torch.tanh(F.linear(query, scale_grad(self.query.weight, grad_scale),
+                                   scale_grad(self.query.bias, grad_scale)))
 
     def forward(self, items: torch.Tensor, mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         """Weights [B, T] of ``items`` [B, T, in_dim] (``mask`` [B, T]) for one query per row, [B, query_dim]."""
@@ -189,6 +202,9 @@ class SMAN(MatchingModel):
         self.score_dtype: torch.dtype | None = None
         #: upper bound on n_img·n_cap·d elements per pair-specific chunk inside ``score``
         self.max_chunk_elements = 1 << 23
+        #: gradient scale of the parameters used only inside ``score`` (1/world size while a DDP step scores
+        #: the gathered global batch on every process; see ``forward``)
+        self.score_grad_scale = 1.0
 
     # -- encoders (pair-independent) -------------------------------------------------------------------------
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
@@ -270,21 +286,21 @@ class SMAN(MatchingModel):
         w = self.img_memory.weight.dtype
         images = {k: (v[rows].to(w) if v.is_floating_point() else v[rows]) for k, v in images.items()}
         captions = {k: (v.to(w) if v.is_floating_point() else v) for k, v in captions.items()}
-        v_mem = self.img_memory(images["v0"] + images["v1"])                      # v̂ [n_i, d]
-        t_mem = self.txt_memory(captions["t0"] + captions["t1"])                   # t̂ [n_c, d]
+        v_mem = self._memory(self.img_memory, images["v0"] + images["v1"])        # v̂ [n_i, d]
+        t_mem = self._memory(self.txt_memory, captions["t0"] + captions["t1"])     # t̂ [n_c, d]
         a = self.alpha
         o_v = torch.sigmoid(a * v_mem.unsqueeze(1) + (1 - a) * t_mem.unsqueeze(0))  # [n_i, n_c, d]
         o_t = torch.sigmoid(a * t_mem.unsqueeze(0) + (1 - a) * v_mem.unsqueeze(1))  # [n_i, n_c, d]
         # visual multi-modal attention: logits[i, c, m] = keys[i, m] · gate[i, c]
         img_mask = images["mask"]
-        logits = torch.bmm(self.img_attn2.gate(o_v), images["keys"].transpose(1, 2))
+        logits = torch.bmm(self.img_attn2.gate(o_v, self.score_grad_scale), images["keys"].transpose(1, 2))
         weights = masked_softmax(logits, img_mask.unsqueeze(1))                     # [n_i, n_c, M]
         pooled = torch.bmm(weights, images["values"])                        # [n_i, n_c, d]
         if self.divide_by_cells:
             pooled = pooled / img_mask.sum(1).clamp(min=1).view(-1, 1, 1)
-        v2 = torch.tanh(pooled + self.img_proj2.bias)
+        v2 = torch.tanh(pooled + scale_grad(self.img_proj2.bias, self.score_grad_scale))
         # textual multi-modal attention: logits[i, c, l] = keys[c, l] · gate[i, c]
-        gate_t = self.txt_attn2.gate(o_t).transpose(0, 1)                          # [n_c, n_i, d]
+        gate_t = self.txt_attn2.gate(o_t, self.score_grad_scale).transpose(0, 1)                          # [n_c, n_i, d]
         logits_t = torch.bmm(gate_t, captions["keys"].transpose(1, 2))             # [n_c, n_i, L]
         weights_t = masked_softmax(logits_t, captions["mask"].unsqueeze(1))
         t2 = torch.bmm(weights_t, captions["words"]).transpose(0, 1)               # [n_i, n_c, d]
@@ -299,6 +315,11 @@ class SMAN(MatchingModel):
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=lr)
         return torch.optim.Adadelta(self.parameters(), lr=lr, rho=self.rho, weight_decay=self.weight_decay)
+
+    def _memory(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """U_v / U_t of Eq. 12 (with the score-side gradient scale)."""
+        return F.linear(x, scale_grad(linear.weight, self.score_grad_scale),
+                        scale_grad(linear.bias, self.score_grad_scale))
 
     # -- two-step evaluation (optional) ---------------------------------------------------------------------------
     def global_score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
@@ -331,15 +352,16 @@ class SMAN(MatchingModel):
 
     def _multimodal_pairs(self, im: Embeddings, cap: Embeddings) -> tuple[torch.Tensor, torch.Tensor]:
         """(v2, t2) ``[P, d]`` of P aligned pairs (image p with caption p): Eq. 12–18 without the block axes."""
-        v_mem, t_mem = self.img_memory(im["v0"] + im["v1"]), self.txt_memory(cap["t0"] + cap["t1"])
+        v_mem = self._memory(self.img_memory, im["v0"] + im["v1"])
+        t_mem = self._memory(self.txt_memory, cap["t0"] + cap["t1"])
         o_v = torch.sigmoid(self.alpha * v_mem + (1 - self.alpha) * t_mem)
         o_t = torch.sigmoid(self.alpha * t_mem + (1 - self.alpha) * v_mem)
-        logits = torch.bmm(im["keys"], self.img_attn2.gate(o_v).unsqueeze(-1)).squeeze(-1)        # [P, M]
+        logits = torch.bmm(im["keys"], self.img_attn2.gate(o_v, self.score_grad_scale).unsqueeze(-1)).squeeze(-1)        # [P, M]
         pooled = torch.bmm(masked_softmax(logits, im["mask"]).unsqueeze(1), im["values"]).squeeze(1)
         if self.divide_by_cells:
             pooled = pooled / im["mask"].sum(1, keepdim=True).clamp(min=1)
-        v2 = torch.tanh(pooled + self.img_proj2.bias)
-        logits_t = torch.bmm(cap["keys"], self.txt_attn2.gate(o_t).unsqueeze(-1)).squeeze(-1)     # [P, L]
+        v2 = torch.tanh(pooled + scale_grad(self.img_proj2.bias, self.score_grad_scale))
+        logits_t = torch.bmm(cap["keys"], self.txt_attn2.gate(o_t, self.score_grad_scale).unsqueeze(-1)).squeeze(-1)     # [P, L]
         t2 = torch.bmm(masked_softmax(logits_t, cap["mask"]).unsqueeze(1), cap["words"]).squeeze(1)
         return v2, t2
 
@@ -364,12 +386,24 @@ class SMAN(MatchingModel):
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
                 gather=None) -> torch.Tensor:
-        """One training step's loss (Eq. 23) for a batch whose i-th image and i-th caption match."""
+        """One training step's loss (Eq. 23) for a batch whose i-th image and i-th caption match.
+
+        Under DDP every process scores the gathered global batch (its own embeddings keep their gradients).
+        The encoders' gradients then add up to the single-process ones, but the parameters used only inside
+        ``score`` (U_v, U_t, the level-2 query projections, P2's bias) would receive the whole batch's gradient
+        on every process: their gradient is scaled by 1/world size so that the sum over processes is exact.
+        """
         images = self.encode_images(features, mask)
         captions = self.encode_captions(tokens, lengths)
+        world = 1
         if gather is not None:
             images, captions = gather(images), gather(captions)
-        levels = self.level_scores(images, captions)                                # [B, B, levels]
+            world = world_size()
+        self.score_grad_scale = 1.0 / world
+        try:
+            levels = self.level_scores(images, captions)                            # [B, B, levels]
+        finally:
+            self.score_grad_scale = 1.0
         return self.loss(levels.sum(-1), levels.diagonal(dim1=0, dim2=1).t())
 
 
