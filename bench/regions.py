@@ -6,7 +6,7 @@
 2. ``extraction``: images/s of the whole extractor (random weights) on synthetic 224×224 images with the
    original settings (600/1000, 300 proposals, 14×14 pool: the baseline) and with the demo's speed settings.
 
-Run:  .venv/bin/python bench/regions.py [--images 3] [--repeats 5] [--device cpu]
+Run:  .venv/bin/python bench/regions.py [--images 3] [--repeats 9] [--device cpu]
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def bench_extraction(device: str, images: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=3, help="images per extraction measurement")
-    parser.add_argument("--repeats", type=int, default=5, help="best-of repeats for the selection timing")
+    parser.add_argument("--repeats", type=int, default=9, help="best-of repeats for the selection timing")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-extraction", action="store_true")
     args = parser.parse_args()
