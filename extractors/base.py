@@ -62,9 +62,14 @@ class Extractor(ABC):
         """
         return self.load
 
+    def collator(self) -> Callable[[list[Any]], Any]:
+        """The picklable callable that batches ``load`` results in workers: :func:`stack_samples` unless
+        :meth:`collate` is overridden (then the bound method)."""
+        return stack_samples if type(self).collate is Extractor.collate else self.collate
+
     def collate(self, samples: list[Any]) -> Any:
         """Batch ``load`` results (default: stack tensors)."""
-        return torch.stack(samples)
+        return stack_samples(samples)
 
     @abstractmethod
     def extract(self, batch: Any) -> dict[str, np.ndarray]:
@@ -73,6 +78,11 @@ class Extractor(ABC):
     def to(self, device: torch.device | str) -> "Extractor":
         """Move the network to ``device`` (and return self)."""
         return self
+
+
+def stack_samples(samples: list[torch.Tensor]) -> torch.Tensor:
+    """Default batching: ``torch.stack`` of same-shaped sample tensors."""
+    return torch.stack(samples)
 
 
 #: name → builder(**options) returning an :class:`Extractor`. Modules add themselves with :func:`register`.
