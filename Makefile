@@ -33,6 +33,12 @@ demo: $(STAMP)
 	@echo "== synthetic dataset =="
 	$(BIN)/retr-pipeline synth --out $(DEMO_DIR)/synthetic --images 240 --seed 0
 	$(BIN)/retr-pipeline manifest check $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic
+	@echo "== image features: 4 extractors, random weights, sized for a 2-core CPU (grid and maps from a 224-px input, ten 64-px crops; a re-run skips finished shards) =="
+	$(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor resnet152-grid --weights random --image-size 224 --out $(DEMO_DIR)/synthetic/features --quiet
+	$(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor vgg16-maps --weights random --image-size 224 --out $(DEMO_DIR)/synthetic/features --quiet
+	$(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor tencrop-vgg19 --weights random --image-size 64 --out $(DEMO_DIR)/synthetic/features --quiet
+	$(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor tencrop-resnet152 --weights random --image-size 64 --out $(DEMO_DIR)/synthetic/features --quiet
+	$(BIN)/retr-pipeline verify $(DEMO_DIR)/synthetic/features/resnet152-grid.h5 $(DEMO_DIR)/synthetic/features/vgg16-maps.h5 $(DEMO_DIR)/synthetic/features/tencrop-vgg19.h5 $(DEMO_DIR)/synthetic/features/tencrop-resnet152.h5
 	@echo "== referral trees =="
 	$(BIN)/retr-pipeline parse-trees --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --conllu $(DEMO_DIR)/synthetic/captions.conllu --out $(DEMO_DIR)/synthetic/trees.h5 --quiet
 	$(BIN)/retr-pipeline show-tree --key 'synth_00000#1' --conllu $(DEMO_DIR)/synthetic/captions.conllu --dictionaries $(DEMO_DIR)/synthetic/trees.h5
