@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import h5py
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from retr.common.cli import progress
@@ -126,6 +127,12 @@ class Batch:
     positions: list[int]
     samples: Any
     failures: list[tuple[int, str]]
+
+    def pin_memory(self) -> "Batch":
+        """Called by the DataLoader with ``pin_memory=True`` (CUDA): page-locks the sample tensor."""
+        if isinstance(self.samples, torch.Tensor):
+            self.samples = self.samples.pin_memory()
+        return self
 
 
 class BatchCollator:

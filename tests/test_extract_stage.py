@@ -19,10 +19,9 @@ from retr.common.errors import UserError
 from retr.extractors.base import build_extractor
 from retr.manifests.schema import manifest_sha256
 from retr.manifests.synthetic import generate_synthetic
-from retr.pipeline import extract as stage
 from retr.pipeline.cli import cli
 from retr.pipeline.extract import DistributedEnv, extract_features, plan_shards, shard_ranges
-from retr.pipeline.store import ROOT_ATTRS, FeatureSet, decode_str, shard_name
+from retr.pipeline.store import ROOT_ATTRS, decode_str, shard_name
 from retr.pipeline.verify import verify_feature_set
 
 VENV_BIN = Path(sys.executable).parent
