@@ -28,6 +28,7 @@ def _register() -> None:
     from retr.manifests.commands import manifest_group
     from retr.manifests.synthetic_command import synth_command
     from retr.pipeline.concepts import build_concepts_command
+    from retr.pipeline.extract_command import extract_command, extract_preset_command
     from retr.pipeline.import_commands import import_npz_command, import_scan_command, import_tsv_command
     from retr.pipeline.parse_trees import (fetch_parser_models_command, parse_trees_command,
                                            show_tree_command)
@@ -35,7 +36,8 @@ def _register() -> None:
 
     for command in (manifest_group, synth_command, verify_command, inspect_command,
                     index_command, parse_trees_command, show_tree_command, fetch_parser_models_command,
-                    build_concepts_command, import_scan_command, import_tsv_command, import_npz_command):
+                    extract_command, extract_preset_command, build_concepts_command,
+                    import_scan_command, import_tsv_command, import_npz_command):
         cli.add_command(command)
 
 
