@@ -319,7 +319,7 @@ def test_sman_learns_the_synthetic_scenes(tmp_path):
     cfg = TrainConfig(model="sman", model_args=dict(embed_size=32, word_dim=32, dropout=0.0, optimizer="adam",
                                                      max_violation=False),
                       features=str(features), manifest=str(dataset / "manifest.jsonl"), out=str(tmp_path / "run"),
-                      epochs=5, batch_size=50, lr=3e-3, lr_update=100, grad_clip=2.0, device="cpu",
+                      epochs=4, batch_size=50, lr=3e-3, lr_update=100, grad_clip=2.0, device="cpu",
                       train_splits=["train"], val_images=20)
     train(cfg, quiet=True, log=lambda *_: None)
     state = torch.load(tmp_path / "run" / "best.pt", map_location="cpu", weights_only=False)
