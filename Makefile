@@ -56,12 +56,10 @@ demo: $(STAMP)
 	$(BIN)/retr-train smfea --features $(DEMO_DIR)/synthetic/features/butd-regions.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --trees $(DEMO_DIR)/synthetic/trees.h5 --concepts $(DEMO_DIR)/synthetic/concepts.h5 --out $(DEMO_DIR)/runs/smfea --epochs 3 --batch-size 32 --embed-size 256 --lr 1e-3 --quiet
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/smfea --protocol f30k-1k --quiet
 	@echo "== SMAN (ResNet-152 7x7 grid, random weights, 224-px input; brief training with Adam) =="
-	test -f $(DEMO_DIR)/synthetic/features/resnet152-grid.h5 || $(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor resnet152-grid --weights random --image-size 224 --out $(DEMO_DIR)/synthetic/features --quiet
 	rm -rf $(DEMO_DIR)/runs/sman
 	$(BIN)/retr-train sman --features $(DEMO_DIR)/synthetic/features/resnet152-grid.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/sman --epochs 2 --batch-size 32 --embed-size 128 --word-dim 128 --optimizer adam --lr 1e-3 --grad-clip 2 --quiet
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/sman --protocol f30k-1k --quiet
 	@echo "== SEAM-C (ResNet-152 ten 64-px crops, random weights; brief training) =="
-	test -f $(DEMO_DIR)/synthetic/features/tencrop-resnet152.h5 || $(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor tencrop-resnet152 --weights random --image-size 64 --out $(DEMO_DIR)/synthetic/features --quiet
 	rm -rf $(DEMO_DIR)/runs/seam
 	$(BIN)/retr-train seam --features $(DEMO_DIR)/synthetic/features/tencrop-resnet152.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/seam --text-encoder c --epochs 3 --batch-size 32 --quiet
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/seam --protocol f30k-1k --quiet
