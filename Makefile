@@ -33,18 +33,18 @@ demo: $(STAMP)
 	@echo "== synthetic dataset =="
 	$(BIN)/retr-pipeline synth --out $(DEMO_DIR)/synthetic --images 240 --seed 0
 	$(BIN)/retr-pipeline manifest check $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic
-	@echo "== image features: 4 extractors, random weights, sized for a 2-core CPU (grid and maps from a 224-px input, ten 64-px crops; a re-run skips finished shards) =="
+	@echo "== image features: 5 extractors, random weights, sized for a 2-core CPU (grid and maps from a 224-px input, ten 64-px crops, regions at 224 px with 36 proposals; a re-run skips finished shards) =="
 	$(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor resnet152-grid --weights random --image-size 224 --out $(DEMO_DIR)/synthetic/features --quiet
 	$(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor vgg16-maps --weights random --image-size 224 --out $(DEMO_DIR)/synthetic/features --quiet
 	$(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor tencrop-vgg19 --weights random --image-size 64 --out $(DEMO_DIR)/synthetic/features --quiet
 	$(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor tencrop-resnet152 --weights random --image-size 64 --out $(DEMO_DIR)/synthetic/features --quiet
-	$(BIN)/retr-pipeline verify $(DEMO_DIR)/synthetic/features/resnet152-grid.h5 $(DEMO_DIR)/synthetic/features/vgg16-maps.h5 $(DEMO_DIR)/synthetic/features/tencrop-vgg19.h5 $(DEMO_DIR)/synthetic/features/tencrop-resnet152.h5
+	$(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor butd-regions --weights random --short-side 224 --max-side 224 --post-nms-topk 36 --pooled-size 7 --out $(DEMO_DIR)/synthetic/features --quiet
+	$(BIN)/retr-pipeline verify $(DEMO_DIR)/synthetic/features/resnet152-grid.h5 $(DEMO_DIR)/synthetic/features/vgg16-maps.h5 $(DEMO_DIR)/synthetic/features/tencrop-vgg19.h5 $(DEMO_DIR)/synthetic/features/tencrop-resnet152.h5 $(DEMO_DIR)/synthetic/features/butd-regions.h5
 	@echo "== referral trees =="
 	$(BIN)/retr-pipeline parse-trees --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --conllu $(DEMO_DIR)/synthetic/captions.conllu --out $(DEMO_DIR)/synthetic/trees.h5 --quiet
 	$(BIN)/retr-pipeline show-tree --key 'synth_00000#1' --conllu $(DEMO_DIR)/synthetic/captions.conllu --dictionaries $(DEMO_DIR)/synthetic/trees.h5
 	$(BIN)/retr-pipeline show-tree --key 'synth_00001#3' --conllu $(DEMO_DIR)/synthetic/captions.conllu --dictionaries $(DEMO_DIR)/synthetic/trees.h5
 	@echo "== SCAN and VSE++ (region features from the detector with random weights; brief training) =="
-	test -f $(DEMO_DIR)/synthetic/features/butd-regions.h5 || $(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor butd-regions --weights random --short-side 224 --max-side 224 --post-nms-topk 36 --pooled-size 7 --out $(DEMO_DIR)/synthetic/features --quiet
 	rm -rf $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp
 	$(BIN)/retr-train scan --features $(DEMO_DIR)/synthetic/features/butd-regions.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/scan --epochs 3 --batch-size 32 --embed-size 256 --lr 1e-3 --quiet
 	$(BIN)/retr-train vsepp --features $(DEMO_DIR)/synthetic/features/butd-regions.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/vsepp --epochs 3 --batch-size 32 --embed-size 256 --lr 1e-3 --quiet
@@ -64,7 +64,6 @@ demo: $(STAMP)
 	$(BIN)/retr-train seam --features $(DEMO_DIR)/synthetic/features/tencrop-resnet152.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/seam --text-encoder c --epochs 3 --batch-size 32 --quiet
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/seam --protocol f30k-1k --quiet
 	@echo "== JGCAR (VGG-16 maps from random weights at 224 px: 7x7 cells; brief training, two-step evaluation) =="
-	test -f $(DEMO_DIR)/synthetic/features/vgg16-maps.h5 || $(BIN)/retr-pipeline extract --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --image-root $(DEMO_DIR)/synthetic --extractor vgg16-maps --weights random --image-size 224 --out $(DEMO_DIR)/synthetic/features --quiet
 	rm -rf $(DEMO_DIR)/runs/jgcar
 	$(BIN)/retr-train jgcar --features $(DEMO_DIR)/synthetic/features/vgg16-maps.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/jgcar --num-regions 49 --epochs 3 --batch-size 32 --embed-size 64 --word-dim 64 --hidden-size 32 --num-negatives 10 --dropout 0.1 --optimizer adam --lr 1e-3 --global-similarity cosine --shortlist 10 --quiet
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/jgcar --protocol f30k-1k --quiet
