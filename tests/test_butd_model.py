@@ -252,3 +252,19 @@ def test_bad_options_are_user_errors():
         build_extractor("butd-regions", weights="random", post_nms_topk=10)
     with pytest.raises(UserError, match="image_size"):
         build_extractor("butd-regions", weights="random", image_size=448)
+
+
+def test_default_weights_are_never_silently_random(tmp_path, monkeypatch):
+    """Without --weights, the default checkpoint is looked up; when absent the error says where and how."""
+    from retr.common.errors import MissingResourceError
+    from retr.extractors.butd.extractor import DEFAULT_CHECKPOINT, default_checkpoint_candidates
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RETR_WEIGHTS", str(tmp_path / "w"))
+    monkeypatch.delenv("RETR_BUTD_WEIGHTS", raising=False)
+    with pytest.raises(MissingResourceError) as info:
+        build_extractor("butd-regions", **FAST)
+    message = str(info.value)
+    assert DEFAULT_CHECKPOINT in message and str(tmp_path / "w" / DEFAULT_CHECKPOINT) in message
+    assert "--weights PATH" in message and "\n" not in message
+    assert default_checkpoint_candidates()[0] == tmp_path / "w" / DEFAULT_CHECKPOINT

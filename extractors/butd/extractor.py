@@ -9,12 +9,14 @@ proposals) and ``image_hw`` (original height, width). Rows past ``num_boxes`` ar
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from retr.common.errors import MissingResourceError
 from retr.common.hashing import sha256_file
 from retr.extractors.backbone import resolve_device
 from retr.extractors.base import Extractor, register
@@ -26,13 +28,44 @@ from retr.extractors.butd.random_weights import randomize_
 from retr.extractors.butd.vocab import NUM_ATTRIBUTES, NUM_OBJECTS, read_vocab
 
 BACKBONE = "resnet101-c4-caffe (bottom-up-attention Faster R-CNN, Visual Genome)"
+#: The checkpoint SCAN's features came from (MILVLG's conversion of the Caffe "fix36" model).
+DEFAULT_CHECKPOINT = "bua-caffe-frcn-r101-k36.pth"
+
+
+def default_checkpoint_candidates() -> list[Path]:
+    """Where ``--weights`` defaults look, in order: ``$RETR_BUTD_WEIGHTS``, ``$RETR_WEIGHTS/<file>``,
+    ``~/.cache/retr/weights/<file>``."""
+    candidates = []
+    if os.environ.get("RETR_BUTD_WEIGHTS"):
+        candidates.append(Path(os.environ["RETR_BUTD_WEIGHTS"]).expanduser())
+    if os.environ.get("RETR_WEIGHTS"):
+        candidates.append(Path(os.environ["RETR_WEIGHTS"]).expanduser() / DEFAULT_CHECKPOINT)
+    candidates.append(Path.home() / ".cache" / "retr" / "weights" / DEFAULT_CHECKPOINT)
+    return candidates
+
+
+def resolve_default_checkpoint() -> str:
+    """The default checkpoint's path; a one-line :class:`MissingResourceError` when it is nowhere.
+
+    A real extraction never falls back to random weights silently: ``--weights random`` must be asked for.
+    """
+    candidates = default_checkpoint_candidates()
+    for candidate in candidates:
+        if candidate.is_file():
+            return str(candidate)
+    raise MissingResourceError(
+        f"bottom-up-attention checkpoint {DEFAULT_CHECKPOINT}", [str(c) for c in candidates],
+        "download it on a connected machine from the MILVLG bottom-up-attention.pytorch model zoo "
+        f"(the 'fix36' R101 model) and put it at {candidates[-1]} or pass --weights PATH "
+        "(the airsplay faster_rcnn_from_caffe_attr.pkl also works with --trust-checkpoint)")
 
 
 class BottomUpRegionExtractor(Extractor):
     """Caffe preprocessing in workers, the detector and generate_tsv's selection in the main process.
 
     Args:
-        weights: ``random`` or a MILVLG ``.pth`` / airsplay ``.pkl`` path (see :mod:`…butd.checkpoint`).
+        weights: ``random``, a MILVLG ``.pth`` / airsplay ``.pkl`` path (see :mod:`…butd.checkpoint`), or None for
+            :data:`DEFAULT_CHECKPOINT` looked up by :func:`resolve_default_checkpoint`.
         device: ``cpu`` | ``cuda`` | ``cuda:N``; half: float16 network on CUDA (selection stays float32).
         settings: detector settings (defaults are the original's).
         short_side / max_side: Caffe scaling targets (600 / 1000).
@@ -44,7 +77,7 @@ class BottomUpRegionExtractor(Extractor):
     name = "butd-regions"
     kind = "regions"
 
-    def __init__(self, *, weights: str = "random", device: str = "cpu", half: bool = False,
+    def __init__(self, *, weights: str | None = None, device: str = "cpu", half: bool = False,
                  settings: DetectorSettings = DetectorSettings(), short_side: int = SHORT_SIDE,
                  max_side: int = MAX_SIDE, exif_orientation: bool = False, object_vocab: str | None = None,
                  attr_vocab: str | None = None, allow_partial: bool = False, trust_checkpoint: bool = False):
@@ -56,6 +89,8 @@ class BottomUpRegionExtractor(Extractor):
                             f"({settings.max_boxes})")
         if short_side < 16 or max_side < short_side:
             raise UserError(f"need 16 ≤ short_side ≤ max_side, got {short_side} and {max_side}")
+        if weights is None:
+            weights = resolve_default_checkpoint()
         self.half = bool(half)
         self.device = resolve_device(device, self.half)
         self.settings = settings
@@ -151,7 +186,7 @@ class BottomUpRegionExtractor(Extractor):
 
 
 @register("butd-regions")
-def build_butd_regions(weights: str = "random", device: str = "cpu", half: bool = False,
+def build_butd_regions(weights: str | None = None, device: str = "cpu", half: bool = False,
                        exif_orientation: bool = False, min_boxes: int = 36, max_boxes: int = 36,
                        conf_threshold: float = 0.2, short_side: int = SHORT_SIDE, max_side: int = MAX_SIDE,
                        pre_nms_topk: int = 6000, post_nms_topk: int = 300, pooled_size: int = 14,
