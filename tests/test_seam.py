@@ -9,6 +9,7 @@ import torch
 
 from retr.trainers.models import create_model, preset
 from retr.trainers.models.seam import SEAM, MaskedBatchNorm1d, SelfAttention, attention_penalty
+from tests.ddp_simulation import simulated_ddp_grads
 
 VOCAB, D_IN, CROPS = 40, 20, 10
 
@@ -187,41 +188,6 @@ def test_registry_preset_and_bad_options():
     for bad in ({"text_encoder": "x"}, {"crops": "centre"}, {"penalty_norm": "l1"}):
         with pytest.raises(ValueError):
             tiny(**bad)
-
-
-def simulated_ddp_grads(model, features, mask, tokens, lengths, monkeypatch=None, module=None):
-    """(single-process gradients, Σ over two simulated DDP ranks of their gradients) of ``model.forward``.
-
-    Rank r encodes its half of the batch; the fake gather puts the other half's embeddings (no gradient)
-    around it, as ``retr.trainers.distributed.gather_embeddings`` does. The loop scales each rank's loss by
-    the world size and DDP averages gradients, so the update follows the sum of the ranks' gradients.
-    """
-    def grads():
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    model.zero_grad()
-    model(features, mask, tokens, lengths).backward()
-    single = grads()
-    if monkeypatch is not None:
-        monkeypatch.setattr(module, "world_size", lambda: 2)
-    half = features.shape[0] // 2
-    parts = [slice(0, half), slice(half, None)]
-    total: dict = {}
-    for rank, part in enumerate(parts):
-        other = parts[1 - rank]
-        with torch.no_grad():
-            other_im = model.encode_images(features[other], mask[other])
-            other_cap = model.encode_captions(tokens[other], lengths[other])
-
-        def gather(local, rank=rank, other_im=other_im, other_cap=other_cap):
-            remote = other_im if "v0" in local or ("vector" in local and "penalty" not in local) else other_cap
-            return {k: torch.cat([local[k], remote[k]] if rank == 0 else [remote[k], local[k]]) for k in local}
-
-        model.zero_grad()
-        model(features[part], mask[part], tokens[part], lengths[part], gather=gather).backward()
-        for n, g in grads().items():
-            total[n] = total.get(n, 0) + g
-    return single, total
 
 
 def test_ddp_gradients_sum_to_the_single_process_ones():
