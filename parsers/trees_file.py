@@ -29,12 +29,12 @@ from typing import Mapping, Sequence
 import h5py
 import numpy as np
 
+from retr.common.atomic import PARTIAL_SUFFIX, atomic_hdf5  # noqa: F401  (PARTIAL_SUFFIX re-exported)
 from retr.common.errors import UserError
 from retr.common.version import __version__
 from retr.parsers.dictionaries import NULL_ID, UNKNOWN_ID, Dictionaries
 
 FORMAT_VERSION = 1
-PARTIAL_SUFFIX = ".partial"
 _STR = h5py.string_dtype("utf-8")
 
 
@@ -55,16 +55,8 @@ def _decode(value) -> str:
 
 
 def _write_atomically(path: Path, fill) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    try:
-        with h5py.File(partial, "w") as f:
-            fill(f)
-            f.attrs["complete"] = True
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    os.replace(partial, path)
+    with atomic_hdf5(path) as f:
+        fill(f)
     return path
 
 

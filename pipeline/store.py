@@ -30,6 +30,7 @@ from typing import Iterable, Mapping, Sequence
 import h5py
 import numpy as np
 
+from retr.common.atomic import PARTIAL_SUFFIX, atomic_hdf5, partial_path
 from retr.common.errors import UserError
 from retr.common.version import __version__
 
@@ -52,7 +53,6 @@ REGION_DATASETS = {
 #: Per-row datasets of a ``regions`` set that do not have the K axis: name → (shape after [N], dtype).
 REGION_IMAGE_DATASETS = {"num_boxes": ((), "int32"), "image_hw": ((2,), "int32")}
 FEATURE_DTYPES = ("float16", "float32")
-PARTIAL_SUFFIX = ".partial"
 
 _STR = h5py.string_dtype("utf-8")
 
@@ -101,7 +101,7 @@ class ShardWriter:
         if kind not in KINDS:
             raise UserError(f"feature-set kind must be one of {', '.join(KINDS)}, not {kind!r}")
         self.path = Path(path)
-        self.partial_path = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
+        self.partial_path = partial_path(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.feature_shape = tuple(int(n) for n in feature_shape)
         self.dtype = np.dtype(dtype)
@@ -244,9 +244,8 @@ def write_index(index_path: str | os.PathLike, shard_paths: Sequence[str | os.Pa
     if len(set(ids)) != len(ids):
         raise UserError(f"the shards of {index_path} share ids; each image belongs to exactly one shard")
     total = len(ids)
-    partial = index_path.with_name(index_path.name + PARTIAL_SUFFIX)
     index_dir = index_path.resolve().parent
-    with h5py.File(partial, "w") as out:
+    with atomic_hdf5(index_path) as out:
         for key, value in first["attrs"].items():
             if key not in ("shard_index", "num_shards", "complete", "num_rows"):
                 out.attrs[key] = value
@@ -267,8 +266,6 @@ def write_index(index_path: str | os.PathLike, shard_paths: Sequence[str | os.Pa
                 start += info["rows"]
             out.create_virtual_dataset(name, layout, fillvalue=np.nan if np.dtype(dtype).kind == "f" else 0)
         out.attrs["num_rows"] = total
-        out.attrs["complete"] = True
-    os.replace(partial, index_path)
     return index_path
 
 
