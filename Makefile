@@ -19,7 +19,7 @@ help:
 # The stamp is newer than pyproject.toml and constraints.txt once installed: a second `make setup` is instant.
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade "pip>=23" "setuptools>=68"
+	$(BIN)/python -m pip install --quiet --upgrade "pip>=23" "setuptools>=77"
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	@touch $(STAMP)
 
