@@ -54,6 +54,7 @@ from typing import Iterable, Mapping, Sequence
 import h5py
 import numpy as np
 
+from retr.common.atomic import atomic_hdf5
 from retr.common.errors import MissingResourceError, UserError
 from retr.common.version import __version__
 from retr.manifests.schema import ManifestRecord, manifest_sha256, read_manifest
@@ -292,33 +293,25 @@ def build_concepts(records: Sequence[ManifestRecord], words: Mapping[str, Captio
 def write_concepts(path: str | os.PathLike, data: ConceptData, attrs: Mapping[str, object] | None = None) -> Path:
     """Write ``concepts.h5`` to ``<path>.partial`` and rename it when complete."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
     text = h5py.string_dtype("utf-8")
     c = len(data.concepts)
-    try:
-        with h5py.File(partial, "w") as f:
-            for key, value in {**data.attrs, **(attrs or {})}.items():
-                f.attrs[key] = value
-            f.attrs.update({"kind": "concepts", "format_version": FORMAT_VERSION, "created": _now(),
-                            "retr_version": __version__, "num_concepts": c,
-                            "forms": json.dumps(data.forms, ensure_ascii=False, sort_keys=True)})
-            f.create_dataset("concepts", data=np.array(data.concepts, dtype=object), dtype=text)
-            f.create_dataset("pos", data=np.array(data.pos, dtype=object), dtype=text)
-            f.create_dataset("counts", data=data.counts.astype(np.int64))
-            f.create_dataset("cooccurrence", data=data.cooccurrence.astype(np.int64))
-            f.create_dataset("adjacency", data=data.adjacency.astype(np.float32))
-            f.create_dataset("caption_keys", data=np.array(data.caption_keys, dtype=object), dtype=text)
-            f.create_dataset("caption_labels", data=data.caption_labels, dtype=np.uint8,
-                             chunks=(min(4096, max(len(data.caption_keys), 1)), c), compression="gzip")
-            f.create_dataset("image_ids", data=np.array(data.image_ids, dtype=object), dtype=text)
-            f.create_dataset("image_labels", data=data.image_labels, dtype=np.uint8,
-                             chunks=(min(4096, max(len(data.image_ids), 1)), c), compression="gzip")
-            f.attrs["complete"] = True
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    os.replace(partial, path)
+    with atomic_hdf5(path) as f:
+        for key, value in {**data.attrs, **(attrs or {})}.items():
+            f.attrs[key] = value
+        f.attrs.update({"kind": "concepts", "format_version": FORMAT_VERSION, "created": _now(),
+                        "retr_version": __version__, "num_concepts": c,
+                        "forms": json.dumps(data.forms, ensure_ascii=False, sort_keys=True)})
+        f.create_dataset("concepts", data=np.array(data.concepts, dtype=object), dtype=text)
+        f.create_dataset("pos", data=np.array(data.pos, dtype=object), dtype=text)
+        f.create_dataset("counts", data=data.counts.astype(np.int64))
+        f.create_dataset("cooccurrence", data=data.cooccurrence.astype(np.int64))
+        f.create_dataset("adjacency", data=data.adjacency.astype(np.float32))
+        f.create_dataset("caption_keys", data=np.array(data.caption_keys, dtype=object), dtype=text)
+        f.create_dataset("caption_labels", data=data.caption_labels, dtype=np.uint8,
+                         chunks=(min(4096, max(len(data.caption_keys), 1)), c), compression="gzip")
+        f.create_dataset("image_ids", data=np.array(data.image_ids, dtype=object), dtype=text)
+        f.create_dataset("image_labels", data=data.image_labels, dtype=np.uint8,
+                         chunks=(min(4096, max(len(data.image_ids), 1)), c), compression="gzip")
     return path
 
 
