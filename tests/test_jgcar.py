@@ -343,3 +343,44 @@ def test_jgcar_learns_on_synthetic_maps(tmp_path):
     two = result["two_step"]
     assert two["i2t"]["r1"] >= 4 * chance_i2t and two["t2i"]["r1"] >= 4 * chance_t2i, two
     assert result["pairs_scored"]["two_step"] < result["pairs_scored"]["full"]
+
+
+def test_ddp_gradients_sum_to_the_single_process_ones(monkeypatch):
+    """Two simulated DDP ranks: each encodes its half, the gather puts the other half (no gradient) around it,
+    every rank scores the gathered batch. The summed rank gradients must equal the single-process gradient —
+    including the co-attention weights used only after the gather (scaled by 1/world size)."""
+    import retr.trainers.models.jgcar as jgcar_module
+
+    model = small_model(num_negatives=2).train()
+    features, mask, tokens, lengths = batch(b=6)
+    index = torch.tensor([0, 0, 1, 2, 3, 4])
+
+    def grads():
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad()
+    model(features, mask, tokens, lengths, image_index=index).backward()
+    single = grads()
+    monkeypatch.setattr(jgcar_module, "world_size", lambda: 2)
+    parts = [slice(0, 3), slice(3, 6)]
+    total: dict = {}
+    for rank, part in enumerate(parts):
+        other = parts[1 - rank]
+        with torch.no_grad():
+            remote = {"regions": model.encode_images(features[other], mask[other]),
+                      "words": model.encode_captions(tokens[other], lengths[other]),
+                      "image_index": {"image_index": index[other]}}
+
+        def gather(local, rank=rank, remote=remote):
+            kind = next(k for k in ("regions", "words", "image_index") if k in local)
+            far = remote[kind]
+            return {k: torch.cat([local[k], far[k]] if rank == 0 else [far[k], local[k]]) for k in local}
+
+        model.zero_grad()
+        model(features[part], mask[part], tokens[part], lengths[part], gather=gather,
+              image_index=index[part]).backward()
+        for name, g in grads().items():
+            total[name] = total.get(name, 0) + g
+    assert set(total) == set(single)
+    for name in single:
+        torch.testing.assert_close(total[name], single[name], rtol=1e-7, atol=1e-9, msg=name)

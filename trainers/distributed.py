@@ -73,3 +73,18 @@ def barrier(info: DistInfo) -> None:
 def cleanup(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def world_size() -> int:
+    """Processes of the current DDP job (1 without torch.distributed)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def scale_grad(p: torch.Tensor, scale: float) -> torch.Tensor:
+    """``p`` unchanged in value, with its gradient multiplied by ``scale``.
+
+    Under DDP every process scores the gathered global batch, so a parameter used only after the gather would
+    receive the full-batch gradient on every process (world size × too much once the loop scales the loss by
+    the world size and DDP averages); scaling it by 1/world size makes the sum over processes exact.
+    """
+    return p if scale == 1.0 else p * scale + p.detach() * (1 - scale)

@@ -83,6 +83,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.checkpoint import checkpoint
 
 from retr.common.errors import UserError
+from retr.trainers.distributed import world_size
 from retr.trainers.losses import hinge_triplet_loss
 from retr.trainers.models import register_model, register_preset
 from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
@@ -159,6 +160,13 @@ class CoAttention(nn.Module):
         self.w_hv = nn.Linear(hidden, 1, bias=False)
         self.w_hs = nn.Linear(hidden, 1, bias=False)
         self.position_bias = position_bias
+        #: In a DDP training step every process runs the co-attention on the gathered global batch (no
+        #: co-attention parameter is used before the gather), so each process would receive the full-batch
+        #: gradient; JGCAR.forward sets this to 1/world size and a hook scales every co-attention gradient,
+        #: making the sum over processes (what the loop's loss scaling and DDP's average give) exact.
+        self.score_grad_scale = 1.0
+        for parameter in self.parameters():
+            parameter.register_hook(self._scale_parameter_grad)
 
     # pair-independent parts ------------------------------------------------------------------------------
     def image_side(self, regions: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -188,12 +196,20 @@ class CoAttention(nn.Module):
         return {"Z": z, "Q": q}
 
     # the pair-specific step ------------------------------------------------------------------------------
+    def _attention_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``w_hv``, ``w_hs`` as ``[l]`` vectors of ``dtype``."""
+        return self.w_hv.weight.view(-1).to(dtype), self.w_hs.weight.view(-1).to(dtype)
+
+    def _scale_parameter_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad if self.score_grad_scale == 1.0 else grad * self.score_grad_scale
+
     def _aligned(self, v, vmask, x, r, s, smask, z, q) -> torch.Tensor:
         """Scores ``[P]`` of P aligned pairs (all arguments have the pair on dim 0)."""
         hv = x * torch.tanh(v @ q)                                                # [P, N, l]
         hs = z * torch.tanh(s @ r)                                                # [P, T, l]
-        av = torch.softmax((hv @ self.w_hv.weight.view(-1).to(hv.dtype)).masked_fill(~vmask, float("-inf")), dim=1)
-        as_ = torch.softmax((hs @ self.w_hs.weight.view(-1).to(hs.dtype)).masked_fill(~smask, float("-inf")), dim=1)
+        w_hv, w_hs = self._attention_weights(hv.dtype)
+        av = torch.softmax((hv @ w_hv).masked_fill(~vmask, float("-inf")), dim=1)
+        as_ = torch.softmax((hs @ w_hs).masked_fill(~smask, float("-inf")), dim=1)
         v_bar = (av.unsqueeze(-1) * v).sum(1)                                     # [P, d]
         s_bar = (as_.unsqueeze(-1) * s).sum(1)
         return F.cosine_similarity(v_bar, s_bar, dim=-1, eps=1e-8)
@@ -225,10 +241,11 @@ class CoAttention(nn.Module):
         n_img, n, d = v.shape
         n_cap, t, _ = s.shape
         l = x.shape[-1]
+        w_hv, w_hs = self._attention_weights(v.dtype)
         vq = (v @ q.permute(1, 0, 2).reshape(d, n_cap * l)).view(n_img, n, n_cap, l)
-        logit_v = (x.unsqueeze(2) * torch.tanh(vq)) @ self.w_hv.weight.view(-1).to(v.dtype)          # [I, N, C]
+        logit_v = (x.unsqueeze(2) * torch.tanh(vq)) @ w_hv                                            # [I, N, C]
         sr = (s.reshape(n_cap * t, d) @ r.permute(1, 0, 2).reshape(d, n_img * l)).view(n_cap, t, n_img, l)
-        logit_s = (z.unsqueeze(2) * torch.tanh(sr)) @ self.w_hs.weight.view(-1).to(s.dtype)          # [C, T, I]
+        logit_s = (z.unsqueeze(2) * torch.tanh(sr)) @ w_hs                                            # [C, T, I]
         av = torch.softmax(logit_v.masked_fill(~vmask.unsqueeze(2), float("-inf")), dim=1)
         as_ = torch.softmax(logit_s.masked_fill(~smask.unsqueeze(2), float("-inf")), dim=1)
         v_bar = torch.einsum("inc,ind->icd", av, v)                                                   # [I, C, d]
@@ -599,8 +616,12 @@ class JGCAR(MatchingModel):
             extras["image_labels"] = image_labels
         if caption_labels is not None:
             extras["caption_labels"] = caption_labels
+        # every process scores the gathered global batch: the co-attention weights used after the gather get
+        # their gradient scaled by 1/world size so the sum over processes is the single-process gradient
+        self.coattn.score_grad_scale = 1.0
         if gather is not None:
             images, captions, extras = gather(images), gather(captions), gather(extras)
+            self.coattn.score_grad_scale = 1.0 / world_size()
         return self.joint_loss(images, captions, extras["image_index"], extras.get("image_labels"),
                                extras.get("caption_labels"))
 

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from retr.trainers.distributed import scale_grad, world_size
 from retr.trainers.losses import hinge_triplet_loss
 from retr.trainers.models import register_model, register_preset
 from retr.trainers.models.base import Embeddings, MatchingModel
@@ -66,17 +67,6 @@ EVAL_SCORES = ("sum", "concat")
 TEXT_RNNS = ("lstm", "gru")
 OPTIMIZERS = ("adadelta", "adam")
 EPS = 1e-8
-
-
-def world_size() -> int:
-    """Processes of the current DDP job (1 without torch.distributed)."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def scale_grad(p: torch.Tensor, scale: float) -> torch.Tensor:
-    """``p`` unchanged in value, with its gradient multiplied by ``scale``."""
-    return p if scale == 1.0 else p * scale + p.detach() * (1 - scale)
 
 
 def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
