@@ -68,3 +68,22 @@ def test_ensemble_and_table(synthetic):
     np.testing.assert_allclose(np.load(folder / "ens.npy"), mean, rtol=1e-12)
     table = _invoke(["table", *map(str, runs)])
     assert "ensemble of 2" in table and "single" in table and "scan(t2i)" in table and "vsepp" in table
+
+
+def test_early_stop_ends_the_run_and_resume_respects_it(synthetic):
+    """With lr 0 nothing improves after the first validation: --early-stop 1 stops after epoch 2 of 5,
+    and --resume of the stopped run trains nothing more."""
+    folder, manifest, features = synthetic
+    run = folder / "run-early-stop"
+    args = ["vsepp", "--features", features, "--manifest", manifest, "--out", str(run), "--embed-size", "16",
+            "--word-dim", "8", "--batch-size", "64", "--lr", "0", "--epochs", "5", "--early-stop", "1", "--quiet"]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "early stop: no better validation rSum for 1 epochs (best" in result.output
+    epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in epochs if "val" in e] == [0, 1]
+    assert json.loads((run / "config.json").read_text())["early_stop"] == 1
+    result = CliRunner().invoke(cli, args + ["--resume"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in epochs if "val" in e] == [0, 1]

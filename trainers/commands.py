@@ -17,7 +17,7 @@ from retr.trainers.models import preset as model_preset
 
 DATASETS = ("coco", "f30k")
 #: training hyperparameters every model takes (None = from the preset)
-TRAIN_KEYS = ("epochs", "batch_size", "lr", "lr_update", "grad_clip")
+TRAIN_KEYS = ("epochs", "batch_size", "lr", "lr_update", "grad_clip", "early_stop")
 
 
 def common_train_options(f: Callable) -> Callable:
@@ -34,6 +34,9 @@ def common_train_options(f: Callable) -> Callable:
         click.option("--lr", type=float, default=None, help="Adam learning rate."),
         click.option("--lr-update", type=int, default=None, help="Multiply the lr by 0.1 every N epochs."),
         click.option("--grad-clip", type=float, default=None, help="Gradient-norm clip (0 = off)."),
+        click.option("--early-stop", type=int, default=None,
+                     help="Stop after N epochs without a better validation rSum (0 = never; default: the "
+                          "preset's, 0 for most models, 5 for JGCAR)."),
         click.option("--margin", type=float, default=None, help="Hinge margin."),
         click.option("--max-violation/--sum-violation", default=None,
                      help="Hardest negatives (default) or the sum over all negatives."),
@@ -74,7 +77,7 @@ def run_training(model: str, options: dict, model_keys: tuple[str, ...], directi
                       workers=options["workers"], preload=options["preload"], amp=options["amp"],
                       train_splits=list(options["train_splits"]), val_split=options["val_split"],
                       val_images=options["val_images"], vocab=options["vocab"], log_every=options["log_every"],
-                      preset=options["preset"])
+                      preset=options["preset"], early_stop=int(values.get("early_stop") or 0))
     if cfg.epochs < 1 or cfg.batch_size < 2:
         raise UserError("--epochs must be ≥ 1 and --batch-size ≥ 2")
     train(cfg, resume=options["resume"], quiet=options["quiet"], log=lambda m: click.echo(m, err=True))

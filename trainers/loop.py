@@ -61,6 +61,8 @@ class TrainConfig:
     log_every: int = 10
     keep_checkpoints: int = 2
     preset: str | None = None
+    #: stop after this many epochs without a better validation rSum (0: never; JGCAR's paper uses 5)
+    early_stop: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -179,7 +181,7 @@ def _train(cfg: TrainConfig, resume: bool, quiet: bool, log, device: torch.devic
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, cfg.lr_update), gamma=0.1)
     use_amp = cfg.amp and device.type == "cuda"
     scaler = torch.amp.GradScaler("cuda") if use_amp else None
-    start_epoch, best_rsum, step = 0, -1.0, 0
+    start_epoch, best_rsum, step, best_epoch = 0, -1.0, 0, -1
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -187,6 +189,9 @@ def _train(cfg: TrainConfig, resume: bool, quiet: bool, log, device: torch.devic
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         start_epoch, best_rsum, step = state["epoch"] + 1, state["best_rsum"], state["step"]
+        best_epoch = state.get("best_epoch", state["epoch"])
+        if cfg.early_stop and state["epoch"] - best_epoch >= cfg.early_stop:
+            start_epoch = cfg.epochs            # the run had already stopped early: nothing left to do
         ckpt.set_rng_state(state["rng"])
     elif info.is_main:
         vocab.save(run / ckpt.VOCAB)
@@ -231,6 +236,7 @@ def _train(cfg: TrainConfig, resume: bool, quiet: bool, log, device: torch.devic
                 last_val = retrieval_metrics(sims, val_data.caption_image)
             is_best = last_val["rsum"] > best_rsum
             best_rsum = max(best_rsum, last_val["rsum"])
+            best_epoch = epoch if is_best else best_epoch
             _append_metrics(run, {"epoch": epoch, "step": step, "train_loss": float(np.mean(losses)) if losses else None,
                                   "lr": optimizer.param_groups[0]["lr"], "val": last_val, "best": is_best,
                                   "seconds": round(time.time() - started, 3)})
@@ -239,6 +245,7 @@ def _train(cfg: TrainConfig, resume: bool, quiet: bool, log, device: torch.devic
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None,
                      "vocab": vocab.to_json(), "epoch": epoch, "step": step, "best_rsum": best_rsum,
+                     "best_epoch": best_epoch,
                      "rng": ckpt.rng_state(), "config": asdict(cfg)}
             path = ckpt.save_checkpoint(ckpt.checkpoint_path(run, epoch), state)
             if is_best:
@@ -247,5 +254,15 @@ def _train(cfg: TrainConfig, resume: bool, quiet: bool, log, device: torch.devic
             log(f"epoch {epoch + 1}/{cfg.epochs}: loss {np.mean(losses):.4f}, val rsum {last_val['rsum']:.1f} "
                 f"(i2t R@1 {last_val['i2t']['r1']:.1f}, t2i R@1 {last_val['t2i']['r1']:.1f})"
                 f"{' best' if is_best else ''} → {path.name}")
+        stop = bool(cfg.early_stop) and info.is_main and epoch - best_epoch >= cfg.early_stop
+        if info.enabled:                        # every rank follows rank 0's decision
+            flag = torch.tensor([int(stop)], device=device)
+            torch.distributed.broadcast(flag, src=0)
+            stop = bool(flag.item())
         barrier(info)
+        if stop:
+            if info.is_main:
+                log(f"early stop: no better validation rSum for {cfg.early_stop} epochs "
+                    f"(best {best_rsum:.1f} at epoch {best_epoch + 1})")
+            break
     return last_val
