@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from retr.common.cli import progress
 from retr.common.errors import UserError
+from retr.common.torchrun import TorchrunEnv
 from retr.extractors.base import Extractor, ImageError, build_extractor
 from retr.manifests.schema import ManifestRecord, manifest_sha256, read_manifest
 from retr.pipeline.store import (ShardWriter, decode_str, index_path_for, is_complete,
@@ -57,26 +58,8 @@ def shard_ranges(num_rows: int, num_shards: int) -> list[tuple[int, int]]:
     return [(r * num_rows // num_shards, (r + 1) * num_rows // num_shards) for r in range(num_shards)]
 
 
-@dataclass(frozen=True)
-class DistributedEnv:
-    """What ``torchrun`` tells a process: its rank, the world size, its local rank (for ``cuda:N``)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> "DistributedEnv":
-        env = os.environ if environ is None else environ
-        try:
-            world = int(env.get("WORLD_SIZE", "1"))
-            rank = int(env.get("RANK", "0"))
-            local = int(env.get("LOCAL_RANK", str(rank)))
-        except ValueError:
-            raise UserError("RANK / WORLD_SIZE / LOCAL_RANK in the environment are not integers") from None
-        if not 0 <= rank < max(world, 1):
-            raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}")
-        return cls(rank, max(world, 1), local)
+#: the torchrun environment (kept under this name for callers of the extraction stage)
+DistributedEnv = TorchrunEnv
 
 
 def plan_shards(num_shards: int | None, shard_index: int | None,

@@ -8,37 +8,26 @@ reaches only the local encoders' work, and the all-reduce of DDP (an average ove
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from retr.common.torchrun import TorchrunEnv
 
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
+#: rank, world size and local rank of this process (one process by default)
+DistInfo = TorchrunEnv
 
 
 def init_from_env(device_type: str) -> DistInfo:
     """Join the process group when started by ``torchrun`` (``WORLD_SIZE`` > 1): NCCL on CUDA, gloo on CPU."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    env = TorchrunEnv.from_environ()
+    if not env.enabled:
         return DistInfo()
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return DistInfo(dist.get_rank(), dist.get_world_size(), env.local_rank)
 
 
 def _gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
