@@ -1,15 +1,12 @@
-"""Recall, medr, meanr, rSum and the protocols against hand-computed cases; blockwise similarity matrices."""
+"""Recall, medr, meanr, rSum and the protocols against hand-computed cases."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from retr.trainers.data import ImageFeatures, SplitData
+from retr.trainers.data import SplitData
 from retr.trainers.evaluation import (coco_folds, i2t_ranks, protocol_metrics, rank_metrics, retrieval_metrics,
-                                      similarity_matrix, t2i_ranks)
-from retr.trainers.models import create_model
-from retr.trainers.vocab import Vocabulary
+                                      t2i_ranks)
 
 
 def _authors_i2t_t2i(sims: np.ndarray):
@@ -95,44 +92,3 @@ def test_coco_five_fold_slicing():
     assert result["rsum"] == pytest.approx(np.mean([f["rsum"] for f in result["folds"]]))
     whole = protocol_metrics(sims, data, "coco-5k")
     assert "folds" not in whole and whole["images"] == 10 and whole["captions"] == 50
-
-
-class _Features(ImageFeatures):
-    """In-memory stand-in with variable num_boxes (the store path is tested in test_trainer_data)."""
-
-    def __init__(self, array, num_boxes):
-        self._memory, self.num_boxes, self.feature_shape = array, num_boxes, array.shape[1:]
-        self.rows = np.arange(len(array))
-
-
-@pytest.mark.parametrize("name,kwargs", [("scan", {"direction": "t2i"}), ("scan", {"direction": "i2t", "agg": "avg"}),
-                                         ("vsepp", {})])
-def test_blockwise_matrix_equals_one_block(name, kwargs):
-    torch.manual_seed(0)
-    vocab = Vocabulary(["a", "b", "c", "d"])
-    rng = np.random.default_rng(0)
-    n = 7
-    captions = [" ".join(rng.choice(["a", "b", "c", "d"], size=int(rng.integers(1, 6)))) for _ in range(n * 2)]
-    owner = np.arange(n * 2) // 2
-    data = SplitData([f"i{k}" for k in range(n)], captions, owner, [vocab.encode(c) for c in captions])
-    feats = _Features(rng.standard_normal((n, 5, 6)).astype(np.float16), rng.integers(1, 6, size=n))
-    model = create_model(name, vocab_size=len(vocab), img_dim=6, embed_size=8, word_dim=4, **kwargs)
-    whole = similarity_matrix(model, data, feats, precision="float64", encode_batch=3, image_block=100,
-                              pair_budget=10_000, quiet=True)
-    blocks = similarity_matrix(model, data, feats, precision="float64", encode_batch=3, image_block=1,
-                               pair_budget=2, quiet=True)
-    mixed = similarity_matrix(model, data, feats, precision="mixed", encode_batch=3, image_block=2,
-                              pair_budget=4, quiet=True)
-    assert whole.dtype == np.float64 and whole.shape == (n, 2 * n)
-    np.testing.assert_allclose(blocks, whole, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(mixed, whole, rtol=1e-5, atol=1e-6)
-    # manifest order on both axes: caption m's column equals scoring it alone
-    model.eval()
-    with torch.no_grad():
-        f, mask = feats.get([3])
-        from retr.trainers.data import pad_tokens
-        tokens, lengths = pad_tokens([data.tokens[9]])
-        img = {k: v.double() if v.is_floating_point() else v for k, v in model.encode_images(f, mask).items()}
-        cap = {k: v.double() if v.is_floating_point() else v for k, v in model.encode_captions(tokens, lengths).items()}
-        model.score_dtype = torch.float64
-        assert model.score(img, cap).item() == pytest.approx(whole[3, 9], rel=1e-5)  # float32 encoders, other batch

@@ -134,3 +134,29 @@ def test_gradients_are_finite_with_padded_regions_and_words(direction):
         loss.backward()
         assert torch.isfinite(loss)
         assert all(torch.isfinite(p.grad).all() for p in model.parameters()), (agg, norm)
+
+
+@pytest.mark.parametrize("direction,norm,agg", [("t2i", "clipped_l2norm", "lse"), ("i2t", "clipped_l2norm", "lse"),
+                                                ("t2i", "softmax", "max"), ("i2t", "no_norm", "avg"),
+                                                ("t2i", "l2norm", "sum"), ("i2t", "clipped", "lse")])
+def test_chunked_in_place_scoring_equals_the_autograd_path(monkeypatch, direction, norm, agg):
+    """Without gradients a block is cut into cache-sized chunks and updated in place: same numbers, float32 too."""
+    import retr.trainers.models.xattn as xattn
+    g = torch.Generator().manual_seed(3)
+    n_img, n_cap, k, length, d = 37, 23, 5, 6, 16
+    regions = torch.nn.functional.normalize(torch.randn(n_img, k, d, generator=g), dim=-1)
+    words = torch.nn.functional.normalize(torch.randn(n_cap, length, d, generator=g), dim=-1)
+    rmask = torch.arange(k) < torch.randint(1, k + 1, (n_img, 1), generator=g)
+    wmask = torch.arange(length) < torch.randint(1, length + 1, (n_cap, 1), generator=g)
+    regions.requires_grad_(True)
+    with_grad = xattn_scores(regions, rmask, words, wmask, direction, norm, agg)   # one block, out of place
+    assert with_grad.requires_grad
+    monkeypatch.setattr(xattn, "CHUNK_ELEMENTS", 2 * k * length * 16)            # 16 images × 2 captions a chunk
+    with torch.no_grad():
+        chunked = xattn_scores(regions, rmask, words, wmask, direction, norm, agg)
+        mixed = xattn_scores(regions, rmask, words, wmask, direction, norm, agg, agg_dtype=torch.float64)
+    assert chunked.dtype == torch.float32 and mixed.dtype == torch.float64
+    torch.testing.assert_close(chunked, with_grad.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mixed.float(), with_grad.detach(), rtol=1e-5, atol=1e-6)
+    wide = xattn_scores(regions.detach().double(), rmask, words.double(), wmask, direction, norm, agg)
+    torch.testing.assert_close(mixed, wide, rtol=1e-5, atol=1e-6)

@@ -274,7 +274,8 @@ def test_sman_learns_the_synthetic_scenes(tmp_path):
     from retr.manifests.synthetic import generate_synthetic
     from retr.pipeline.store import FeatureSet
     from retr.trainers.data import ImageFeatures, load_split
-    from retr.trainers.evaluation import retrieval_metrics, similarity_matrix
+    from retr.trainers.evaluation import retrieval_metrics
+    from retr.trainers.similarity import similarity_matrix
     from retr.trainers.loop import TrainConfig, train
 
     dataset = tmp_path / "synth"

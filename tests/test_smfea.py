@@ -261,7 +261,8 @@ def test_smfea_learns_the_synthetic_scenes_and_reports_node_accuracy(tmp_path):
 
     from retr.trainers.cli import cli as train_cli
     from retr.trainers.data import ImageFeatures, load_split
-    from retr.trainers.evaluation import retrieval_metrics, similarity_matrix
+    from retr.trainers.evaluation import retrieval_metrics
+    from retr.trainers.similarity import similarity_matrix
     from retr.pipeline.store import FeatureSet
     from retr.trainers import checkpoint as ckpt
 

@@ -13,7 +13,7 @@ from retr.common.errors import UserError
 from retr.pipeline.store import FeatureSet
 from retr.trainers.cli import cli
 from retr.trainers.data import ImageFeatures, load_split
-from retr.trainers.evaluation import similarity_matrix
+from retr.trainers.similarity import similarity_matrix
 from retr.trainers.models import create_model
 from retr.trainers.vocab import Vocabulary, tokenize
 from trainer_synthetic import D, make_synthetic

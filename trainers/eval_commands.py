@@ -14,19 +14,21 @@ from retr.common.errors import UserError
 from retr.pipeline.store import FeatureSet
 from retr.trainers import checkpoint as ckpt
 from retr.trainers.data import ImageFeatures, load_split
-from retr.trainers.evaluation import PRECISIONS, PROTOCOLS, protocol_metrics, similarity_matrix
+from retr.trainers.evaluation import PROTOCOLS, protocol_metrics
+from retr.trainers.similarity import DEFAULT_PRECISION, PRECISIONS, Scorer, SplitEmbeddings, combined_matrix
 from retr.trainers.loop import resolve_device
 
 
 def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features: str | None = None,
-                  manifest: str | None = None, device: str = "auto", precision: str = "float64",
+                  manifest: str | None = None, device: str = "auto", precision: str = DEFAULT_PRECISION,
                   which: str = "best", preload: bool | None = None, quiet: bool = False):
     """Score ``split`` with every run, average the similarity matrices (ensemble) and apply ``protocol``.
 
-    Returns ``(result dict, sims [N_img, M] float64)``.
+    Returns ``(result dict, sims [N_img, M] float64)``. Every run's embeddings are kept until the end, so that
+    ``refined`` precision can rescore near-ties of the *averaged* matrix in float64.
     """
     dev = resolve_device(device)
-    total, reference, models = None, None, []
+    reference, models, scorers = None, [], []
     for run in runs:
         model, vocab, config = ckpt.load_run_model(run, which, dev)
         feats_path = features or config.get("features")
@@ -50,14 +52,14 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
                                    "features": str(feats_path)}],
                           evaluated=datetime.now(timezone.utc).isoformat(timespec="seconds"))
             return result, None
-        sims = similarity_matrix(model, data, image_features, dev, precision=precision, quiet=quiet)
-        total = sims if total is None else total + sims
+        scorers.append(Scorer(model, SplitEmbeddings.encode(model, data, image_features, dev, quiet=quiet)))
         models.append({"run": str(run), "model": config["model"],
                        "direction": config["model_args"].get("direction"), "features": str(feats_path)})
-    sims = total / len(runs)
+    stats: dict = {}
+    sims = combined_matrix(scorers, precision, data.caption_image, quiet=quiet, stats=stats)
     result = protocol_metrics(sims, data, protocol)
     result.update(protocol=protocol, split=split, ensemble=len(runs) > 1, runs=[str(r) for r in runs],
-                  models=models, precision=precision,
+                  models=models, precision=precision, **({"refinement": stats} if stats else {}),
                   evaluated=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     return result, sims
 
@@ -83,8 +85,10 @@ def _line(side: str, m: dict) -> str:
 @click.option("--features", type=click.Path(dir_okay=False), default=None, help="Override the run's feature set.")
 @click.option("--manifest", type=click.Path(dir_okay=False), default=None, help="Override the run's manifest.")
 @click.option("--checkpoint", "which", default="best", show_default=True, help="best, last, or a file in the run.")
-@click.option("--precision", type=click.Choice(PRECISIONS), default="float64", show_default=True,
-              help="float64: all scoring arithmetic in float64; mixed: float32 products, float64 after them.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=DEFAULT_PRECISION, show_default=True,
+              help="refined: float32 scoring, then float64 for every pair whose rank rounding could change "
+                   "(every rank, so every metric, equals float64's); float64: everything in float64 (full "
+                   "orderings too); float32: one pass.")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--preload/--no-preload", default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number.")
@@ -121,6 +125,10 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
     click.echo(_line("image→text (i2t)", result["i2t"]))
     click.echo(_line("text→image (t2i)", result["t2i"]))
     click.echo(f"rsum: {result['rsum']:.1f}")
+    if "refinement" in result:
+        r = result["refinement"]
+        click.echo(f"precision refined: {r['rescored_pairs']} pairs ({100 * r['rescored_fraction']:.2f}%) rescored "
+                   f"in float64 (margin {r['margin']:.2g}); every rank is the float64 one")
     if "two_step" in result:
         sec = result["seconds"]
         click.echo(f"two-step (shortlist {result['shortlist']}, re-ranked by the pair score) above; "

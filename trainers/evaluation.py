@@ -1,4 +1,4 @@
-"""Retrieval metrics, evaluation protocols and blockwise similarity matrices.
+"""Retrieval metrics and evaluation protocols (the similarity matrices they rank: :mod:`retr.trainers.similarity`).
 
 Metrics (``reference/scan.md`` "Evaluation", identical to the authors' ``i2t``/``t2i`` for distinct scores):
 
@@ -17,19 +17,15 @@ images in file order (with their captions) and reports each fold and the mean of
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import numpy as np
-import torch
 
-from retr.common.cli import progress
 from retr.common.errors import UserError
-from retr.trainers.data import ImageFeatures, SplitData, pad_tokens
+from retr.trainers.data import SplitData
 
 PROTOCOLS = ("f30k-1k", "coco-1k", "coco-5k")
 COCO_FOLDS = 5
 METRIC_KEYS = ("r1", "r5", "r10", "medr", "meanr")
-PRECISIONS = ("float64", "mixed", "float32")
 
 
 # ----------------------------------------------------------------------------------------------- metrics
@@ -102,103 +98,3 @@ def protocol_metrics(sims: np.ndarray, data: SplitData, protocol: str) -> dict:
     mean = {side: {k: float(np.mean([f[side][k] for f in folds])) for k in METRIC_KEYS} for side in ("i2t", "t2i")}
     return {**mean, "rsum": float(np.mean([f["rsum"] for f in folds])), "folds": folds,
             "images": data.num_images, "captions": data.num_captions}
-
-
-# -------------------------------------------------------------------------------------------- similarities
-
-def _slice(embeddings: dict[str, torch.Tensor], index: slice) -> dict[str, torch.Tensor]:
-    return {k: v[index] for k, v in embeddings.items()}
-
-
-@torch.no_grad()
-def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.device, batch_size: int = 128,
-                 quiet: bool = False):
-    """Image embeddings (one dict per block of images, in order) and caption blocks sorted by length.
-
-    Returns ``(image_blocks, caption_blocks)``; each caption block is ``(caption indices, embeddings)``.
-    """
-    model.eval()
-    image_blocks = []
-    for start in progress(range(0, data.num_images, batch_size), desc="encode images", quiet=quiet):
-        idx = np.arange(start, min(start + batch_size, data.num_images))
-        feats, mask = features.get(idx)
-        image_blocks.append(model.encode_images(feats.to(device), mask.to(device)))
-    order = np.argsort([len(t) for t in data.tokens], kind="stable")
-    caption_blocks = []
-    for start in progress(range(0, len(order), batch_size), desc="encode captions", quiet=quiet):
-        idx = order[start:start + batch_size]
-        tokens, lengths = pad_tokens([data.tokens[m] for m in idx])
-        caption_blocks.append((idx, model.encode_captions(tokens.to(device), lengths.to(device))))
-    return image_blocks, caption_blocks
-
-
-def _cast(embeddings: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in embeddings.items()}
-
-
-def _concat(blocks: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Join per-block embeddings along dim 0, zero-padding other dims to the largest block's."""
-    out = {}
-    for key in blocks[0]:
-        parts = [b[key] for b in blocks]
-        shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
-        padded = []
-        for p in parts:
-            pad = []
-            for d in reversed(range(1, p.dim())):
-                pad += [0, shape[d - 1] - p.shape[d]]
-            padded.append(torch.nn.functional.pad(p, pad) if any(pad) else p)
-        out[key] = torch.cat(padded)
-    return out
-
-
-@torch.no_grad()
-def similarity_matrix(model, data: SplitData, features: ImageFeatures, device: torch.device | str = "cpu",
-                      precision: str = "float64", encode_batch: int = 128, image_block: int = 128,
-                      pair_budget: int = 1 << 16, quiet: bool = False) -> np.ndarray:
-    """The images × captions similarity matrix ``[N_img, M]`` float64 (manifest order on both axes).
-
-    Captions are scored in blocks of similar length (sorted by length) against blocks of ``image_block``
-    images; a block holds at most ``pair_budget`` image–caption pairs (memory is bounded by the block, not the
-    split). ``precision``: ``float64`` — everything in float64 (the authors' evaluation arithmetic); ``mixed`` —
-    embeddings and the large products in float32, everything after them in float64; ``float32``.
-    """
-    if precision not in PRECISIONS:
-        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}")
-    device = torch.device(device)
-    image_blocks, caption_blocks = encode_split(model, data, features, device, encode_batch, quiet)
-    images = _concat(image_blocks)
-    embed_dtype = torch.float64 if precision == "float64" else torch.float32
-    images = _cast(images, embed_dtype)
-    previous = getattr(model, "score_dtype", None)
-    model.score_dtype = torch.float32 if precision == "float32" else torch.float64
-    try:
-        sims = score_blocks(model.score, images, [(idx, caps) for idx, caps in caption_blocks], data.num_images,
-                            data.num_captions, image_block, pair_budget, cast=embed_dtype, quiet=quiet)
-    finally:
-        model.score_dtype = previous
-    return sims
-
-
-def score_blocks(score, images: dict[str, torch.Tensor], caption_blocks, num_images: int, num_captions: int,
-                 image_block: int = 128, pair_budget: int = 1 << 16, cast: torch.dtype | None = None,
-                 quiet: bool = True) -> np.ndarray:
-    """Fill ``[num_images, num_captions]`` float64 with ``score(image block, caption block)``.
-
-    ``caption_blocks``: ``[(caption indices, embeddings)]`` (length-sorted blocks waste no padding); each is cut
-    so that a scored block holds at most ``pair_budget`` image–caption pairs.
-    """
-    caption_step = max(1, pair_budget // max(1, min(image_block, num_images)))
-    sims = np.empty((num_images, num_captions), dtype=np.float64)
-    work = []
-    for idx, caps in caption_blocks:
-        for s in range(0, len(idx), caption_step):
-            work.append((idx[s:s + caption_step], _slice(caps, slice(s, s + caption_step))))
-    for cap_idx, caps in progress(work, desc="score", unit="block", quiet=quiet):
-        if cast is not None:
-            caps = _cast(caps, cast)
-        for start in range(0, num_images, image_block):
-            block = _slice(images, slice(start, start + image_block))
-            scores = score(block, caps)
-            sims[start:start + scores.shape[0], cap_idx] = scores.double().cpu().numpy()
-    return sims

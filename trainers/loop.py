@@ -29,7 +29,8 @@ from retr.pipeline.store import FeatureSet
 from retr.trainers import checkpoint as ckpt
 from retr.trainers.data import CaptionBatches, EpochBatchSampler, ImageFeatures, load_split
 from retr.trainers.distributed import DistInfo, barrier, cleanup, gather_embeddings, init_from_env
-from retr.trainers.evaluation import retrieval_metrics, similarity_matrix
+from retr.trainers.evaluation import retrieval_metrics
+from retr.trainers.similarity import similarity_matrix
 from retr.trainers.models import create_model
 from retr.trainers.vocab import DEFAULT_THRESHOLD, Vocabulary
 
@@ -232,7 +233,7 @@ def _train(cfg: TrainConfig, resume: bool, quiet: bool, log, device: torch.devic
                 from retr.trainers.two_step import two_step_split
                 last_val = two_step_split(model, val_data, val_feats, device, model.shortlist, "mixed")["two_step"]
             else:
-                sims = similarity_matrix(model, val_data, val_feats, device, precision="mixed", quiet=True)
+                sims = similarity_matrix(model, val_data, val_feats, device, precision="refined", quiet=True)
                 last_val = retrieval_metrics(sims, val_data.caption_image)
             is_best = last_val["rsum"] > best_rsum
             best_rsum = max(best_rsum, last_val["rsum"])

@@ -31,8 +31,9 @@ import torch
 
 from retr.common.errors import UserError
 from retr.trainers.data import ImageFeatures, SplitData
-from retr.trainers.evaluation import (COCO_FOLDS, METRIC_KEYS, PROTOCOLS, _concat, coco_folds, encode_split,
-                                      i2t_ranks, rank_metrics, retrieval_metrics, t2i_ranks)
+from retr.trainers.evaluation import (COCO_FOLDS, METRIC_KEYS, PROTOCOLS, coco_folds, i2t_ranks, rank_metrics,
+                                      retrieval_metrics, t2i_ranks)
+from retr.trainers.similarity import _concat, encode_split
 
 DEFAULT_SHORTLIST = 100
 
@@ -104,7 +105,7 @@ def two_step_split(model, data: SplitData, features: ImageFeatures, device: torc
         raise UserError(f"model {getattr(model, 'name', type(model).__name__)} has no global score to shortlist by")
     device = torch.device(device)
     model.eval()
-    dtype = torch.float64 if precision == "float64" else torch.float32
+    dtype = torch.float32 if precision == "float32" else torch.float64   # "refined": the re-rank is cheap, so float64
     previous = getattr(model, "score_dtype", None)
     model.score_dtype = dtype
     try:

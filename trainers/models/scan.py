@@ -71,7 +71,7 @@ class SCAN(MatchingModel):
         self.img_enc = RegionEncoder(img_dim, embed_size, no_imgnorm, precomp_enc_type)
         self.txt_enc = GRUWordEncoder(vocab_size, word_dim, embed_size, bidirectional=bi_gru,
                                       normalize=not no_txtnorm)
-        #: dtype after the region–word product in ``score`` (the evaluator sets float64)
+        #: dtype of ``score``'s arithmetic, set by the evaluator (None: the embeddings'); aggregation is then float64
         self.score_dtype: torch.dtype | None = None
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
@@ -87,7 +87,7 @@ class SCAN(MatchingModel):
         """Cross-attention similarities ``[n_img, n_cap]``."""
         return xattn_scores(images["regions"], images["mask"].bool(), captions["words"], captions["mask"].bool(),
                             self.direction, self.norm, self.agg, self.lambda_softmax, self.lambda_lse,
-                            dtype=self.score_dtype)
+                            dtype=self.score_dtype, agg_dtype=torch.float64 if self.score_dtype else None)
 
 
 #: Published settings: dataset → schedule, and (direction, agg) → λs.

@@ -18,35 +18,32 @@ query axis by LogSumExp ``(1/λ_lse) log Σ exp(λ_lse R)``, mean (AVG), max or 
 
 Padding: the authors slice each caption to its length and always have 36 real regions; here padded words and
 regions (``mask`` False) are excluded from every normalisation, softmax and aggregation, which gives the same
-numbers for the real positions. Blocks with one image or one-word captions are ordinary cases.
+numbers for the real positions. Padded vectors are zeroed first, so padded positions have ``D = 0``: they then
+add nothing to an l2 norm, and masks are applied only where a zero is not neutral (softmaxes, aggregation) and
+only when the block has padding. Blocks with one image or one-word captions are ordinary cases.
 
-Precision: ``D`` is computed in the inputs' dtype (float32 in training); ``dtype`` (e.g. float64 in evaluation)
-is used for everything after it, so the sums that decide ranks accumulate in float64.
+Precision: everything runs in ``dtype`` (default: the inputs'); the aggregation over the query axis runs in
+``agg_dtype`` (the evaluator's fast pass uses float32 work with float64 aggregation, and rescores near-ties in
+float64 throughout: :func:`retr.trainers.evaluation.similarity_matrix`).
+
+Speed (no gradient needed, i.e. evaluation): the block is scored in chunks of about ``CHUNK_ELEMENTS`` entries of
+``D`` so the ``[I, K, C, L]`` temporaries stay in the CPU's L2/L3 cache, the chunk's temporaries are updated in
+place, and float32 products go through :func:`retr.trainers.gemm.dot_products`. With gradients the same
+arithmetic runs out of place on the whole block. ``bench/eval.py`` measures it.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from retr.trainers.gemm import dot_products
+
 NORMS = ("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")
 AGGREGATIONS = ("lse", "avg", "max", "sum")
 DIRECTIONS = ("t2i", "i2t")
 EPS = 1e-8
 _TINY = 1e-30   # keeps sqrt's gradient finite where an attended vector is exactly zero (padding)
-
-
-def _normalise(attn: torch.Tensor, mask: torch.Tensor, dim: int, norm: str) -> torch.Tensor:
-    """Normalise ``attn`` over the query axis ``dim``; ``mask`` (broadcastable, bool) marks real queries."""
-    if norm in ("clipped_l2norm", "clipped"):
-        attn = F.leaky_relu(attn, 0.1)
-    if norm in ("clipped_l2norm", "l2norm"):
-        attn = attn.masked_fill(~mask, 0)
-        attn = attn / (torch.linalg.vector_norm(attn, dim=dim, keepdim=True) + EPS)
-    elif norm == "softmax":
-        attn = torch.softmax(attn.masked_fill(~mask, float("-inf")), dim=dim)
-    elif norm not in ("clipped", "no_norm"):
-        raise ValueError(f"unknown attention normalisation {norm!r} (expected one of {', '.join(NORMS)})")
-    return attn
+CHUNK_ELEMENTS = 1 << 19   # entries of D per chunk without gradients (2 MiB in float32: fits a 2 MiB L2 + L3)
 
 
 def _aggregate(r: torch.Tensor, mask: torch.Tensor, dim: int, agg: str, lambda_lse: float) -> torch.Tensor:
@@ -63,46 +60,131 @@ def _aggregate(r: torch.Tensor, mask: torch.Tensor, dim: int, agg: str, lambda_l
     raise ValueError(f"unknown aggregation {agg!r} (expected one of {', '.join(AGGREGATIONS)})")
 
 
+def _attention(dots: torch.Tensor, query_mask: torch.Tensor | None, context_mask: torch.Tensor | None,
+               query_dim: int, context_dim: int, norm: str, lambda_softmax: float, inplace: bool) -> torch.Tensor:
+    """``α = softmax(λ · normalise(D))``: normalised over ``query_dim``, softmax over ``context_dim``.
+
+    Masks (broadcastable to ``dots``, True = real) are ``None`` when every position is real. Padded positions
+    hold ``D = 0``, so after clipping they add nothing to the l2 norm and need no mask there.
+    """
+    if norm in ("clipped_l2norm", "clipped"):
+        attn = F.leaky_relu(dots, 0.1)
+    elif norm in ("l2norm", "softmax", "no_norm"):
+        attn = dots.clone() if inplace else dots
+    else:
+        raise ValueError(f"unknown attention normalisation {norm!r} (expected one of {', '.join(NORMS)})")
+    if norm in ("clipped_l2norm", "l2norm"):
+        # λ folded into the per-row scale: one pass over D instead of two
+        scale = lambda_softmax / (torch.linalg.vector_norm(attn, dim=query_dim, keepdim=True) + EPS)
+        attn = attn.mul_(scale) if inplace else attn * scale
+    else:
+        if norm == "softmax":
+            if query_mask is not None:
+                attn = attn.masked_fill(~query_mask, float("-inf"))
+            attn = torch.softmax(attn, dim=query_dim)
+        attn = attn.mul_(lambda_softmax) if inplace else attn * lambda_softmax
+    if context_mask is not None:
+        attn = attn.masked_fill_(~context_mask, float("-inf")) if inplace else attn.masked_fill(~context_mask,
+                                                                                                 float("-inf"))
+    return torch.softmax(attn, dim=context_dim)
+
+
+def _t2i(regions, rmask, gram, words, word_norm, wmask, norm, lambda_softmax, inplace) -> torch.Tensor:
+    """Relevance ``R`` [I, C, L] of each word to its attended image vector (words attend to regions)."""
+    n_img, k, d = regions.shape
+    n_cap, length, _ = words.shape
+    dots = dot_products(regions.reshape(n_img * k, d), words.reshape(n_cap * length, d))
+    dots = dots.view(n_img, k, n_cap, length)                                     # [I, K, C, L]
+    context_mask = None if rmask is None else rmask.view(n_img, k, 1, 1)
+    query_mask = None if wmask is None else wmask.view(1, 1, n_cap, length)
+    alpha = _attention(dots, query_mask, context_mask, 3, 1, norm, lambda_softmax, inplace)
+    along = (dots.mul_(alpha) if inplace else dots * alpha).sum(dim=1)         # e_j · a_j   [I, C, L]
+    g_alpha = torch.bmm(gram, alpha.view(n_img, k, n_cap * length)).view(n_img, k, n_cap, length)
+    attended_sq = (g_alpha.mul_(alpha) if inplace else g_alpha * alpha).sum(dim=1)   # ‖a_j‖²  [I, C, L]
+    return along / (word_norm.view(1, n_cap, length) * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
+
+
+def _i2t(regions, rmask, region_norm, words, wmask, gram, norm, lambda_softmax, inplace) -> torch.Tensor:
+    """Relevance ``R`` [I, K, C] of each region to its attended caption vector (regions attend to words)."""
+    n_img, k, d = regions.shape
+    n_cap, length, _ = words.shape
+    dots = dot_products(regions.reshape(n_img * k, d), words.reshape(n_cap * length, d))
+    dots = dots.view(n_img, k, n_cap, length)                                     # [I, K, C, L]
+    query_mask = None if rmask is None else rmask.view(n_img, k, 1, 1)
+    context_mask = None if wmask is None else wmask.view(1, 1, n_cap, length)
+    alpha = _attention(dots, query_mask, context_mask, 1, 3, norm, lambda_softmax, inplace)
+    along = (dots.mul_(alpha) if inplace else dots * alpha).sum(dim=3)         # v_i · a_i   [I, K, C]
+    alpha_c = alpha.permute(2, 0, 1, 3).reshape(n_cap, n_img * k, length)         # [C, I·K, L]
+    h_alpha = torch.bmm(alpha_c, gram)                                            # gram is symmetric
+    attended_sq = (h_alpha.mul_(alpha_c) if inplace else h_alpha * alpha_c).sum(dim=2)   # ‖a_i‖²  [C, I·K]
+    attended_sq = attended_sq.view(n_cap, n_img, k).permute(1, 2, 0)
+    return along / (region_norm.view(n_img, k, 1) * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
+
+
+def _chunks(total: int, step: int):
+    return [slice(s, min(s + step, total)) for s in range(0, total, step)]
+
+
 def xattn_scores(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                  direction: str = "t2i", norm: str = "clipped_l2norm", agg: str = "lse",
                  lambda_softmax: float = 9.0, lambda_lse: float = 6.0,
-                 dtype: torch.dtype | None = None) -> torch.Tensor:
-    """SCAN similarities ``[n_img, n_cap]`` of a block.
+                 dtype: torch.dtype | None = None, agg_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """SCAN similarities ``[n_img, n_cap]`` of a block, in ``agg_dtype``.
 
     Args:
         regions: ``[n_img, K, d]`` region vectors; ``region_mask`` ``[n_img, K]`` bool (True = real region).
         words: ``[n_cap, L, d]`` word vectors; ``word_mask`` ``[n_cap, L]`` bool (True = real word).
         direction: ``t2i`` (words attend to regions, aggregate over words) or ``i2t`` (the reverse).
-        dtype: dtype of everything after the region–word product (default: the inputs').
+        dtype: dtype of the products and attention (default: the inputs').
+        agg_dtype: dtype of the relevance aggregation over the query axis (default: ``dtype``).
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r} (expected t2i or i2t)")
-    n_img, k, d = regions.shape
-    n_cap, length, _ = words.shape
+    if norm not in NORMS:
+        raise ValueError(f"unknown attention normalisation {norm!r} (expected one of {', '.join(NORMS)})")
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {agg!r} (expected one of {', '.join(AGGREGATIONS)})")
     dtype = dtype or regions.dtype
-    dots = (regions.reshape(n_img * k, d) @ words.reshape(n_cap * length, d).t()).to(dtype)
-    dots = dots.view(n_img, k, n_cap, length)                                   # [I, K, C, L]
-    regions_acc, words_acc = regions.to(dtype), words.to(dtype)
-    rmask = region_mask.view(n_img, k, 1, 1)
-    wmask = word_mask.view(1, 1, n_cap, length)
+    agg_dtype = agg_dtype or dtype
+    n_img, k, _ = regions.shape
+    n_cap, length, _ = words.shape
+    region_mask, word_mask = region_mask.bool(), word_mask.bool()
+    regions = regions.to(dtype)
+    words = words.to(dtype) * word_mask.unsqueeze(-1).to(dtype)                  # padded words → 0
+    rmask = None if bool(region_mask.all()) else region_mask
+    if rmask is not None:
+        regions = regions * rmask.unsqueeze(-1).to(dtype)
+    wmask = None if bool(word_mask.all()) else word_mask
+    needs_grad = torch.is_grad_enabled() and (regions.requires_grad or words.requires_grad)
+    inplace = not needs_grad
+
+    def part(mask: torch.Tensor | None, index: slice) -> torch.Tensor | None:
+        return None if mask is None else mask[index]
+
     if direction == "t2i":
-        # query = words (axis 3), context = regions (axis 1)
-        attn = _normalise(dots, wmask, 3, norm)
-        alpha = torch.softmax((lambda_softmax * attn).masked_fill(~rmask, float("-inf")), dim=1)
-        along = (alpha * dots).sum(dim=1)                                         # e_j · a_j   [I, C, L]
-        gram = regions_acc @ regions_acc.transpose(1, 2)                          # [I, K, K]
-        g_alpha = (gram @ alpha.reshape(n_img, k, n_cap * length)).view_as(alpha)
-        attended_sq = (alpha * g_alpha).sum(dim=1)                                # ‖a_j‖²     [I, C, L]
-        query_norm = words_acc.norm(dim=-1).view(1, n_cap, length)
-        relevance = along / (query_norm * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
-        return _aggregate(relevance, word_mask.view(1, n_cap, length), 2, agg, lambda_lse)
-    # i2t: query = regions (axis 1), context = words (axis 3)
-    attn = _normalise(dots, rmask, 1, norm)
-    alpha = torch.softmax((lambda_softmax * attn).masked_fill(~wmask, float("-inf")), dim=3)
-    along = (alpha * dots).sum(dim=3)                                             # v_i · a_i   [I, K, C]
-    gram = words_acc @ words_acc.transpose(1, 2)                                  # [C, L, L]
-    alpha_c = alpha.permute(2, 3, 0, 1).reshape(n_cap, length, n_img * k)         # [C, L, I·K]
-    attended_sq = (alpha_c * (gram @ alpha_c)).sum(dim=1).view(n_cap, n_img, k).permute(1, 2, 0)  # [I, K, C]
-    query_norm = regions_acc.norm(dim=-1).view(n_img, k, 1)
-    relevance = along / (query_norm * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
-    return _aggregate(relevance, region_mask.view(n_img, k, 1), 1, agg, lambda_lse)
+        gram = regions @ regions.transpose(1, 2)                                  # [I, K, K]
+        word_norm = words.norm(dim=-1)                                            # [C, L]
+
+        def chunk(i: slice, c: slice) -> torch.Tensor:
+            rel = _t2i(regions[i], part(rmask, i), gram[i], words[c], word_norm[c], part(wmask, c), norm,
+                       lambda_softmax, inplace)
+            return _aggregate(rel.to(agg_dtype), word_mask[c].unsqueeze(0), 2, agg, lambda_lse)
+    else:
+        gram = words @ words.transpose(1, 2)                                      # [C, L, L]
+        region_norm = regions.norm(dim=-1)                                        # [I, K]
+
+        def chunk(i: slice, c: slice) -> torch.Tensor:
+            rel = _i2t(regions[i], part(rmask, i), region_norm[i], words[c], part(wmask, c), gram[c], norm,
+                       lambda_softmax, inplace)
+            return _aggregate(rel.to(agg_dtype), region_mask[i].unsqueeze(-1), 1, agg, lambda_lse)
+
+    everything = slice(None)
+    if needs_grad:
+        return chunk(everything, everything)
+    img_step = min(n_img, 16)
+    cap_step = max(1, CHUNK_ELEMENTS // (img_step * k * max(1, length)))
+    out = torch.empty(n_img, n_cap, dtype=agg_dtype, device=regions.device)
+    for i in _chunks(n_img, img_step):
+        for c in _chunks(n_cap, cap_step):
+            out[i, c] = chunk(i, c)
+    return out

@@ -1,0 +1,157 @@
+"""Blockwise similarity matrices, ensembles, and the float64 refinement of near-ties."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from retr.trainers.data import ImageFeatures, SplitData, pad_tokens
+from retr.trainers.models import create_model
+from retr.trainers.evaluation import i2t_ranks, retrieval_metrics, t2i_ranks
+from retr.trainers.similarity import Scorer, SplitEmbeddings, combined_matrix, rank_deciding_pairs, similarity_matrix
+from retr.trainers.vocab import Vocabulary
+
+
+class _Features(ImageFeatures):
+    """In-memory stand-in with variable num_boxes (the store path is tested in test_trainer_data)."""
+
+    def __init__(self, array, num_boxes):
+        self._memory, self.num_boxes, self.feature_shape = array, num_boxes, array.shape[1:]
+        self.rows = np.arange(len(array))
+
+
+@pytest.mark.parametrize("name,kwargs", [("scan", {"direction": "t2i"}), ("scan", {"direction": "i2t", "agg": "avg"}),
+                                         ("vsepp", {})])
+def test_blockwise_matrix_equals_one_block(name, kwargs):
+    torch.manual_seed(0)
+    vocab = Vocabulary(["a", "b", "c", "d"])
+    rng = np.random.default_rng(0)
+    n = 7
+    captions = [" ".join(rng.choice(["a", "b", "c", "d"], size=int(rng.integers(1, 6)))) for _ in range(n * 2)]
+    owner = np.arange(n * 2) // 2
+    data = SplitData([f"i{k}" for k in range(n)], captions, owner, [vocab.encode(c) for c in captions])
+    feats = _Features(rng.standard_normal((n, 5, 6)).astype(np.float16), rng.integers(1, 6, size=n))
+    model = create_model(name, vocab_size=len(vocab), img_dim=6, embed_size=8, word_dim=4, **kwargs)
+    whole = similarity_matrix(model, data, feats, precision="float64", encode_batch=3, image_block=100,
+                              pair_budget=10_000, quiet=True)
+    blocks = similarity_matrix(model, data, feats, precision="float64", encode_batch=3, image_block=1,
+                               pair_budget=2, quiet=True)
+    fast = similarity_matrix(model, data, feats, precision="float32", encode_batch=3, image_block=2,
+                             pair_budget=4, quiet=True)
+    assert whole.dtype == np.float64 and whole.shape == (n, 2 * n)
+    np.testing.assert_allclose(blocks, whole, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(fast, whole, rtol=1e-5, atol=1e-6)
+    stats = {}
+    refined = similarity_matrix(model, data, feats, precision="refined", encode_batch=3, image_block=2,
+                                pair_budget=4, quiet=True, stats=stats)
+    # 7 × 14 lies inside the 32 × 32 probe block: every pair was rescored in float64
+    assert stats["rescored_pairs"] == 7 * 14
+    np.testing.assert_allclose(refined, whole, rtol=1e-12, atol=1e-12)
+    # manifest order on both axes: caption m's column equals scoring it alone
+    model.eval()
+    with torch.no_grad():
+        f, mask = feats.get([3])
+        tokens, lengths = pad_tokens([data.tokens[9]])
+        img = {k: v.double() if v.is_floating_point() else v for k, v in model.encode_images(f, mask).items()}
+        cap = {k: v.double() if v.is_floating_point() else v for k, v in model.encode_captions(tokens, lengths).items()}
+        model.score_dtype = torch.float64
+        assert model.score(img, cap).item() == pytest.approx(whole[3, 9], rel=1e-5)  # float32 encoders, other batch
+
+
+def test_rank_deciding_pairs_are_those_near_the_true_or_best_true_score():
+    sims = np.array([[0.50, 0.10, 0.90, 0.40],
+                     [0.50 + 1e-7, 0.30, 0.20, 0.60],
+                     [0.70, 0.30 + 5e-7, 0.60 - 2e-7, 0.95]])
+    caption_image = np.array([0, 1, 1, 2])             # true scores 0.50, 0.30, 0.20, 0.95; best: 0.5, 0.3, 0.95
+    near = rank_deciding_pairs(sims, caption_image, margin=1e-6)
+    want = np.zeros(sims.shape, dtype=bool)
+    want[0, 0] = want[1, 0] = True                     # caption 0: image 1 is 1e-7 above the true 0.50
+    want[1, 1] = want[2, 1] = True                     # caption 1: image 2 is 5e-7 above the true 0.30
+    want[1, 2] = True                                  # caption 2's true pair itself
+    want[2, 3] = True
+    want[0, 0] = want[1, 1] = True                     # each image's best true pair
+    np.testing.assert_array_equal(near, want)
+    assert rank_deciding_pairs(sims, caption_image, margin=0.5).sum() > want.sum()
+
+
+class _TableModel:
+    """A "model" whose score is a fixed float64 table; its float32 scores carry a chosen error pattern."""
+
+    def __init__(self, table: np.ndarray, error: np.ndarray):
+        self.table, self.error, self.score_dtype = table, error, None
+        self.calls: list[torch.dtype] = []
+
+    def score(self, images, captions):
+        rows = images["id"][:, 0].long().numpy()
+        cols = captions["id"][:, 0].long().numpy()
+        self.calls.append(self.score_dtype)
+        values = self.table[np.ix_(rows, cols)]
+        if self.score_dtype == torch.float32:
+            values = values + self.error[np.ix_(rows, cols)]
+        return torch.from_numpy(values)
+
+
+def _table_scorer(table: np.ndarray, error: np.ndarray, block: int = 16) -> Scorer:
+    n, m = table.shape
+    ids = torch.arange(m, dtype=torch.float32).view(m, 1)
+    blocks = [(np.arange(s, min(s + block, m)), {"id": ids[s:s + block]}) for s in range(0, m, block)]
+    embeddings = SplitEmbeddings({"id": torch.arange(n, dtype=torch.float32).view(n, 1)}, blocks)
+    return Scorer(_TableModel(table, error), embeddings)
+
+
+def _ranks(sims: np.ndarray, caption_image: np.ndarray):
+    return i2t_ranks(sims, caption_image), t2i_ranks(sims, caption_image)
+
+
+def _near_tied_table(n: int, m: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.round(rng.random((n, m)), 2) + 1e-6 * rng.random((n, m))   # ~50 values per 0.01: many near-ties
+
+
+def test_refined_ranks_equal_float64_even_when_the_probe_underestimates_the_error():
+    n, m = 60, 300
+    table = _near_tied_table(n, m, seed=1)
+    owner = np.arange(m) // 5
+    rng = np.random.default_rng(2)
+    error = 3e-6 * rng.standard_normal((n, m))
+    error[:32, :32] *= 1e-3                    # the probe block sees almost no error
+    scorer = _table_scorer(table, error)
+    fast = combined_matrix([scorer], "float32")
+    assert any((a != b).any() for a, b in zip(_ranks(fast, owner), _ranks(table, owner)))   # float32 alone errs
+    stats = {}
+    refined = combined_matrix([scorer], "refined", owner, stats=stats)
+    for got, want in zip(_ranks(refined, owner), _ranks(table, owner)):
+        np.testing.assert_array_equal(got, want)
+    assert retrieval_metrics(refined, owner) == retrieval_metrics(table, owner)
+    assert stats["rounds"] >= 2 and stats["margin"] >= 2 * stats["max_float32_error"]
+    assert 0 < stats["rescored_pairs"] < n * m / 4
+    rescored = refined == table
+    np.testing.assert_array_equal(refined[~rescored], fast[~rescored])   # the rest keep their float32 values
+    assert rescored[owner, np.arange(m)].all()                              # every true pair is exact
+
+
+def test_refined_ensemble_ranks_the_average_of_float64_matrices():
+    n, m = 40, 200
+    owner = np.arange(m) // 5
+    tables = [_near_tied_table(n, m, seed=s) for s in (3, 4)]
+    rng = np.random.default_rng(5)
+    scorers = [_table_scorer(t, 2e-6 * rng.standard_normal((n, m))) for t in tables]
+    refined = combined_matrix(scorers, "refined", owner)
+    mean = (tables[0] + tables[1]) / 2
+    for got, want in zip(_ranks(refined, owner), _ranks(mean, owner)):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(combined_matrix(scorers, "float64"), mean, rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="caption_image"):
+        combined_matrix(scorers, "refined")
+
+
+def test_refine_gives_up_loudly_when_the_margin_stops_growing(monkeypatch):
+    import retr.trainers.similarity as similarity
+    from retr.common.errors import UserError
+    monkeypatch.setattr(similarity, "MAX_ROUNDS", 1)
+    n, m = 60, 300
+    table = _near_tied_table(n, m, seed=1)
+    error = 3e-6 * np.random.default_rng(2).standard_normal((n, m))
+    error[:32, :32] *= 1e-3
+    with pytest.raises(UserError, match="--precision float64"):
+        combined_matrix([_table_scorer(table, error)], "refined", np.arange(m) // 5)

@@ -1,0 +1,297 @@
+"""Images × captions similarity matrices: blockwise scoring, ensembles, and float64 where it decides ranks.
+
+A model's embeddings of a split (:class:`SplitEmbeddings`: images concatenated, captions in blocks sorted by
+length so a block wastes little padding) are scored block by block with the model's ``score`` (image block ×
+caption block → ``[n_img, n_cap]``); memory is bounded by the block, not the split. Several runs are an
+ensemble: their matrices are averaged.
+
+Precision (``--precision``):
+
+* ``float64`` — every score computed in float64 (embeddings, products, attention, aggregation). Every
+  ordering equals the authors' float64 arithmetic (``bench/eval.py``).
+* ``float32`` — one float32 pass (SCAN aggregates over words/regions in float64 even then).
+* ``refined`` (the default) — the float32 pass, then float64 for every pair that decides a rank, so every
+  rank the metrics use — each caption's rank of its image, each image's rank of its best caption, in every
+  COCO fold too — and therefore every number is the float64 one, at about float32 speed. Which pairs: all true
+  pairs, and every pair whose float32 score is within a margin ``ε`` of the (exact) score it is compared with:
+  its caption's true score (t2i) or its image's best true score (i2t). A pair that is not rescored is more than
+  ``ε`` away from that score, so while every float32 error is below ``ε`` its side of the comparison is the
+  float64 side. ``ε`` is measured, not assumed: it starts at ``SAFETY`` × the largest error seen on a probe
+  block (the first 32 images × the first 32 captions, rescored), and whenever a rescored pair turns out to have
+  been more than ``ε/2`` off, ``ε`` grows to ``SAFETY`` × that error and the search runs again. Orderings among
+  non-matching items within ≈1e-7 of each other can still differ from float64's (``--precision float64`` when
+  a full ordering matters); pairs that were not rescored keep their float32-accurate values in ``--save-sims``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from retr.common.cli import progress
+from retr.common.errors import UserError
+from retr.trainers.data import ImageFeatures, SplitData, pad_tokens
+
+PRECISIONS = ("refined", "float64", "float32")
+DEFAULT_PRECISION = "refined"
+SAFETY = 16                 # ε = SAFETY × the largest float32 error seen
+PROBE = 32                  # probe block: the first PROBE images × the first PROBE captions
+MAX_ROUNDS = 5              # ε grows at most this many times
+
+Embeddings = dict[str, torch.Tensor]
+
+
+def _slice(embeddings: Embeddings, index) -> Embeddings:
+    return {k: v[index] for k, v in embeddings.items()}
+
+
+def _cast(embeddings: Embeddings, dtype: torch.dtype) -> Embeddings:
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in embeddings.items()}
+
+
+def _concat(blocks: Sequence[Embeddings]) -> Embeddings:
+    """Join per-block embeddings along dim 0, zero-padding other dims to the largest block's."""
+    out = {}
+    for key in blocks[0]:
+        parts = [b[key] for b in blocks]
+        shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+        padded = []
+        for p in parts:
+            pad = []
+            for d in reversed(range(1, p.dim())):
+                pad += [0, shape[d - 1] - p.shape[d]]
+            padded.append(torch.nn.functional.pad(p, pad) if any(pad) else p)
+        out[key] = torch.cat(padded)
+    return out
+
+
+@torch.no_grad()
+def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.device, batch_size: int = 128,
+                 quiet: bool = False):
+    """Image embeddings (one dict per block of images, in order) and caption blocks sorted by length.
+
+    Returns ``(image_blocks, caption_blocks)``; each caption block is ``(caption indices, embeddings)``.
+    """
+    model.eval()
+    image_blocks = []
+    for start in progress(range(0, data.num_images, batch_size), desc="encode images", quiet=quiet):
+        idx = np.arange(start, min(start + batch_size, data.num_images))
+        feats, mask = features.get(idx)
+        image_blocks.append(model.encode_images(feats.to(device), mask.to(device)))
+    order = np.argsort([len(t) for t in data.tokens], kind="stable")
+    caption_blocks = []
+    for start in progress(range(0, len(order), batch_size), desc="encode captions", quiet=quiet):
+        idx = order[start:start + batch_size]
+        tokens, lengths = pad_tokens([data.tokens[m] for m in idx])
+        caption_blocks.append((idx, model.encode_captions(tokens.to(device), lengths.to(device))))
+    return image_blocks, caption_blocks
+
+
+@dataclass
+class SplitEmbeddings:
+    """One model's embeddings of a split.
+
+    ``images``: every image's embeddings joined along dim 0 (manifest order); ``caption_blocks``:
+    ``[(caption indices [b] int, embeddings)]``, every caption in exactly one block.
+    """
+
+    images: Embeddings
+    caption_blocks: list[tuple[np.ndarray, Embeddings]]
+
+    @property
+    def num_images(self) -> int:
+        return next(iter(self.images.values())).shape[0]
+
+    @property
+    def num_captions(self) -> int:
+        return sum(len(idx) for idx, _ in self.caption_blocks)
+
+    @classmethod
+    def encode(cls, model, data: SplitData, features: ImageFeatures, device: torch.device | str = "cpu",
+               batch_size: int = 128, quiet: bool = False) -> "SplitEmbeddings":
+        image_blocks, caption_blocks = encode_split(model, data, features, torch.device(device), batch_size, quiet)
+        return cls(_concat(image_blocks), caption_blocks)
+
+
+class Scorer:
+    """A model's ``score`` over its :class:`SplitEmbeddings`: whole matrices and listed pairs.
+
+    The model's ``score_dtype`` attribute (read by every model's ``score``) is set for the duration of a call.
+    """
+
+    def __init__(self, model, embeddings: SplitEmbeddings):
+        self.model, self.embeddings = model, embeddings
+        caption_block = np.empty(embeddings.num_captions, dtype=np.int64)
+        caption_row = np.empty(embeddings.num_captions, dtype=np.int64)
+        for b, (idx, _) in enumerate(embeddings.caption_blocks):
+            caption_block[idx] = b
+            caption_row[idx] = np.arange(len(idx))
+        self._caption_block, self._caption_row = caption_block, caption_row
+
+    def _with_dtype(self, dtype: torch.dtype, fn):
+        previous = getattr(self.model, "score_dtype", None)
+        self.model.score_dtype = dtype
+        try:
+            with torch.no_grad():
+                return fn()
+        finally:
+            self.model.score_dtype = previous
+
+    def matrix(self, dtype: torch.dtype, image_block: int = 128, pair_budget: int = 1 << 16,
+               quiet: bool = True) -> np.ndarray:
+        """Every pair's score ``[N_img, M]`` float64, with embeddings and ``score_dtype`` in ``dtype``."""
+        e = self.embeddings
+        images = _cast(e.images, dtype)
+        return self._with_dtype(dtype, lambda: score_blocks(
+            self.model.score, images, e.caption_blocks, e.num_images, e.num_captions, image_block, pair_budget,
+            cast=dtype, quiet=quiet))
+
+    def _captions(self, captions: np.ndarray) -> Embeddings:
+        """The embeddings of ``captions`` (any order, any blocks), padded to their longest."""
+        rows = []
+        for caption in captions:
+            row = int(self._caption_row[caption])
+            rows.append(_slice(self.embeddings.caption_blocks[self._caption_block[caption]][1], slice(row, row + 1)))
+        return _concat(rows)
+
+    def pairs(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
+        """float64 scores ``[P]`` of the listed pairs (``image_rows[p]``, ``captions[p]``), one image at a time."""
+        image_rows, captions = np.asarray(image_rows, dtype=np.int64), np.asarray(captions, dtype=np.int64)
+        out = np.empty(len(image_rows), dtype=np.float64)
+        order = np.argsort(image_rows, kind="stable")
+        starts = np.flatnonzero(np.r_[True, np.diff(image_rows[order]) != 0])
+        for start, stop in zip(starts, np.r_[starts[1:], len(order)]):
+            listed = order[start:stop]
+            row = int(image_rows[listed[0]])
+            image = _cast(_slice(self.embeddings.images, slice(row, row + 1)), torch.float64)
+            caps = _cast(self._captions(captions[listed]), torch.float64)
+            scores = self._with_dtype(torch.float64, lambda: self.model.score(image, caps))
+            out[listed] = scores[0].double().cpu().numpy()
+        return out
+
+
+def score_blocks(score, images: Embeddings, caption_blocks, num_images: int, num_captions: int,
+                 image_block: int = 128, pair_budget: int = 1 << 16, cast: torch.dtype | None = None,
+                 quiet: bool = True) -> np.ndarray:
+    """Fill ``[num_images, num_captions]`` float64 with ``score(image block, caption block)``.
+
+    ``caption_blocks``: ``[(caption indices, embeddings)]`` (length-sorted blocks waste no padding); each is cut
+    so that a scored block holds at most ``pair_budget`` image–caption pairs.
+    """
+    caption_step = max(1, pair_budget // max(1, min(image_block, num_images)))
+    sims = np.empty((num_images, num_captions), dtype=np.float64)
+    work = []
+    for idx, caps in caption_blocks:
+        for s in range(0, len(idx), caption_step):
+            work.append((idx[s:s + caption_step], _slice(caps, slice(s, s + caption_step))))
+    for cap_idx, caps in progress(work, desc="score", unit="block", quiet=quiet):
+        if cast is not None:
+            caps = _cast(caps, cast)
+        for start in range(0, num_images, image_block):
+            block = _slice(images, slice(start, start + image_block))
+            scores = score(block, caps)
+            sims[start:start + scores.shape[0], cap_idx] = scores.double().cpu().numpy()
+    return sims
+
+
+# ------------------------------------------------------------------------------------------- refinement
+
+def rank_deciding_pairs(sims: np.ndarray, caption_image: np.ndarray, margin: float) -> np.ndarray:
+    """``[N, M]`` bool: pairs within ``margin`` of the score they are ranked against.
+
+    t2i: caption ``c``'s true score ``sims[caption_image[c], c]``; i2t: image ``i``'s best true score.
+    """
+    columns = np.arange(sims.shape[1])
+    true = sims[caption_image, columns]
+    best = np.full(sims.shape[0], -np.inf)
+    np.maximum.at(best, caption_image, true)
+    near = np.abs(sims - true[None, :]) <= margin
+    near |= np.abs(sims - best[:, None]) <= margin
+    return near
+
+
+def refine(sims: np.ndarray, caption_image: np.ndarray,
+           rescore: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> dict:
+    """Rescore the rank-deciding pairs of a float32 matrix in place (module docstring); returns the statistics.
+
+    ``rescore(image_rows [P], captions [P])`` gives the float64 scores of the listed pairs.
+    """
+    num_images, num_captions = sims.shape
+    caption_image = np.asarray(caption_image, dtype=np.int64)
+    exact = np.zeros(sims.shape, dtype=bool)
+    worst = 0.0
+
+    def rescore_pairs(rows: np.ndarray, cols: np.ndarray) -> None:
+        nonlocal worst
+        if len(rows) == 0:
+            return
+        values = rescore(rows, cols)
+        worst = max(worst, float(np.max(np.abs(values - sims[rows, cols]))))
+        sims[rows, cols] = values
+        exact[rows, cols] = True
+
+    probe = np.ix_(np.arange(min(PROBE, num_images)), np.arange(min(PROBE, num_captions)))
+    rows, cols = (np.broadcast_to(a, (len(probe[0]), probe[1].shape[1])).ravel() for a in probe)
+    rescore_pairs(rows, cols)
+    scale = float(np.max(np.abs(sims), initial=0.0))
+    margin = SAFETY * max(worst, 2.0 ** -23 * scale, np.finfo(np.float64).tiny)
+    true_cols = np.arange(num_captions)
+    keep = ~exact[caption_image, true_cols]
+    rescore_pairs(caption_image[keep], true_cols[keep])                 # every true pair, first
+    rounds = 0
+    while True:
+        rounds += 1
+        rows, cols = np.nonzero(rank_deciding_pairs(sims, caption_image, margin) & ~exact)
+        rescore_pairs(rows, cols)
+        if worst <= margin / 2 or rounds == MAX_ROUNDS:
+            break
+        margin = SAFETY * worst
+    if worst > margin / 2:
+        raise UserError(f"refined evaluation: float32 scores are up to {worst:.3g} off their float64 values, more "
+                        f"than the margin allows after {rounds} rounds; use --precision float64")
+    return {"margin": margin, "max_float32_error": worst, "rounds": rounds,
+            "rescored_pairs": int(exact.sum()), "rescored_fraction": float(exact.mean()) if exact.size else 0.0}
+
+
+def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISION,
+                    caption_image: np.ndarray | None = None, image_block: int = 128, pair_budget: int = 1 << 16,
+                    quiet: bool = True, stats: dict | None = None) -> np.ndarray:
+    """The mean ``[N_img, M]`` float64 of the scorers' matrices (one scorer: its matrix) at ``precision``.
+
+    ``caption_image`` [M] (caption → its image's row) is needed for ``refined``: it says which pairs are true.
+    """
+    if precision not in PRECISIONS:
+        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}")
+    dtype = torch.float64 if precision == "float64" else torch.float32
+    sims = None
+    for scorer in scorers:
+        part = scorer.matrix(dtype, image_block, pair_budget, quiet)
+        sims = part if sims is None else sims + part
+    sims /= len(scorers)
+    if precision == "refined":
+        if caption_image is None:
+            raise ValueError("refined precision needs caption_image (which pairs are true)")
+
+        def rescore(rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
+            return sum(s.pairs(rows, captions) for s in scorers) / len(scorers)
+        result = refine(sims, caption_image, rescore)
+        if stats is not None:
+            stats.update(result)
+    return sims
+
+
+@torch.no_grad()
+def similarity_matrix(model, data: SplitData, features: ImageFeatures, device: torch.device | str = "cpu",
+                      precision: str = DEFAULT_PRECISION, encode_batch: int = 128, image_block: int = 128,
+                      pair_budget: int = 1 << 16, quiet: bool = False, stats: dict | None = None) -> np.ndarray:
+    """The images × captions similarity matrix ``[N_img, M]`` float64 of one model (manifest order on both axes).
+
+    ``precision``: see the module docstring; ``stats`` (a dict) receives the refinement's statistics.
+    """
+    if precision not in PRECISIONS:
+        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}")
+    embeddings = SplitEmbeddings.encode(model, data, features, device, encode_batch, quiet)
+    return combined_matrix([Scorer(model, embeddings)], precision, data.caption_image, image_block, pair_budget,
+                           quiet, stats)
