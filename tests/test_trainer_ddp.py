@@ -45,6 +45,7 @@ def _worker(rank, world, port, out):
                       DistInfo(rank, world, rank))
     if rank == 0:
         torch.save({"loss": loss, "state": model.state_dict()}, out)
+    dist.barrier()                     # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 
