@@ -16,7 +16,8 @@ N captions (all images) instead, and the comparison uses those columns. With cap
 ``c // 5``, it reports the fraction of queries whose rank (what the metrics are made of) is identical — each of
 those captions' rank of its image among all images, each of their images' rank of its best caption among those
 captions — and, for information, the fraction of full orderings (every image for a caption, every caption for
-an image) that are identical. One JSON line per precision, each with the baseline of the same run; peak memory
+an image) that are identical. One JSON line per precision, each with the baseline of the same run; then, over
+the whole matrix, the ranks of each faster precision against retr's own float64 matrix; peak memory
 (ru_maxrss) at the end.
 
     python bench/eval.py --baseline-captions 200
@@ -111,6 +112,7 @@ def main() -> None:
     model = create_model("scan", vocab_size=8, img_dim=8, embed_size=args.dim, word_dim=8, direction="t2i",
                          lambda_softmax=9.0, lambda_lse=6.0).eval()
     scorer = Scorer(model, embeddings(images, words))
+    all_ranks = {}
     for precision in args.precision.split(","):
         stats: dict = {}
         t = time.perf_counter()
@@ -119,6 +121,7 @@ def main() -> None:
         fast_rate = pairs / fast_s
         sub = sims[:, :nb]
         got_t2i, got_i2t = ranks(sims)
+        all_ranks[precision] = (t2i_ranks(sims, owner), i2t_ranks(sims, owner))
         print(json.dumps({
             "bench": "eval_scan_t2i", "precision": precision, "images": args.images, "captions": args.captions,
             "regions": args.regions, "dim": args.dim, "threads": args.threads,
@@ -133,6 +136,14 @@ def main() -> None:
             "identical_full_caption_orderings": same_rankings(sub, base, 1),
             **({"rescored_fraction": round(stats["rescored_fraction"], 4), "margin": stats["margin"],
                 "refine_rounds": stats["rounds"]} if stats else {})}))
+    if "float64" in all_ranks:      # the whole matrix against retr's own float64 one (≡ the baseline's above)
+        want_t2i, want_i2t = all_ranks["float64"]
+        for precision, (t2i, i2t) in all_ranks.items():
+            if precision != "float64":
+                print(json.dumps({"bench": "eval_ranks_vs_float64", "precision": precision,
+                                  "captions": args.captions, "images": args.images,
+                                  "identical_t2i_ranks": float(np.mean(t2i == want_t2i)),
+                                  "identical_i2t_ranks": float(np.mean(i2t == want_i2t))}))
     print(json.dumps({"bench": "eval_peak_memory", "max_rss_mb": round(
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))
 

@@ -23,8 +23,8 @@ add nothing to an l2 norm, and masks are applied only where a zero is not neutra
 only when the block has padding. Blocks with one image or one-word captions are ordinary cases.
 
 Precision: everything runs in ``dtype`` (default: the inputs'); the aggregation over the query axis runs in
-``agg_dtype`` (the evaluator's fast pass uses float32 work with float64 aggregation, and rescores near-ties in
-float64 throughout: :func:`retr.trainers.evaluation.similarity_matrix`).
+``agg_dtype`` (the evaluator's fast pass uses float32 work with float64 aggregation, then rescores the pairs
+that decide ranks in float64 throughout: :mod:`retr.trainers.similarity`).
 
 Speed (no gradient needed, i.e. evaluation): the block is scored in chunks of about ``CHUNK_ELEMENTS`` entries of
 ``D`` so the ``[I, K, C, L]`` temporaries stay in the CPU's L2/L3 cache, the chunk's temporaries are updated in
