@@ -155,3 +155,45 @@ def test_refine_gives_up_loudly_when_the_margin_stops_growing(monkeypatch):
     error[:32, :32] *= 1e-3
     with pytest.raises(UserError, match="--precision float64"):
         combined_matrix([_table_scorer(table, error)], "refined", np.arange(m) // 5)
+
+
+MODELS = {
+    "scan-t2i": ("scan", dict(vocab_size=30, img_dim=8, embed_size=8, word_dim=5, direction="t2i"), (6, 8)),
+    "scan-i2t": ("scan", dict(vocab_size=30, img_dim=8, embed_size=8, word_dim=5, direction="i2t", agg="avg"),
+                 (6, 8)),
+    "vsepp": ("vsepp", dict(vocab_size=30, img_dim=8, embed_size=8, word_dim=5), (6, 8)),
+    "sman": ("sman", dict(vocab_size=30, img_dim=12, embed_size=8, word_dim=8, dropout=0.0), (49, 12)),
+    "seam": ("seam", dict(vocab_size=30, img_dim=10, text_encoder="c", embed_size=8, word_dim=6, hops=2,
+                          attention_hidden=4, conv_filters=3, gru_size=5), (10, 10)),
+    "jgcar": ("jgcar", dict(vocab_size=30, img_dim=8, embed_size=6, word_dim=5, hidden_size=7, num_regions=9,
+                            max_words=8, dropout=0.0, num_negatives=3), (9, 8)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_listed_pairs_and_refined_ranks_match_the_float64_matrix(case):
+    """Scorer.pairs (captions gathered across blocks, re-padded) gives each model's float64 matrix entries."""
+    name, args, (k, dim) = MODELS[case]
+    torch.manual_seed(0)
+    model = create_model(name, **args).eval()
+    rng = np.random.default_rng(1)
+    n, per = 40, 2                                   # 40 images × 80 captions: beyond the 32 × 32 probe
+    # distinct captions: identical ones tie exactly in exact arithmetic, but in float64 their scores can differ by
+    # an ulp when they sit in blocks padded differently, so either side of such a tie is float64's answer
+    tokens: list[list[int]] = []
+    while len(tokens) < n * per:
+        caption = [1] + [int(t) for t in rng.integers(4, 30, size=int(rng.integers(1, 7)))] + [2]
+        if caption not in tokens:
+            tokens.append(caption)
+    data = SplitData([f"i{j}" for j in range(n)], ["x"] * (n * per), np.arange(n * per) // per, tokens)
+    feats = _Features(rng.standard_normal((n, k, dim)).astype(np.float16), np.full(n, k))
+    full = similarity_matrix(model, data, feats, precision="float64", encode_batch=16, quiet=True)
+    scorer = Scorer(model, SplitEmbeddings.encode(model, data, feats, batch_size=16, quiet=True))
+    rows, cols = rng.integers(0, n, 60), rng.integers(0, n * per, 60)
+    # SMAN's multi-modal attention runs in its parameters' dtype (float32) even when scoring in float64, so its
+    # scores depend on the block at the float32 level; every other model's float64 scores are float64 throughout
+    tol = dict(rtol=1e-6, atol=1e-7) if name == "sman" else dict(rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(scorer.pairs(rows, cols), full[rows, cols], **tol)
+    refined = combined_matrix([scorer], "refined", data.caption_image)
+    for got, want in zip(_ranks(refined, data.caption_image), _ranks(full, data.caption_image)):
+        np.testing.assert_array_equal(got, want)
