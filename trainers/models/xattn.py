@@ -89,15 +89,20 @@ def _attention(dots: torch.Tensor, query_mask: torch.Tensor | None, context_mask
     return torch.softmax(attn, dim=context_dim)
 
 
-def _t2i(regions, rmask, gram, words, word_norm, wmask, norm, lambda_softmax, inplace) -> torch.Tensor:
-    """Relevance ``R`` [I, C, L] of each word to its attended image vector (words attend to regions)."""
+def _block_dots(regions, rmask, words, wmask):
+    """``D`` [I, K, C, L] of a chunk, and its region and word masks as views broadcastable to it (or None)."""
     n_img, k, d = regions.shape
     n_cap, length, _ = words.shape
     dots = dot_products(regions.reshape(n_img * k, d), words.reshape(n_cap * length, d))
-    dots = dots.view(n_img, k, n_cap, length)                                     # [I, K, C, L]
-    context_mask = None if rmask is None else rmask.view(n_img, k, 1, 1)
-    query_mask = None if wmask is None else wmask.view(1, 1, n_cap, length)
-    alpha = _attention(dots, query_mask, context_mask, 3, 1, norm, lambda_softmax, inplace)
+    return (dots.view(n_img, k, n_cap, length), None if rmask is None else rmask.view(n_img, k, 1, 1),
+            None if wmask is None else wmask.view(1, 1, n_cap, length))
+
+
+def _t2i(regions, rmask, gram, words, word_norm, wmask, norm, lambda_softmax, inplace) -> torch.Tensor:
+    """Relevance ``R`` [I, C, L] of each word to its attended image vector (words attend to regions)."""
+    dots, region_axis, word_axis = _block_dots(regions, rmask, words, wmask)
+    n_img, k, n_cap, length = dots.shape
+    alpha = _attention(dots, word_axis, region_axis, 3, 1, norm, lambda_softmax, inplace)
     along = (dots.mul_(alpha) if inplace else dots * alpha).sum(dim=1)         # e_j · a_j   [I, C, L]
     g_alpha = torch.bmm(gram, alpha.view(n_img, k, n_cap * length)).view(n_img, k, n_cap, length)
     attended_sq = (g_alpha.mul_(alpha) if inplace else g_alpha * alpha).sum(dim=1)   # ‖a_j‖²  [I, C, L]
@@ -106,13 +111,9 @@ def _t2i(regions, rmask, gram, words, word_norm, wmask, norm, lambda_softmax, in
 
 def _i2t(regions, rmask, region_norm, words, wmask, gram, norm, lambda_softmax, inplace) -> torch.Tensor:
     """Relevance ``R`` [I, K, C] of each region to its attended caption vector (regions attend to words)."""
-    n_img, k, d = regions.shape
-    n_cap, length, _ = words.shape
-    dots = dot_products(regions.reshape(n_img * k, d), words.reshape(n_cap * length, d))
-    dots = dots.view(n_img, k, n_cap, length)                                     # [I, K, C, L]
-    query_mask = None if rmask is None else rmask.view(n_img, k, 1, 1)
-    context_mask = None if wmask is None else wmask.view(1, 1, n_cap, length)
-    alpha = _attention(dots, query_mask, context_mask, 1, 3, norm, lambda_softmax, inplace)
+    dots, region_axis, word_axis = _block_dots(regions, rmask, words, wmask)
+    n_img, k, n_cap, length = dots.shape
+    alpha = _attention(dots, region_axis, word_axis, 1, 3, norm, lambda_softmax, inplace)
     along = (dots.mul_(alpha) if inplace else dots * alpha).sum(dim=3)         # v_i · a_i   [I, K, C]
     alpha_c = alpha.permute(2, 0, 1, 3).reshape(n_cap, n_img * k, length)         # [C, I·K, L]
     h_alpha = torch.bmm(alpha_c, gram)                                            # gram is symmetric
