@@ -207,8 +207,11 @@ def rank_deciding_pairs(sims: np.ndarray, caption_image: np.ndarray, margin: flo
     true = sims[caption_image, columns]
     best = np.full(sims.shape[0], -np.inf)
     np.maximum.at(best, caption_image, true)
-    near = np.abs(sims - true[None, :]) <= margin
-    near |= np.abs(sims - best[:, None]) <= margin
+    near = np.empty(sims.shape, dtype=bool)
+    for start in range(0, sims.shape[0], 1024):       # 1,024 rows at a time: no [N, M] float temporaries
+        rows = sims[start:start + 1024]
+        near[start:start + 1024] = (np.abs(rows - true[None, :]) <= margin) | \
+            (np.abs(rows - best[start:start + 1024, None]) <= margin)
     return near
 
 
