@@ -24,6 +24,7 @@ Precision (``--precision``):
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -119,10 +120,13 @@ class Scorer:
     """A model's ``score`` over its :class:`SplitEmbeddings`: whole matrices and listed pairs.
 
     The model's ``score_dtype`` attribute (read by every model's ``score``) is set for the duration of a call.
+    float64 scoring uses a float64 copy of the model (made once), so that parameters used inside ``score``
+    (SMAN's multi-modal attention, JGCAR's co-attention) compute in float64 too.
     """
 
     def __init__(self, model, embeddings: SplitEmbeddings):
         self.model, self.embeddings = model, embeddings
+        self._wide_model = None
         caption_block = np.empty(embeddings.num_captions, dtype=np.int64)
         caption_row = np.empty(embeddings.num_captions, dtype=np.int64)
         for b, (idx, _) in enumerate(embeddings.caption_blocks):
@@ -130,22 +134,33 @@ class Scorer:
             caption_row[idx] = np.arange(len(idx))
         self._caption_block, self._caption_row = caption_block, caption_row
 
+    def _model_for(self, dtype: torch.dtype):
+        params = [p for p in self.model.parameters() if p.is_floating_point()] if hasattr(self.model, "parameters") \
+            else []
+        if dtype != torch.float64 or all(p.dtype == torch.float64 for p in params):
+            return self.model
+        if self._wide_model is None:
+            self._wide_model = copy.deepcopy(self.model).to(torch.float64).eval()
+        return self._wide_model
+
     def _with_dtype(self, dtype: torch.dtype, fn):
-        previous = getattr(self.model, "score_dtype", None)
-        self.model.score_dtype = dtype
+        """``fn(model)`` with the model for ``dtype``, its ``score_dtype`` set, without gradients."""
+        model = self._model_for(dtype)
+        previous = getattr(model, "score_dtype", None)
+        model.score_dtype = dtype
         try:
             with torch.no_grad():
-                return fn()
+                return fn(model)
         finally:
-            self.model.score_dtype = previous
+            model.score_dtype = previous
 
     def matrix(self, dtype: torch.dtype, image_block: int = 128, pair_budget: int = 1 << 16,
                quiet: bool = True) -> np.ndarray:
         """Every pair's score ``[N_img, M]`` float64, with embeddings and ``score_dtype`` in ``dtype``."""
         e = self.embeddings
         images = _cast(e.images, dtype)
-        return self._with_dtype(dtype, lambda: score_blocks(
-            self.model.score, images, e.caption_blocks, e.num_images, e.num_captions, image_block, pair_budget,
+        return self._with_dtype(dtype, lambda model: score_blocks(
+            model.score, images, e.caption_blocks, e.num_images, e.num_captions, image_block, pair_budget,
             cast=dtype, quiet=quiet))
 
     def _captions(self, captions: np.ndarray) -> Embeddings:
@@ -167,7 +182,7 @@ class Scorer:
             row = int(image_rows[listed[0]])
             image = _cast(_slice(self.embeddings.images, slice(row, row + 1)), torch.float64)
             caps = _cast(self._captions(captions[listed]), torch.float64)
-            scores = self._with_dtype(torch.float64, lambda: self.model.score(image, caps))
+            scores = self._with_dtype(torch.float64, lambda model: model.score(image, caps))
             out[listed] = scores[0].double().cpu().numpy()
         return out
 

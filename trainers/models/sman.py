@@ -270,8 +270,8 @@ class SMAN(MatchingModel):
                     dots: bool) -> torch.Tensor:
         """Level-2 cosines (or [v·t, ‖v‖², ‖t‖²]) of images ``rows`` × every caption: ``[n_i, n_cap(, 3)]``.
 
-        The attention runs in the parameters' dtype (the evaluator may hand over float64 embeddings); only the
-        final cosine uses ``dtype``.
+        The attention runs in the parameters' dtype (float64 evaluation scores with a float64 copy of the model,
+        :class:`retr.trainers.similarity.Scorer`); the final cosine uses ``dtype``.
         """
         w = self.img_memory.weight.dtype
         images = {k: (v[rows].to(w) if v.is_floating_point() else v[rows]) for k, v in images.items()}
