@@ -8,7 +8,8 @@ import torch
 from retr.trainers.data import ImageFeatures, SplitData, pad_tokens
 from retr.trainers.models import create_model
 from retr.trainers.evaluation import i2t_ranks, retrieval_metrics, t2i_ranks
-from retr.trainers.similarity import Scorer, SplitEmbeddings, combined_matrix, rank_deciding_pairs, similarity_matrix
+from retr.trainers.similarity import (Scorer, SplitEmbeddings, caption_sources, combined_matrix, rank_deciding_pairs,
+                                      similarity_matrix, with_shared_captions)
 from retr.trainers.vocab import Vocabulary
 
 
@@ -180,13 +181,9 @@ def test_listed_pairs_and_refined_ranks_match_the_float64_matrix(case):
     model = create_model(name, **args).eval()
     rng = np.random.default_rng(1)
     n, per = 40, 2                                   # 40 images × 80 captions: beyond the 32 × 32 probe
-    # distinct captions: identical ones tie exactly in exact arithmetic, but in float64 their scores can differ by
-    # an ulp when they sit in blocks padded differently, so either side of such a tie is float64's answer
-    tokens: list[list[int]] = []
-    while len(tokens) < n * per:
-        caption = [1] + [int(t) for t in rng.integers(4, 30, size=int(rng.integers(1, 7)))] + [2]
-        if caption not in tokens:
-            tokens.append(caption)
+    # short random captions: several are identical (the same token ids), so exact ties occur
+    tokens = [[1] + [int(t) for t in rng.integers(4, 30, size=int(rng.integers(1, 7)))] + [2] for _ in range(n * per)]
+    assert len({tuple(t) for t in tokens}) < len(tokens)
     data = SplitData([f"i{j}" for j in range(n)], ["x"] * (n * per), np.arange(n * per) // per, tokens)
     feats = _Features(rng.standard_normal((n, k, dim)).astype(np.float16), np.full(n, k))
     full = similarity_matrix(model, data, feats, precision="float64", encode_batch=16, quiet=True)
@@ -197,3 +194,32 @@ def test_listed_pairs_and_refined_ranks_match_the_float64_matrix(case):
     refined = combined_matrix([scorer], "refined", data.caption_image)
     for got, want in zip(_ranks(refined, data.caption_image), _ranks(full, data.caption_image)):
         np.testing.assert_array_equal(got, want)
+    source = caption_sources(tokens)
+    for sims in (full, refined, combined_matrix([scorer], "float32")):     # identical captions: identical columns
+        np.testing.assert_array_equal(sims, sims[:, source])
+
+
+def test_caption_sources_and_shared_pairs():
+    source = caption_sources([[1, 5, 2], [1, 6, 2], [1, 5, 2], [1, 7, 2], [1, 6, 2], [1, 5, 2]])
+    np.testing.assert_array_equal(source, [0, 1, 0, 3, 1, 0])
+    rows, cols = with_shared_captions(np.array([4, 1, 4]), np.array([2, 3, 4]), source)
+    assert sorted(zip(rows.tolist(), cols.tolist())) == [(1, 3), (4, 0), (4, 1), (4, 2), (4, 4), (4, 5)]
+    rows, cols = with_shared_captions(np.array([0]), np.array([1]), np.arange(3))
+    assert (rows.tolist(), cols.tolist()) == ([0], [1])
+
+
+def test_identical_captions_tie_exactly_and_count_against_the_query():
+    """Image 0's only caption reappears under image 1: image 0's i2t rank counts that exact tie (rank ≥ 1)."""
+    torch.manual_seed(0)
+    model = create_model("scan", vocab_size=30, img_dim=8, embed_size=8, word_dim=5, direction="t2i").eval()
+    # encoded in blocks of 2 by length, caption 2 would share a block with the longer caption 3 (padding 6, not 4)
+    tokens = [[1, 5, 6, 2], [1, 7, 5, 2], [1, 5, 6, 2], [1, 8, 9, 10, 11, 2]]
+    data = SplitData(["a", "b"], ["x"] * 4, np.array([0, 1, 1, 1]), tokens)
+    feats = _Features(np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float16), np.full(2, 4))
+    for precision in ("float64", "float32", "refined"):
+        sims = similarity_matrix(model, data, feats, precision=precision, encode_batch=2, quiet=True)
+        np.testing.assert_array_equal(sims[:, 0], sims[:, 2])
+        assert i2t_ranks(sims, data.caption_image)[0] >= 1
+    embeddings = SplitEmbeddings.encode(model, data, feats, batch_size=2, quiet=True)
+    assert sorted(np.concatenate([idx for idx, _ in embeddings.caption_blocks]).tolist()) == [0, 1, 3]   # once each
+    np.testing.assert_array_equal(embeddings.sources, [0, 1, 0, 3])

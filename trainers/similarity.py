@@ -5,6 +5,11 @@ length so a block wastes little padding) are scored block by block with the mode
 caption block → ``[n_img, n_cap]``); memory is bounded by the block, not the split. Several runs are an
 ensemble: their matrices are averaged.
 
+Identical captions (the same token ids; COCO and Flickr30K have some across images) are encoded and scored
+once and share one column. Encoded separately, their scores would differ in the last bits with the padding of
+the block each sat in, and which side of their tie a rank counts would be an accident of batching; shared,
+they tie exactly and the tie counts against the query, as :mod:`retr.trainers.evaluation` defines.
+
 Precision (``--precision``):
 
 * ``float64`` — every score computed in float64 (embeddings, products, attention, aggregation). Every
@@ -68,12 +73,19 @@ def _concat(blocks: Sequence[Embeddings]) -> Embeddings:
     return out
 
 
+def caption_sources(tokens: Sequence[Sequence[int]]) -> np.ndarray:
+    """``[M]``: for each caption, the first caption with the same token ids (itself when it is the first)."""
+    first: dict[tuple, int] = {}
+    return np.array([first.setdefault(tuple(t), m) for m, t in enumerate(tokens)], dtype=np.int64)
+
+
 @torch.no_grad()
 def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.device, batch_size: int = 128,
-                 quiet: bool = False):
+                 quiet: bool = False, captions: np.ndarray | None = None):
     """Image embeddings (one dict per block of images, in order) and caption blocks sorted by length.
 
     Returns ``(image_blocks, caption_blocks)``; each caption block is ``(caption indices, embeddings)``.
+    ``captions``: encode only these caption indices (default: all).
     """
     model.eval()
     image_blocks = []
@@ -81,7 +93,8 @@ def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.
         idx = np.arange(start, min(start + batch_size, data.num_images))
         feats, mask = features.get(idx)
         image_blocks.append(model.encode_images(feats.to(device), mask.to(device)))
-    order = np.argsort([len(t) for t in data.tokens], kind="stable")
+    chosen = np.arange(data.num_captions) if captions is None else np.asarray(captions, dtype=np.int64)
+    order = chosen[np.argsort([len(data.tokens[m]) for m in chosen], kind="stable")]
     caption_blocks = []
     for start in progress(range(0, len(order), batch_size), desc="encode captions", quiet=quiet):
         idx = order[start:start + batch_size]
@@ -95,11 +108,15 @@ class SplitEmbeddings:
     """One model's embeddings of a split.
 
     ``images``: every image's embeddings joined along dim 0 (manifest order); ``caption_blocks``:
-    ``[(caption indices [b] int, embeddings)]``, every caption in exactly one block.
+    ``[(caption indices [b] int, embeddings)]``. ``caption_source`` ``[M]`` maps every caption to the caption
+    whose embeddings it shares (:func:`caption_sources`: identical token ids are encoded and scored once, so
+    identical captions tie exactly); the blocks hold each source caption once. ``None``: every caption is in
+    a block.
     """
 
     images: Embeddings
     caption_blocks: list[tuple[np.ndarray, Embeddings]]
+    caption_source: np.ndarray | None = None
 
     @property
     def num_images(self) -> int:
@@ -107,13 +124,22 @@ class SplitEmbeddings:
 
     @property
     def num_captions(self) -> int:
+        if self.caption_source is not None:
+            return len(self.caption_source)
         return sum(len(idx) for idx, _ in self.caption_blocks)
+
+    @property
+    def sources(self) -> np.ndarray:
+        """``caption_source``, or the identity."""
+        return np.arange(self.num_captions) if self.caption_source is None else self.caption_source
 
     @classmethod
     def encode(cls, model, data: SplitData, features: ImageFeatures, device: torch.device | str = "cpu",
                batch_size: int = 128, quiet: bool = False) -> "SplitEmbeddings":
-        image_blocks, caption_blocks = encode_split(model, data, features, torch.device(device), batch_size, quiet)
-        return cls(_concat(image_blocks), caption_blocks)
+        source = caption_sources(data.tokens)
+        image_blocks, caption_blocks = encode_split(model, data, features, torch.device(device), batch_size, quiet,
+                                                    captions=np.flatnonzero(source == np.arange(len(source))))
+        return cls(_concat(image_blocks), caption_blocks, source)
 
 
 class Scorer:
@@ -127,8 +153,8 @@ class Scorer:
     def __init__(self, model, embeddings: SplitEmbeddings):
         self.model, self.embeddings = model, embeddings
         self._wide_model = None
-        caption_block = np.empty(embeddings.num_captions, dtype=np.int64)
-        caption_row = np.empty(embeddings.num_captions, dtype=np.int64)
+        caption_block = np.full(embeddings.num_captions, -1, dtype=np.int64)
+        caption_row = np.full(embeddings.num_captions, -1, dtype=np.int64)
         for b, (idx, _) in enumerate(embeddings.caption_blocks):
             caption_block[idx] = b
             caption_row[idx] = np.arange(len(idx))
@@ -159,9 +185,12 @@ class Scorer:
         """Every pair's score ``[N_img, M]`` float64, with embeddings and ``score_dtype`` in ``dtype``."""
         e = self.embeddings
         images = _cast(e.images, dtype)
-        return self._with_dtype(dtype, lambda model: score_blocks(
+        sims = self._with_dtype(dtype, lambda model: score_blocks(
             model.score, images, e.caption_blocks, e.num_images, e.num_captions, image_block, pair_budget,
             cast=dtype, quiet=quiet))
+        shared = np.flatnonzero(e.sources != np.arange(e.num_captions))
+        sims[:, shared] = sims[:, e.sources[shared]]          # identical captions: the very same column
+        return sims
 
     def _captions(self, captions: np.ndarray) -> Embeddings:
         """The embeddings of ``captions`` (any order, any blocks), padded to their longest."""
@@ -172,8 +201,16 @@ class Scorer:
         return _concat(rows)
 
     def pairs(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
-        """float64 scores ``[P]`` of the listed pairs (``image_rows[p]``, ``captions[p]``), one image at a time."""
-        image_rows, captions = np.asarray(image_rows, dtype=np.int64), np.asarray(captions, dtype=np.int64)
+        """float64 scores ``[P]`` of the listed pairs (``image_rows[p]``, ``captions[p]``), one image at a time.
+
+        Pairs that are the same once captions are mapped to their sources are scored once.
+        """
+        image_rows = np.asarray(image_rows, dtype=np.int64)
+        keys = image_rows * self.embeddings.num_captions + self.embeddings.sources[np.asarray(captions, dtype=np.int64)]
+        keys, back = np.unique(keys, return_inverse=True)
+        return self._distinct_pairs(keys // self.embeddings.num_captions, keys % self.embeddings.num_captions)[back]
+
+    def _distinct_pairs(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
         out = np.empty(len(image_rows), dtype=np.float64)
         order = np.argsort(image_rows, kind="stable")
         starts = np.flatnonzero(np.r_[True, np.diff(image_rows[order]) != 0])
@@ -230,11 +267,27 @@ def rank_deciding_pairs(sims: np.ndarray, caption_image: np.ndarray, margin: flo
     return near
 
 
+def with_shared_captions(rows: np.ndarray, cols: np.ndarray, source: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs ``(rows[p], cols[p])`` and every ``(rows[p], c)`` with ``source[c] == source[cols[p]]``."""
+    counts = np.bincount(source, minlength=len(source))
+    lens = counts[source[cols]]
+    if len(rows) == 0 or (lens == 1).all():
+        return rows, cols
+    members = np.argsort(source, kind="stable")                 # each source's captions, contiguous
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    starts = offsets[source[cols]]
+    index = np.repeat(starts - np.cumsum(lens) + lens, lens) + np.arange(lens.sum())
+    keys = np.unique(np.repeat(rows, lens) * len(source) + members[index])
+    return keys // len(source), keys % len(source)
+
+
 def refine(sims: np.ndarray, caption_image: np.ndarray,
-           rescore: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> dict:
+           rescore: Callable[[np.ndarray, np.ndarray], np.ndarray], source: np.ndarray | None = None) -> dict:
     """Rescore the rank-deciding pairs of a float32 matrix in place (module docstring); returns the statistics.
 
-    ``rescore(image_rows [P], captions [P])`` gives the float64 scores of the listed pairs.
+    ``rescore(image_rows [P], captions [P])`` gives the float64 scores of the listed pairs. ``source`` [M]
+    (:func:`caption_sources`) marks captions whose columns are identical: a rescored pair is rescored in all of
+    them at once (``rescore`` must give them one value), so identical captions stay exactly tied.
     """
     num_images, num_captions = sims.shape
     caption_image = np.asarray(caption_image, dtype=np.int64)
@@ -243,6 +296,8 @@ def refine(sims: np.ndarray, caption_image: np.ndarray,
 
     def rescore_pairs(rows: np.ndarray, cols: np.ndarray) -> None:
         nonlocal worst
+        if source is not None:
+            rows, cols = with_shared_captions(rows, cols, source)
         if len(rows) == 0:
             return
         values = rescore(rows, cols)
@@ -294,7 +349,9 @@ def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISIO
 
         def rescore(rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
             return sum(s.pairs(rows, captions) for s in scorers) / len(scorers)
-        result = refine(sims, caption_image, rescore)
+        # captions identical for every member share a column
+        source = caption_sources(np.stack([s.embeddings.sources for s in scorers], axis=1).tolist())
+        result = refine(sims, caption_image, rescore, source)
         if stats is not None:
             stats.update(result)
     return sims
