@@ -289,3 +289,22 @@ def test_damaged_cached_weights_are_reported(tmp_path, monkeypatch):
     torch.save({"conv1.weight": torch.zeros(1)}, cached)  # not the file whose hash the name carries
     with pytest.raises(UserError, match=f"cached weights {cached} are damaged"):
         build_extractor("resnet152-grid", weights="ResNet152_Weights.IMAGENET1K_V2")
+
+
+def test_cpu_passes_of_a_few_images_give_the_whole_batch_features(jpeg, monkeypatch):
+    """On CPU a batch runs through the network a few images at a time; the features do not change."""
+    import retr.extractors.backbone as backbone
+    extractor = build_extractor("tencrop-resnet152", weights="random", image_size=32)
+    other = extractor.load(str(jpeg)).flip(-1)
+    batch = extractor.collate([extractor.load(str(jpeg)), other, extractor.load(str(jpeg))])   # 30 crops
+    calls = []
+    network = extractor.network
+    monkeypatch.setattr(extractor, "network", lambda x: calls.append(x.shape[0]) or network(x))
+    monkeypatch.setattr(backbone, "CPU_PIXELS_PER_PASS", 10**9)
+    whole = extractor.extract(batch)["features"]
+    assert calls == [30]
+    calls.clear()
+    monkeypatch.setattr(backbone, "CPU_PIXELS_PER_PASS", 4 * 32 * 32)
+    parts = extractor.extract(batch)["features"]
+    assert calls == [4] * 7 + [2]
+    np.testing.assert_allclose(parts, whole, rtol=1e-5, atol=1e-6)
