@@ -2,13 +2,13 @@
 
 Data: 1,000 images × 5,000 captions (default), 36 regions, d = 1024, captions of 3–12 words; random unit
 vectors (the cost does not depend on the values). Both sides score the same embeddings with t-i LSE
-(λ_softmax 9, λ_lse 6, clipped_l2norm).
+(λ_softmax 9, λ_lse 6, clipped_l2norm), or with ``--direction i2t`` i-t LSE (λ_softmax 4, λ_lse 20).
 
 * ``retr``: the evaluator as ``retr-train eval`` runs it — :func:`retr.trainers.similarity.combined_matrix`
   over a real SCAN model's ``score``: length-sorted caption blocks × image blocks, one GEMM per chunk for the
   region–word dot products, attended vectors never formed (Gram matrices), at each ``--precision``
   (``refined``: float32, then float64 for every near-tie; ``float32``; ``float64``).
-* ``baseline``: the authors' public evaluation (``shard_xattn_t2i`` + ``xattn_score_t2i``): blocks of 128
+* ``baseline``: the authors' public evaluation (``shard_xattn_t2i``/``_i2t`` + ``xattn_score_*``): blocks of 128
   images, one caption at a time, attended vectors formed, float64.
 
 The baseline takes ~6 min on a 2-core CPU for the full matrix; ``--baseline-captions N`` times it on the first
@@ -37,23 +37,27 @@ from retr.trainers.models import create_model
 from retr.trainers.similarity import PRECISIONS, Scorer, SplitEmbeddings, combined_matrix
 
 
-def baseline_t2i(images: torch.Tensor, captions: list[torch.Tensor], lsm: float, lse: float,
-                 shard: int = 128) -> np.ndarray:
-    """The authors' arithmetic: per caption, per block of 128 images, attended vectors formed (float64)."""
+def baseline(images: torch.Tensor, captions: list[torch.Tensor], direction: str, lsm: float, lse: float,
+             shard: int = 128) -> np.ndarray:
+    """The authors' arithmetic: per caption, per block of 128 images, attended vectors formed (float64).
+
+    ``func_attention(query, context)`` as in their code: t-i has query = words, context = regions; i-t the
+    reverse. LogSumExp without max-subtraction, cosine clamped at 1e-8.
+    """
     n_img = images.shape[0]
     sims = np.zeros((n_img, len(captions)))
     for c, cap in enumerate(captions):
         for start in range(0, n_img, shard):
-            img = images[start:start + shard]                       # [b, K, d]
-            q = cap.unsqueeze(0).expand(img.shape[0], -1, -1)       # [b, L, d]
-            attn = torch.bmm(img, q.transpose(1, 2))                # [b, K, L]
+            img = images[start:start + shard]                                  # [b, K, d]
+            words = cap.unsqueeze(0).expand(img.shape[0], -1, -1)              # [b, L, d]
+            query, context = (words, img) if direction == "t2i" else (img, words)
+            attn = torch.bmm(context, query.transpose(1, 2))                   # [b, n_context, n_query]
             attn = torch.nn.functional.leaky_relu(attn, 0.1)
-            attn = attn / (attn.pow(2).sum(2, keepdim=True).sqrt() + 1e-8)
-            attn = torch.softmax(attn.transpose(1, 2) * lsm, dim=2)  # [b, L, K]
-            attended = torch.bmm(attn, img)                         # [b, L, d]
-            w12 = (q * attended).sum(2)
-            w1, w2 = q.norm(dim=2), attended.norm(dim=2)
-            row = w12 / (w1 * w2).clamp(min=1e-8)
+            attn = attn / (attn.pow(2).sum(2, keepdim=True).sqrt() + 1e-8)     # l2 over the query axis
+            attn = torch.softmax(attn.transpose(1, 2) * lsm, dim=2)            # [b, n_query, n_context]
+            attended = torch.bmm(attn, context)                                # [b, n_query, d]
+            w12 = (query * attended).sum(2)
+            row = w12 / (query.norm(dim=2) * attended.norm(dim=2)).clamp(min=1e-8)
             row = torch.log(torch.exp(row * lse).sum(1)) / lse
             sims[start:start + img.shape[0], c] = row.numpy()
     return sims
@@ -89,6 +93,8 @@ def main() -> None:
     parser.add_argument("--baseline-captions", type=int, default=None, help="time the baseline on N captions")
     parser.add_argument("--precision", default=",".join(PRECISIONS), help="comma-separated; of " + ", ".join(PRECISIONS))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--direction", choices=("t2i", "i2t"), default="t2i",
+                        help="t-i (λ_softmax 9, λ_lse 6) or i-t (λ_softmax 4, λ_lse 20: SCAN's COCO i-t LSE)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -99,7 +105,8 @@ def main() -> None:
     pairs = args.images * args.captions
     nb = min(args.baseline_captions or args.captions, args.captions)
     t = time.perf_counter()
-    base = baseline_t2i(images.double(), [w.double() for w in words[:nb]], 9.0, 6.0)   # [N_img, nb]
+    lsm, lse = (9.0, 6.0) if args.direction == "t2i" else (4.0, 20.0)
+    base = baseline(images.double(), [w.double() for w in words[:nb]], args.direction, lsm, lse)   # [N_img, nb]
     base_s = time.perf_counter() - t
     base_rate = args.images * nb / base_s
     owner = np.arange(args.captions) * args.images // args.captions       # caption → its image (c // 5 here)
@@ -109,8 +116,8 @@ def main() -> None:
         return t2i_ranks(sims[:, :nb], owner[:nb]), i2t_ranks(sims[:owned, :nb], owner[:nb])
     base_t2i, base_i2t = ranks(base)
 
-    model = create_model("scan", vocab_size=8, img_dim=8, embed_size=args.dim, word_dim=8, direction="t2i",
-                         lambda_softmax=9.0, lambda_lse=6.0).eval()
+    model = create_model("scan", vocab_size=8, img_dim=8, embed_size=args.dim, word_dim=8,
+                         direction=args.direction, lambda_softmax=lsm, lambda_lse=lse).eval()
     scorer = Scorer(model, embeddings(images, words))
     all_ranks = {}
     for precision in args.precision.split(","):
@@ -123,10 +130,10 @@ def main() -> None:
         got_t2i, got_i2t = ranks(sims)
         all_ranks[precision] = (t2i_ranks(sims, owner), i2t_ranks(sims, owner))
         print(json.dumps({
-            "bench": "eval_scan_t2i", "precision": precision, "images": args.images, "captions": args.captions,
+            "bench": f"eval_scan_{args.direction}", "precision": precision, "images": args.images, "captions": args.captions,
             "regions": args.regions, "dim": args.dim, "threads": args.threads,
             "retr_seconds": round(fast_s, 2), "retr_pairs_per_s": round(fast_rate),
-            "baseline": "authors' shard_xattn_t2i (128-image blocks, one caption at a time, float64)",
+            "baseline": f"authors' shard_xattn_{args.direction} (128-image blocks, one caption at a time, float64)",
             "baseline_captions": nb, "baseline_seconds": round(base_s, 2),
             "baseline_pairs_per_s": round(base_rate), "speedup": round(fast_rate / base_rate, 2),
             "max_abs_diff": float(np.abs(sub - base).max()),
@@ -140,7 +147,7 @@ def main() -> None:
         want_t2i, want_i2t = all_ranks["float64"]
         for precision, (t2i, i2t) in all_ranks.items():
             if precision != "float64":
-                print(json.dumps({"bench": "eval_ranks_vs_float64", "precision": precision,
+                print(json.dumps({"bench": "eval_ranks_vs_float64", "direction": args.direction, "precision": precision,
                                   "captions": args.captions, "images": args.images,
                                   "identical_t2i_ranks": float(np.mean(t2i == want_t2i)),
                                   "identical_i2t_ranks": float(np.mean(i2t == want_i2t))}))
