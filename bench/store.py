@@ -3,7 +3,7 @@
 Writes a sharded grid feature set (index + shards) to a temporary folder, then reads random batches of rows
 (the access pattern of a shuffled training loader) three ways, in one run:
 
-* ``reader``    — :class:`retr.pipeline.store.FeatureSet` on the index (virtual datasets; sorted reads);
+* ``reader``    — :class:`retr.store.features.FeatureSet` on the index (virtual datasets; sorted reads);
 * ``reader-shard`` — the same reader on a single shard file (no virtual-dataset layer);
 * ``baseline``  — the same rows gathered from an in-memory numpy array (the upper bound: no I/O at all);
 * ``h5py-fancy-index`` — h5py's own point-list selection on the index (what a naive reader does; the reader
@@ -26,7 +26,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from retr.pipeline.store import FeatureSet, ShardWriter, shard_name, write_index
+from retr.store.features import FeatureSet, ShardWriter, shard_name, write_index
 
 
 def build(folder: Path, rows: int, shards: int, seed: int) -> tuple[Path, np.ndarray]:

@@ -1,20 +1,116 @@
 """Command-line conventions shared by ``retr-pipeline`` and ``retr-train``.
 
 * user errors print ``error: …`` on stderr and exit with status 1, without a traceback;
+* a bad argument value that a library call refuses (:class:`~retr.common.errors.ParameterError`, which names
+  the parameter) is such a user error, printed with the command's flag in place of the parameter name
+  (:func:`flags_in_errors`);
 * usage errors (bad option) print click's usage hint, then ``error: …``, and exit with status 2;
 * progress bars are tqdm bars that switch themselves off when stderr is not a terminal or with ``--quiet``.
 """
 from __future__ import annotations
 
+import functools
+import re
 import sys
-from typing import Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, Mapping, TypeVar
 
 import click
 from tqdm import tqdm
 
-from retr.common.errors import RetrError
+from retr.common.errors import ParameterError, RetrError, UserError
 
 T = TypeVar("T")
+_WRAPPED = "_retr_flags_in_errors"
+
+
+def parameter_flags(ctx: click.Context | None) -> dict[str, str]:
+    """How the user of the running command writes each of its parameters, from click's own parameter lists.
+
+    An option becomes its first long flag (``image_size`` → ``--image-size``, ``name`` of ``--extractor`` →
+    ``--extractor``), an argument its metavar (``dataset`` → ``DATASET``). The command's parameters come first,
+    then those of the groups above it.
+    """
+    flags: dict[str, str] = {}
+    while ctx is not None:
+        for param in ctx.command.params:
+            if not param.name or param.name in flags:
+                continue
+            if isinstance(param, click.Option):
+                flags[param.name] = next((o for o in param.opts if o.startswith("--")), param.opts[0])
+            else:
+                flags[param.name] = param.human_readable_name
+        ctx = ctx.parent
+    return flags
+
+
+def with_flags(message: str, parameters: Iterable[str], flags: Mapping[str, str]) -> str:
+    """``message`` with each whole-word occurrence of a name in ``parameters`` replaced by ``flags[name]``.
+
+    Whole word: not part of a longer identifier, flag or dotted name (``half`` in ``half-precision`` or
+    ``self.half`` stays). Names the command has no flag for stay as they are.
+    """
+    known = sorted((name for name in parameters if name in flags), key=len, reverse=True)
+    if not known:
+        return message
+    pattern = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, known)) + r")(?![\w-])")
+    return pattern.sub(lambda match: flags[match.group(1)], message)
+
+
+def error_message(exc: BaseException, ctx: click.Context | None = None) -> str:
+    """The one-line text of a :class:`RetrError` or :class:`ParameterError`, in the running command's flags.
+
+    ``ctx`` defaults to click's current context; outside a command the text is the library's own.
+    """
+    text = exc.message if isinstance(exc, ParameterError) else str(exc)
+    parameters = getattr(exc, "parameters", ())
+    if not parameters:
+        return text
+    return with_flags(text, parameters, parameter_flags(ctx or click.get_current_context(silent=True)))
+
+
+def flags_in_errors(command: click.Command) -> click.Command:
+    """Make ``command`` (and, for a group, every command under it) report library errors in its own flags.
+
+    The mechanism, in three parts:
+
+    1. Library code names parameters, never flags. It validates an argument by raising
+       :class:`~retr.common.errors.ParameterError` — a ``ValueError`` that carries the names its message
+       mentions, ``ParameterError("image_size must be a multiple of 32, not 100", "image_size")``. A
+       :class:`~retr.common.errors.RetrError` about a file may name parameters too (its ``parameters``), e.g.
+       "… if you trust the file, set trust_checkpoint".
+    2. This wrapper runs the command's callback. When such an error leaves it, the click context is still live,
+       so each named parameter is mapped through the command's own parameter list (:func:`parameter_flags`;
+       nothing is hand-written) and replaced in the message (:func:`with_flags`). A ``ParameterError`` is
+       re-raised as a :class:`~retr.common.errors.UserError` with that text (chained to the original); a
+       ``RetrError`` keeps its class with the text rewritten.
+    3. :func:`run` prints a ``RetrError`` as one ``error: --image-size must be …`` line and exits with status 1.
+
+    Every other exception passes through unchanged: a plain ``ValueError`` is a bug and keeps its traceback.
+    A command that catches errors itself to go on (``extract-preset``) formats them with :func:`error_message`.
+    Wrapping is idempotent: a console script's group applies it once its commands are registered (so
+    ``CliRunner`` sees the same), and :func:`run` applies it again to the whole command tree.
+    """
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            flags_in_errors(sub)
+    callback = command.callback
+    if callback is None or getattr(callback, _WRAPPED, False):
+        return command
+
+    @functools.wraps(callback)
+    def report_in_flags(*args, **kwargs):
+        try:
+            return callback(*args, **kwargs)
+        except ParameterError as exc:
+            raise UserError(error_message(exc)) from exc
+        except RetrError as exc:
+            if exc.parameters:
+                exc.args, exc.parameters = (error_message(exc),), ()
+            raise
+
+    setattr(report_in_flags, _WRAPPED, True)
+    command.callback = report_in_flags
+    return command
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -25,6 +121,7 @@ def fail(message: str, code: int = 1) -> None:
 
 def run(group: click.Group, args: list[str] | None = None) -> None:
     """Run a click group with retr's error conventions (entry point of every console script)."""
+    flags_in_errors(group)
     try:
         rv = group.main(args=args, standalone_mode=False)
     except click.exceptions.Exit as exc:
@@ -38,12 +135,35 @@ def run(group: click.Group, args: list[str] | None = None) -> None:
         fail(exc.format_message(), exc.exit_code)
     except click.Abort:
         fail("aborted")
-    except RetrError as exc:
-        fail(str(exc))
+    except (RetrError, ParameterError) as exc:  # a ParameterError here came from outside a command's callback
+        fail(error_message(exc))
     except KeyboardInterrupt:
         fail("interrupted (finished work is kept; run the same command again to resume)", 130)
     if isinstance(rv, int) and rv != 0:
         sys.exit(rv)
+
+
+class LazyChoice(click.Choice):
+    """A ``click.Choice`` whose names come from ``names()``, called when click first needs them.
+
+    For registries that are filled by importing heavy modules (the extractors import torchvision): ``--help``
+    and a wrong value still list every choice, but importing the command, or running another one, imports
+    nothing. The names are looked up once.
+    """
+
+    def __init__(self, names: Callable[[], Iterable[str]], case_sensitive: bool = True):
+        self._names, self._choices = names, None
+        super().__init__((), case_sensitive=case_sensitive)
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        if self._choices is None:
+            self._choices = tuple(self._names())
+        return self._choices
+
+    @choices.setter
+    def choices(self, value: Iterable[str]) -> None:  # click.Choice.__init__ assigns (); the names win
+        pass
 
 
 def progress(iterable: Iterable[T] | None = None, *, total: int | None = None, desc: str = "",

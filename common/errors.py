@@ -1,9 +1,49 @@
-"""Exceptions that the command-line front ends turn into one ``error: …`` line (no traceback)."""
+"""Exceptions that the command-line front ends turn into one ``error: …`` line (no traceback).
+
+Library code names *parameters*, never command-line flags: ``ParameterError("image_size must be …",
+"image_size")``. The commands know their flags and rewrite each named parameter as one
+(:func:`retr.common.cli.flags_in_errors`), so the same check reads ``image_size must be …`` from Python and
+``error: --image-size must be …`` from the shell.
+"""
 from __future__ import annotations
+
+from typing import Iterable
 
 
 class RetrError(Exception):
-    """Base class of every error retr reports to a user as a single line."""
+    """Base class of every error retr reports to a user as a single line.
+
+    ``parameters``: names of the Python parameters the message mentions (e.g. ``("trust_checkpoint",)`` in
+    "… if you trust the file, set trust_checkpoint"); a command rewrites them as its flags. Empty by default.
+    """
+
+    def __init__(self, *args: object, parameters: Iterable[str] = ()):
+        super().__init__(*args)
+        self.parameters: tuple[str, ...] = tuple(parameters)
+
+
+class ParameterError(ValueError):
+    """A bad argument value given to a library function; the message names the parameter, not a flag.
+
+    ``ParameterError("image_size must be a multiple of 32, not 100", "image_size")``: ``parameters`` are the
+    parameter names the message mentions as whole words, the offending one first (:attr:`parameter`). To Python
+    callers it is an ordinary ``ValueError``. A ``retr-*`` command prints it as one ``error: …`` line with each
+    of those names replaced by the command's flag for it (``--image-size must be …``; see
+    :func:`retr.common.cli.flags_in_errors`). A plain ``ValueError`` is a bug and keeps its traceback.
+    """
+
+    def __init__(self, message: str, parameter: str, *others: str):
+        super().__init__(message)
+        self.message = message
+        self.parameters: tuple[str, ...] = (parameter, *others)
+
+    @property
+    def parameter(self) -> str:
+        """The parameter whose value is wrong."""
+        return self.parameters[0]
+
+    def __reduce__(self):  # keep the parameters across pickling (e.g. from a worker process)
+        return type(self), (self.message, *self.parameters)
 
 
 class UserError(RetrError):

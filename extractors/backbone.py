@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from retr.common.errors import UserError
+from retr.common.devices import resolve_device as resolve_common_device
+from retr.common.errors import ParameterError
 from retr.extractors.base import Extractor
 from retr.extractors.weights import LoadedWeights, build_backbone
 
@@ -22,17 +23,11 @@ CPU_PIXELS_PER_PASS = 448 * 448   # input pixels per network call on CPU (see Ba
 
 
 def resolve_device(device: str | torch.device, half: bool) -> torch.device:
-    """Check ``device`` (``cpu``, ``cuda``, ``cuda:N``) is usable and ``half`` is only asked for on CUDA."""
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"unknown device {device!r} (expected cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {device} asked for, but CUDA is not available here (use --device cpu)")
-    if device.type not in ("cpu", "cuda"):
-        raise UserError(f"unsupported device {device} (expected cpu, cuda or cuda:N)")
+    """:func:`retr.common.devices.resolve_device`, plus the extractors' own check: ``half`` only on CUDA."""
+    device = resolve_common_device(device)
     if half and device.type != "cuda":
-        raise UserError("--half needs --device cuda (half-precision convolutions are slow or missing on CPU)")
+        raise ParameterError("half needs device cuda (half-precision convolutions are slow or missing on CPU)",
+                             "half", "device")
     return device
 
 

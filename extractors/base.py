@@ -106,16 +106,19 @@ def available_extractors() -> list[str]:
 
 
 def build_extractor(name: str, **options: Any) -> Extractor:
-    """The extractor ``name`` built with ``options`` (``weights``, ``device``, extractor-specific ones)."""
-    from retr.common.errors import UserError
+    """The extractor ``name`` built with ``options`` (``weights``, ``device``, extractor-specific ones).
+
+    Raises :class:`~retr.common.errors.ParameterError` (a ``ValueError``) for an unknown ``name``, an option the
+    builder does not take, or an option value the extractor refuses; the message names the parameter.
+    """
+    from retr.common.errors import ParameterError
     names = available_extractors()
     if name not in _REGISTRY:
-        raise UserError(f"unknown extractor {name!r} (available: {', '.join(names)})")
+        raise ParameterError(f"unknown extractor {name!r} (available: {', '.join(names)})", "name")
     builder = _REGISTRY[name]
     parameters = inspect.signature(builder).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         refused = sorted(set(options) - set(parameters))
         if refused:
-            flags = ", ".join("--" + option.replace("_", "-") for option in refused)
-            raise UserError(f"extractor {name!r} does not take {flags}")
+            raise ParameterError(f"extractor {name!r} does not take {', '.join(refused)}", *refused)
     return builder(**options)

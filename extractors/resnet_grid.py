@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from retr.common.errors import UserError
+from retr.common.errors import ParameterError
 from retr.extractors.backbone import BackboneExtractor
 from retr.extractors.base import register
 from retr.extractors.images import SquareResize
@@ -35,13 +35,15 @@ class ResNetGridExtractor(BackboneExtractor):
     def __init__(self, *, weights: str = "imagenet", device: str = "cpu", half: bool = False,
                  image_size: int = 448, grid_size: int = 7, exif_orientation: bool = False):
         if image_size % STRIDE or image_size < STRIDE:
-            raise UserError(f"--image-size must be a multiple of {STRIDE} for {self.name}, not {image_size}")
+            raise ParameterError(f"image_size must be a multiple of {STRIDE} for {self.name}, not {image_size}",
+                                 "image_size")
         if grid_size not in GRID_SIZES:
-            raise UserError(f"--grid-size must be one of {GRID_SIZES}, not {grid_size}")
+            raise ParameterError(f"grid_size must be one of {GRID_SIZES}, not {grid_size}", "grid_size")
         side = image_size // STRIDE
         if side % grid_size:
-            raise UserError(f"a {image_size}×{image_size} input gives a {side}×{side} res5c map, which does not pool "
-                            f"to {grid_size}×{grid_size}; use --image-size {grid_size * STRIDE} or a multiple")
+            raise ParameterError(f"a {image_size}×{image_size} input gives a {side}×{side} res5c map, which does "
+                                 f"not pool to {grid_size}×{grid_size} (grid_size {grid_size}); use image_size "
+                                 f"{grid_size * STRIDE} or a multiple", "image_size", "grid_size")
         self.image_size, self.grid_size, self.pool = image_size, grid_size, side // grid_size
         self.exif_orientation = exif_orientation
         super().__init__(arch="resnet152", node="layer4", weights=weights, device=device, half=half,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from retr.common.errors import UserError
+from retr.common.errors import ParameterError
 from retr.extractors.backbone import BackboneExtractor
 from retr.extractors.base import register
 from retr.extractors.images import TenCrop, tencrop_resize_for
@@ -36,7 +36,8 @@ class TenCropExtractor(BackboneExtractor):
                  random_options: dict | None, weights: str, device: str, half: bool, image_size: int,
                  exif_orientation: bool):
         if image_size < MIN_CROP:
-            raise UserError(f"--image-size (the crop side) must be at least {MIN_CROP} for {name}, not {image_size}")
+            raise ParameterError(f"image_size (the crop side) must be at least {MIN_CROP} for {name}, "
+                                 f"not {image_size}", "image_size")
         self.name, self.dim = name, dim
         self.image_size, self.resize = image_size, tencrop_resize_for(image_size)
         self.exif_orientation = exif_orientation

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from retr.common.errors import UserError
+from retr.common.errors import ParameterError
 from retr.extractors.backbone import BackboneExtractor
 from retr.extractors.base import register
 from retr.extractors.images import SquareResize
@@ -28,8 +28,8 @@ class VggMapsExtractor(BackboneExtractor):
     def __init__(self, *, weights: str = "imagenet", device: str = "cpu", half: bool = False,
                  image_size: int = 448, exif_orientation: bool = False):
         if image_size not in IMAGE_SIZES:
-            raise UserError(f"--image-size for {self.name} must be one of {IMAGE_SIZES} (14×14 or 7×7 maps), "
-                            f"not {image_size}")
+            raise ParameterError(f"image_size for {self.name} must be one of {IMAGE_SIZES} (14×14 or 7×7 maps), "
+                                 f"not {image_size}", "image_size")
         self.image_size, self.exif_orientation = image_size, exif_orientation
         super().__init__(arch="vgg16", node=POOL5, weights=weights, device=device, half=half,
                          preprocess=lambda mean, std: SquareResize(image_size, mean, std, exif_orientation),

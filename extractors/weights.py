@@ -1,6 +1,6 @@
 """Where a torchvision backbone's weights come from: ``imagenet`` (torchvision's weight enums), ``random``, a file.
 
-``--weights`` takes one of
+``weights`` takes one of
 
 * ``imagenet`` — the backbone's ``IMAGENET1K_V1`` enum (the original ImageNet weights, the ones the papers'
   era used; ResNet-152 also has ``IMAGENET1K_V2``, selectable by that name). torchvision keeps downloaded
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torchvision import models as tvm
 
-from retr.common.errors import MissingResourceError, UserError
+from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.common.hashing import sha256_file
 
 #: The seed of ``--weights random`` (recorded as the ``weights_seed`` attribute).
@@ -58,8 +58,8 @@ def imagenet_weights(arch: str, spec: str) -> tvm.WeightsEnum:
         return enum[member]
     except KeyError:
         names = ", ".join(m.name for m in enum)
-        raise UserError(f"{arch} has no weights {spec!r} (torchvision has {names}; or use 'random' or a file path)") \
-            from None
+        raise ParameterError(f"weights {spec!r} is not a torchvision weight name of {arch} (it has {names}; "
+                             f"or use 'imagenet', 'random' or a file path)", "weights") from None
 
 
 def is_enum_spec(spec: str) -> bool:
@@ -104,8 +104,8 @@ def build_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] = (),
     else:
         path = Path(weights)
         if not path.is_file():
-            raise UserError(f"--weights {weights!r} is neither 'imagenet', 'random', a torchvision weight name, "
-                            f"nor an existing state-dict file")
+            raise ParameterError(f"weights {weights!r} is neither 'imagenet', 'random', a torchvision weight name, "
+                                 f"nor an existing state-dict file", "weights")
         model = _skeleton(builder)
         load_checked(model, read_state_dict(path), str(path), arch, tuple(unused_prefixes))
         from retr.extractors.images import IMAGENET_MEAN, IMAGENET_STD

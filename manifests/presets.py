@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from retr.common.errors import UserError
+from retr.common.errors import ParameterError
 
 #: Every extractor ``make extract`` runs for a real dataset, in order.
 ALL_EXTRACTORS = ("resnet152-grid", "vgg16-maps", "tencrop-vgg19", "tencrop-resnet152", "butd-regions")
@@ -60,7 +60,8 @@ def get_preset(name: str, images: str | os.PathLike | None = None, manifest: str
                features: str | os.PathLike | None = None) -> DatasetPreset:
     """The preset ``name`` with flag overrides, then ``RETR_<NAME>_*`` environment overrides, applied."""
     if name not in _DEFAULTS:
-        raise UserError(f"unknown dataset preset {name!r} (expected one of {', '.join(PRESET_NAMES)})")
+        raise ParameterError(f"unknown dataset preset {name!r} (expected one of {', '.join(PRESET_NAMES)})",
+                             "name")
     spec = _DEFAULTS[name]
     root = data_root()
     env = f"RETR_{name.upper()}_"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from retr.common.errors import UserError
+from retr.common.errors import ParameterError, UserError
 from retr.common.hashing import sha256_file
 
 SPLITS = ("train", "restval", "val", "test")
@@ -108,7 +108,8 @@ def read_manifest(path: str | os.PathLike, splits: Sequence[str] | None = None) 
     if splits is not None:
         unknown = [s for s in splits if s not in SPLITS]
         if unknown:
-            raise UserError(f"unknown split {unknown[0]!r} (expected one of {', '.join(SPLITS)})")
+            raise ParameterError(f"unknown split {unknown[0]!r} in splits (expected one of {', '.join(SPLITS)})",
+                                 "splits")
     records = list(iter_manifest(path))
     if splits is not None:
         records = [r for r in records if r.split in splits]

@@ -16,7 +16,7 @@ RGB values), shape ∈ :data:`SHAPES` (circle, square, triangle, star, diamond) 
 ``(A, relation, B)`` with ``relation`` ∈ {``left``, ``above``} read as "A is to the left of / above B", and
 A and B of different colours: 60 × 50 × 2 = :data:`MAX_SCENES` (6,000) distinct scenes. Every scene occurs
 at most once in a dataset, so every caption (which names both objects and the relation) describes exactly
-one image; asking for more images than there are scenes is a :class:`~retr.common.errors.UserError`.
+one image; asking for more images than there are scenes is a :class:`~retr.common.errors.ParameterError`.
 
 Rendering (:func:`render_scene`): a flat gray background (level 140–200), the two shapes filled with their
 colour, then integer noise uniform in [-4, 4] on every channel of every pixel. A small object has a radius of
@@ -86,8 +86,9 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 from PIL import Image, ImageDraw
 
-from retr.common.errors import UserError
+from retr.common.errors import ParameterError, UserError
 from retr.manifests.schema import ManifestRecord, write_manifest
+from retr.store.conllu import ConlluRow
 
 IMAGE_SIZE = 224
 SIZES = ("small", "large")
@@ -269,30 +270,12 @@ class Phrase:
 
 
 @dataclass(frozen=True)
-class Token:
-    """One CoNLL-U row; ``id`` and ``head`` are 1-based (``head`` 0 for the root)."""
-
-    id: int
-    form: str
-    lemma: str
-    upos: str
-    xpos: str
-    feats: str
-    head: int
-    deprel: str
-
-    def conllu(self) -> str:
-        return "\t".join([str(self.id), self.form, self.lemma, self.upos, self.xpos, self.feats,
-                          str(self.head), self.deprel, "_", "_"])
-
-
-@dataclass(frozen=True)
 class ParsedCaption:
     """A caption with its gold parse: ``tokens`` (CoNLL-U rows) and ``constituency`` (``(ROOT …)``)."""
 
     text: str
     template: str
-    tokens: tuple[Token, ...]
+    tokens: tuple[ConlluRow, ...]
     constituency: str
 
 
@@ -430,7 +413,7 @@ def parse_tree(top: Phrase, template: str = "") -> ParsedCaption:
         return head
 
     attach[lexical_head(top)] = (0, "root")
-    tokens = tuple(Token(i, w.form, w.lemma, w.upos, w.xpos, w.feats, *attach[i])
+    tokens = tuple(ConlluRow(i, w.form, w.lemma, w.upos, w.xpos, w.feats, *attach[i])
                    for i, w in enumerate(words, start=1))
     text = " ".join(w.form for w in words)
     return ParsedCaption(text, template, tokens, f"(ROOT {bracket(top)})")
@@ -460,7 +443,7 @@ def caption_parses(scene: Scene, rng: random.Random, count: int = CAPTIONS_PER_I
 def conllu_block(sent_id: str, parse: ParsedCaption) -> str:
     """One CoNLL-U sentence (comments, rows, blank line)."""
     lines = [f"# sent_id = {sent_id}", f"# text = {parse.text}", f"# constituency = {parse.constituency}"]
-    lines += [token.conllu() for token in parse.tokens]
+    lines += [token.line() for token in parse.tokens]
     return "\n".join(lines) + "\n\n"
 
 
@@ -518,13 +501,14 @@ def split_assignment(num_images: int, seed: int) -> list[str]:
 
 
 def check_num_images(num_images: int) -> None:
-    """Raise a UserError unless ``3 <= num_images <= MAX_SCENES``."""
+    """Raise a :class:`~retr.common.errors.ParameterError` unless ``3 <= num_images <= MAX_SCENES``."""
     if num_images < 3:
-        raise UserError(f"--images must be at least 3 (one each for train, val and test), got {num_images}")
+        raise ParameterError(f"num_images must be at least 3 (one each for train, val and test), got {num_images}",
+                             "num_images")
     if num_images > MAX_SCENES:
-        raise UserError(f"--images {num_images} is more than the {MAX_SCENES} distinct scenes the synthetic "
-                        f"generator can make (every scene appears once so that each caption matches one "
-                        f"image); use --images {MAX_SCENES} or fewer")
+        raise ParameterError(f"num_images {num_images} is more than the {MAX_SCENES} distinct scenes the synthetic "
+                             f"generator can make (every scene appears once so that each caption matches one "
+                             f"image); use num_images {MAX_SCENES} or fewer", "num_images")
 
 
 def iter_scenes(num_images: int, seed: int) -> Iterator[tuple[str, Scene, list[ParsedCaption], np.random.Generator]]:
@@ -548,7 +532,7 @@ def generate_synthetic(out_dir: str | os.PathLike, num_images: int = 1000, seed:
     check_num_images(num_images)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} exists and is not a folder")
+        raise UserError(f"output folder {out_dir} exists and is not a folder")
     images_dir = out_dir / "images"
     images_dir.mkdir(parents=True, exist_ok=True)
 

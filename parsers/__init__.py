@@ -2,6 +2,7 @@
 
 Entry points: :func:`retr.parsers.referral_tree.build_tree` (one parsed sentence → 7-slot tree),
 :class:`retr.parsers.backends.StanzaBackend` / :class:`~retr.parsers.backends.ConlluBackend` (captions → parsed
-sentences), :func:`retr.parsers.dictionaries.build_dictionaries`, and :func:`retr.parsers.trees_file.read_trees`
-/ :class:`~retr.parsers.trees_file.TreeSet` for reading ``trees.h5``. Imports nothing of retr but ``retr.common``.
+sentences) and :func:`retr.parsers.dictionaries.build_dictionaries`. The ``trees.h5`` file itself (writer,
+:func:`~retr.store.trees.read_trees`, :class:`~retr.store.trees.TreeSet`) is in :mod:`retr.store.trees`.
+Imports nothing of retr but ``retr.common`` and ``retr.store``.
 """

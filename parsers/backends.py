@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from retr.common.errors import MissingResourceError, UserError
+from retr.common.devices import resolve_device
+from retr.common.errors import MissingResourceError, ParameterError, UserError
 
 STANZA_PROCESSORS = "tokenize,pos,lemma,depparse,constituency"
 STANZA_PROCESSORS_NO_CONSTITUENCY = "tokenize,pos,lemma,depparse"
@@ -126,7 +127,7 @@ class ConlluBackend(ParserBackend):
         if not self.path.is_file():
             raise UserError(f"CoNLL-U file {self.path} does not exist")
         if match not in ("auto", "key", "order"):
-            raise UserError(f"match must be auto, key or order, not {match!r}")
+            raise ParameterError(f"match must be auto, key or order, not {match!r}", "match")
         self.check_text = check_text
         self.blocks = self._index()
         if not self.blocks:
@@ -297,24 +298,13 @@ def missing_models_error(folder: Path, source: str) -> MissingResourceError:
                                 f"{folder} ({source})", _how_to_fetch(folder))
 
 
-def resolve_device(device: str) -> str:
-    """``auto`` → ``cuda`` when available, else ``cpu``; ``cpu``/``cuda``/``cuda:N`` pass through."""
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device != "cpu" and not device.startswith("cuda"):
-        raise UserError(f"device must be auto, cpu, cuda or cuda:N, not {device!r}")
-    return device
-
-
 class StanzaBackend(ParserBackend):
     """A stanza English pipeline from a local folder.
 
     Args:
         model_dir: the folder holding ``resources.json`` and ``en/…``; ``None`` → ``$STANZA_RESOURCES_DIR`` →
             stanza's default folder.
-        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (:func:`retr.common.devices.resolve_device`).
         constituency: also run the constituency parser (DESIGN's processor list; the tree rules read only
             dependencies, so ``False`` saves time).
         pipeline: an already built callable ``text → stanza.Document`` (tests, or a custom pipeline); skips
@@ -341,7 +331,7 @@ class StanzaBackend(ParserBackend):
         try:
             return stanza.Pipeline(STANZA_LANGUAGE, dir=str(folder), processors=self.processors,
                                    download_method=None, tokenize_no_ssplit=True,
-                                   use_gpu=self.device.startswith("cuda"), device=self.device,
+                                   use_gpu=self.device.type == "cuda", device=str(self.device),
                                    logging_level="WARN")
         except (FileNotFoundError, KeyError, ValueError) as exc:
             raise MissingResourceError(

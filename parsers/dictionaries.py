@@ -27,11 +27,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from retr.common.errors import UserError
+from retr.common.errors import ParameterError, UserError
 from retr.parsers.referral_tree import ENTITY_SLOTS, RELATION_SLOTS, ReferralTree
+from retr.store.trees import NULL_ID, UNKNOWN_ID  # the fixed ids are part of the trees.h5 contract
 
-NULL_ID = 0
-UNKNOWN_ID = 1
 NULL, UNKNOWN = "null", "unknown"
 FIXED = (NULL, UNKNOWN)
 DEFAULT_NUM_ENTITIES = 1440
@@ -120,7 +119,8 @@ def build_dictionaries(trees: Iterable[ReferralTree], num_entities: int = DEFAUL
                        num_relations: int = DEFAULT_NUM_RELATIONS, min_count: int = 1) -> Dictionaries:
     """The ``num_entities`` / ``num_relations`` most frequent labels (sizes include ``null`` and ``unknown``)."""
     if num_entities < 3 or num_relations < 3:
-        raise UserError("dictionary sizes must be at least 3 (null, unknown and one label)")
+        raise ParameterError(f"num_entities and num_relations must be at least 3 (null, unknown and one label), "
+                             f"not {num_entities} and {num_relations}", "num_entities", "num_relations")
     entities, relations = count_labels(trees)
     return Dictionaries(_top(entities, num_entities, min_count), _top(relations, num_relations, min_count))
 

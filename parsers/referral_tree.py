@@ -87,6 +87,9 @@ from typing import Any, Iterable, Sequence
 
 import nltk
 
+from retr.common.errors import ParameterError
+from retr.store.conllu import ConlluRow
+
 #: Slot names in in-order traversal; even positions are entities, odd positions relations.
 SLOT_NAMES = ("E1", "R2", "E3", "R4", "E5", "R6", "E7")
 ENTITY_SLOTS = (0, 2, 4, 6)
@@ -126,7 +129,8 @@ class TreeRules:
 
     def __post_init__(self) -> None:
         if self.verb_prep not in VERB_PREP_STYLES:
-            raise ValueError(f"verb_prep must be one of {', '.join(VERB_PREP_STYLES)}, not {self.verb_prep!r}")
+            raise ParameterError(f"verb_prep must be one of {', '.join(VERB_PREP_STYLES)}, not {self.verb_prep!r}",
+                                 "verb_prep")
 
     def to_json(self) -> str:
         return json.dumps({"verb_prep": self.verb_prep}, sort_keys=True)
@@ -217,23 +221,13 @@ def fallback_lemma(form: str, upos: str) -> str:
 # --------------------------------------------------------------------------------------------------------
 # A dependency view of one sentence
 
-@dataclass(frozen=True)
-class _Word:
-    id: int
-    form: str
-    lemma: str
-    upos: str
-    xpos: str
-    feats: str
-    head: int
-    deprel: str
-
-
 class DependencySentence:
     """Index over one parsed sentence: words by id, children by head, in word order.
 
     Built from anything with ``.words`` whose items have ``id``, ``text``, ``lemma``, ``upos``, ``xpos``,
-    ``feats``, ``head``, ``deprel`` (a stanza ``Sentence``). Multi-word tokens use their syntactic words.
+    ``feats``, ``head``, ``deprel`` (a stanza ``Sentence``). Multi-word tokens use their syntactic words. Each
+    word is kept as a :class:`~retr.store.conllu.ConlluRow` (lemma filled in and lower-cased; ``head`` −1 when
+    the parse has none).
     """
 
     def __init__(self, sentence: Any):
@@ -241,12 +235,12 @@ class DependencySentence:
         for w in sentence.words:
             upos = w.upos or "X"
             lemma = w.lemma if w.lemma not in (None, "", "_") else fallback_lemma(w.text, upos)
-            words.append(_Word(int(w.id), w.text, lemma.lower(), upos, w.xpos or "_", w.feats or "_",
+            words.append(ConlluRow(int(w.id), w.text, lemma.lower(), upos, w.xpos or "_", w.feats or "_",
                                int(w.head) if w.head is not None else -1, (w.deprel or "dep").lower()))
         if not words:
             raise ValueError("the sentence has no words")
         self.words = {w.id: w for w in words}
-        self.children: dict[int, list[_Word]] = {}
+        self.children: dict[int, list[ConlluRow]] = {}
         for w in words:
             self.children.setdefault(w.head, []).append(w)
         roots = self.children.get(0, [])
@@ -254,7 +248,7 @@ class DependencySentence:
             raise ValueError("the parse has no root (no word with head 0)")
         self.root = roots[0]
 
-    def kids(self, word: _Word, *deprels: str) -> list[_Word]:
+    def kids(self, word: ConlluRow, *deprels: str) -> list[ConlluRow]:
         """Children of ``word`` whose relation is one of ``deprels`` (a name without ``:`` matches every
         subtype, e.g. ``obl`` matches ``obl:agent``; a full name matches only itself)."""
         found = []
@@ -265,7 +259,7 @@ class DependencySentence:
         return found
 
 
-def _is_relative_pronoun(word: _Word) -> bool:
+def _is_relative_pronoun(word: ConlluRow) -> bool:
     return word.xpos in ("WDT", "WP", "WP$") or "PronType=Rel" in word.feats
 
 
@@ -275,11 +269,11 @@ def _is_relative_pronoun(word: _Word) -> bool:
 @dataclass(frozen=True)
 class _Predicate:
     relation: str | None
-    obj: _Word | None
-    rest: tuple[tuple[str, _Word], ...] = ()
-    subject: _Word | None = None
+    obj: ConlluRow | None
+    rest: tuple[tuple[str, ConlluRow], ...] = ()
+    subject: ConlluRow | None = None
     predicative_adjective: str | None = None
-    promoted_from_subject: _Word | None = None  # the subject modifier used as the predicate (not reused)
+    promoted_from_subject: ConlluRow | None = None  # the subject modifier used as the predicate (not reused)
 
 
 class TreeBuilder:
@@ -314,7 +308,7 @@ class TreeBuilder:
         return ReferralTree((e1, r2, e3, r4, e5, r6, e7))
 
     # -- nouns --------------------------------------------------------------------------------------
-    def _resolve(self, s: DependencySentence, word: _Word | None) -> _Word | None:
+    def _resolve(self, s: DependencySentence, word: ConlluRow | None) -> ConlluRow | None:
         """Rule 1: skip framing/quantity nouns and numbers that have an ``of`` dependent."""
         seen = set()
         while word is not None and word.id not in seen:
@@ -330,7 +324,7 @@ class TreeBuilder:
             word = inner[0]
         return word
 
-    def _entity(self, s: DependencySentence, noun: _Word | None, predicative_adjective: str | None = None
+    def _entity(self, s: DependencySentence, noun: ConlluRow | None, predicative_adjective: str | None = None
                 ) -> tuple[str, ...]:
         """Candidates of an entity slot: compound, adjective–noun, noun (most specific first)."""
         if noun is None or noun.upos not in NOMINAL_UPOS:
@@ -353,7 +347,7 @@ class TreeBuilder:
         return tuple(candidates)
 
     # -- relations ----------------------------------------------------------------------------------
-    def _preposition(self, s: DependencySentence, dependent: _Word) -> tuple[str, _Word] | None:
+    def _preposition(self, s: DependencySentence, dependent: ConlluRow) -> tuple[str, ConlluRow] | None:
         """``(label, landmark)`` of a prepositional dependent, or ``None`` if it has no ``case`` word.
 
         ``on the grass`` → ``("on", grass)``; ``next to a dog`` (``to`` fixed on ``next``) → ``("next_to",
@@ -373,7 +367,7 @@ class TreeBuilder:
             return None
         return "_".join(words), dependent
 
-    def _complements(self, s: DependencySentence, head: _Word) -> list[tuple[str, _Word]]:
+    def _complements(self, s: DependencySentence, head: ConlluRow) -> list[tuple[str, ConlluRow]]:
         """Prepositional complements of a predicate (``obl`` with a case word, ``obl:agent``) in word order."""
         found = []
         for dependent in s.kids(head, "obl"):
@@ -384,7 +378,7 @@ class TreeBuilder:
                 found.append(prep)
         return found
 
-    def _verb_label(self, s: DependencySentence, verb: _Word) -> str:
+    def _verb_label(self, s: DependencySentence, verb: ConlluRow) -> str:
         particles = [p.lemma for p in s.kids(verb, "compound:prt")]
         return "_".join([verb.lemma] + particles)
 
@@ -393,7 +387,7 @@ class TreeBuilder:
             return f"{verb_label}_{preposition}"
         return f"{verb_label}_PREP"
 
-    def _clause(self, s: DependencySentence, head: _Word) -> _Predicate:
+    def _clause(self, s: DependencySentence, head: ConlluRow) -> _Predicate:
         """Rule 2 for a clause headed by ``head`` (a root, a relative clause, a clausal modifier)."""
         subjects = [w for w in s.kids(head, "nsubj") if not _is_relative_pronoun(w)]
         subject = subjects[0] if subjects else None
@@ -422,7 +416,7 @@ class TreeBuilder:
             return _Predicate(self._with_preposition(verb, label), noun, rest, subject)
         return _Predicate(verb, None, (), subject)
 
-    def _copular(self, s: DependencySentence, head: _Word, subject: _Word | None) -> _Predicate:
+    def _copular(self, s: DependencySentence, head: ConlluRow, subject: ConlluRow | None) -> _Predicate:
         if head.upos == "ADJ":
             complements = self._complements(s, head)
             if complements:
@@ -435,7 +429,7 @@ class TreeBuilder:
             return _Predicate(label, noun, tuple(self._complements(s, head)), subject)
         return _Predicate("be", head, tuple(self._complements(s, head)), subject)
 
-    def _promote(self, s: DependencySentence, noun: _Word | None) -> _Predicate:
+    def _promote(self, s: DependencySentence, noun: ConlluRow | None) -> _Predicate:
         """Verbless captions: the first clausal, else prepositional, modifier of ``noun`` (or of its
         conjuncts) becomes the main predicate."""
         if noun is None:
@@ -453,7 +447,7 @@ class TreeBuilder:
                     return _Predicate(prep[0], prep[1], (), promoted_from_subject=dependent)
         return _Predicate(None, None)
 
-    def _modifier(self, s: DependencySentence, noun: _Word | None, exclude: _Word | None = None
+    def _modifier(self, s: DependencySentence, noun: ConlluRow | None, exclude: ConlluRow | None = None
                   ) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Rule 3: ``(relation candidates, entity candidates)`` of the first modifier of ``noun``."""
         if noun is None:

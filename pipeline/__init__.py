@@ -1,1 +1,2 @@
-"""The offline pipeline: the HDF5 feature store, stage orchestration, importers and ``retr-pipeline``."""
+"""The offline pipeline: stage orchestration (extract, parse-trees, build-concepts), importers, ``verify`` and
+``retr-pipeline``. The files the stages write are defined in :mod:`retr.store`."""

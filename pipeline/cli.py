@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from retr.common.cli import run
+from retr.common.cli import flags_in_errors, run
 from retr.common.version import __version__
 
 
@@ -39,6 +39,7 @@ def _register() -> None:
                     extract_command, extract_preset_command, build_concepts_command,
                     import_scan_command, import_tsv_command, import_npz_command):
         cli.add_command(command)
+    flags_in_errors(cli)  # library errors name parameters; print them with these commands' flags
 
 
 _register()

@@ -1,19 +1,9 @@
 """Consensus-aware concepts (CVSE, used by SMFEA): concept vocabulary, multi-hot labels, co-occurrence graph.
 
 ``retr-pipeline build-concepts --manifest M --out concepts.h5 [--conllu F]`` writes, once per dataset, what
-every SMFEA run reuses::
-
-    /concepts        [C]     utf-8   concept words (lemmas), nouns first, then adjectives, then verbs
-    /pos             [C]     utf-8   NOUN / ADJ / VERB, or ANY for the frequency fallback
-    /counts          [C]     int64   number of training captions that contain the concept
-    /cooccurrence    [C, C]  int64   number of training captions that contain both (diagonal = counts)
-    /adjacency       [C, C]  float32 the normalised graph ``D^(-1/2) Aᵀ D^(-1/2)`` the GCN multiplies by
-    /caption_keys    [M]     utf-8   "<image id>#<k>", every caption of the manifest (all splits)
-    /caption_labels  [M, C]  uint8   1 where the caption's own words contain the concept
-    /image_ids       [N]     utf-8   every image of the manifest
-    /image_labels    [N, C]  uint8   union of the labels of the image's captions
-    attrs: kind="concepts", format_version, manifest_sha256, pos_source, train_splits, requested and actual
-           numbers per part of speech, graph parameters, created, retr_version, complete
+every SMFEA run reuses: the concept vocabulary, the caption and image labels and the graph. The file's layout,
+its writer and its reader (:class:`~retr.store.concepts.ConceptSet`) live in :mod:`retr.store.concepts`; this
+module is the stage that computes the contents.
 
 Vocabulary (CVSE: 300 concepts = 210 nouns + 60 adjectives + 30 verbs, the most frequent in the training
 captions). The part of speech needs a tagger; retr downloads none, so:
@@ -22,7 +12,7 @@ captions). The part of speech needs a tagger; retr downloads none, so:
   ``captions.conllu`` or the file ``parse-trees`` reads): words are the LEMMA column, lower-cased; UPOS NOUN and
   PROPN count as nouns, ADJ as adjectives, VERB as verbs. Frequency = number of training tokens.
 * without it (**frequency fallback**, ``pos_source="frequency"``): words are the lower-cased tokens of the
-  trainer's tokenizer (:func:`retr.trainers.vocab.tokenize`), closed-class words (:data:`FUNCTION_WORDS`:
+  trainer's tokenizer (:func:`retr.store.vocab.tokenize`), closed-class words (:data:`~retr.store.vocab.FUNCTION_WORDS`:
   determiners, pronouns, prepositions, conjunctions, auxiliaries, numerals) and tokens without a letter are
   dropped, and the ``nouns + adjectives + verbs`` most frequent remaining words are taken with POS ``ANY``.
   No lemmatisation (WordNet data is not assumed), so ``dog`` and ``dogs`` are two concepts.
@@ -46,48 +36,21 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-import h5py
 import numpy as np
 
-from retr.common.atomic import atomic_hdf5
-from retr.common.errors import MissingResourceError, UserError
-from retr.common.version import __version__
+from retr.common.errors import UserError
 from retr.manifests.schema import ManifestRecord, manifest_sha256, read_manifest
+from retr.store.concepts import ConceptData, write_concepts
+from retr.store.vocab import FUNCTION_WORDS, tokenize
 
-FORMAT_VERSION = 1
 TRAIN_SPLITS = ("train", "restval")
 DEFAULT_NOUNS, DEFAULT_ADJECTIVES, DEFAULT_VERBS = 210, 60, 30
 #: graph parameters of CVSE (models.md): rescale base, offset, edge threshold, neighbour weight
 GRAPH_DEFAULTS = {"scale_base": 5.0, "offset": 0.02, "threshold": 0.3, "neighbour_weight": 0.25}
 POS_GROUPS = {"NOUN": "NOUN", "PROPN": "NOUN", "ADJ": "ADJ", "VERB": "VERB"}
-
-#: closed-class English words the frequency fallback never takes as concepts (no tagger is assumed)
-FUNCTION_WORDS = frozenset("""
-a an the this that these those there here some any each every no all both either neither another other such
-i me my mine we us our ours you your yours he him his she her hers it its they them their theirs one ones
-who whom whose which what where when why how that's it's there's
-of in on at by for from to with without into onto over under above below near behind beside besides between
-among around through across along against toward towards up down out off about after before during until upon
-within inside outside beneath underneath next than via per like
-and or but nor so yet as if while because though although whether
-is are was were be been being am 's do does did done have has had having will would can could shall should
-may might must not n't
-one two three four five six seven eight nine ten several many much more most few less
-very too also just only then now again still even
-""".split())
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _decode(value) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -129,8 +92,6 @@ def read_conllu_words(path: str | os.PathLike, forms: Counter | None = None) -> 
 
 def fallback_words(caption: str) -> CaptionWords:
     """The frequency fallback's words of a caption: tokens minus :data:`FUNCTION_WORDS` and non-words."""
-    from retr.trainers.vocab import tokenize
-
     return [(t, "ANY") for t in tokenize(caption) if t not in FUNCTION_WORDS and any(c.isalpha() for c in t)]
 
 
@@ -208,24 +169,7 @@ def concept_graph(cooccurrence: np.ndarray, scale_base: float = 5.0, offset: flo
 
 
 # ---------------------------------------------------------------------------------------------------------
-# concepts.h5
-
-@dataclass
-class ConceptData:
-    """Everything ``concepts.h5`` holds (see the module docstring for shapes)."""
-
-    concepts: list[str]
-    pos: list[str]
-    counts: np.ndarray
-    cooccurrence: np.ndarray
-    adjacency: np.ndarray
-    caption_keys: list[str]
-    caption_labels: np.ndarray
-    image_ids: list[str]
-    image_labels: np.ndarray
-    attrs: dict
-    forms: dict[str, str]      # word form (as the tokenizer writes it) → concept word
-
+# Concept data (written by retr.store.concepts.write_concepts)
 
 def concept_forms(concepts: Sequence[str], forms: Counter | None) -> dict[str, str]:
     """``{form: concept}``: each concept is its own form; with CoNLL-U counts, every form whose most frequent
@@ -288,127 +232,6 @@ def build_concepts(records: Sequence[ManifestRecord], words: Mapping[str, Captio
              "actual": json.dumps(dict(actual)), "graph": json.dumps(params)}
     return ConceptData(concepts, [p for _, p in chosen], np.diag(cooc).copy(), cooc, adjacency, keys, labels,
                        [r.id for r in records], image_labels, attrs, concept_forms(concepts, forms))
-
-
-def write_concepts(path: str | os.PathLike, data: ConceptData, attrs: Mapping[str, object] | None = None) -> Path:
-    """Write ``concepts.h5`` to ``<path>.partial`` and rename it when complete."""
-    path = Path(path)
-    text = h5py.string_dtype("utf-8")
-    c = len(data.concepts)
-    with atomic_hdf5(path) as f:
-        for key, value in {**data.attrs, **(attrs or {})}.items():
-            f.attrs[key] = value
-        f.attrs.update({"kind": "concepts", "format_version": FORMAT_VERSION, "created": _now(),
-                        "retr_version": __version__, "num_concepts": c,
-                        "forms": json.dumps(data.forms, ensure_ascii=False, sort_keys=True)})
-        f.create_dataset("concepts", data=np.array(data.concepts, dtype=object), dtype=text)
-        f.create_dataset("pos", data=np.array(data.pos, dtype=object), dtype=text)
-        f.create_dataset("counts", data=data.counts.astype(np.int64))
-        f.create_dataset("cooccurrence", data=data.cooccurrence.astype(np.int64))
-        f.create_dataset("adjacency", data=data.adjacency.astype(np.float32))
-        f.create_dataset("caption_keys", data=np.array(data.caption_keys, dtype=object), dtype=text)
-        f.create_dataset("caption_labels", data=data.caption_labels, dtype=np.uint8,
-                         chunks=(min(4096, max(len(data.caption_keys), 1)), c), compression="gzip")
-        f.create_dataset("image_ids", data=np.array(data.image_ids, dtype=object), dtype=text)
-        f.create_dataset("image_labels", data=data.image_labels, dtype=np.uint8,
-                         chunks=(min(4096, max(len(data.image_ids), 1)), c), compression="gzip")
-    return path
-
-
-class ConceptSet:
-    """A ``concepts.h5`` read into memory, with lookups by caption key and image id."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise MissingResourceError(f"concept file {self.path}", str(self.path.parent),
-                                       "build it with: retr-pipeline build-concepts --manifest M --out "
-                                       f"{self.path}")
-        try:
-            f = h5py.File(self.path, "r")
-        except OSError as exc:
-            raise UserError(f"{self.path} is not a readable HDF5 file ({exc})") from None
-        with f:
-            if f.attrs.get("kind") != "concepts":
-                raise UserError(f"{self.path} is not a concepts file (kind {f.attrs.get('kind')!r})")
-            if not f.attrs.get("complete", False):
-                raise UserError(f"{self.path} is incomplete; re-run build-concepts")
-            self.attrs = {k: (_decode(v) if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-            self.concepts = [_decode(v) for v in f["concepts"][:]]
-            self.pos = [_decode(v) for v in f["pos"][:]]
-            self.counts = f["counts"][:]
-            self.cooccurrence = f["cooccurrence"][:]
-            self.adjacency = f["adjacency"][:]
-            self.caption_keys = [_decode(v) for v in f["caption_keys"][:]]
-            self.caption_labels = f["caption_labels"][:]
-            self.image_ids = [_decode(v) for v in f["image_ids"][:]]
-            self.image_labels = f["image_labels"][:]
-        #: word form → concept index (the trainer's token → concept map is built from it)
-        self.forms = {form: self.concepts.index(c) for form, c in json.loads(self.attrs.get("forms", "{}")).items()
-                      if c in self.concepts}
-        self._caption_rows = {k: i for i, k in enumerate(self.caption_keys)}
-        self._image_rows = {k: i for i, k in enumerate(self.image_ids)}
-
-    def __len__(self) -> int:
-        return len(self.concepts)
-
-    def _rows(self, keys: Sequence[str], table: dict[str, int], what: str) -> np.ndarray:
-        rows = np.fromiter((table.get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
-        if (rows < 0).any():
-            first = keys[int(np.flatnonzero(rows < 0)[0])]
-            raise UserError(f"{self.path} has no concept labels for {int((rows < 0).sum())} {what}(s) "
-                            f"(first: {first}); rebuild it from this manifest")
-        return rows
-
-    def labels_for_captions(self, keys: Sequence[str]) -> np.ndarray:
-        """``[len(keys), C]`` uint8 labels of captions (their own words)."""
-        return self.caption_labels[self._rows(keys, self._caption_rows, "caption")]
-
-    def labels_for_images(self, ids: Sequence[str]) -> np.ndarray:
-        """``[len(ids), C]`` uint8 labels of images (union over their captions)."""
-        return self.image_labels[self._rows(ids, self._image_rows, "image")]
-
-
-def read_word_vectors(path: str | os.PathLike, words: Sequence[str]) -> tuple[np.ndarray, list[str]]:
-    """Vectors ``[len(words), D]`` float32 of ``words`` from a GloVe-format text file (``word v1 … vD``).
-
-    A multi-word concept (``tennis_racket``) gets the mean of its parts. Returns the vectors and the words the
-    file does not cover (their rows are zero; the caller decides what to do with them).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise MissingResourceError(f"word-vector file {path}", str(path.parent),
-                                   "download GloVe (e.g. glove.840B.300d.txt from nlp.stanford.edu/projects/"
-                                   "glove) on a connected machine, or train concept vectors with --concept-vectors"
-                                   " learned")
-    wanted = {part for w in words for part in w.split("_")}
-    found: dict[str, np.ndarray] = {}
-    dim = None
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, start=1):
-            head, _, rest = line.rstrip("\n").partition(" ")
-            if head not in wanted or head in found:
-                continue
-            try:
-                vector = np.array(rest.split(" "), dtype=np.float32)
-            except ValueError:
-                raise UserError(f"{path} line {number}: not 'word v1 … vD' (GloVe text format)") from None
-            if dim is None:
-                dim = len(vector)
-            elif len(vector) != dim:
-                raise UserError(f"{path} line {number}: {len(vector)} values, earlier lines have {dim}")
-            found[head] = vector
-    if dim is None:
-        raise UserError(f"{path} covers none of the {len(words)} concept words")
-    out = np.zeros((len(words), dim), dtype=np.float32)
-    missing = []
-    for i, word in enumerate(words):
-        parts = [found[p] for p in word.split("_") if p in found]
-        if parts:
-            out[i] = np.mean(parts, axis=0)
-        else:
-            missing.append(word)
-    return out, missing
 
 
 def build_concepts_file(manifest: str | os.PathLike, out: str | os.PathLike, conllu: str | os.PathLike | None = None,

@@ -39,11 +39,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from retr.common.cli import progress
-from retr.common.errors import UserError
+from retr.common.errors import ParameterError, UserError
 from retr.common.torchrun import TorchrunEnv
 from retr.extractors.base import Extractor, ImageError, build_extractor
 from retr.manifests.schema import ManifestRecord, manifest_sha256, read_manifest
-from retr.pipeline.store import (ShardWriter, decode_str, index_path_for, is_complete,
+from retr.store.features import (ShardWriter, decode_str, index_path_for, is_complete,
                                  shard_name, shard_status, write_index)
 
 #: Attributes the shard writer adds that change with the run, not with what the features are; a complete
@@ -54,7 +54,7 @@ _RUN_ATTRS = ("created", "retr_version", "shard_index", "num_shards", "complete"
 def shard_ranges(num_rows: int, num_shards: int) -> list[tuple[int, int]]:
     """``[(start, stop)]`` of every shard: contiguous manifest rows, sizes differing by at most one."""
     if num_shards < 1:
-        raise UserError(f"--num-shards must be at least 1, not {num_shards}")
+        raise ParameterError(f"num_shards must be at least 1, not {num_shards}", "num_shards")
     return [(r * num_rows // num_shards, (r + 1) * num_rows // num_shards) for r in range(num_shards)]
 
 
@@ -67,22 +67,22 @@ def plan_shards(num_shards: int | None, shard_index: int | None,
     """``(W, the shard indices this process runs)`` from the flags and the torchrun environment."""
     if shard_index is not None:
         if num_shards is None:
-            raise UserError("--shard-index needs --num-shards")
+            raise ParameterError("shard_index needs num_shards", "shard_index", "num_shards")
         if env.world_size > 1:
-            raise UserError("--shard-index under torchrun would make every rank write the same shard; "
-                            "leave it out (rank r takes shard r)")
+            raise ParameterError("shard_index under torchrun would make every rank write the same shard; "
+                                 "leave it out (rank r takes shard r)", "shard_index")
         if not 0 <= shard_index < num_shards:
-            raise UserError(f"--shard-index {shard_index} is outside 0..{num_shards - 1}")
+            raise ParameterError(f"shard_index {shard_index} is outside 0..{num_shards - 1}", "shard_index")
         return num_shards, [shard_index]
     if env.world_size > 1:
         count = env.world_size if num_shards is None else num_shards
         if count < env.world_size:
-            raise UserError(f"--num-shards {count} is less than the {env.world_size} torchrun processes; "
-                            f"some would have nothing to do")
+            raise ParameterError(f"num_shards {count} is less than the {env.world_size} torchrun processes; "
+                                 f"some would have nothing to do", "num_shards")
         return count, list(range(env.rank, count, env.world_size))
     count = 1 if num_shards is None else num_shards
     if count < 1:
-        raise UserError(f"--num-shards must be at least 1, not {count}")
+        raise ParameterError(f"num_shards must be at least 1, not {count}", "num_shards")
     return count, list(range(count))
 
 
@@ -208,7 +208,7 @@ def _comparable(attrs: dict[str, Any]) -> dict[str, Any]:
 
 def check_existing_shard(path: Path, attrs: dict[str, Any], dtype: str, ids: list[str]) -> None:
     """Refuse to reuse a complete shard made with other settings (attributes, dtype) or for other rows."""
-    from retr.pipeline.store import _attr_value  # the same JSON encoding the writer applies
+    from retr.store.features import _attr_value  # the same JSON encoding the writer applies
     with h5py.File(path, "r") as f:
         have = _comparable({k: f.attrs[k] for k in f.attrs})
         shard_ids = [decode_str(v) for v in f["ids"][:]]
@@ -218,10 +218,10 @@ def check_existing_shard(path: Path, attrs: dict[str, Any], dtype: str, ids: lis
     if differing:
         key = differing[0]
         raise UserError(f"{path} was made with {key} = {have.get(key)!r}, this run has {want.get(key)!r}; "
-                        f"use another --out or delete {path.parent} to start over")
+                        f"give another out folder or delete {path.parent} to start over", parameters=["out"])
     if sorted(shard_ids + error_ids) != sorted(ids):
-        raise UserError(f"{path} holds other images than this manifest assigns to it; use another --out or delete "
-                        f"{path.parent} to start over")
+        raise UserError(f"{path} holds other images than this manifest assigns to it; give another out folder or "
+                        f"delete {path.parent} to start over", parameters=["out"])
 
 
 def _worker_context() -> mp.context.BaseContext:
@@ -311,9 +311,9 @@ def extract_features(manifest: str | os.PathLike, extractor: str, out: str | os.
     """
     started = time.perf_counter()
     if batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, not {batch_size}")
+        raise ParameterError(f"batch_size must be at least 1, not {batch_size}", "batch_size")
     if workers < 0:
-        raise UserError(f"--workers must be 0 or more, not {workers}")
+        raise ParameterError(f"workers must be 0 or more, not {workers}", "workers")
     env = env or DistributedEnv.from_environ()
     count, mine = plan_shards(num_shards, shard_index, env)
     manifest = Path(manifest)
@@ -322,12 +322,12 @@ def extract_features(manifest: str | os.PathLike, extractor: str, out: str | os.
         raise UserError(f"manifest {manifest} has no images")
     root = Path(image_root) if image_root is not None else manifest.resolve().parent
     if not root.is_dir():
-        raise UserError(f"image root {root} is not a folder (give --image-root)")
+        raise UserError(f"image root {root} is not a folder (give image_root)", parameters=["image_root"])
     folder = Path(out) / extractor
     existing_count, complete, _partial = shard_status(folder)
     if existing_count is not None and existing_count != count:
-        raise UserError(f"{folder} holds shards of a {existing_count}-shard run; use --num-shards {existing_count} "
-                        f"to resume it, or delete the folder to start over")
+        raise UserError(f"{folder} holds shards of a {existing_count}-shard run; use num_shards {existing_count} "
+                        f"to resume it, or delete the folder to start over", parameters=["num_shards"])
 
     options = dict(options or {})
     device = str(options.get("device", "cpu"))

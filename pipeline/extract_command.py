@@ -6,10 +6,10 @@ from typing import Any
 
 import click
 
-from retr.common.cli import quiet_option
-from retr.common.errors import RetrError, UserError
+from retr.common.cli import LazyChoice, error_message, quiet_option
+from retr.common.errors import ParameterError, RetrError, UserError
 from retr.extractors.base import available_extractors
-from retr.extractors.butd.cli_options import butd_options
+from retr.pipeline.butd_options import butd_options
 from retr.pipeline.extract import extract_features
 
 
@@ -52,8 +52,8 @@ def _builder_options(weights: str | None, device: str, half: bool, **specific: A
 @click.command("extract")
 @click.option("--manifest", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="The dataset manifest (JSON Lines).")
-@click.option("--extractor", "name", required=True,
-              help="resnet152-grid | vgg16-maps | tencrop-vgg19 | tencrop-resnet152 | butd-regions.")
+@click.option("--extractor", "name", type=LazyChoice(available_extractors), required=True,
+              help="The registered extractor to run.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Features folder: writes OUT/NAME/shard-*.h5 and the index OUT/NAME.h5.")
 @click.option("--shard-index", type=int, default=None, help="Run only this shard (with --num-shards).")
@@ -132,9 +132,9 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
             summary = extract_features(preset.manifest, name, preset.features, image_root=preset.images,
                                        options=options, batch_size=batch_size, workers=workers,
                                        num_shards=num_shards, dtype=dtype, quiet=quiet)
-        except RetrError as exc:
+        except (RetrError, ParameterError) as exc:
             failed.append(name)
-            click.echo(f"{name}: error: {exc}", err=True)
+            click.echo(f"{name}: error: {error_message(exc)}", err=True)
             continue
         click.echo(summary.line())
     if failed:

@@ -7,7 +7,7 @@ import click
 
 from retr.common.cli import progress, quiet_option
 from retr.pipeline.importers import SCAN_SPLITS, ImportSummary, import_npz, import_scan, import_tsv
-from retr.pipeline.store import FEATURE_DTYPES
+from retr.store.features import FEATURE_DTYPES
 
 _dtype = click.option("--dtype", type=click.Choice(FEATURE_DTYPES), default="float16", show_default=True,
                       help="On-disk type of the features.")

@@ -20,7 +20,7 @@
 
 Images with different numbers of boxes (the 10–100 adaptive features) get K = the largest count in the input
 (or ``max_boxes`` if given, which must cover it); rows past ``num_boxes`` are zeros. Every importer writes
-through :class:`~retr.pipeline.store.ShardWriter` (a partial file until complete, removed on error), so bad
+through :class:`~retr.store.features.ShardWriter` (a partial file until complete, removed on error), so bad
 input stops with a clear error and leaves nothing that looks finished.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 
 from retr.common.errors import UserError
 from retr.manifests.schema import ManifestRecord, manifest_sha256, write_manifest
-from retr.pipeline.store import REGION_DATASETS, REGION_IMAGE_DATASETS, ShardWriter
+from retr.store.features import REGION_DATASETS, REGION_IMAGE_DATASETS, ShardWriter
 
 FEATURE_DIM = 2048
 CAPTIONS_PER_IMAGE = 5

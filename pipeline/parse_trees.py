@@ -33,7 +33,7 @@ from retr.parsers.backends import (CaptionItem, ConlluBackend, ParserBackend, St
 from retr.parsers.dictionaries import (DEFAULT_NUM_ENTITIES, DEFAULT_NUM_RELATIONS, NULL_ID, UNKNOWN_ID,
                                        Dictionaries, build_dictionaries, load_dictionaries)
 from retr.parsers.referral_tree import (VERB_PREP_STYLES, ReferralTree, TreeBuilder, TreeRules)
-from retr.parsers.trees_file import parse_shard_name, read_parse_shard, write_parse_shard, write_trees
+from retr.store.trees import parse_shard_name, read_parse_shard, write_parse_shard, write_trees
 
 DEFAULT_SHARD_SIZE = 5000
 DEFAULT_BATCH_SIZE = 64

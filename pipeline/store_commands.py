@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from retr.pipeline.store import index_shard_folder
+from retr.store.features import index_shard_folder
 from retr.pipeline.verify import summarize_feature_set, verify_feature_set
 
 

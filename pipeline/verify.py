@@ -8,7 +8,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from retr.pipeline.store import (FEATURE_DTYPES, FORMAT_VERSION, KINDS, PARTIAL_SUFFIX, REGION_DATASETS,
+from retr.store.features import (FEATURE_DTYPES, FORMAT_VERSION, KINDS, PARTIAL_SUFFIX, REGION_DATASETS,
                                  REGION_IMAGE_DATASETS, ROOT_ATTRS, SHARED_ATTRS, decode_str, is_complete)
 
 #: What each kind's per-sample shape (K, D) may be. ``None`` means any positive size.

@@ -20,7 +20,7 @@ def grid_attrs(**overrides):
 @pytest.fixture
 def make_feature_set(tmp_path):
     """Write a sharded grid feature set; returns (index path, {id: features}) for checking reads."""
-    from retr.pipeline.store import ShardWriter, shard_name, write_index
+    from retr.store.features import ShardWriter, shard_name, write_index
 
     def make(num_shards=3, rows_per_shard=4, shape=(49, 2048), dtype="float16", name="resnet152-grid",
              attrs=None, seed=0):
@@ -41,3 +41,28 @@ def make_feature_set(tmp_path):
         return index, expected
 
     return make
+
+
+@pytest.fixture
+def run_cli():
+    """Run a ``retr-pipeline``/``retr-train`` command in-process: ``run_cli("train", "scan", "--out", …)``.
+
+    Returns click's result; asserts the exit code is 0 unless ``ok=False`` (then it must be non-zero).
+    """
+    from click.testing import CliRunner
+
+    def run(program: str, *args, ok: bool = True):
+        if program == "train":
+            from retr.trainers.cli import cli
+        elif program == "pipeline":
+            from retr.pipeline.cli import cli
+        else:
+            raise ValueError(f"program must be 'train' or 'pipeline', not {program!r}")
+        result = CliRunner().invoke(cli, [str(a) for a in args])
+        if ok:
+            assert result.exit_code == 0, result.output
+        else:
+            assert result.exit_code != 0, result.output
+        return result
+
+    return run

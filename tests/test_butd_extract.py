@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from retr.pipeline.store import FeatureSet
+from retr.store.features import FeatureSet
 from retr.pipeline.verify import verify_feature_set
 
 # the speed options keep this test fast; the same settings as test_butd_model, so the random weights are reused

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from retr.common.errors import MissingResourceError, UserError
+from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.extractors.base import build_extractor
 from retr.extractors.butd.checkpoint import airsplay_to_caffe, load_into, load_weights
 from retr.extractors.butd.model import BottomUpAttention, DetectorSettings, empty_detector
@@ -99,8 +99,9 @@ def test_random_layout_state_dict_loads_with_no_missing_or_unexpected_keys(milvl
 
 def test_partial_or_mismatched_loads_are_refused_unless_asked(random_state):
     partial = {k: v for k, v in random_state.items() if not k.startswith("roi_heads.box_predictor.attr")}
-    with pytest.raises(UserError, match=r"4 missing .*--allow-partial"):
+    with pytest.raises(UserError, match=r"4 missing .*; set allow_partial to load it anyway") as caught:
         load_into(empty_detector(), partial)
+    assert caught.value.parameters == ("allow_partial",)  # a command shows its flag (--allow-partial) instead
     report = load_into(empty_detector(), {**partial, "extra.weight": torch.zeros(1)}, allow_partial=True)
     assert len(report.missing) == 4 and report.unexpected == ["extra.weight"]
     wrong = dict(random_state)
@@ -119,8 +120,9 @@ def test_missing_weights_file_is_one_line(tmp_path):
 def test_pth_with_python_objects_needs_the_trust_flag(tmp_path, random_state):
     path = tmp_path / "with_config.pth"
     torch.save({"model": {"x": torch.zeros(1)}, "cfg": TrainingConfig()}, path)
-    with pytest.raises(UserError, match="--trust-checkpoint"):
+    with pytest.raises(UserError, match="if you trust the file, set trust_checkpoint$") as caught:
         load_weights(empty_detector(), path)
+    assert caught.value.parameters == ("trust_checkpoint",)
 
 
 def caffe_to_airsplay(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -189,7 +191,7 @@ def test_pickle_with_objects_needs_the_trust_flag(tmp_path):
     path = tmp_path / "odd.pkl"
     with open(path, "wb") as handle:
         pickle.dump({"model": {"x": np.zeros(2)}, "cfg": UserError("an object")}, handle)
-    with pytest.raises(UserError, match="--trust-checkpoint"):
+    with pytest.raises(UserError, match="if you trust the file, set trust_checkpoint$"):
         load_weights(empty_detector(), path)
 
 
@@ -247,11 +249,16 @@ def test_vocabularies_are_recorded(tmp_path):
         build_extractor("butd-regions", weights="random", attr_vocab=str(attributes), **FAST)
 
 
-def test_bad_options_are_user_errors():
-    with pytest.raises(UserError, match="post_nms_topk"):
+def test_bad_options_are_value_errors_naming_the_parameters():
+    with pytest.raises(ParameterError, match=r"^post_nms_topk \(10\) must be at least max_boxes \(36\)$") as caught:
         build_extractor("butd-regions", weights="random", post_nms_topk=10)
-    with pytest.raises(UserError, match="image_size"):
+    assert caught.value.parameters == ("post_nms_topk", "max_boxes")
+    with pytest.raises(ValueError, match="^butd-regions does not take image_size$"):
         build_extractor("butd-regions", weights="random", image_size=448)
+    with pytest.raises(ValueError, match="^need 1 ≤ min_boxes ≤ max_boxes, got 10 and 5$"):
+        build_extractor("butd-regions", weights="random", min_boxes=10, max_boxes=5)
+    with pytest.raises(ValueError, match="^need 16 ≤ short_side ≤ max_side, got 600 and 500$"):
+        build_extractor("butd-regions", weights="random", max_side=500)
 
 
 def test_default_weights_are_never_silently_random(tmp_path, monkeypatch):

@@ -10,8 +10,9 @@ from click.testing import CliRunner
 
 from retr.common.errors import MissingResourceError, UserError
 from retr.manifests.schema import ManifestRecord
-from retr.pipeline.concepts import (ConceptSet, build_concepts, concept_graph, cooccurrence_counts,
-                                    fallback_words, multi_hot, read_word_vectors, select_concepts, write_concepts)
+from retr.pipeline.concepts import (build_concepts, concept_graph, cooccurrence_counts, fallback_words, multi_hot,
+                                    select_concepts)
+from retr.store.concepts import ConceptSet, read_word_vectors, write_concepts
 
 
 def test_graph_matches_hand_computation():

@@ -16,12 +16,12 @@ from click.testing import CliRunner
 
 from retr.common.cli import run
 from retr.common.errors import UserError
-from retr.extractors.base import build_extractor
+from retr.extractors.base import available_extractors, build_extractor
 from retr.manifests.schema import manifest_sha256
 from retr.manifests.synthetic import generate_synthetic
 from retr.pipeline.cli import cli
 from retr.pipeline.extract import DistributedEnv, extract_features, plan_shards, shard_ranges
-from retr.pipeline.store import ROOT_ATTRS, decode_str, shard_name
+from retr.store.features import ROOT_ATTRS, decode_str, shard_name
 from retr.pipeline.verify import verify_feature_set
 
 VENV_BIN = Path(sys.executable).parent
@@ -119,11 +119,11 @@ def test_plan_shards_from_flags_and_torchrun_environment():
     env = DistributedEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
     assert plan_shards(None, None, env) == (2, [1])
     assert plan_shards(6, None, env) == (6, [1, 3, 5])
-    with pytest.raises(UserError, match="make every rank write the same shard"):
+    with pytest.raises(ValueError, match="^shard_index under torchrun would make every rank write the same shard"):
         plan_shards(4, 1, env)
-    with pytest.raises(UserError, match="outside 0..3"):
+    with pytest.raises(ValueError, match="^shard_index 4 is outside 0..3"):
         plan_shards(4, 4, alone)
-    with pytest.raises(UserError, match="needs --num-shards"):
+    with pytest.raises(ValueError, match="^shard_index needs num_shards$"):
         plan_shards(None, 0, alone)
 
 
@@ -194,7 +194,7 @@ def test_interrupted_run_resumes_without_redoing_finished_shards(dataset, extrac
     with pytest.raises(UserError, match="was made with image_size = 32, this run has 64"):
         extract_features(manifest, NAME, out, options={"weights": "random", "image_size": 64}, num_shards=3,
                          quiet=True)
-    with pytest.raises(UserError, match="holds shards of a 3-shard run; use --num-shards 3"):
+    with pytest.raises(UserError, match="holds shards of a 3-shard run; use num_shards 3"):
         extract_features(manifest, NAME, out, options=OPTIONS, num_shards=2, quiet=True,
                          build=Counting(extractor))
 
@@ -229,14 +229,33 @@ def test_command_errors_are_one_line(dataset, tmp_path, monkeypatch, capsys):
     base = ["extract", "--manifest", str(manifest), "--extractor", NAME, "--out", str(tmp_path / "out")]
     for extra, expected in [(["--weights", str(path)], "does not fit resnet152"),
                             ([], "ImageNet weights ResNet152_Weights.IMAGENET1K_V1 (resnet152-394f9c45.pth) not found"),
-                            (["--weights", "random", "--half"], "--half needs --device cuda"),
-                            (["--weights", "random", "--shard-index", "1"], "--shard-index needs --num-shards")]:
+                            (["--weights", "random", "--half"], "error: --half needs --device cuda (half-precision"),
+                            (["--weights", "random", "--shard-index", "1"],
+                             "error: --shard-index needs --num-shards\n"),
+                            (["--weights", "random", "--image-size", "16"],
+                             "error: --image-size (the crop side) must be at least 32 for tencrop-resnet152, not 16\n"),
+                            (["--weights", "random", "--grid-size", "7"],
+                             "error: extractor 'tencrop-resnet152' does not take --grid-size\n"),
+                            (["--weights", "random", "--batch-size", "0"], "error: --batch-size must be at least 1")]:
         with pytest.raises(SystemExit) as exited:
             run(cli, base + extra)
         stderr = capsys.readouterr().err
         assert exited.value.code == 1, stderr
         assert stderr.count("\n") == 1 and stderr.startswith("error: ") and expected in stderr
+        assert "Traceback" not in stderr
     assert not (tmp_path / "out" / NAME).exists()
+
+
+def test_extractor_is_a_choice_of_the_registered_ones(tmp_path, capsys):
+    names = available_extractors()
+    with pytest.raises(SystemExit) as exited:
+        run(cli, ["extract", "--manifest", str(tmp_path / "m.jsonl"), "--extractor", "nope", "--out", str(tmp_path)])
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2 and "Usage: " in stderr and "Traceback" not in stderr
+    assert "error: Invalid value for '--extractor': 'nope' is not one of" in stderr
+    assert all(repr(name) in stderr for name in names)
+    shown = CliRunner().invoke(cli, ["extract", "--help"])
+    assert shown.exit_code == 0 and "--extractor [" + "|".join(names) + "]" in shown.output
 
 
 def test_extract_preset_runs_every_available_extractor(tmp_path, monkeypatch):
@@ -265,6 +284,25 @@ def test_extract_preset_runs_every_available_extractor(tmp_path, monkeypatch):
     assert all(c[1:4] == (tmp_path / "m.jsonl", tmp_path / "f", tmp_path / "img") for c in calls)
     assert all(c[4] == {"device": "cpu", "weights": "random"} for c in calls)
     assert "butd-regions: not available yet" in result.output and "tencrop-vgg19: done" in result.output
+
+
+def test_extract_preset_reports_each_failure_in_flags(tmp_path, monkeypatch):
+    from retr.common.errors import ParameterError
+    import retr.pipeline.extract_command as command
+
+    def refuse(manifest, name, out, **kwargs):
+        raise ParameterError("half needs device cuda (half-precision convolutions are slow or missing on CPU)",
+                             "half", "device")
+
+    monkeypatch.setattr(command, "extract_features", refuse)
+    monkeypatch.setattr(command, "available_extractors", lambda: ["vgg16-maps", "tencrop-vgg19"])
+    result = CliRunner().invoke(cli, ["extract-preset", "synthetic", "--manifest", str(tmp_path / "m.jsonl"),
+                                      "--out", str(tmp_path / "f"), "--half", "--only", "vgg16-maps",
+                                      "--only", "tencrop-vgg19"])
+    assert result.exit_code == 1 and isinstance(result.exception, UserError)
+    assert "vgg16-maps: error: --half needs --device cuda (half-precision" in result.output
+    assert "tencrop-vgg19: error: --half needs --device cuda" in result.output
+    assert str(result.exception) == "2 of 2 extractors failed: vgg16-maps, tencrop-vgg19"
 
 
 def test_progress_bar_is_off_when_quiet_and_the_summary_is_one_line(dataset, extractor, tmp_path, capsys):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import torchvision
 from PIL import Image
 
-from retr.common.errors import MissingResourceError, UserError
+from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.extractors.base import ImageError, available_extractors, build_extractor
 from retr.extractors.backbone import resolve_device
 from retr.extractors.images import IMAGENET_MEAN, IMAGENET_STD, SquareResize, TenCrop, decode_image, to_rgb
@@ -138,24 +138,44 @@ def test_ten_crops_are_corners_centre_and_their_mirrors(tmp_path):
 # ----------------------------------------------------------------------------------------------- registry
 def test_registry_names_and_option_check():
     assert {"resnet152-grid", "vgg16-maps", "tencrop-vgg19", "tencrop-resnet152"} <= set(available_extractors())
-    with pytest.raises(UserError, match="does not take --grid-size"):
+    with pytest.raises(ValueError, match="does not take grid_size$"):
         build_extractor("vgg16-maps", weights="random", grid_size=7)
-    with pytest.raises(UserError, match="unknown extractor 'resnet9-grid'"):
+    with pytest.raises(ValueError, match="unknown extractor 'resnet9-grid'"):
         build_extractor("resnet9-grid")
-    with pytest.raises(UserError, match="does not pool to 7×7"):
+    with pytest.raises(ValueError, match=r"does not pool to 7×7 \(grid_size 7\); use image_size 224"):
         build_extractor("resnet152-grid", weights="random", image_size=320)
-    with pytest.raises(UserError, match="must be one of"):
+    with pytest.raises(ValueError, match="^image_size for vgg16-maps must be one of"):
         build_extractor("vgg16-maps", weights="random", image_size=300)
+
+
+@pytest.mark.parametrize("name, options, parameters, message", [
+    ("resnet152-grid", {"image_size": 100}, ("image_size",), "image_size must be a multiple of 32"),
+    ("resnet152-grid", {"grid_size": 5}, ("grid_size",), "grid_size must be one of (7, 14), not 5"),
+    ("tencrop-vgg19", {"image_size": 16}, ("image_size",), "image_size (the crop side) must be at least 32"),
+    ("vgg16-maps", {"image_size": 300}, ("image_size",), "image_size for vgg16-maps must be one of"),
+    ("vgg16-maps", {"grid_size": 7, "exif": True}, ("exif", "grid_size"), "does not take exif, grid_size"),
+    ("resnet152-grid", {"weights": "IMAGENET1K_V9"}, ("weights",), "weights 'IMAGENET1K_V9' is not a torchvision"),
+    ("resnet152-grid", {"half": True}, ("half", "device"), "half needs device cuda"),
+])
+def test_bad_argument_values_are_value_errors_naming_the_parameter(name, options, parameters, message):
+    """Library calls name the Python parameter (never a command-line flag); the command maps it to its flag."""
+    with pytest.raises(ParameterError) as caught:
+        build_extractor(name, **{"weights": "random", **options})
+    error = caught.value
+    assert isinstance(error, ValueError) and not isinstance(error, UserError)
+    assert error.parameters == parameters and error.parameter == parameters[0]
+    assert message in str(error)
+    assert "--" not in str(error)
 
 
 def test_device_checks():
     assert resolve_device("cpu", False) == torch.device("cpu")
-    with pytest.raises(UserError, match="--half needs --device cuda"):
+    with pytest.raises(ValueError, match="^half needs device cuda"):
         resolve_device("cpu", True)
-    with pytest.raises(UserError, match="unknown device"):
+    with pytest.raises(ValueError, match="unknown device"):
         resolve_device("gpu0", False)
     if not torch.cuda.is_available():
-        with pytest.raises(UserError, match="CUDA is not available"):
+        with pytest.raises(ValueError, match="CUDA is not available"):
             resolve_device("cuda", False)
 
 
@@ -264,7 +284,7 @@ def test_wrong_architecture_state_dict_is_one_clear_error(tmp_path):
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match="cannot read .*junk.pth as a PyTorch state dict"):
         build_extractor("resnet152-grid", weights=str(tmp_path / "junk.pth"))
-    with pytest.raises(UserError, match="neither 'imagenet', 'random'"):
+    with pytest.raises(ValueError, match="^weights '.*absent.pth' is neither 'imagenet', 'random'"):
         build_extractor("resnet152-grid", weights=str(tmp_path / "absent.pth"))
 
 
@@ -277,7 +297,7 @@ def test_imagenet_weights_missing_from_the_cache(tmp_path, monkeypatch):
     assert "VGG19_Weights.IMAGENET1K_V1 (vgg19-dcbb9e9d.pth) not found" in message
     assert f"looked in {cache}" in message
     assert "https://download.pytorch.org/models/vgg19-dcbb9e9d.pth" in message and "\n" not in message
-    with pytest.raises(UserError, match="has no weights 'IMAGENET1K_V9'"):
+    with pytest.raises(ValueError, match="weights 'IMAGENET1K_V9' is not a torchvision weight name of resnet152"):
         build_extractor("resnet152-grid", weights="IMAGENET1K_V9")
 
 
@@ -308,3 +328,20 @@ def test_cpu_passes_of_a_few_images_give_the_whole_batch_features(jpeg, monkeypa
     parts = extractor.extract(batch)["features"]
     assert calls == [4] * 7 + [2]
     np.testing.assert_allclose(parts, whole, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ library only
+def test_no_extractor_module_imports_click():
+    """Command-line options live on the pipeline side (``pipeline/butd_options.py``); extractors are a library."""
+    import ast
+
+    import retr.extractors
+
+    root = Path(retr.extractors.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(root)}: {name}" for name in names if name.split(".")[0] == "click"]
+    assert len(list(root.rglob("*.py"))) > 10 and offenders == []

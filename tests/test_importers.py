@@ -12,7 +12,7 @@ import pytest
 from retr.common.errors import UserError
 from retr.manifests.schema import read_manifest
 from retr.pipeline.importers import import_npz, import_scan, import_tsv
-from retr.pipeline.store import FeatureSet
+from retr.store.features import FeatureSet
 from retr.pipeline.verify import verify_feature_set
 
 BIN = Path(sys.executable).parent

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from retr.store.labels import read_label_file
 from retr.trainers.losses import hinge_triplet_loss
 from retr.trainers.models import create_model, preset
-from retr.trainers.models.jgcar import (JGCAR, caption_concepts, decorrelation_loss, intra_modal_triplet,
-                                        labels_to_multihot, read_label_file)
+from retr.trainers.models.jgcar import JGCAR, decorrelation_loss, intra_modal_triplet
+from retr.trainers.side_inputs import caption_concepts, labels_to_multihot
 from retr.trainers.two_step import rerank_matrices
 
 torch.set_num_threads(1)
@@ -290,7 +291,7 @@ def write_scene_maps(folder, name: str = "scene-maps", seed: int = 0):
     import json
 
     from retr.manifests.synthetic import COLOURS, SHAPES, SIZES
-    from retr.pipeline.store import ShardWriter, shard_name, write_index
+    from retr.store.features import ShardWriter, shard_name, write_index
     grid, dim = 14, 512
     rng = np.random.default_rng(seed)
     scenes = [json.loads(line) for line in (folder / "scenes.jsonl").read_text().splitlines() if line.strip()]
@@ -318,7 +319,7 @@ def write_scene_maps(folder, name: str = "scene-maps", seed: int = 0):
 def test_jgcar_learns_on_synthetic_maps(tmp_path):
     """Through the shared loop: a short run reaches a two-step test R@1 many times chance, both directions."""
     from retr.manifests.synthetic import generate_synthetic
-    from retr.pipeline.store import FeatureSet
+    from retr.store.features import FeatureSet
     from retr.trainers import checkpoint as ckpt
     from retr.trainers.data import ImageFeatures, load_split
     from retr.trainers.loop import TrainConfig, train

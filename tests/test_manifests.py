@@ -59,7 +59,7 @@ def test_missing_manifest_and_unknown_split_filter(tmp_path):
     with pytest.raises(ManifestError, match="does not exist"):
         read_manifest(tmp_path / "absent.jsonl")
     path = write_lines(tmp_path / "m.jsonl", [GOOD])
-    with pytest.raises(UserError, match="unknown split 'dev'"):
+    with pytest.raises(ValueError, match="unknown split 'dev' in splits"):
         read_manifest(path, splits=["dev"])
 
 
@@ -138,5 +138,5 @@ def test_presets_and_overrides(tmp_path, monkeypatch):
     assert str(get_preset("coco").images) == "/mnt/coco"
     assert str(get_preset("coco", images="/flag").images) == "/flag"  # a flag beats the environment
     assert get_preset("synthetic").karpathy is None
-    with pytest.raises(UserError, match="unknown dataset preset 'imagenet'"):
+    with pytest.raises(ValueError, match="unknown dataset preset 'imagenet'"):
         get_preset("imagenet")

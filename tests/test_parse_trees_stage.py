@@ -13,7 +13,7 @@ from retr.common.errors import UserError
 from retr.manifests.schema import read_manifest, write_manifest
 from retr.manifests.synthetic import generate_synthetic
 from retr.parsers.backends import ConlluBackend
-from retr.parsers.trees_file import TreeSet, read_trees
+from retr.store.trees import TreeSet, read_trees
 from retr.pipeline.cli import cli
 from retr.pipeline.parse_trees import run_parse_trees, shard_folder
 

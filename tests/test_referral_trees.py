@@ -156,7 +156,7 @@ def test_dictionaries_save_and_reuse(tmp_path):
         load_dictionaries(tmp_path / "none.json")
     with pytest.raises(UserError, match="ids 0 and 1"):
         Dictionaries(["dog", "null"], ["null", "unknown"])
-    with pytest.raises(UserError):
+    with pytest.raises(ValueError, match="^num_entities and num_relations must be at least 3"):
         build_dictionaries([], num_entities=2)
 
 

@@ -211,7 +211,7 @@ def write_scene_tencrop_features(dataset, out, dim: int = 32, seed: int = 0):
     non-negative like fc7 after ReLU).
     """
     from retr.manifests.synthetic import COLOURS, SHAPES
-    from retr.pipeline.store import ShardWriter, shard_name, write_index
+    from retr.store.features import ShardWriter, shard_name, write_index
     colours, shapes = list(COLOURS), list(SHAPES)
     rng = np.random.default_rng(seed)
     scenes = [json.loads(line) for line in (dataset / "scenes.jsonl").read_text().splitlines()]
@@ -239,12 +239,12 @@ def write_scene_tencrop_features(dataset, out, dim: int = 32, seed: int = 0):
 def test_seam_learns_the_synthetic_scenes(tmp_path, kind):
     """Through the shared loop with the paper's loss: test R@1 (both directions) many times chance."""
     from retr.manifests.synthetic import generate_synthetic
-    from retr.pipeline.store import FeatureSet
+    from retr.store.features import FeatureSet
     from retr.trainers.data import ImageFeatures, load_split
     from retr.trainers.evaluation import retrieval_metrics
     from retr.trainers.similarity import similarity_matrix
     from retr.trainers.loop import TrainConfig, train
-    from retr.trainers.vocab import Vocabulary
+    from retr.store.vocab import Vocabulary
 
     dataset = tmp_path / "synth"
     generate_synthetic(dataset, num_images=200, seed=0)

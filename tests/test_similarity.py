@@ -10,7 +10,7 @@ from retr.trainers.models import create_model
 from retr.trainers.evaluation import i2t_ranks, retrieval_metrics, t2i_ranks
 from retr.trainers.similarity import (Scorer, SplitEmbeddings, caption_sources, combined_matrix, rank_deciding_pairs,
                                       similarity_matrix, with_shared_captions)
-from retr.trainers.vocab import Vocabulary
+from retr.store.vocab import Vocabulary
 
 
 class _Features(ImageFeatures):

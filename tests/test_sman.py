@@ -248,7 +248,7 @@ def write_scene_grid_features(dataset, out, dim: int = 16, seed: int = 0):
     only in where the objects are, as in a real grid.
     """
     from retr.manifests.synthetic import COLOURS, SHAPES
-    from retr.pipeline.store import ShardWriter, shard_name, write_index
+    from retr.store.features import ShardWriter, shard_name, write_index
     colours, shapes = list(COLOURS), list(SHAPES)
     rng = np.random.default_rng(seed)
     scenes = [json.loads(line) for line in (dataset / "scenes.jsonl").read_text().splitlines()]
@@ -272,7 +272,7 @@ def write_scene_grid_features(dataset, out, dim: int = 16, seed: int = 0):
 def test_sman_learns_the_synthetic_scenes(tmp_path):
     """Through the shared loop: test R@1 (both directions) many times chance after a short CPU run."""
     from retr.manifests.synthetic import generate_synthetic
-    from retr.pipeline.store import FeatureSet
+    from retr.store.features import FeatureSet
     from retr.trainers.data import ImageFeatures, load_split
     from retr.trainers.evaluation import retrieval_metrics
     from retr.trainers.similarity import similarity_matrix
@@ -290,7 +290,7 @@ def test_sman_learns_the_synthetic_scenes(tmp_path):
                       train_splits=["train"], val_images=20)
     train(cfg, quiet=True, log=lambda *_: None)
     state = torch.load(tmp_path / "run" / "best.pt", map_location="cpu", weights_only=False)
-    from retr.trainers.vocab import Vocabulary
+    from retr.store.vocab import Vocabulary
     vocab = Vocabulary.from_json(state["vocab"])
     model = create_model("sman", **state["config"]["model_args"])
     model.load_state_dict(state["model"])

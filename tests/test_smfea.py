@@ -263,7 +263,7 @@ def test_smfea_learns_the_synthetic_scenes_and_reports_node_accuracy(tmp_path):
     from retr.trainers.data import ImageFeatures, load_split
     from retr.trainers.evaluation import retrieval_metrics
     from retr.trainers.similarity import similarity_matrix
-    from retr.pipeline.store import FeatureSet
+    from retr.store.features import FeatureSet
     from retr.trainers import checkpoint as ckpt
 
     manifest, features = _prepare_synthetic(tmp_path, images=200)
@@ -317,11 +317,11 @@ def test_smfea_ablation_without_trees_and_errors(tmp_path):
 
 def test_token_concepts_agree_with_concepts_file(tmp_path):
     """The labels a caption gets from its own tokens are the ones build-concepts wrote for it."""
-    from retr.pipeline.concepts import ConceptSet
-    from retr.pipeline.store import FeatureSet
+    from retr.store.concepts import ConceptSet
+    from retr.store.features import FeatureSet
     from retr.trainers.data import load_split
     from retr.trainers.smfea_inputs import caption_keys, load_training_inputs
-    from retr.trainers.vocab import Vocabulary
+    from retr.store.vocab import Vocabulary
     from retr.manifests.schema import read_manifest
 
     manifest, features = _prepare_synthetic(tmp_path, images=40)
@@ -345,7 +345,7 @@ def test_smfea_with_glove_format_concept_vectors(tmp_path):
     """--concept-vectors FILE: fixed vectors from the file (absent words start random), recorded in the run."""
     from click.testing import CliRunner
 
-    from retr.pipeline.concepts import ConceptSet
+    from retr.store.concepts import ConceptSet
     from retr.trainers import checkpoint as ckpt
     from retr.trainers.cli import cli as train_cli
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from retr.common.errors import UserError
-from retr.pipeline.store import (REGION_DATASETS, FeatureSet, ShardWriter, index_shard_folder, is_complete,
+from retr.store.features import (REGION_DATASETS, FeatureSet, ShardWriter, index_shard_folder, is_complete,
                                  shard_name, shard_status, write_index)
 from tests.conftest import grid_attrs
 
@@ -131,7 +131,7 @@ def test_killed_writer_leaves_no_finished_looking_file(tmp_path):
     folder = tmp_path / "resnet152-grid"
     script = textwrap.dedent(f"""
         import os, signal, numpy as np
-        from retr.pipeline.store import ShardWriter, shard_name
+        from retr.store.features import ShardWriter, shard_name
         from tests.conftest import grid_attrs
         w = ShardWriter({str(folder)!r} + "/" + shard_name(0, 2), grid_attrs(), (49, 2048), shard_index=0, num_shards=2)
         w.append(["a", "b"], np.ones((2, 49, 2048)))

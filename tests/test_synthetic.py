@@ -126,10 +126,9 @@ def test_determinism(tmp_path):
 
 
 def test_too_many_or_too_few_images(tmp_path):
-    from retr.common.errors import UserError
-    with pytest.raises(UserError, match=f"{MAX_SCENES} distinct scenes"):
+    with pytest.raises(ValueError, match=f"^num_images {MAX_SCENES + 1} is more than the {MAX_SCENES} distinct scenes"):
         generate_synthetic(tmp_path / "x", num_images=MAX_SCENES + 1)
-    with pytest.raises(UserError, match="at least 3"):
+    with pytest.raises(ValueError, match="^num_images must be at least 3"):
         generate_synthetic(tmp_path / "x", num_images=2)
     assert not (tmp_path / "x").exists()
 

@@ -10,12 +10,12 @@ import torch
 from click.testing import CliRunner
 
 from retr.common.errors import UserError
-from retr.pipeline.store import FeatureSet
+from retr.store.features import FeatureSet
 from retr.trainers.cli import cli
 from retr.trainers.data import ImageFeatures, load_split
 from retr.trainers.similarity import similarity_matrix
 from retr.trainers.models import create_model
-from retr.trainers.vocab import Vocabulary, tokenize
+from retr.store.vocab import Vocabulary, tokenize
 from trainer_synthetic import D, make_synthetic
 
 

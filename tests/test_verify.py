@@ -8,7 +8,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from retr.pipeline.store import ShardWriter, shard_name, write_index
+from retr.store.features import ShardWriter, shard_name, write_index
 from retr.pipeline.verify import summarize_feature_set, verify_feature_set
 from tests.conftest import grid_attrs
 

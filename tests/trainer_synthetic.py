@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from retr.manifests.synthetic import COLOURS, SHAPES, SIZES, generate_synthetic
-from retr.pipeline.store import ShardWriter, shard_name, write_index
+from retr.store.features import ShardWriter, shard_name, write_index
 
 K, D = 4, 16
 

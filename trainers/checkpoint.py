@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from retr.common.errors import UserError
-from retr.trainers.vocab import Vocabulary
+from retr.store.vocab import Vocabulary
 
 CONFIG, VOCAB, BEST, METRICS, EVAL = "config.json", "vocab.json", "best.pt", "metrics.jsonl", "eval.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
@@ -42,10 +42,11 @@ def write_json(path: str | os.PathLike, data) -> Path:
 
 
 def read_config(run: str | os.PathLike) -> dict:
+    """The run's ``config.json``, upgraded to today's form (:func:`upgrade_config`)."""
     path = Path(run) / CONFIG
     if not path.is_file():
         raise UserError(f"{run} is not a run directory (no {CONFIG})")
-    return json.loads(path.read_text(encoding="utf-8"))
+    return upgrade_config(json.loads(path.read_text(encoding="utf-8")))
 
 
 def rng_state() -> dict:
@@ -121,3 +122,14 @@ def load_run_model(run: str | os.PathLike, which: str = "best", device: torch.de
     model = create_model(config["model"], **config["model_args"])
     model.load_state_dict(state["model"])
     return model.to(device).eval(), vocab, config
+
+
+def upgrade_config(config: dict) -> dict:
+    """A stored run config in today's form: side files that older runs kept among ``model_args`` (SMFEA's
+    ``trees``/``concepts``, JGCAR's ``labels``) move to ``inputs`` (the model's spec says how)."""
+    from retr.trainers.models import get_spec
+
+    config = dict(config)
+    model_args, inputs = get_spec(config["model"]).upgrade(config.get("model_args") or {}, config.get("inputs"))
+    config["model_args"], config["inputs"] = model_args, inputs
+    return config

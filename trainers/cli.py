@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import click
 
-from retr.common.cli import run
+from retr.common.cli import flags_in_errors, run
 from retr.common.version import __version__
 
 
@@ -24,18 +24,17 @@ def cli() -> None:
 
 
 def _register() -> None:
-    # One line per command module, as they land.
-    from retr.trainers.commands import scan_command, vsepp_command
+    """One training command per registered model (generated from its spec), then the tools."""
     from retr.trainers.eval_commands import eval_command, table_command
+    from retr.trainers.models import get_spec, list_models
     from retr.trainers.scan_import import import_scan_command
-    from retr.trainers.seam_sman_commands import seam_command, sman_command
-    from retr.trainers.smfea_inputs import smfea_command
-    from retr.trainers.jgcar_command import jgcar_command
+    from retr.trainers.train_command import training_command
 
-    commands: list[click.Command] = [scan_command, vsepp_command, eval_command, table_command, import_scan_command,
-                                     sman_command, seam_command, smfea_command, jgcar_command]
-    for command in commands:
+    for name in list_models():
+        cli.add_command(training_command(get_spec(name)))
+    for command in (eval_command, table_command, import_scan_command):
         cli.add_command(command)
+    flags_in_errors(cli)  # library errors name parameters; print them with these commands' flags
 
 
 _register()

@@ -23,8 +23,8 @@ import torch
 
 from retr.common.errors import UserError
 from retr.manifests.schema import ManifestRecord, read_manifest
-from retr.pipeline.store import FeatureSet
-from retr.trainers.vocab import PAD_ID, Vocabulary
+from retr.store.features import FeatureSet
+from retr.store.vocab import PAD_ID, Vocabulary
 
 DEFAULT_PRELOAD_LIMIT = 2 << 30   # bytes of float16 features kept in memory without being asked
 

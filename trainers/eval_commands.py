@@ -11,12 +11,12 @@ import torch
 
 from retr.common.cli import quiet_option
 from retr.common.errors import UserError
-from retr.pipeline.store import FeatureSet
+from retr.store.features import FeatureSet
 from retr.trainers import checkpoint as ckpt
 from retr.trainers.data import ImageFeatures, load_split
 from retr.trainers.evaluation import PROTOCOLS, protocol_metrics
 from retr.trainers.similarity import DEFAULT_PRECISION, PRECISIONS, Scorer, SplitEmbeddings, combined_matrix
-from retr.trainers.loop import resolve_device
+from retr.common.devices import resolve_device
 
 
 def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features: str | None = None,

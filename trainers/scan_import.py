@@ -18,7 +18,7 @@ from retr.common.errors import UserError
 from retr.common.version import __version__
 from retr.trainers import checkpoint as ckpt
 from retr.trainers.models import create_model
-from retr.trainers.vocab import Vocabulary
+from retr.store.vocab import Vocabulary
 
 AGG_NAMES = {"LogSumExp": "lse", "Mean": "avg", "Max": "max", "Sum": "sum"}
 

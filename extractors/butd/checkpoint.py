@@ -11,10 +11,10 @@
 
 Safety: ``.pth`` files are read with ``torch.load(weights_only=True)``; ``.pkl`` files with an unpickler that
 accepts only NumPy arrays, dtypes, dicts and plain values. A file that needs more (arbitrary Python objects)
-loads only with ``trust_pickle=True`` (``--trust-checkpoint``), for files from a trusted source.
+loads only with ``trust_checkpoint=True``, for files from a trusted source.
 
 Completeness: missing or unexpected keys and shape mismatches are reported with the first few names, and a
-load with missing keys is refused unless ``allow_partial=True`` (``--allow-partial``).
+load with missing keys is refused unless ``allow_partial=True``.
 """
 from __future__ import annotations
 
@@ -77,17 +77,17 @@ class _ArrayUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name}")
 
 
-def read_airsplay_pickle(path: str | Path, trust_pickle: bool = False) -> dict[str, np.ndarray]:
+def read_airsplay_pickle(path: str | Path, trust_checkpoint: bool = False) -> dict[str, np.ndarray]:
     """The ``{name: ndarray}`` of an airsplay/detectron2 ``.pkl`` (under ``"model"`` or bare)."""
     data = Path(path).read_bytes()
     try:
-        if trust_pickle:
+        if trust_checkpoint:
             obj = pickle.loads(data, encoding="latin1")
         else:
             obj = _ArrayUnpickler(io.BytesIO(data), encoding="latin1").load()
     except pickle.UnpicklingError as exc:
-        raise UserError(f"{path} holds Python objects beyond arrays ({exc}); if you trust the file, pass "
-                        f"--trust-checkpoint") from None
+        raise UserError(f"{path} holds Python objects beyond arrays ({exc}); if you trust the file, set "
+                        f"trust_checkpoint", parameters=["trust_checkpoint"]) from None
     except Exception as exc:  # noqa: BLE001 - a broken pickle can raise almost anything
         raise UserError(f"{path} is not a readable pickle ({type(exc).__name__}: {exc})") from None
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
@@ -97,14 +97,14 @@ def read_airsplay_pickle(path: str | Path, trust_pickle: bool = False) -> dict[s
     return {str(k): np.asarray(v) for k, v in obj.items()}
 
 
-def read_pth(path: str | Path, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
+def read_pth(path: str | Path, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
     """The state dict of a ``.pth`` file (bare, or under ``"model"``/``"state_dict"``)."""
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+        obj = torch.load(path, map_location="cpu", weights_only=not trust_checkpoint)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsupported object"
         raise UserError(f"{path} holds Python objects beyond tensors ({first[:120]}); if you trust the file, "
-                        f"pass --trust-checkpoint") from None
+                        f"set trust_checkpoint", parameters=["trust_checkpoint"]) from None
     except Exception as exc:  # noqa: BLE001
         raise UserError(f"{path} is not a readable PyTorch checkpoint ({type(exc).__name__}: {exc})") from None
     for key in ("model", "state_dict"):
@@ -177,21 +177,21 @@ def load_into(model: nn.Module, state: Mapping[str, torch.Tensor], allow_partial
     report = LoadReport(loaded=len(given) - len(unexpected), missing=missing, unexpected=unexpected,
                         ignored=ignored)
     if (missing or unexpected) and not allow_partial:
-        raise UserError(f"{source} does not match the detector: {report.summary()}; pass --allow-partial to "
-                        f"load it anyway")
+        raise UserError(f"{source} does not match the detector: {report.summary()}; set allow_partial to "
+                        f"load it anyway", parameters=["allow_partial"])
     model.load_state_dict({k: v for k, v in given.items() if k in own}, strict=False)
     return report
 
 
 def load_weights(model: nn.Module, path: str | Path, allow_partial: bool = False,
-                 trust_pickle: bool = False) -> LoadReport:
+                 trust_checkpoint: bool = False) -> LoadReport:
     """Load a MILVLG ``.pth`` or airsplay ``.pkl`` file into ``model`` (format chosen by the suffix)."""
     path = Path(path)
     if not path.is_file():
         raise MissingResourceError(f"bottom-up-attention weights {path.name}", str(path.resolve().parent),
                                    WEIGHTS_HOW)
     if path.suffix == ".pkl":
-        state = airsplay_to_caffe(read_airsplay_pickle(path, trust_pickle))
+        state = airsplay_to_caffe(read_airsplay_pickle(path, trust_checkpoint))
     else:
-        state = read_pth(path, trust_pickle)
+        state = read_pth(path, trust_checkpoint)
     return load_into(model, state, allow_partial=allow_partial, source=str(path))

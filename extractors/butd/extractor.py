@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from retr.common.errors import MissingResourceError
+from retr.common.errors import MissingResourceError, ParameterError
 from retr.common.hashing import sha256_file
 from retr.extractors.backbone import resolve_device
 from retr.extractors.base import Extractor, register
@@ -33,7 +33,7 @@ DEFAULT_CHECKPOINT = "bua-caffe-frcn-r101-k36.pth"
 
 
 def default_checkpoint_candidates() -> list[Path]:
-    """Where ``--weights`` defaults look, in order: ``$RETR_BUTD_WEIGHTS``, ``$RETR_WEIGHTS/<file>``,
+    """Where ``weights=None`` looks, in order: ``$RETR_BUTD_WEIGHTS``, ``$RETR_WEIGHTS/<file>``,
     ``~/.cache/retr/weights/<file>``."""
     candidates = []
     if os.environ.get("RETR_BUTD_WEIGHTS"):
@@ -47,7 +47,7 @@ def default_checkpoint_candidates() -> list[Path]:
 def resolve_default_checkpoint() -> str:
     """The default checkpoint's path; a one-line :class:`MissingResourceError` when it is nowhere.
 
-    A real extraction never falls back to random weights silently: ``--weights random`` must be asked for.
+    A real extraction never falls back to random weights silently: ``weights="random"`` must be asked for.
     """
     candidates = default_checkpoint_candidates()
     for candidate in candidates:
@@ -81,14 +81,15 @@ class BottomUpRegionExtractor(Extractor):
                  settings: DetectorSettings = DetectorSettings(), short_side: int = SHORT_SIDE,
                  max_side: int = MAX_SIDE, exif_orientation: bool = False, object_vocab: str | None = None,
                  attr_vocab: str | None = None, allow_partial: bool = False, trust_checkpoint: bool = False):
-        from retr.common.errors import UserError
         if settings.min_boxes < 1 or settings.max_boxes < settings.min_boxes:
-            raise UserError(f"need 1 ≤ min_boxes ≤ max_boxes, got {settings.min_boxes} and {settings.max_boxes}")
+            raise ParameterError(f"need 1 ≤ min_boxes ≤ max_boxes, got {settings.min_boxes} and "
+                                 f"{settings.max_boxes}", "min_boxes", "max_boxes")
         if settings.post_nms_topk < settings.max_boxes:
-            raise UserError(f"post_nms_topk ({settings.post_nms_topk}) must be at least max_boxes "
-                            f"({settings.max_boxes})")
+            raise ParameterError(f"post_nms_topk ({settings.post_nms_topk}) must be at least max_boxes "
+                                 f"({settings.max_boxes})", "post_nms_topk", "max_boxes")
         if short_side < 16 or max_side < short_side:
-            raise UserError(f"need 16 ≤ short_side ≤ max_side, got {short_side} and {max_side}")
+            raise ParameterError(f"need 16 ≤ short_side ≤ max_side, got {short_side} and {max_side}",
+                                 "short_side", "max_side")
         if weights is None:
             weights = resolve_default_checkpoint()
         self.half = bool(half)
@@ -107,7 +108,7 @@ class BottomUpRegionExtractor(Extractor):
             self.weights = "random"
         else:
             self.load_report = load_weights(self.network, weights, allow_partial=allow_partial,
-                                            trust_pickle=trust_checkpoint)
+                                            trust_checkpoint=trust_checkpoint)
             self.weights = f"{Path(weights).name} sha256:{sha256_file(weights)}"
         self.to(self.device)
 
@@ -201,8 +202,7 @@ def build_butd_regions(weights: str | None = None, device: str = "cpu", half: bo
     """
     given = sorted(name for name, value in unused.items() if value is not None)
     if given:
-        from retr.common.errors import UserError
-        raise UserError(f"butd-regions does not take {', '.join(given)}")
+        raise ParameterError(f"butd-regions does not take {', '.join(given)}", *given)
     settings = DetectorSettings(pre_nms_topk=pre_nms_topk, post_nms_topk=post_nms_topk, pooled_size=pooled_size,
                                 conf_threshold=conf_threshold, min_boxes=min_boxes, max_boxes=max_boxes)
     return BottomUpRegionExtractor(weights=weights, device=device, half=half, settings=settings,

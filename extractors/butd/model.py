@@ -93,7 +93,7 @@ def empty_detector(settings: DetectorSettings = DetectorSettings(),
     """A detector with allocated but uninitialised parameters, to be filled by a checkpoint or randomize_.
 
     Skips the default initialisation of 65 M parameters (seconds on a CPU) that loading overwrites anyway.
-    Only for strict loads: with ``--allow-partial`` the parameters a file lacks would hold garbage.
+    Only for strict loads: with ``allow_partial`` the parameters a file lacks would hold garbage.
     """
     with torch.device("meta"):
         model = BottomUpAttention(settings)

@@ -1,4 +1,4 @@
-"""``--weights random``: a deterministic, well-scaled random detector for tests, the demo and learning checks.
+"""``weights="random"``: a deterministic, well-scaled random detector for tests, the demo and learning checks.
 
 The detections are meaningless, but the whole flow runs and the features are finite and of moderate size:
 convolutions get He-normal weights (fan-out, as torchvision's ResNets), linear layers N(0, 0.01²) (the

@@ -38,11 +38,38 @@ class MatchingModel(nn.Module):
 
     #: the model's registry name, set by :func:`retr.trainers.models.register_model`
     name: str = ""
+    #: batch entries (besides the four tensors) the loop passes to :meth:`forward` by name, e.g. ``image_index``
+    batch_extras: tuple[str, ...] = ()
+    #: two-step evaluation: candidates re-ranked per query (0: score every pair); see :mod:`retr.trainers.two_step`
+    shortlist: int = 0
 
     def __init__(self, margin: float = 0.2, max_violation: bool = True):
         super().__init__()
         self.margin = float(margin)
         self.max_violation = bool(max_violation)
+
+    @staticmethod
+    def settings(config_class: type, config=None, overrides: dict | None = None):
+        """The model's config: ``config`` (default: ``config_class()``) with ``overrides`` applied.
+
+        Every model's constructor is ``(data sizes…, config=None, **settings)``: ``settings`` are the config's
+        field names (an unknown name raises ``ValueError`` naming it), so the config dataclass holds the only
+        defaults.
+        """
+        from dataclasses import asdict
+
+        from retr.trainers.config import make_config
+
+        base = asdict(config) if config is not None else {}
+        return make_config(config_class, {**base, **(overrides or {})})
+
+    def prepare_training(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Install per-run training data read by the spec's ``load_inputs`` (tensors only, e.g. SMFEA's tree
+        node targets ``{"nodes": [M, 7]}``). Called once by the loop before training; default: nothing."""
+
+    def configure_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        """The optimiser the loop steps (default: Adam on every parameter at ``lr``)."""
+        return torch.optim.Adam(self.parameters(), lr=lr)
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
         raise NotImplementedError

@@ -70,11 +70,8 @@ Joint objective (Eq. 17): ``J = β J_G + (1 − β) J_C``, β = 0.5. At test tim
 """
 from __future__ import annotations
 
-import json
-import os
-from collections import Counter
-from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Callable, Literal, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -82,15 +79,17 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.checkpoint import checkpoint
 
-from retr.common.errors import UserError
+from retr.trainers.config import embed_size_setting, margin_setting, setting, violation_setting, word_dim_setting
 from retr.trainers.distributed import world_size
 from retr.trainers.losses import hinge_triplet_loss
-from retr.trainers.models import register_model, register_preset
+from retr.trainers.models.registry import InputFile, ModelSpec, register_model
+from retr.trainers.optim import PerGroupOptimizer
 from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
 
 GLOBAL_SIMILARITIES = ("dot", "cosine")
 INTRA_REDUCTIONS = ("mean_positive", "sum")
 NEGATIVE_MINING = ("dissimilar", "similar")
+OPTIMIZERS = ("paper", "adam")
 
 
 def _lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -332,86 +331,21 @@ def mine_negatives(sims: torch.Tensor, valid: torch.Tensor, count: int, mode: st
     return idx, torch.isfinite(values)
 
 
-# ----------------------------------------------------------------------------------------- intra-modal labels
-
-#: function words never used as caption concepts (NLTK's stopword list needs downloaded data)
-FUNCTION_WORDS = frozenset("""a an the of to in on at by for with from into onto over under above below near
-next beside behind front left right top bottom and or but is are was were be been being it its this that these
-those there here some two three four one while his her their them they he she him who which what as up down
-out off has have had having very <start> <end> <unk> <pad> . , ' ''""".split())
-
-
-def caption_concepts(captions_per_image: Sequence[Sequence[Sequence[str]]], min_captions: int = 2) -> list[set[str]]:
-    """The fallback image labels: words (not function words) found in at least ``min_captions`` of an image's
-    tokenised captions (a consensus of its captions, so one caption's detail does not make a label)."""
-    concepts = []
-    for captions in captions_per_image:
-        counts = Counter(w for caption in captions for w in set(caption) if w not in FUNCTION_WORDS)
-        concepts.append({w for w, n in counts.items() if n >= min(min_captions, len(captions))})
-    return concepts
-
-
-def read_label_file(path: str | os.PathLike) -> dict[str, list[str]]:
-    """Image labels from JSON ``{"<image id>": ["label", …], …}`` or, for a ``.jsonl`` file, JSON Lines
-    ``{"id": …, "labels": […]}`` (e.g. COCO's instance categories or Flickr30K's entity types per image)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"label file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix != ".jsonl":
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise UserError(f"{path} is not JSON ({exc}); JSON Lines files must end in .jsonl") from None
-        if not isinstance(data, dict):
-            raise UserError(f"{path}: expected one JSON object mapping image ids to label lists")
-        entries = list(data.items())
-    else:
-        entries = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                entries.append((obj["id"], obj["labels"]))
-            except (ValueError, KeyError, TypeError):
-                raise UserError(f"{path}:{n}: expected {{\"id\": …, \"labels\": […]}} per line, or one JSON "
-                                "object mapping image ids to label lists") from None
-    labels = {}
-    for image_id, values in entries:
-        if not isinstance(values, list) or not all(isinstance(v, (str, int)) for v in values):
-            raise UserError(f"{path}: labels of {image_id!r} must be a list of strings or integers")
-        labels[str(image_id)] = [str(v) for v in values]
-    return labels
-
-
-def labels_to_multihot(label_sets: Sequence[Sequence[str]]) -> torch.Tensor:
-    """``[N, L]`` bool multi-hot matrix of N label sets over their L distinct labels (sorted)."""
-    names = sorted({x for s in label_sets for x in s})
-    index = {x: k for k, x in enumerate(names)}
-    out = torch.zeros(len(label_sets), max(1, len(names)), dtype=torch.bool)
-    for row, s in enumerate(label_sets):
-        for x in s:
-            out[row, index[x]] = True
-    return out
-
-
 # --------------------------------------------------------------------------------------------------- model
 
-@register_model("jgcar")
 class JGCAR(MatchingModel):
-    """JGCAR on VGG-16 14×14 maps (see the module docstring for every equation and choice)."""
+    """JGCAR on VGG-16 14×14 maps (see the module docstring for every equation and choice); settings:
+    :class:`JGCARConfig`."""
 
-    def __init__(self, vocab_size: int, img_dim: int = 512, embed_size: int = 256, word_dim: int = 512,
-                 hidden_size: int = 512, num_regions: int = 196, max_words: int = 20, dropout: float = 0.5,
-                 position_bias: bool = True, global_similarity: str = "dot", margin: float = 0.2,
-                 lambda2: float = 1.0, lambda3: float = 1.0, lambda4: float = 1.0,
-                 intra_reduction: str = "mean_positive", gamma: float = 10.0, num_negatives: int = 30,
-                 negative_mining: str = "dissimilar", beta: float = 0.5, pair_chunk: int = 256,
-                 max_violation: bool = False, labels: str | None = None, concept_min_captions: int = 2,
-                 shortlist: int = 100, optimizer: str = "paper", momentum: float = 0.99,
-                 weight_decay: float = 1e-8):
-        super().__init__(margin, max_violation)
+    def __init__(self, vocab_size: int, img_dim: int = 512, config: "JGCARConfig | None" = None, **settings):
+        cfg = self.config = self.settings(JGCARConfig, config, settings)
+        super().__init__(cfg.margin, cfg.max_violation)
+        embed_size, word_dim, hidden_size, num_regions = cfg.embed_size, cfg.word_dim, cfg.hidden_size, cfg.num_regions
+        max_words, dropout, position_bias = cfg.max_words, cfg.dropout, cfg.position_bias
+        global_similarity, lambda2, lambda3, lambda4 = cfg.global_similarity, cfg.lambda2, cfg.lambda3, cfg.lambda4
+        intra_reduction, gamma, num_negatives = cfg.intra_reduction, cfg.gamma, cfg.num_negatives
+        negative_mining, beta, pair_chunk = cfg.negative_mining, cfg.beta, cfg.pair_chunk
+        shortlist, optimizer, momentum, weight_decay = cfg.shortlist, cfg.optimizer, cfg.momentum, cfg.weight_decay
         for value, allowed, what in ((global_similarity, GLOBAL_SIMILARITIES, "global_similarity"),
                                      (intra_reduction, INTRA_REDUCTIONS, "intra_reduction"),
                                      (negative_mining, NEGATIVE_MINING, "negative_mining")):
@@ -421,7 +355,6 @@ class JGCAR(MatchingModel):
             raise ValueError("beta must be in [0, 1]")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
-        self.labels_path, self.concept_min_captions = labels, int(concept_min_captions)
         #: two-step evaluation: shortlist size per query (the evaluator and the loop's validation read it)
         self.shortlist = int(shortlist)
         self.optimizer_name, self.momentum, self.weight_decay = optimizer, float(momentum), float(weight_decay)
@@ -564,28 +497,13 @@ class JGCAR(MatchingModel):
     #: batch entries the training loop passes to ``forward`` besides the four tensors
     batch_extras = ("image_index",)
 
-    def prepare_training(self, data) -> None:
-        """Build the intra-modal label table of the training images (a :class:`~retr.trainers.data.SplitData`).
-
-        With ``labels`` (a label file): every training image needs an entry (an empty list is allowed), and a
-        caption has its image's labels. Without: the caption-concept fallback for images, same-image for captions.
-        """
-        if self.labels_path:
-            table = read_label_file(self.labels_path)
-            missing = [i for i in data.image_ids if i not in table]
-            if missing:
-                raise UserError(f"{len(missing)} training image(s) have no entry in {self.labels_path} "
-                                f"(first: {missing[0]}); give every image a (possibly empty) label list")
-            sets = [table[i] for i in data.image_ids]
-            self.labels_are_captions = True
-        else:
-            from retr.trainers.vocab import tokenize
-            per_image: list[list[list[str]]] = [[] for _ in data.image_ids]
-            for caption, owner in zip(data.captions, data.caption_image):
-                per_image[int(owner)].append(tokenize(caption))
-            sets = [sorted(c) for c in caption_concepts(per_image, self.concept_min_captions)]
-            self.labels_are_captions = False
-        self.image_label_table = labels_to_multihot(sets)
+    def prepare_training(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Install the intra-modal label table of the training images (built by
+        :func:`retr.trainers.side_inputs.load_jgcar_inputs`): ``image_labels`` [N_train_images, L] bool, and
+        ``labels_are_captions`` (a 0-d bool tensor: True when the labels come from a label file, so a caption has
+        its image's labels; False for the caption-concept fallback, where captions are positives iff same image)."""
+        self.image_label_table = inputs["image_labels"].bool()
+        self.labels_are_captions = bool(inputs["labels_are_captions"])
 
     def configure_optimizer(self, lr: float) -> torch.optim.Optimizer:
         """``paper``: SGD (momentum, weight decay) on the encoders + RMSprop on the co-attention, both at ``lr``
@@ -629,23 +547,6 @@ class JGCAR(MatchingModel):
         raise NotImplementedError("JGCAR's objective needs the embeddings: call forward() or joint_loss()")
 
 
-# ------------------------------------------------------------------------------------------------ presets
-
-JGCAR_COMMON = {"embed_size": 256, "word_dim": 512, "hidden_size": 512, "img_dim": 512, "num_regions": 196,
-                "dropout": 0.5, "batch_size": 200, "epochs": 128, "early_stop": 5, "lr": 4e-4, "momentum": 0.99,
-                "weight_decay": 1e-8, "gamma": 10.0, "num_negatives": 30, "beta": 0.5, "lambda2": 1.0,
-                "lambda3": 1.0, "lambda4": 1.0, "margin": 0.2, "global_similarity": "dot",
-                "negative_mining": "dissimilar", "intra_reduction": "mean_positive", "position_bias": True,
-                "shortlist": 100, "optimizer": "paper", "lr_update": 128, "grad_clip": 2.0}
-JGCAR_MAX_WORDS = {"coco": 20, "f30k": 15}
-
-
-def jgcar_preset(dataset: str | None, direction: str | None = None) -> dict:
-    """The paper's §3.1 settings; ``max_words`` 20 on COCO, 15 on Flickr30K (None → Flickr30K's)."""
-    return {**JGCAR_COMMON, "max_words": JGCAR_MAX_WORDS[dataset or "f30k"]}
-
-
-register_preset("jgcar", jgcar_preset)
 
 
 def coattention_parameter_names(model: nn.Module) -> list[str]:
@@ -661,37 +562,70 @@ def split_parameters(model: "JGCAR") -> Mapping[str, list[nn.Parameter]]:
     return groups
 
 
-# ------------------------------------------------------------------------------------------- optimisers
+# ------------------------------------------------------------------------------------------------ settings
 
-OPTIMIZERS = ("paper", "adam")
+@dataclass
+class JGCARConfig:
+    """JGCAR's settings (defaults: the paper's §3.1; the module docstring gives every decision)."""
+
+    embed_size: int = embed_size_setting(256)
+    word_dim: int = word_dim_setting(512)
+    hidden_size: int = setting(512, "Co-attention / phrase hidden size l.")
+    num_regions: int = setting(196, "Map cells N per image (196 = 14×14 from a 448 input; 49 for 224-px maps).")
+    max_words: int = setting(20, "Tokens kept per caption (the presets: 20 COCO, 15 Flickr30K).")
+    dropout: float = setting(0.5, "Dropout on features, words and phrases.")
+    position_bias: bool = setting(True, "Per-region/per-word biases b_v, b_s as printed, or one bias vector each.",
+                                  flag="--position-bias/--shared-bias")
+    global_similarity: Literal[GLOBAL_SIMILARITIES] = setting(
+        "dot", "Ω = V̂ᵀŜ as printed (dot) or on l2-normalised vectors (cosine).")
+    lambda2: float = setting(1.0, "Weight of the image intra-modal loss J2.")
+    lambda3: float = setting(1.0, "Weight of the text intra-modal loss J3.")
+    lambda4: float = setting(1.0, "Weight of the de-correlation loss J4.")
+    intra_reduction: Literal[INTRA_REDUCTIONS] = setting(
+        "mean_positive", "J2/J3: mean over positives (J1's scale) or the literal sum over all triplets.")
+    gamma: float = setting(10.0, "Bi-rank softmax scale γ (the paper says 10 in §3.1 and 20 in §3.4).")
+    num_negatives: int = setting(30, "M′, negatives per comparison set.")
+    negative_mining: Literal[NEGATIVE_MINING] = setting(
+        "dissimilar", "Pick the M′ least (paper) or most similar negatives by the global score.")
+    beta: float = setting(0.5, "J = β·J_G + (1 − β)·J_C.")
+    pair_chunk: int = setting(256, "Pairs co-attended at once (memory bound; does not change results).")
+    concept_min_captions: int = setting(
+        2, "Without --labels: a word is an image label when at least this many of its captions use it.")
+    shortlist: int = setting(100, "Two-step retrieval: candidates re-ranked per query.")
+    optimizer: Literal[OPTIMIZERS] = setting(
+        "paper", "paper: SGD on the encoders + RMSprop on the co-attention; adam: Adam on everything.")
+    momentum: float = setting(0.99, "SGD momentum and RMSprop's smoothing constant α.")
+    weight_decay: float = setting(1e-8, "Weight decay of SGD and RMSprop.")
+    margin: float = margin_setting(0.2)
+    max_violation: bool = violation_setting(False)
 
 
-class PerGroupOptimizer(torch.optim.Optimizer):
-    """Several torch optimisers, each over its own parameters, behaving as one :class:`~torch.optim.Optimizer`.
+#: The paper's §3.1 schedule: lr 4e-4, batch 200, early stop after 5 epochs without a better validation rSum.
+JGCAR_SCHEDULE = {"batch_size": 200, "epochs": 128, "early_stop": 5, "lr": 4e-4, "lr_update": 128, "grad_clip": 2.0}
 
-    JGCAR trains its global part with SGD and its co-attention with RMSprop (§3.1). The shared loop holds one
-    optimiser and one learning-rate scheduler; this wrapper shares the inner optimisers' ``param_groups``
-    (the same dicts, so a scheduler's lr changes reach them), steps each, and saves/loads their states
-    together. torch has no built-in for this (``torch.optim`` optimisers apply one algorithm to all groups).
-    """
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
-        self.optimizers = list(optimizers)
-        groups = [g for opt in self.optimizers for g in opt.param_groups]
-        super().__init__(groups, defaults={})
-        self.param_groups = groups          # the very dicts of the inner optimisers
+def _jgcar_inputs(data, files, config, vocab_size):
+    from retr.trainers.side_inputs import load_jgcar_inputs
+    return load_jgcar_inputs(data, files.get("labels"), config.concept_min_captions)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        for opt in self.optimizers:
-            opt.step()
-        return loss
 
-    def state_dict(self) -> dict:
-        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+def _jgcar_upgrade(model_args: dict) -> tuple[dict, dict]:
+    """Runs written before the spec registry kept the label file among the model's arguments."""
+    labels = model_args.pop("labels", None)
+    return model_args, ({"labels": labels} if labels else {})
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        for opt, state in zip(self.optimizers, state_dict["optimizers"]):
-            opt.load_state_dict(state)
-        self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
+
+register_model(ModelSpec(
+    name="jgcar", model_class=JGCAR, config_class=JGCARConfig,
+    summary="Train JGCAR (joint global and co-attentive representations) on VGG-16 14×14 maps. Validation and "
+            "`retr-train eval` use two-step retrieval: a global shortlist of --shortlist candidates per query, "
+            "re-ranked by the co-attentive score; both steps' numbers and times are reported.",
+    examples=("retr-train jgcar --features data/coco/features/vgg16-maps.h5 --manifest data/coco/manifest.jsonl "
+              "--preset coco --labels data/coco/instance_labels.json --out runs/jgcar-coco",
+              "retr-train eval runs/jgcar-coco --protocol coco-1k"),
+    presets={"coco": {**JGCAR_SCHEDULE, "max_words": 20}, "f30k": {**JGCAR_SCHEDULE, "max_words": 15}},
+    default_preset="f30k",
+    inputs=(InputFile("labels", "Image labels for the intra-modal losses (JSON {id: [labels]} or .jsonl "
+                                "{id, labels}), e.g. COCO instance categories; default: shared caption concepts "
+                                "(see docs/models-jgcar.md)."),),
+    load_inputs=_jgcar_inputs, upgrade_args=_jgcar_upgrade))

@@ -6,18 +6,25 @@ the authors' parameter names ``fc.weight_g``/``fc.weight_v``). Caption side: :cl
 (bi-GRU averaged by default). Score: :func:`retr.trainers.models.xattn.xattn_scores` (t-i or i-t, every
 normalisation and aggregation). Loss: hinge with hardest negatives (margin 0.2).
 
-Presets (``reference/scan.md``, the README runs of the authors, all ``--max_violation --bi_gru``):
-COCO 20 epochs, lr 5e-4 decayed ×0.1 at epoch 10; Flickr30K 30 epochs, lr 2e-4 decayed at 15; λ_softmax 9
-(t-i) / 4 (i-t); λ_lse 6 (t-i), 5 (i-t Flickr30K), 20 (i-t COCO); batch 128, grad-norm clip 2.0.
+Presets (``reference/scan.md``, the README runs of the authors, all ``--max_violation --bi_gru``): one per
+dataset × direction × aggregation (``f30k-t2i-avg`` …), and ``f30k``/``coco``, which pick the published row of
+the explicit ``--direction`` (t2i) and ``--agg`` (default: that direction's best published aggregation,
+:data:`SCAN_PUBLISHED_AGG`). COCO 20 epochs, lr 5e-4 decayed ×0.1 at epoch 10; Flickr30K 30 epochs, lr 2e-4
+decayed at 15; λ_softmax 9 (t-i) / 4 (i-t); λ_lse 6 (t-i), 5 (i-t Flickr30K), 20 (i-t COCO); batch 128,
+grad-norm clip 2.0.
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
-from retr.trainers.models import register_model
+from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
+                                   word_dim_setting)
+from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
 from retr.trainers.models.text import GRUWordEncoder
 from retr.trainers.models.xattn import AGGREGATIONS, DIRECTIONS, NORMS, xattn_scores
@@ -52,25 +59,17 @@ def _lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     return torch.arange(max_len, device=lengths.device).view(1, -1) < lengths.view(-1, 1)
 
 
-@register_model("scan")
 class SCAN(MatchingModel):
-    """SCAN with either formulation (``t2i``: text–image, ``i2t``: image–text)."""
+    """SCAN with either formulation (``t2i``: text–image, ``i2t``: image–text); settings: :class:`SCANConfig`."""
 
-    def __init__(self, vocab_size: int, img_dim: int = 2048, embed_size: int = 1024, word_dim: int = 300,
-                 direction: str = "t2i", agg: str = "lse", norm: str = "clipped_l2norm",
-                 lambda_softmax: float = 9.0, lambda_lse: float = 6.0, bi_gru: bool = True,
-                 no_imgnorm: bool = False, no_txtnorm: bool = False, precomp_enc_type: str = "basic",
-                 margin: float = 0.2, max_violation: bool = True):
-        super().__init__(margin, max_violation)
-        for value, allowed, what in ((direction, DIRECTIONS, "direction"), (agg, AGGREGATIONS, "agg"),
-                                     (norm, NORMS, "norm")):
-            if value not in allowed:
-                raise ValueError(f"{what} must be one of {', '.join(allowed)}, not {value!r}")
-        self.direction, self.agg, self.norm = direction, agg, norm
-        self.lambda_softmax, self.lambda_lse = float(lambda_softmax), float(lambda_lse)
-        self.img_enc = RegionEncoder(img_dim, embed_size, no_imgnorm, precomp_enc_type)
-        self.txt_enc = GRUWordEncoder(vocab_size, word_dim, embed_size, bidirectional=bi_gru,
-                                      normalize=not no_txtnorm)
+    def __init__(self, vocab_size: int, img_dim: int = 2048, config: "SCANConfig | None" = None, **settings):
+        cfg = self.config = self.settings(SCANConfig, config, settings)
+        super().__init__(cfg.margin, cfg.max_violation)
+        self.direction, self.agg, self.norm = cfg.direction, cfg.agg, cfg.norm
+        self.lambda_softmax, self.lambda_lse = float(cfg.lambda_softmax), float(cfg.lambda_lse)
+        self.img_enc = RegionEncoder(img_dim, cfg.embed_size, cfg.no_imgnorm, cfg.precomp_enc_type)
+        self.txt_enc = GRUWordEncoder(vocab_size, cfg.word_dim, cfg.embed_size, bidirectional=cfg.bi_gru,
+                                      normalize=not cfg.no_txtnorm)
         #: dtype of ``score``'s arithmetic, set by the evaluator (None: the embeddings'); aggregation is then float64
         self.score_dtype: torch.dtype | None = None
 
@@ -90,26 +89,71 @@ class SCAN(MatchingModel):
                             dtype=self.score_dtype, agg_dtype=torch.float64 if self.score_dtype else None)
 
 
-#: Published settings: dataset → schedule, and (direction, agg) → λs.
+@dataclass
+class SCANConfig:
+    """SCAN's settings (defaults: the paper's Flickr30K t-i model; the presets hold every published row)."""
+
+    embed_size: int = embed_size_setting(1024)
+    word_dim: int = word_dim_setting(300)
+    direction: Literal[DIRECTIONS] = setting("t2i", "t2i: words attend to regions; i2t: regions attend to words.")
+    agg: Literal[AGGREGATIONS] = setting(
+        "lse", "Aggregation over words (t2i) or regions (i2t); with --preset, the published row's (see README).")
+    norm: Literal[NORMS] = setting(
+        "clipped_l2norm", "Normalisation of the attention logits.")
+    lambda_softmax: float = setting(9.0, "Inverse temperature λ1 of the attention.")
+    lambda_lse: float = setting(6.0, "λ2 of LogSumExp aggregation.")
+    bi_gru: bool = setting(True, "Bidirectional GRU, directions averaged.", flag="--bi-gru/--uni-gru")
+    no_imgnorm: bool = setting(False, "Do not l2-normalise region vectors.", flag="--no-imgnorm")
+    no_txtnorm: bool = setting(False, "Do not l2-normalise word vectors.", flag="--no-txtnorm")
+    precomp_enc_type: Literal[ENCODER_TYPES] = setting("basic", "Region encoder: Linear or weight-normed.")
+    margin: float = margin_setting(0.2)
+    max_violation: bool = violation_setting(True)
+
+
+# ------------------------------------------------------------------------------------------------ presets
+#: The authors' runs (``reference/scan.md``, all ``--max_violation --bi_gru``): dataset → schedule,
+#: (dataset, direction, aggregation) → λs.
 SCAN_SCHEDULES = {"coco": {"epochs": 20, "lr": 5e-4, "lr_update": 10},
                   "f30k": {"epochs": 30, "lr": 2e-4, "lr_update": 15}}
 SCAN_LAMBDAS = {
-    ("coco", "t2i"): {"lambda_softmax": 9.0, "lambda_lse": 6.0},
-    ("coco", "i2t"): {"lambda_softmax": 4.0, "lambda_lse": 20.0},
-    ("f30k", "t2i"): {"lambda_softmax": 9.0, "lambda_lse": 6.0},
-    ("f30k", "i2t"): {"lambda_softmax": 4.0, "lambda_lse": 5.0},
+    ("f30k", "t2i", "lse"): {"lambda_softmax": 9.0, "lambda_lse": 6.0},
+    ("f30k", "t2i", "avg"): {"lambda_softmax": 9.0},
+    ("f30k", "i2t", "lse"): {"lambda_softmax": 4.0, "lambda_lse": 5.0},
+    ("f30k", "i2t", "avg"): {"lambda_softmax": 4.0},
+    ("coco", "t2i", "lse"): {"lambda_softmax": 9.0, "lambda_lse": 6.0},
+    ("coco", "t2i", "avg"): {"lambda_softmax": 9.0},
+    ("coco", "i2t", "lse"): {"lambda_softmax": 4.0, "lambda_lse": 20.0},
+    ("coco", "i2t", "avg"): {"lambda_softmax": 4.0},
 }
+#: The aggregation of the best single model of each (dataset, direction) in the paper (rSum): Flickr30K
+#: Table 1 t-i AVG 446.2 > LSE 434.1, i-t AVG 452.2 > LSE 451.4; COCO 1K Table 2 t-i AVG 500.5 > LSE 489.3,
+#: i-t LSE 494.5 > AVG 493.9 (and the 5K table's single model is i-t LSE).
+SCAN_PUBLISHED_AGG = {("f30k", "t2i"): "avg", ("f30k", "i2t"): "avg",
+                      ("coco", "t2i"): "avg", ("coco", "i2t"): "lse"}
 SCAN_COMMON = {"batch_size": 128, "grad_clip": 2.0, "margin": 0.2, "max_violation": True, "bi_gru": True,
-               "embed_size": 1024, "word_dim": 300, "agg": "lse", "norm": "clipped_l2norm", "direction": "t2i"}
+               "embed_size": 1024, "word_dim": 300, "norm": "clipped_l2norm"}
 
 
-def scan_preset(dataset: str | None, direction: str | None) -> dict:
-    """The published hyperparameters for ``dataset`` (``coco``/``f30k``; None → Flickr30K's) and direction."""
-    dataset = dataset or "f30k"
-    direction = direction or "t2i"
-    return {**SCAN_COMMON, **SCAN_SCHEDULES[dataset], **SCAN_LAMBDAS[(dataset, direction)], "direction": direction}
+def _scan_presets() -> dict[str, dict]:
+    presets: dict[str, dict] = {dataset: {**SCAN_COMMON, **schedule} for dataset, schedule in SCAN_SCHEDULES.items()}
+    for (dataset, direction, agg), lambdas in SCAN_LAMBDAS.items():
+        presets[f"{dataset}-{direction}-{agg}"] = {**presets[dataset], "direction": direction, "agg": agg, **lambdas}
+    return presets
 
 
-from retr.trainers.models import register_preset  # noqa: E402
+def _scan_preset_name(name: str, explicit) -> str:
+    """``f30k``/``coco`` → the published row for the explicit ``direction`` (t2i) and ``agg`` (the published
+    best, :data:`SCAN_PUBLISHED_AGG`); an aggregation with no published row (max, sum) takes AVG's λ_softmax."""
+    if name not in SCAN_SCHEDULES:
+        return name
+    direction = explicit.get("direction") or "t2i"
+    agg = explicit.get("agg") or SCAN_PUBLISHED_AGG[(name, direction)]
+    return f"{name}-{direction}-{agg if agg in ('lse', 'avg') else 'avg'}"
 
-register_preset("scan", scan_preset)
+
+register_model(ModelSpec(
+    name="scan", model_class=SCAN, config_class=SCANConfig,
+    summary="Train SCAN (stacked cross attention) on region features.",
+    examples=("retr-train scan --features data/f30k/features/butd-regions.h5 --manifest data/f30k/manifest.jsonl "
+              "--preset f30k --direction i2t --agg avg --out runs/scan-f30k-i2t-avg",),
+    presets=_scan_presets(), default_preset="f30k", preset_name=_scan_preset_name))

@@ -39,13 +39,18 @@ Decisions (``docs/models-seam-sman.md``):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from retr.trainers.losses import hinge_triplet_loss
-from retr.trainers.models import register_model, register_preset
+from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
+                                   word_dim_setting)
+from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
 
 TEXT_ENCODERS = ("e", "c", "g")
@@ -148,16 +153,17 @@ class SEAMTextEncoder(nn.Module):
         return self.fc(torch.cat(pooled, dim=1)), list(attentions)
 
 
-@register_model("seam")
 class SEAM(MatchingModel):
-    """SEAM-E/C/G on 10-crop features ``[B, 10, D_in]`` (module docstring: equations and decisions)."""
+    """SEAM-E/C/G on 10-crop features ``[B, 10, D_in]`` (module docstring: equations and decisions); settings:
+    :class:`SEAMConfig`."""
 
-    def __init__(self, vocab_size: int, img_dim: int = 4096, text_encoder: str = "c", embed_size: int = 1024,
-                 word_dim: int = 300, hops: int | None = None, attention_hidden: int = 300,
-                 conv_filters: int = 100, gru_size: int = 1024, penalty_weight: float = 0.5,
-                 penalty_norm: str = "squared", order_squared: bool = False, crops: str = "mean",
-                 input_l2norm: bool = True, margin: float = 0.05, max_violation: bool = False):
-        super().__init__(margin, max_violation)
+    def __init__(self, vocab_size: int, img_dim: int = 4096, config: "SEAMConfig | None" = None, **settings):
+        cfg = self.config = self.settings(SEAMConfig, config, settings)
+        super().__init__(cfg.margin, cfg.max_violation)
+        crops, penalty_norm, text_encoder = cfg.crops, cfg.penalty_norm, cfg.text_encoder
+        input_l2norm, penalty_weight, order_squared = cfg.input_l2norm, cfg.penalty_weight, cfg.order_squared
+        embed_size, word_dim, hops = cfg.embed_size, cfg.word_dim, cfg.hops
+        attention_hidden, conv_filters, gru_size = cfg.attention_hidden, cfg.conv_filters, cfg.gru_size
         if crops not in CROP_MODES:
             raise ValueError(f"crops must be one of {', '.join(CROP_MODES)}, not {crops!r}")
         if penalty_norm not in PENALTY_NORMS:
@@ -230,15 +236,37 @@ class SEAM(MatchingModel):
         return self.loss(self.score(images, captions), penalty)
 
 
-#: The paper's settings (§3.2, COCO; the paper trains no Flickr30K model, so its preset is the same).
-SEAM_COMMON = {"epochs": 30, "lr": 1e-3, "lr_update": 15, "batch_size": 128, "grad_clip": 1.0,
-               "optimizer": "adam", "margin": 0.05, "max_violation": False, "embed_size": 1024, "word_dim": 300,
-               "attention_hidden": 300, "penalty_weight": 0.5, "conv_filters": 100, "gru_size": 512}
+@dataclass
+class SEAMConfig:
+    """SEAM's settings (defaults: the paper's SEAM-C on COCO)."""
+
+    embed_size: int = embed_size_setting(1024)
+    word_dim: int = word_dim_setting(300)
+    text_encoder: Literal[TEXT_ENCODERS] = setting(
+        "c", "SEAM-E (attention over embeddings), SEAM-C (convolutions) or SEAM-G (GRU).")
+    hops: int | None = setting(None, "Attention hops (default: E/G 30, C 10 per module).")
+    attention_hidden: int = setting(300, "Hidden size of the self-attention (W1: z → N).")
+    conv_filters: int = setting(100, "SEAM-C's filters per convolution.")
+    gru_size: int = setting(512, "SEAM-G's GRU size (512, the paper's reported model; the authors' code: 1024).")
+    penalty_weight: float = setting(0.5, "λ of the attention penalty (0 = off).")
+    penalty_norm: Literal[PENALTY_NORMS] = setting(
+        "squared", "‖AAᵀ − I‖_F squared (paper) or plain (the authors' code).")
+    order_squared: bool = setting(False, "Square the order violation (original order embeddings); default: its norm.",
+                                  flag="--order-squared")
+    crops: Literal[CROP_MODES] = setting("mean", "Average the 10 crops or train on one random crop per image.")
+    input_l2norm: bool = setting(True, "l2-normalise the averaged image vector before the linear map.",
+                                 flag="--input-l2norm/--no-input-l2norm")
+    margin: float = margin_setting(0.05)
+    max_violation: bool = violation_setting(False)
 
 
-def seam_preset(dataset: str | None, direction: str | None = None) -> dict:
-    """SEAM's published hyperparameters (identical for every dataset)."""
-    return dict(SEAM_COMMON)
+#: The paper's schedule (§3.2, COCO; the paper trains no Flickr30K model, so its preset is the same).
+SEAM_PRESET = {"epochs": 30, "lr": 1e-3, "lr_update": 15, "batch_size": 128, "grad_clip": 1.0}
 
-
-register_preset("seam", seam_preset)
+register_model(ModelSpec(
+    name="seam", model_class=SEAM, config_class=SEAMConfig,
+    summary="Train SEAM-E/C/G (self-attentive caption embeddings, order violation) on 10-crop features.",
+    examples=("retr-train seam --features data/coco/features/tencrop-vgg19.h5 --manifest data/coco/manifest.jsonl "
+              "--preset coco --text-encoder c --out runs/seam-c-coco",
+              "retr-train eval runs/seam-c-coco --protocol coco-1k"),
+    presets={"coco": SEAM_PRESET, "f30k": SEAM_PRESET}, default_preset="coco"))

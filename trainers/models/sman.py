@@ -52,6 +52,9 @@ evaluates in two steps through :mod:`retr.trainers.two_step`: the pair-independe
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,7 +62,9 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from retr.trainers.distributed import scale_grad, world_size
 from retr.trainers.losses import hinge_triplet_loss
-from retr.trainers.models import register_model, register_preset
+from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
+                                   word_dim_setting)
+from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel
 
 INTRA_PAIR_LEVELS = ("each", "sum")
@@ -146,17 +151,17 @@ class WordEncoder(nn.Module):
         return (out[..., :self.hidden] + out[..., self.hidden:]) / 2
 
 
-@register_model("sman")
 class SMAN(MatchingModel):
     """SMAN on grid features ``[B, M, D_in]`` (module docstring: equations and decisions)."""
 
-    def __init__(self, vocab_size: int, img_dim: int = 2048, embed_size: int = 512, word_dim: int = 512,
-                 alpha: float = 0.9, use_location: bool = True, multimodal_step: bool = True,
-                 intra_pair_weight: float = 1.0, intra_pair_margin: float = 0.25, intra_pair_level: str = "each",
-                 eval_score: str = "sum", divide_by_cells: bool = False, text_rnn: str = "lstm",
-                 dropout: float = 0.3, optimizer: str = "adadelta", rho: float = 0.9, weight_decay: float = 5e-4,
-                 shortlist: int = 0, margin: float = 0.2, max_violation: bool = True):
-        super().__init__(margin, max_violation)
+    def __init__(self, vocab_size: int, img_dim: int = 2048, config: "SMANConfig | None" = None, **settings):
+        cfg = self.config = self.settings(SMANConfig, config, settings)
+        super().__init__(cfg.margin, cfg.max_violation)
+        embed_size, word_dim, alpha, use_location = cfg.embed_size, cfg.word_dim, cfg.alpha, cfg.use_location
+        multimodal_step, intra_pair_weight = cfg.multimodal_step, cfg.intra_pair_weight
+        intra_pair_margin, intra_pair_level, eval_score = cfg.intra_pair_margin, cfg.intra_pair_level, cfg.eval_score
+        divide_by_cells, text_rnn, dropout = cfg.divide_by_cells, cfg.text_rnn, cfg.dropout
+        optimizer, rho, weight_decay, shortlist = cfg.optimizer, cfg.rho, cfg.weight_decay, cfg.shortlist
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
         self.optimizer_name, self.rho, self.weight_decay = optimizer, float(rho), float(weight_decay)
@@ -397,18 +402,45 @@ class SMAN(MatchingModel):
         return self.loss(levels.sum(-1), levels.diagonal(dim1=0, dim2=1).t())
 
 
-#: The paper's settings (§IV-A3), the same for Flickr30K and COCO.
-SMAN_PRESET = {
-    "epochs": 60, "lr": 0.05, "lr_update": 50, "batch_size": 128, "grad_clip": 0.1,
-    "optimizer": "adadelta", "weight_decay": 5e-4,
-    "embed_size": 512, "word_dim": 512, "dropout": 0.3, "alpha": 0.9, "margin": 0.2, "max_violation": True,
-    "intra_pair_weight": 1.0, "intra_pair_margin": 0.25,
-}
+@dataclass
+class SMANConfig:
+    """SMAN's settings (defaults: the paper's, §IV-A3; module docstring for each decision)."""
+
+    embed_size: int = embed_size_setting(512)
+    word_dim: int = word_dim_setting(512)
+    alpha: float = setting(0.9, "Fusion gate α of Eq. 12; 1 = stacked intra-modal attention (SMAN-SIM).")
+    use_location: bool = setting(True, "GRU location vector in the visual query (off = SMAN-IM).",
+                                 flag="--location/--no-location")
+    multimodal_step: bool = setting(True, "Second, multi-modal attention step (off = SMAN-IM[-LOC]).",
+                                    flag="--multimodal-step/--intra-only")
+    intra_pair_weight: float = setting(1.0, "λ of Eq. 23; 0 = SMAN-inter.")
+    intra_pair_margin: float = setting(0.25, "m2 of Eq. 22.")
+    intra_pair_level: Literal[INTRA_PAIR_LEVELS] = setting(
+        "each", "Eq. 22 per level and summed (each) or once on the summed distance.")
+    eval_score: Literal[EVAL_SCORES] = setting(
+        "sum", "Evaluation score: sum of per-level cosines or cosine of the raw concatenation.")
+    divide_by_cells: bool = setting(False, "Keep the 1/M printed in Eq. 7/15 (default: dropped).",
+                                    flag="--divide-by-cells")
+    text_rnn: Literal[TEXT_RNNS] = setting("lstm", "Bi-LSTM (paper) or bi-GRU.")
+    dropout: float = setting(0.3, "Dropout on grid features and word embeddings.")
+    optimizer: Literal[OPTIMIZERS] = setting("adadelta", "Adadelta (paper) or Adam.")
+    rho: float = setting(0.9, "Adadelta's decay ρ (the paper's \"momentum 0.9\").")
+    weight_decay: float = setting(5e-4, "Adadelta weight decay.")
+    shortlist: int = setting(0, "Evaluate in two steps: shortlist K by the pair-independent levels, re-score them "
+                                "with all three (0: score every pair, as the paper).")
+    margin: float = margin_setting(0.2)
+    max_violation: bool = violation_setting(True)
 
 
-def sman_preset(dataset: str | None, direction: str | None = None) -> dict:
-    """SMAN's published hyperparameters (one set for both datasets: Adadelta 0.05 → 0.005 after epoch 50)."""
-    return dict(SMAN_PRESET)
+#: The paper's schedule (§IV-A3), the same for Flickr30K and COCO: Adadelta 0.05 → 0.005 after epoch 50.
+SMAN_PRESET = {"epochs": 60, "lr": 0.05, "lr_update": 50, "batch_size": 128, "grad_clip": 0.1}
 
-
-register_preset("sman", sman_preset)
+register_model(ModelSpec(
+    name="sman", model_class=SMAN, config_class=SMANConfig,
+    summary="Train SMAN (stacked multi-modal attention) on ResNet-152 7×7 grid features. Pair-specific: "
+            "validation and `retr-train eval` score every image–caption pair, in blocks.",
+    examples=("retr-train sman --features data/f30k/features/resnet152-grid.h5 --manifest data/f30k/manifest.jsonl "
+              "--preset f30k --out runs/sman-f30k",
+              "retr-train sman --features data/f30k/features/resnet152-grid.h5 --manifest data/f30k/manifest.jsonl "
+              "--preset f30k --alpha 1 --intra-pair-weight 0 --out runs/sman-f30k-sim-inter"),
+    presets={"f30k": SMAN_PRESET, "coco": SMAN_PRESET}, default_preset="f30k"))

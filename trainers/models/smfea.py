@@ -34,18 +34,21 @@ no L_CE/D_KL, fusion ``β_d V_D + β_c V_C``), ``kl_weight=0``, ``ce_weight=0``,
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retr.trainers.models import register_model, register_preset
+from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
+                                   word_dim_setting)
+from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
 from retr.trainers.models.concepts import (ConceptAttention, ConceptGCN, consensus_vector, mix_text_labels)
 from retr.trainers.models.scan import RegionEncoder
 from retr.trainers.models.text import GRUWordEncoder
-from retr.trainers.models.tree_lstm import ENTITY_SLOTS, NUM_NODES, RELATION_SLOTS, StructuredTreeEncoder
+from retr.trainers.models.tree_lstm import ENTITY_SLOTS, FORGET_GATES, NUM_NODES, RELATION_SLOTS, StructuredTreeEncoder
 
 TRAIN_TEXT_LABELS = ("image", "caption")
 
@@ -104,21 +107,20 @@ def node_kl(image: Embeddings, text: Embeddings) -> torch.Tensor:
     return total
 
 
-@register_model("smfea")
 class SMFEA(MatchingModel):
-    """SMFEA: instance + tree + consensus-concept embeddings fused by β, trained with Eq. 20."""
+    """SMFEA: instance + tree + consensus-concept embeddings fused by β, trained with Eq. 20; settings:
+    :class:`SMFEAConfig`. ``num_entities``/``num_relations``/``num_concepts`` are the sizes of the run's
+    dictionaries and concept set (:func:`retr.trainers.side_inputs.load_smfea_inputs` reads them)."""
 
     def __init__(self, vocab_size: int, num_entities: int, num_relations: int, num_concepts: int,
-                 img_dim: int = 2048, embed_size: int = 1024, word_dim: int = 300, tree_hidden: int = 128,
-                 tree_input_dim: int | None = None, forget_gate: str = "as-printed", tree_residual: bool = False,
-                 use_trees: bool = True, beta_d: float = 0.6, beta_t: float = 0.2, beta_c: float = 0.2,
-                 ce_weight: float = 1.0, kl_weight: float = 1.0, label_ratio: float = 0.35,
-                 concept_smooth: float = 10.0, concept_word_dim: int = 300, concept_vectors: str = "learned",
-                 train_text_labels: str = "image", trees: str | None = None, concepts: str | None = None,
-                 margin: float = 0.2, max_violation: bool = True):
-        super().__init__(margin, max_violation)
-        #: side files read by :meth:`prepare_training` only (evaluation needs none: everything is in the state)
-        self.trees_path, self.concepts_path, self.concept_vectors_source = trees, concepts, concept_vectors
+                 img_dim: int = 2048, config: "SMFEAConfig | None" = None, **settings):
+        cfg = self.config = self.settings(SMFEAConfig, config, settings)
+        super().__init__(cfg.margin, cfg.max_violation)
+        embed_size, word_dim, tree_hidden, tree_input_dim = cfg.embed_size, cfg.word_dim, cfg.tree_hidden, cfg.tree_input_dim
+        forget_gate, tree_residual, use_trees = cfg.forget_gate, cfg.tree_residual, cfg.use_trees
+        beta_d, beta_t, beta_c, ce_weight, kl_weight = cfg.beta_d, cfg.beta_t, cfg.beta_c, cfg.ce_weight, cfg.kl_weight
+        label_ratio, concept_smooth, concept_word_dim = cfg.label_ratio, cfg.concept_smooth, cfg.concept_word_dim
+        concept_vectors, train_text_labels = cfg.concept_vectors, cfg.train_text_labels
         #: the loop passes these batch entries to :meth:`forward`
         self.batch_extras = ("caption_index",)
         #: per training caption: referral-tree node ids [M, 7] (−100 = no tree) and image concept labels [M, C]
@@ -152,19 +154,16 @@ class SMFEA(MatchingModel):
         self.score_dtype: torch.dtype | None = None
 
     # ---------------------------------------------------------------------------------------------- inputs
-    def prepare_training(self, data) -> None:
-        """Install the run's side data for the training captions of ``data`` (a ``SplitData``): the concept
-        graph, vectors and token map from ``concepts``, the node targets from ``trees`` (the loop's hook)."""
-        from retr.trainers.smfea_inputs import load_training_inputs
-
-        inputs = load_training_inputs(data, self.trees_path if self.use_trees else None, self.concepts_path,
-                                      self.concept_vectors_source, vocab_size=self.token_concepts.numel())
+    def prepare_training(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Install the run's side data (:func:`retr.trainers.side_inputs.load_smfea_inputs`): the concept graph
+        ``adjacency`` [C, C] and fixed ``vectors`` [C, D] (if any), the token map ``token_concepts`` [V], and for
+        the training captions the node targets ``nodes`` [M, 7] and image labels ``image_labels`` [M, C]."""
         device = self.token_concepts.device
-        self.gcn.set_graph(inputs.adjacency.to(device),
-                           None if inputs.vectors is None else inputs.vectors.to(device))
-        self.set_token_concepts(inputs.token_concepts.to(device))
-        self.train_nodes = inputs.nodes
-        self.train_image_labels = inputs.image_labels
+        vectors = inputs.get("vectors")
+        self.gcn.set_graph(inputs["adjacency"].to(device), None if vectors is None else vectors.to(device))
+        self.set_token_concepts(inputs["token_concepts"].to(device))
+        self.train_nodes = inputs.get("nodes")
+        self.train_image_labels = inputs["image_labels"]
 
     @torch.no_grad()
     def set_token_concepts(self, token_concepts: torch.Tensor) -> None:
@@ -297,16 +296,79 @@ class SMFEA(MatchingModel):
         return pred
 
 
-# ------------------------------------------------------------------------------------------------ presets
-SMFEA_COMMON = {"batch_size": 128, "grad_clip": 2.0, "margin": 0.2, "max_violation": True, "embed_size": 1024,
-                "word_dim": 300, "tree_hidden": 128, "beta_d": 0.6, "beta_t": 0.2, "beta_c": 0.2,
-                "epochs": 50, "lr": 2e-4, "lr_update": 25}
+# ------------------------------------------------------------------------------------------------ settings
+
+@dataclass
+class SMFEAConfig:
+    """SMFEA's settings (defaults: §4.2 and CVSE's; ``docs/models-smfea.md`` gives every decision)."""
+
+    embed_size: int = embed_size_setting(1024)
+    word_dim: int = word_dim_setting(300)
+    tree_hidden: int = setting(128, "Tree node hidden size.")
+    tree_input_dim: int | None = setting(None, "Tree node input size (default: the embedding size).")
+    forget_gate: Literal[FORGET_GATES] = setting(
+        "as-printed", "Eq. 10 as printed or Tai et al.'s per-child forget gates.")
+    tree_residual: bool = setting(False, "Add the instance feature to the tree embedding (the paper's sentence "
+                                         "on S_T).", flag="--tree-residual")
+    use_trees: bool = setting(True, "VCS/TCS-Tree encoders; --no-trees is the 'w/o trees' ablation (Table 5).",
+                              flag="--use-trees/--no-trees")
+    beta_d: float = setting(0.6, "Fusion weight of the instance features.")
+    beta_t: float = setting(0.2, "Fusion weight of the tree embedding.")
+    beta_c: float = setting(0.2, "Fusion weight of the concept vector.")
+    ce_weight: float = setting(1.0, "Weight of the node cross-entropy L_CE (0: 'w/o L_CE').")
+    kl_weight: float = setting(1.0, "Weight of D_KL (0: 'w/o D_KL').")
+    label_ratio: float = setting(0.35, "Text label mixing r (0.35 Flickr30K / 0.4 COCO).")
+    concept_smooth: float = setting(10.0, "Concept label smoothing scale (CVSE's 10).")
+    concept_word_dim: int = setting(300, "Size of the learned concept vectors (fixed vectors: the file's).")
+    concept_vectors: Literal["learned", "fixed"] = setting(
+        "learned", "Concept vectors learned from U(±0.1), or fixed from --concept-vectors.", cli=False)
+    train_text_labels: Literal[TRAIN_TEXT_LABELS] = setting(
+        "image", "Labels the text branch mixes in training: its image's (CVSE) or its own. Evaluation always "
+                 "uses the caption's own.")
+    margin: float = margin_setting(0.2)
+    max_violation: bool = violation_setting(True)
 
 
-def smfea_preset(dataset: str | None, direction: str | None = None) -> dict:
-    """SMFEA §4.2 (Adam 2e-4 ×0.1 every 25 epochs, 50 epochs, margin 0.2, node hidden 128, β = 0.6/0.2/0.2);
-    CVSE's label ratio r: 0.4 COCO, 0.35 Flickr30K (the default)."""
-    return {**SMFEA_COMMON, "label_ratio": 0.4 if dataset == "coco" else 0.35}
+#: SMFEA §4.2: Adam 2e-4 ×0.1 every 25 epochs, 50 epochs; CVSE's label ratio r: 0.4 COCO, 0.35 Flickr30K.
+SMFEA_SCHEDULE = {"batch_size": 128, "grad_clip": 2.0, "epochs": 50, "lr": 2e-4, "lr_update": 25}
 
 
-register_preset("smfea", smfea_preset)
+def _smfea_inputs(data, files, config, vocab_size):
+    from retr.trainers.side_inputs import load_smfea_inputs
+    return load_smfea_inputs(data, files, config, vocab_size)
+
+
+def _smfea_upgrade(model_args: dict) -> tuple[dict, dict]:
+    """Runs written before the spec registry kept the side files among the model's arguments."""
+    inputs = {k: model_args.pop(k, None) for k in ("trees", "concepts")}
+    inputs = {k: v for k, v in inputs.items() if v}
+    vectors = model_args.get("concept_vectors")
+    if vectors not in (None, "learned", "fixed"):
+        inputs["concept_vectors"], model_args["concept_vectors"] = vectors, "fixed"
+    return model_args, inputs
+
+
+def _smfea_after_training(run, cfg, log) -> None:
+    from retr.trainers.tree_accuracy import report_tree_accuracy
+    report_tree_accuracy(run, cfg, log)
+
+
+register_model(ModelSpec(
+    name="smfea", model_class=SMFEA, config_class=SMFEAConfig,
+    summary="Train SMFEA (tree encoders with the shared referral tree + consensus concepts) on region features. "
+            "Needs the referral trees (retr-pipeline parse-trees) and the concept data (retr-pipeline "
+            "build-concepts) of the same manifest. After training, the tree-node accuracy of the best checkpoint "
+            "on the test split is written to OUT/tree_accuracy.json.",
+    examples=("retr-train smfea --features data/f30k/features/butd-regions.h5 --manifest data/f30k/manifest.jsonl "
+              "--trees data/f30k/trees.h5 --concepts data/f30k/concepts.h5 --preset f30k --out runs/smfea-f30k",
+              "retr-train eval runs/smfea-f30k --protocol f30k-1k"),
+    presets={"f30k": {**SMFEA_SCHEDULE, "label_ratio": 0.35}, "coco": {**SMFEA_SCHEDULE, "label_ratio": 0.4}},
+    default_preset="f30k",
+    inputs=(InputFile("trees", "trees.h5 from retr-pipeline parse-trees (required unless --no-trees)."),
+            InputFile("concepts", "concepts.h5 from retr-pipeline build-concepts.", required=True),
+            InputFile("concept_vectors", "GloVe-format text file of concept word vectors (kept fixed, as CVSE); "
+                                         "default: vectors learned from U(±0.1).")),
+    load_inputs=_smfea_inputs,
+    shortcuts={"--no-kl": ("Ablation 'w/o D_KL' (Table 5): --kl-weight 0.", {"kl_weight": 0.0}),
+               "--no-node-ce": ("Ablation 'w/o L_CE' (Table 5): --ce-weight 0.", {"ce_weight": 0.0})},
+    upgrade_args=_smfea_upgrade, after_training=_smfea_after_training))

@@ -11,22 +11,27 @@ grad clip 2, d = 1024, word dim 300 — the same for COCO and Flickr30K.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
-from retr.trainers.models import register_model
+from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
+                                   word_dim_setting)
+from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
-from retr.trainers.models.scan import RegionEncoder
+from retr.trainers.models.scan import ENCODER_TYPES, RegionEncoder
 from retr.trainers.models.text import GRUSentenceEncoder
 
 
-@register_model("vsepp")
 class VSEPP(MatchingModel):
-    """VSE++ on any feature kind."""
+    """VSE++ on any feature kind; settings: :class:`VSEPPConfig`."""
 
-    def __init__(self, vocab_size: int, img_dim: int = 2048, embed_size: int = 1024, word_dim: int = 300,
-                 bi_gru: bool = False, no_imgnorm: bool = False, precomp_enc_type: str = "basic",
-                 margin: float = 0.2, max_violation: bool = True):
-        super().__init__(margin, max_violation)
+    def __init__(self, vocab_size: int, img_dim: int = 2048, config: "VSEPPConfig | None" = None, **settings):
+        cfg = self.config = self.settings(VSEPPConfig, config, settings)
+        super().__init__(cfg.margin, cfg.max_violation)
+        embed_size, word_dim, bi_gru = cfg.embed_size, cfg.word_dim, cfg.bi_gru
+        no_imgnorm, precomp_enc_type = cfg.no_imgnorm, cfg.precomp_enc_type
         self.img_enc = RegionEncoder(img_dim, embed_size, no_imgnorm, precomp_enc_type)
         self.txt_enc = GRUSentenceEncoder(vocab_size, word_dim, embed_size, bidirectional=bi_gru)
         self.score_dtype: torch.dtype | None = None
@@ -47,16 +52,25 @@ class VSEPP(MatchingModel):
         return images["vector"].to(dtype) @ captions["vector"].to(dtype).t()
 
 
-VSEPP_SCHEDULE = {"epochs": 30, "lr": 2e-4, "lr_update": 15}
-VSEPP_COMMON = {"batch_size": 128, "grad_clip": 2.0, "margin": 0.2, "max_violation": True, "bi_gru": False,
-                "embed_size": 1024, "word_dim": 300}
+@dataclass
+class VSEPPConfig:
+    """VSE++'s settings (defaults: the paper's)."""
+
+    embed_size: int = embed_size_setting(1024)
+    word_dim: int = word_dim_setting(300)
+    bi_gru: bool = setting(False, "Caption GRU direction (VSE++: unidirectional).", flag="--bi-gru/--uni-gru")
+    no_imgnorm: bool = setting(False, "Do not l2-normalise the image vector.", flag="--no-imgnorm")
+    precomp_enc_type: Literal[ENCODER_TYPES] = setting("basic", "Image encoder: Linear or weight-normed.")
+    margin: float = margin_setting(0.2)
+    max_violation: bool = violation_setting(True)
 
 
-def vsepp_preset(dataset: str | None, direction: str | None = None) -> dict:
-    """VSE++'s published hyperparameters (identical for COCO and Flickr30K)."""
-    return {**VSEPP_COMMON, **VSEPP_SCHEDULE}
+#: VSE++'s published schedule (the same for COCO and Flickr30K).
+VSEPP_PRESET = {"epochs": 30, "lr": 2e-4, "lr_update": 15, "batch_size": 128, "grad_clip": 2.0}
 
-
-from retr.trainers.models import register_preset  # noqa: E402
-
-register_preset("vsepp", vsepp_preset)
+register_model(ModelSpec(
+    name="vsepp", model_class=VSEPP, config_class=VSEPPConfig,
+    summary="Train the VSE++ baseline on any feature kind (vectors averaged over regions/grid cells/crops).",
+    examples=("retr-train vsepp --features data/coco/features/tencrop-resnet152.h5 "
+              "--manifest data/coco/manifest.jsonl --preset coco --out runs/vsepp-coco",),
+    presets={"f30k": VSEPP_PRESET, "coco": VSEPP_PRESET}, default_preset="f30k"))

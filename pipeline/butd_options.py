@@ -1,5 +1,9 @@
 """Command-line options of the ``butd-regions`` extractor, added to ``retr-pipeline extract``.
 
+The extractor itself (:func:`retr.extractors.butd.extractor.build_butd_regions`) takes these as plain keyword
+arguments; each option's parameter name is the builder's, so the command passes them on unchanged and the
+builder's errors (``post_nms_topk … must be at least max_boxes``) come back in these flags.
+
 Every option defaults to None (or off), meaning "the extractor's own default"; the original's settings are
 the defaults, and the size/proposal/pool options below them are documented speed options.
 """

@@ -12,13 +12,12 @@ The vocabulary keeps words seen at least ``threshold`` (4) times in the training
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections import Counter
 from pathlib import Path
 from typing import Iterable
-
-from nltk.tokenize.destructive import NLTKWordTokenizer
 
 from retr.common.errors import UserError
 
@@ -27,12 +26,36 @@ SPECIALS = (PAD, START, END, UNK)
 PAD_ID, START_ID, END_ID, UNK_ID = 0, 1, 2, 3
 DEFAULT_THRESHOLD = 4
 
-_TOKENIZER = NLTKWordTokenizer()
+#: Closed-class English words (determiners, pronouns, prepositions, conjunctions, auxiliaries, numerals, a few
+#: adverbs), as the tokenizer writes them: the words a content-word list leaves out (no POS tagger and no NLTK
+#: stopword data are assumed). Used by ``build-concepts``' frequency fallback
+#: (:func:`retr.pipeline.concepts.fallback_words`) and JGCAR's caption-concept labels
+#: (:func:`retr.trainers.side_inputs.caption_concepts`, which skips a few more words, see there).
+FUNCTION_WORDS = frozenset("""
+a an the this that these those there here some any each every no all both either neither another other such
+i me my mine we us our ours you your yours he him his she her hers it its they them their theirs one ones
+who whom whose which what where when why how that's it's there's
+of in on at by for from to with without into onto over under above below near behind beside besides between
+among around through across along against toward towards up down out off about after before during until upon
+within inside outside beneath underneath next than via per like
+and or but nor so yet as if while because though although whether
+is are was were be been being am 's do does did done have has had having will would can could shall should
+may might must not n't
+one two three four five six seven eight nine ten several many much more most few less
+very too also just only then now again still even
+""".split())
+
+
+@functools.cache
+def _tokenizer():
+    from nltk.tokenize.destructive import NLTKWordTokenizer  # imported on first use: nltk takes ~0.5 s
+
+    return NLTKWordTokenizer()
 
 
 def tokenize(caption: str) -> list[str]:
     """Lower-cased word tokens of one caption (no ``<start>``/``<end>``)."""
-    return _TOKENIZER.tokenize(caption.lower())
+    return _tokenizer().tokenize(caption.lower())
 
 
 class Vocabulary:

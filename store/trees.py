@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import h5py
 import numpy as np
@@ -32,10 +32,20 @@ import numpy as np
 from retr.common.atomic import PARTIAL_SUFFIX, atomic_hdf5  # noqa: F401  (PARTIAL_SUFFIX re-exported)
 from retr.common.errors import UserError
 from retr.common.version import __version__
-from retr.parsers.dictionaries import NULL_ID, UNKNOWN_ID, Dictionaries
 
 FORMAT_VERSION = 1
 _STR = h5py.string_dtype("utf-8")
+#: the two fixed ids of both dictionaries (``entities[0] == relations[0] == "null"``, ``[1] == "unknown"``);
+#: :mod:`retr.parsers.dictionaries` builds dictionaries around them
+NULL_ID = 0
+UNKNOWN_ID = 1
+
+
+class Labels(Protocol):
+    """What :func:`write_trees` needs of the dictionaries (:class:`retr.parsers.dictionaries.Dictionaries`)."""
+
+    entities: list[str]
+    relations: list[str]
 
 
 def _now() -> str:
@@ -116,7 +126,7 @@ def read_parse_shard(path: str | os.PathLike) -> ParseShard | None:
 # trees.h5
 
 def write_trees(path: str | os.PathLike, keys: Sequence[str], nodes: np.ndarray, text: Sequence[str],
-                candidates: Sequence[str], failures: Sequence[tuple[str, str]], dictionaries: Dictionaries,
+                candidates: Sequence[str], failures: Sequence[tuple[str, str]], dictionaries: Labels,
                 attrs: Mapping[str, object]) -> Path:
     """Write ``trees.h5`` atomically. ``nodes`` is ``[M, 7]`` int; ``attrs`` adds provenance
     (``manifest_sha256``, ``backend``, ``rules``, ``dictionaries_source``)."""

@@ -1,0 +1,36 @@
+"""Device names → ``torch.device``: one resolver for extraction, parsing and training.
+
+torch is imported when :func:`resolve_device` is called, not when this module is imported, so a module that only
+passes a device name along (the stanza backend) does not pay for torch at import time.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from retr.common.errors import ParameterError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """``"auto"`` → ``cuda`` when CUDA is available, else ``cpu``; ``cpu``, ``cuda`` and ``cuda:N`` as given.
+
+    Raises :class:`~retr.common.errors.ParameterError` (a ``ValueError`` naming the parameter ``device``) for a
+    name that is not a CPU or CUDA device, and for a CUDA device asked for on a machine without CUDA:
+    ``device cuda:0 asked for, but CUDA is not available here``.
+    """
+    import torch
+
+    if isinstance(name, str) and name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ParameterError(f"unknown device {name!r} (expected auto, cpu, cuda or cuda:N)", "device") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ParameterError(f"unsupported device {device} (expected auto, cpu, cuda or cuda:N)", "device")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ParameterError(f"device {device} asked for, but CUDA is not available here (use device cpu)",
+                             "device")
+    return device

@@ -1,0 +1,121 @@
+"""Library errors name parameters; the commands print them with their own flags (``retr.common.cli``)."""
+from __future__ import annotations
+
+import pickle
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from retr.common.cli import LazyChoice, flags_in_errors, parameter_flags, run, with_flags
+from retr.common.errors import MissingResourceError, ParameterError, RetrError, UserError
+
+
+def _group(callback) -> click.Group:
+    """A toy console script: one command whose option names differ from their flags, like the real ones."""
+
+    @click.group()
+    @click.option("--verbose", "loud", is_flag=True)
+    def toy(loud: bool) -> None:
+        """Toy."""
+
+    @toy.command("go")
+    @click.argument("dataset")
+    @click.option("--extractor", "name", default="x")
+    @click.option("--image-size", type=int, default=448)
+    @click.option("--half/--no-half", default=False)
+    def go(dataset: str, name: str, image_size: int, half: bool) -> None:
+        callback()
+
+    return toy
+
+
+def _raise(exc: BaseException):
+    def callback():
+        raise exc
+    return callback
+
+
+def _run(group: click.Group, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exited:
+        run(group, ["go", "coco"])
+    return exited.value.code, capsys.readouterr().err
+
+
+def test_parameter_error_is_a_value_error_naming_the_parameter():
+    error = ParameterError("image_size must be a multiple of 32, not 100", "image_size", "grid_size")
+    assert isinstance(error, ValueError) and not isinstance(error, RetrError)
+    assert str(error) == "image_size must be a multiple of 32, not 100"
+    assert error.parameter == "image_size" and error.parameters == ("image_size", "grid_size")
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is ParameterError and again.parameters == error.parameters and str(again) == str(error)
+    assert UserError("plain").parameters == () and MissingResourceError("x", "y", "z").parameters == ()
+
+
+def test_a_command_prints_the_flag_in_one_line(capsys):
+    group = _group(_raise(ParameterError("image_size must be a multiple of 32, not 100", "image_size")))
+    code, stderr = _run(group, capsys)
+    assert code == 1 and stderr == "error: --image-size must be a multiple of 32, not 100\n"
+
+
+def test_names_map_through_the_commands_own_parameters(capsys):
+    """``name`` is the parameter of ``--extractor``; arguments show as their metavar; a group's options count."""
+    message = "name 'x' refuses image_size 7 with half (half-precision, self.half, image_size_max, dataset, loud)"
+    group = _group(_raise(ParameterError(message, "name", "image_size", "half", "dataset", "loud", "grid_size")))
+    code, stderr = _run(group, capsys)
+    assert code == 1
+    assert stderr == ("error: --extractor 'x' refuses --image-size 7 with --half (half-precision, self.half, "
+                      "image_size_max, DATASET, --verbose)\n")
+
+
+def test_names_the_command_does_not_have_stay(capsys):
+    group = _group(_raise(ParameterError("post_nms_topk must be at least max_boxes", "post_nms_topk", "max_boxes")))
+    assert _run(group, capsys) == (1, "error: post_nms_topk must be at least max_boxes\n")
+
+
+def test_a_retr_error_naming_parameters_keeps_its_class():
+    group = flags_in_errors(_group(_raise(UserError("x.pkl: if you trust the file, set half",
+                                                    parameters=["half"]))))
+    result = CliRunner().invoke(group, ["go", "coco"])
+    assert type(result.exception) is UserError and str(result.exception) == "x.pkl: if you trust the file, set --half"
+
+
+def test_a_plain_value_error_is_a_bug_and_keeps_its_traceback():
+    group = _group(_raise(ValueError("image_size went wrong inside")))
+    with pytest.raises(ValueError, match="image_size went wrong inside"):
+        run(group, ["go", "coco"])
+
+
+def test_outside_a_command_the_library_text_stays():
+    assert with_flags("image_size must be even", ["image_size"], {}) == "image_size must be even"
+    assert parameter_flags(None) == {}
+
+
+def test_real_commands_map_their_own_names(tmp_path, capsys):
+    """``retr-pipeline synth --images`` is the parameter ``num_images`` of :func:`generate_synthetic`."""
+    from retr.pipeline.cli import cli
+
+    with pytest.raises(SystemExit) as exited:
+        run(cli, ["synth", "--out", str(tmp_path / "s"), "--images", "2"])
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == "error: --images must be at least 3 (one each for train, val and test), got 2\n"
+
+
+def test_lazy_choice_looks_names_up_only_when_needed():
+    calls = []
+
+    def names():
+        calls.append(1)
+        return ["b", "a"]
+
+    @click.command()
+    @click.option("--pick", type=LazyChoice(names), required=True)
+    def pick(pick: str) -> None:
+        click.echo(pick)
+
+    assert calls == []
+    assert CliRunner().invoke(pick, ["--pick", "a"]).output == "a\n"
+    bad = CliRunner().invoke(pick, ["--pick", "c"])
+    assert bad.exit_code == 2 and "'c' is not one of 'b', 'a'" in bad.output
+    assert "[b|a]" in CliRunner().invoke(pick, ["--help"]).output
+    assert calls == [1]

@@ -1,0 +1,165 @@
+"""Settings as dataclasses: the one definition of every training and model setting.
+
+A setting is a dataclass field made with :func:`setting`: its name, type annotation, default and help are the
+only place it is defined. The training command (:mod:`retr.trainers.train_command`) builds its options from
+these fields, ``config.json`` stores them, and presets (:class:`~retr.trainers.models.registry.ModelSpec`) are
+named overrides of them.
+
+* :class:`TrainConfig` — what every run has: data, schedule, device, logging (one per run);
+* each model module's config dataclass (``SCANConfig``, …) — that model's own settings.
+
+Field metadata understood by the command builder:
+
+* ``help`` — the option's help text;
+* ``flag`` — the option's spelling when it is not ``--field-name``: ``"--max-violation/--sum-violation"`` (an
+  on/off pair), ``"--no-imgnorm"`` (a single flag that sets ``True``), ``"--train-split"`` (another name);
+* ``cli=False`` — not an option (filled by the loop or the command, e.g. the model name).
+
+Types: ``int``, ``float``, ``str``, ``bool``, ``Literal[...]`` (a choice), ``X | None`` (None: unset or
+"choose for me"), ``tuple[str, ...]`` (an option given several times).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from retr.store.vocab import DEFAULT_THRESHOLD
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, cli: bool = True,
+            default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field that is a user-facing setting (see the module docstring for the metadata)."""
+    metadata = {"help": help, "flag": flag, "cli": cli}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on besides the model's own settings (stored in ``config.json``).
+
+    ``model_args`` holds the model's settings (its config dataclass as a dict) plus the sizes that follow
+    from the data (``vocab_size``, ``img_dim``, and e.g. SMFEA's dictionary sizes); ``inputs`` the side files
+    the model's spec reads into tensors (``{"trees": path, …}``).
+    """
+
+    model: str = setting("", cli=False)
+    model_args: dict = setting(default_factory=dict, cli=False)
+    inputs: dict = setting(default_factory=dict, cli=False)
+    features: str = setting("", "Feature set (.h5).")
+    manifest: str = setting("", "Manifest (.jsonl).")
+    out: str = setting("", "Run directory.")
+    preset: str | None = setting(None, "Published settings to start from (explicit options override them).")
+    epochs: int = setting(30, "Training epochs.")
+    batch_size: int = setting(128, "Global batch (split over DDP ranks).")
+    lr: float = setting(2e-4, "Learning rate.")
+    lr_update: int = setting(15, "Multiply the lr by 0.1 every N epochs.")
+    grad_clip: float = setting(2.0, "Gradient-norm clip (0 = off).")
+    early_stop: int = setting(0, "Stop after N epochs without a better validation rSum (0 = never).")
+    seed: int = setting(0, "Seed of every random number generator.")
+    device: str = setting("auto", "cpu, cuda, cuda:1 … (auto: cuda if any).")
+    workers: int = setting(0, "DataLoader worker processes.")
+    preload: bool | None = setting(None, "Hold the features in memory (default: only when they take < 2 GiB).",
+                                   flag="--preload/--no-preload")
+    amp: bool = setting(False, "Mixed precision (CUDA only).", flag="--amp")
+    train_splits: tuple[str, ...] = setting(("train", "restval"), "Training split (repeat the option for several).",
+                                            flag="--train-split")
+    val_split: str = setting("val", "Validation split.")
+    val_images: int = setting(1000, "Validate on the first N validation images (0 = all).")
+    vocab: str | None = setting(None, "Use this vocabulary (SCAN's {name}_vocab.json) instead of building one.")
+    vocab_threshold: int = setting(DEFAULT_THRESHOLD, "Keep words seen at least N times in training.")
+    log_every: int = setting(10, "Steps between metrics lines.")
+    keep_checkpoints: int = setting(2, "Epoch checkpoints kept (best.pt is kept besides).")
+
+    def __post_init__(self) -> None:
+        self.train_splits = tuple(self.train_splits)
+
+
+#: the schedule settings a model's preset may set besides the model's own
+SCHEDULE_KEYS = ("epochs", "batch_size", "lr", "lr_update", "grad_clip", "early_stop")
+
+
+def setting_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of a settings dataclass that are command-line options."""
+    return [f for f in fields(cls) if f.metadata.get("cli", True)]
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved type annotations of a settings dataclass (``from __future__ import annotations`` safe)."""
+    return typing.get_type_hints(cls)
+
+
+def choices_of(annotation: Any) -> tuple | None:
+    """The allowed values of a ``Literal[...]`` (or ``Literal[...] | None``) annotation, else None."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is Literal:
+            return typing.get_args(arg)
+    return None
+
+
+def validate_choices(config: Any) -> None:
+    """Raise ``ValueError`` naming the setting when a ``Literal`` field holds a value outside its choices."""
+    for name, annotation in field_types(type(config)).items():
+        allowed = choices_of(annotation)
+        value = getattr(config, name)
+        if allowed is not None and value is not None and value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, not {value!r}")
+
+
+def make_config(cls: type, values: dict | None = None, **more: Any):
+    """``cls(**values, **more)`` with unknown names refused by name (``ValueError``) and choices checked."""
+    values = {**(values or {}), **more}
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown setting(s) for {cls.__name__}: {', '.join(unknown)}")
+    config = cls(**values)
+    validate_choices(config)
+    return config
+
+
+def read_settings_file(path: str | Path) -> dict:
+    """Settings from a JSON or YAML file: a flat ``{setting: value}`` mapping, or a run's ``config.json``
+    (its ``model_args`` are flattened in; sizes that follow from the data are dropped by the caller)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"settings file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of settings")
+    if isinstance(data.get("model_args"), dict):
+        flat = {k: v for k, v in data.items() if k != "model_args"}
+        flat.update(data["model_args"])
+        data = flat
+    return data
+
+
+def margin_setting(default: float) -> Any:
+    """The hinge margin of a model's ranking loss (one help text for every model)."""
+    return setting(default, "Hinge margin of the ranking loss.")
+
+
+def violation_setting(default: bool) -> Any:
+    """Hardest negatives or the sum over negatives (one flag pair for every model)."""
+    return setting(default, "Hardest negatives (VSE++) or the sum over all negatives (VSE0).",
+                   flag="--max-violation/--sum-violation")
+
+
+def embed_size_setting(default: int) -> Any:
+    return setting(default, "Joint embedding size d.")
+
+
+def word_dim_setting(default: int) -> Any:
+    return setting(default, "Word embedding size.")

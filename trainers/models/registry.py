@@ -1,0 +1,178 @@
+"""The model registry (timm-style): one :class:`ModelSpec` per model, registered by the model's own module.
+
+A spec names everything the trainer needs to know about a model and nothing is defined elsewhere:
+
+* ``model_class`` — the :class:`~retr.trainers.models.base.MatchingModel` subclass; it takes tensors only;
+* ``config_class`` — a dataclass of the model's settings (:func:`retr.trainers.config.setting` fields): the one
+  definition of each setting's name, type, default and help;
+* ``presets`` — named overrides (``{"f30k": {"epochs": 30, "lambda_softmax": 4.0}, …}``) of the schedule
+  (:data:`~retr.trainers.config.SCHEDULE_KEYS`) and of the config's fields, checked at registration;
+* ``inputs`` and ``load_inputs`` — for models that need more than features and captions: the side files
+  (trees, concepts, labels) and the function that reads them into tensors (:class:`ModelInputs`).
+
+``retr-train MODEL`` is generated from the spec (:mod:`retr.trainers.train_command`); every module in this
+package is imported on first use, so a new model is one module that calls :func:`register_model`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from retr.common.errors import UserError
+from retr.trainers.config import SCHEDULE_KEYS, make_config
+
+#: model constructor arguments that follow from the data, not from the user (stored in ``model_args``)
+DATA_SIZES = ("vocab_size", "img_dim")
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """A side file a model reads through its spec's ``load_inputs`` (an option ``--NAME`` of its command)."""
+
+    name: str
+    help: str
+    required: bool = False
+
+
+@dataclass
+class ModelInputs:
+    """What ``load_inputs`` returns: ``sizes`` — constructor arguments that follow from the files (e.g.
+    ``num_concepts``; they may also fix a setting, such as SMFEA's ``concept_vectors="fixed"``) — and
+    ``tensors`` — training-time data handed to :meth:`~retr.trainers.models.base.MatchingModel.prepare_training`
+    (e.g. ``{"nodes": [M, 7] long}``)."""
+
+    sizes: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+LoadInputs = Callable[..., ModelInputs]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the trainer knows about one model (see the module docstring).
+
+    ``load_inputs(data, files, config, vocab_size) -> ModelInputs``: ``data`` is the training split
+    (:class:`~retr.trainers.data.SplitData`), ``files`` ``{input name: path or None}``, ``config`` the model's
+    config dataclass, ``vocab_size`` the caption vocabulary's size. ``preset_name(name, explicit) -> name`` lets a model pick a finer preset from explicit
+    settings (SCAN: the dataset's preset for the chosen direction and aggregation). ``shortcuts`` are extra
+    flags that set several settings (``{"--no-kl": ("help", {"kl_weight": 0.0})}``). ``upgrade_args`` turns
+    ``model_args`` of runs written before a change into today's ``(model_args, inputs)``. ``after_training``
+    runs once a run is trained (``(run directory, TrainConfig, log)``), e.g. SMFEA's tree-node accuracy.
+    """
+
+    name: str
+    model_class: type
+    config_class: type
+    summary: str
+    examples: tuple[str, ...] = ()
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    default_preset: str | None = None
+    preset_name: Callable[[str, Mapping[str, Any]], str] | None = None
+    inputs: tuple[InputFile, ...] = ()
+    load_inputs: LoadInputs | None = None
+    shortcuts: Mapping[str, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)
+    upgrade_args: Callable[[dict], tuple[dict, dict]] | None = None
+    after_training: Callable[..., None] | None = None
+
+    def __post_init__(self) -> None:
+        known = {f.name for f in dataclasses.fields(self.config_class)}
+        for preset, values in self.presets.items():
+            unknown = sorted(set(values) - known - set(SCHEDULE_KEYS))
+            if unknown:
+                raise ValueError(f"preset {self.name}/{preset} sets unknown setting(s): {', '.join(unknown)}")
+        for flag, (_, values) in self.shortcuts.items():
+            unknown = sorted(set(values) - known)
+            if unknown:
+                raise ValueError(f"shortcut {flag} of {self.name} sets unknown setting(s): {', '.join(unknown)}")
+        if self.default_preset is not None and self.default_preset not in self.presets:
+            raise ValueError(f"default preset {self.default_preset!r} of {self.name} is not among its presets")
+
+    def preset_for(self, name: str | None, explicit: Mapping[str, Any] | None = None) -> str | None:
+        """The name of the preset that applies: ``name`` (None: the default preset), refined by ``explicit``
+        settings through ``preset_name`` (SCAN: ``f30k`` + ``--direction i2t`` → ``f30k-i2t-avg``)."""
+        name = name or self.default_preset
+        if name is not None and self.preset_name is not None:
+            name = self.preset_name(name, explicit or {})
+        if name is not None and name not in self.presets:
+            raise UserError(f"model {self.name} has no preset {name!r} (known: {', '.join(self.presets)})")
+        return name
+
+    def resolve_preset(self, name: str | None, explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The overrides of the preset that applies (:meth:`preset_for`)."""
+        name = self.preset_for(name, explicit)
+        return {} if name is None else dict(self.presets[name])
+
+    def make_config(self, values: Mapping[str, Any] | None = None):
+        """The config dataclass from ``values`` (unknown names refused by name)."""
+        return make_config(self.config_class, dict(values or {}))
+
+    def upgrade(self, model_args: dict, inputs: dict | None = None) -> tuple[dict, dict]:
+        """``(model_args, inputs)`` of a stored run in today's form."""
+        inputs = dict(inputs or {})
+        if self.upgrade_args is not None:
+            model_args, moved = self.upgrade_args(dict(model_args))
+            inputs = {**moved, **inputs}
+        return dict(model_args), inputs
+
+
+_SPECS: dict[str, ModelSpec] = {}
+_LOADED = False
+
+
+def register_model(spec: ModelSpec) -> ModelSpec:
+    """Register ``spec`` (called at the bottom of the model's module); sets ``model_class.name``."""
+    if spec.name in _SPECS and _SPECS[spec.name].model_class is not spec.model_class:
+        raise ValueError(f"model {spec.name!r} registered twice")
+    spec.model_class.name = spec.name
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def unregister_model(name: str) -> None:
+    """Remove model ``name`` from the registry (for tests that register a throwaway model)."""
+    _SPECS.pop(name, None)
+
+
+def _load_all() -> None:
+    """Import every module of :mod:`retr.trainers.models`, so each registers its spec."""
+    global _LOADED
+    if _LOADED:
+        return
+    package = importlib.import_module("retr.trainers.models")
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{module.name}")
+    _LOADED = True
+
+
+def list_models() -> list[str]:
+    """Names of every registered model, sorted."""
+    _load_all()
+    return sorted(_SPECS)
+
+
+def get_spec(name: str) -> ModelSpec:
+    _load_all()
+    if name not in _SPECS:
+        raise UserError(f"unknown model {name!r} (known: {', '.join(sorted(_SPECS))})")
+    return _SPECS[name]
+
+
+def model_class(name: str) -> type:
+    return get_spec(name).model_class
+
+
+def create_model(name: str, **kwargs):
+    """Instantiate model ``name``: data sizes (``vocab_size``, ``img_dim``, …) and settings as keywords."""
+    return get_spec(name).model_class(**kwargs)
+
+
+def preset(name: str, dataset: str | None = None, **explicit) -> dict:
+    """The settings preset ``dataset`` of model ``name`` means (None: its default preset), refined by
+    ``explicit`` settings: the config's defaults with the preset's overrides (and its schedule) applied."""
+    spec = get_spec(name)
+    return {**dataclasses.asdict(spec.config_class()), **spec.resolve_preset(dataset, explicit)}

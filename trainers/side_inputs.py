@@ -1,0 +1,192 @@
+"""The data side of models that need more than features and captions: side files read into tensors.
+
+Each model's :class:`~retr.trainers.models.registry.ModelSpec` points its ``load_inputs`` here; the models
+themselves read no file and receive what these functions return (:class:`~retr.trainers.models.registry.ModelInputs`).
+
+JGCAR (:func:`load_jgcar_inputs`): the intra-modal labels of each training image, from a label file
+(``--labels``: COCO's instance categories, Flickr30K Entities' types) or, without one, the caption-concept
+fallback (:func:`caption_concepts`).
+
+SMFEA (:func:`load_smfea_inputs`), from ``trees.h5`` and ``concepts.h5`` joined to the training captions:
+
+* ``nodes`` [M, 7] int64 — the referral tree of each training caption, looked up by caption key
+  ``<image id>#<k>``; a caption the parser could not handle (``trees.h5`` ``failures``) gets −100 in every slot,
+  which the cross-entropy ignores (it is not taught that the caption is all ``null``);
+* ``image_labels`` [M, C] float — the concept labels of each caption's image (CVSE's training labels);
+* ``adjacency`` [C, C], ``vectors`` [C, D] or absent (``learned``), ``token_concepts`` [V] — vocabulary id →
+  concept id through the word forms recorded in ``concepts.h5`` (``dogs`` → ``dog``). The vocabulary's words are
+  recovered from the captions themselves (their tokens line up with their ids), so no vocabulary is needed.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from retr.common.errors import UserError
+from retr.store.concepts import ConceptSet, read_word_vectors
+from retr.store.labels import read_label_file
+from retr.store.vocab import FUNCTION_WORDS, SPECIALS, UNK_ID, tokenize
+from retr.trainers.models.registry import ModelInputs
+
+# ------------------------------------------------------------------------------------------------- JGCAR
+
+#: words never used as caption concepts: the shared closed-class list, plus what JGCAR's labels must also skip —
+#: position words (two images "left of" something share nothing), the vocabulary's special tokens and
+#: punctuation tokens. The extras stay here, not in FUNCTION_WORDS: build-concepts' frequency fallback keeps
+#: left/right/top/… as concepts (the synthetic captions' relations) and drops tokens without a letter itself.
+CONCEPT_STOP_WORDS = FUNCTION_WORDS | frozenset(SPECIALS) | frozenset("left right top bottom front . , ' ''".split())
+
+
+def caption_concepts(captions_per_image: Sequence[Sequence[Sequence[str]]], min_captions: int = 2) -> list[set[str]]:
+    """The fallback image labels: words (not :data:`CONCEPT_STOP_WORDS`) found in at least ``min_captions`` of an
+    image's tokenised captions (a consensus of its captions, so one caption's detail does not make a label)."""
+    concepts = []
+    for captions in captions_per_image:
+        counts = Counter(w for caption in captions for w in set(caption) if w not in CONCEPT_STOP_WORDS)
+        concepts.append({w for w, n in counts.items() if n >= min(min_captions, len(captions))})
+    return concepts
+
+
+def labels_to_multihot(label_sets: Sequence[Sequence[str]]) -> torch.Tensor:
+    """``[N, L]`` bool multi-hot matrix of N label sets over their L distinct labels (sorted)."""
+    names = sorted({x for s in label_sets for x in s})
+    index = {x: k for k, x in enumerate(names)}
+    out = torch.zeros(len(label_sets), max(1, len(names)), dtype=torch.bool)
+    for row, s in enumerate(label_sets):
+        for x in s:
+            out[row, index[x]] = True
+    return out
+
+def load_jgcar_inputs(data, labels_path: str | None, concept_min_captions: int = 2) -> ModelInputs:
+    """JGCAR's intra-modal label table of the training images of ``data`` (a ``SplitData``).
+
+    With ``labels_path`` (a label file): every training image needs an entry (an empty list is allowed), and a
+    caption has its image's labels. Without: the caption-concept fallback for images, same-image for captions.
+    """
+    if labels_path:
+        table = read_label_file(labels_path)
+        missing = [i for i in data.image_ids if i not in table]
+        if missing:
+            raise UserError(f"{len(missing)} training image(s) have no entry in {labels_path} "
+                            f"(first: {missing[0]}); give every image a (possibly empty) label list")
+        sets = [table[i] for i in data.image_ids]
+    else:
+        per_image: list[list[list[str]]] = [[] for _ in data.image_ids]
+        for caption, owner in zip(data.captions, data.caption_image):
+            per_image[int(owner)].append(tokenize(caption))
+        sets = [sorted(c) for c in caption_concepts(per_image, concept_min_captions)]
+    return ModelInputs(tensors={"image_labels": labels_to_multihot(sets),
+                                "labels_are_captions": torch.tensor(bool(labels_path))})
+
+
+# ------------------------------------------------------------------------------------------------- SMFEA
+
+@dataclass
+class TrainingInputs:
+    nodes: torch.Tensor | None
+    image_labels: torch.Tensor
+    adjacency: torch.Tensor
+    vectors: torch.Tensor | None
+    token_concepts: torch.Tensor
+    missing_vectors: list[str]
+
+
+def caption_keys(data) -> list[str]:
+    """``<image id>#<k>`` of every caption of a ``SplitData`` (captions are flattened in manifest order)."""
+    keys, previous, k = [], -1, 0
+    for owner in data.caption_image.tolist():
+        k = k + 1 if owner == previous else 0
+        previous = owner
+        keys.append(f"{data.image_ids[owner]}#{k}")
+    return keys
+
+
+def token_concept_map(data, forms: dict[str, int], vocab_size: int) -> torch.Tensor:
+    """``[vocab_size]`` long: concept id of each vocabulary id seen in ``data``'s captions (−1: none)."""
+    table = torch.full((vocab_size,), -1, dtype=torch.long)
+    for caption, ids in zip(data.captions, data.tokens):
+        for word, token in zip(tokenize(caption), ids[1:-1]):
+            if token != UNK_ID and word in forms:
+                table[token] = forms[word]
+    return table
+
+
+def read_tree_nodes(trees_path: str, keys: list[str]) -> tuple[np.ndarray, int, int]:
+    """``[len(keys), 7]`` node ids (−100 rows for captions without a tree) and the dictionary sizes."""
+    from retr.store.trees import TreeSet
+
+    trees = TreeSet(trees_path)
+    has = np.array([k in trees for k in keys], dtype=bool)
+    if not has.any():
+        raise UserError(f"{trees_path} has no tree for any training caption (first key: {keys[0]}); "
+                        "was it parsed from this manifest?")
+    nodes = trees.nodes_for(keys, missing="null").astype(np.int64)
+    nodes[~has] = -100
+    return nodes, len(trees.entities), len(trees.relations)
+
+
+def read_training_inputs(data, trees_path: str | None, concepts_path: str | None,
+                         concept_vectors: str = "learned", vocab_size: int | None = None) -> TrainingInputs:
+    """Everything :class:`~retr.trainers.models.smfea.SMFEA` needs for the training captions of ``data``
+    (``concept_vectors``: a GloVe-format file of fixed concept vectors, or ``learned``)."""
+    if not concepts_path:
+        raise UserError("SMFEA needs --concepts (build it with retr-pipeline build-concepts)")
+    concepts = ConceptSet(concepts_path)
+    keys = caption_keys(data)
+    image_labels = concepts.labels_for_images([data.image_ids[i] for i in data.caption_image.tolist()])
+    vectors, missing = None, []
+    if concept_vectors != "learned":
+        found, missing = read_word_vectors(concept_vectors, concepts.concepts)
+        vectors = torch.from_numpy(found)
+        rows = [concepts.concepts.index(w) for w in missing]      # absent words keep a random start vector
+        vectors[rows] = torch.empty(len(rows), found.shape[1]).uniform_(-0.1, 0.1)
+    size = vocab_size or (max(max(t) for t in data.tokens) + 1)
+    nodes = torch.from_numpy(read_tree_nodes(trees_path, keys)[0]) if trees_path else None
+    return TrainingInputs(nodes, torch.from_numpy(image_labels.astype(np.float32)),
+                          torch.from_numpy(concepts.adjacency), vectors,
+                          token_concept_map(data, concepts.forms, size), missing)
+
+
+def vector_file_dim(path: str) -> int:
+    """Dimension of a GloVe-format text file (from its first line)."""
+    p = Path(path)
+    if not p.is_file():
+        read_word_vectors(p, [])            # raises the one-line MissingResourceError
+    with open(p, encoding="utf-8", errors="replace") as handle:
+        first = handle.readline().rstrip("\n").split(" ")
+    if len(first) < 2:
+        raise UserError(f"{path} is not GloVe text format ('word v1 … vD' per line)")
+    return len(first) - 1
+
+
+
+
+def load_smfea_inputs(data, files: dict, config, vocab_size: int) -> ModelInputs:
+    """SMFEA's spec step: sizes for the constructor (dictionary and concept counts, the concept vector size and
+    whether the vectors are fixed) and the training tensors for :meth:`SMFEA.prepare_training`."""
+    trees, concepts, vectors = files.get("trees"), files.get("concepts"), files.get("concept_vectors")
+    if config.use_trees and not trees:
+        raise UserError("--trees is required (or train the 'w/o trees' ablation with --no-trees)")
+    inputs = read_training_inputs(data, trees if config.use_trees else None, concepts, vectors or "learned",
+                                  vocab_size=vocab_size)
+    sizes = {"num_concepts": int(inputs.adjacency.shape[0]), "num_entities": 1, "num_relations": 1}
+    if config.use_trees:
+        from retr.store.trees import TreeSet
+        tree_set = TreeSet(trees)
+        sizes.update(num_entities=len(tree_set.entities), num_relations=len(tree_set.relations))
+    if vectors:
+        sizes.update(concept_vectors="fixed", concept_word_dim=int(inputs.vectors.shape[1]))
+    tensors = {"adjacency": inputs.adjacency, "token_concepts": inputs.token_concepts,
+               "image_labels": inputs.image_labels}
+    if inputs.nodes is not None:
+        tensors["nodes"] = inputs.nodes
+    if inputs.vectors is not None:
+        tensors["vectors"] = inputs.vectors
+    notes = [f"{len(inputs.missing_vectors)} concept(s) have no vector in {vectors} and start random "
+             f"(first: {inputs.missing_vectors[0]})"] if inputs.missing_vectors else []
+    return ModelInputs(sizes=sizes, tensors=tensors, notes=notes)

@@ -1,0 +1,210 @@
+"""``retr-train MODEL``: one training command per registered model, generated from its spec.
+
+The options are the fields of :class:`~retr.trainers.config.TrainConfig` (data, schedule, device, logging), the
+spec's side files (``--trees``, ``--labels`` …), the fields of the model's config dataclass and the spec's
+shortcut flags; each option's type, default and help come from its field. A value is taken from, lowest first:
+
+1. the config dataclass's default;
+2. the preset (``--preset``, else the settings file's, else the model's default preset);
+3. the settings file (``--config``: a flat JSON/YAML mapping, or a run's ``config.json``);
+4. the options given on the command line.
+
+So ``retr-train scan --config runs/a/config.json --out runs/b --lr 1e-4`` repeats run ``a`` with one change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import asdict
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+from retr.common.cli import quiet_option
+from retr.common.errors import UserError
+from retr.trainers.config import (TrainConfig, choices_of, field_types, read_settings_file, setting_fields)
+from retr.trainers.models.registry import DATA_SIZES, ModelSpec
+
+#: keys of a run's config.json that are records of the run, not settings
+RUN_RECORDS = ("retr_version", "feature_attrs", "vocab_size", "train_images", "val_images_used", "model",
+               "model_args", "inputs")
+#: run options that are not settings of a run
+COMMAND_FLAGS = ("config", "resume", "quiet")
+_EXPLICIT = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT, ParameterSource.PROMPT)
+
+
+def flag_of(field: dataclasses.Field) -> str:
+    """The option spelling of a settings field (its metadata ``flag`` or ``--field-name``)."""
+    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> Any:
+    """``X | None`` → ``X``; other annotations unchanged."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def option_for(field: dataclasses.Field, annotation: Any, shown: dict | None = None) -> click.Option:
+    """A click option for one settings field (type, default and help from the field). ``shown`` overrides the
+    default displayed in ``--help`` (the default preset's value); what counts is only whether an option was
+    given, so the displayed default never overrides a preset or a settings file."""
+    flag = flag_of(field)
+    default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+    if shown and field.name in shown:
+        default = shown[field.name]
+    help_text = field.metadata.get("help", "")
+    base = _base_type(annotation)
+    choices = choices_of(annotation)
+    if base is bool:
+        if "/" in flag:       # an on/off pair; None (unset) shows no default
+            return click.Option([flag, field.name], default=default, help=help_text, show_default=default is not None)
+        return click.Option([flag, field.name], is_flag=True, default=bool(default), help=help_text)
+    if typing.get_origin(base) is tuple:
+        return click.Option([flag, field.name], multiple=True, default=default, show_default=True, help=help_text)
+    kind = click.Choice([str(c) for c in choices]) if choices else {int: int, float: float}.get(base, str)
+    return click.Option([flag, field.name], type=kind, default=default, show_default=default is not None,
+                        help=help_text)
+
+
+def settings_options(cls: type, shown: dict | None = None) -> list[click.Option]:
+    types = field_types(cls)
+    return [option_for(f, types[f.name], shown) for f in setting_fields(cls)]
+
+
+def _flag_names(spec: ModelSpec) -> dict[str, str]:
+    """Setting name → flag, for error messages."""
+    fields = [*setting_fields(TrainConfig), *setting_fields(spec.config_class)]
+    names = {f.name: flag_of(f).split("/")[0] for f in fields}
+    names.update({i.name: "--" + i.name.replace("_", "-") for i in spec.inputs})
+    return names
+
+
+def _flagged(message: str, flags: dict[str, str]) -> str:
+    """``"agg must be one of …"`` → ``"--agg must be one of …"`` (the library names parameters, the CLI flags)."""
+    for name in sorted(flags, key=len, reverse=True):
+        if message.startswith(name + " ") or f" {name} " in message or message.endswith(" " + name):
+            return message.replace(name, flags[name], 1)
+    return message
+
+
+def gather_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> tuple[TrainConfig, dict]:
+    """Merge defaults, preset, settings file and explicit options into a :class:`TrainConfig` (whose
+    ``model_args`` is the model's full config) and the side files ``{input name: path}``."""
+    train_names = {f.name for f in setting_fields(TrainConfig)}
+    model_names = {f.name for f in dataclasses.fields(spec.config_class)}
+    input_names = {i.name for i in spec.inputs}
+    given = {k: values[k] for k in explicit if k in train_names | model_names | input_names}
+    for flag, (_, overrides) in spec.shortcuts.items():
+        if _shortcut_name(flag) in explicit and values[_shortcut_name(flag)]:
+            given.update(overrides)
+    from_file: dict = {}
+    if values.get("config"):
+        try:
+            from_file = read_settings_file(values["config"])
+        except (OSError, ValueError) as exc:
+            raise UserError(f"--config: {exc}") from None
+        if from_file.get("model", spec.name) != spec.name:
+            raise UserError(f"--config {values['config']} is a {from_file['model']} run, not {spec.name}")
+        file_inputs = from_file.get("inputs") or {}
+        _, moved = spec.upgrade({k: v for k, v in from_file.items() if k in model_names | {"trees", "concepts",
+                                                                                          "labels"}}, file_inputs)
+        from_file = {k: v for k, v in from_file.items()
+                     if k not in RUN_RECORDS and k not in DATA_SIZES and k not in ("trees", "concepts", "labels")}
+        from_file.update(moved)
+        unknown = sorted(set(from_file) - train_names - model_names - input_names - _data_size_names(spec))
+        if unknown:
+            raise UserError(f"--config {values['config']}: unknown setting(s) for {spec.name}: {', '.join(unknown)}")
+        from_file = {k: v for k, v in from_file.items() if k not in _data_size_names(spec)}
+    preset_name = spec.preset_for(given.get("preset") or from_file.get("preset"), {**from_file, **given})
+    preset_values = spec.resolve_preset(preset_name)
+    merged = {**preset_values, **from_file, **given}
+    for name in ("features", "manifest", "out"):
+        if not merged.get(name):
+            raise UserError(f"--{name} is required (or give it in --config)")
+    flags = _flag_names(spec)
+    try:
+        model_config = spec.make_config({k: v for k, v in merged.items() if k in model_names})
+        train_values = {k: v for k, v in merged.items() if k in train_names}
+        cfg = TrainConfig(model=spec.name, model_args=asdict(model_config),
+                          **{**train_values, "preset": preset_name})
+    except ValueError as exc:
+        raise UserError(_flagged(str(exc), flags)) from None
+    inputs = {k: merged[k] for k in input_names if merged.get(k)}
+    missing = [i.name for i in spec.inputs if i.required and i.name not in inputs]
+    if missing:
+        raise UserError(f"{spec.name} needs --{missing[0].replace('_', '-')}")
+    cfg.inputs = inputs
+    if cfg.epochs < 1 or cfg.batch_size < 2:
+        raise UserError("--epochs must be ≥ 1 and --batch-size ≥ 2")
+    return cfg, inputs
+
+
+def _data_size_names(spec: ModelSpec) -> set[str]:
+    """Constructor arguments that follow from the data (sizes), besides ``vocab_size``/``img_dim``."""
+    import inspect
+
+    params = inspect.signature(spec.model_class.__init__).parameters
+    return {n for n, p in params.items() if n not in ("self", "config", "settings") and p.kind is p.POSITIONAL_OR_KEYWORD}
+
+
+def _shortcut_name(flag: str) -> str:
+    return "shortcut_" + flag.lstrip("-").replace("-", "_")
+
+
+def _help(spec: ModelSpec) -> str:
+    lines = [spec.summary, ""]
+    if spec.presets:
+        lines.append(f"Presets (--preset; default {spec.default_preset}, whose values the defaults below show): "
+                     + ", ".join(spec.presets) + ".")
+        lines.append("")
+    if spec.examples:
+        lines += ["\b", "Example:", *("  " + e for e in spec.examples)]
+    return "\n".join(lines)
+
+
+def training_command(spec: ModelSpec) -> click.Command:
+    """``retr-train NAME``, built from ``spec`` (see the module docstring)."""
+    params: list[click.Parameter] = []
+    shown = spec.resolve_preset(spec.default_preset, {})
+    for option in settings_options(TrainConfig, shown):
+        if option.name == "preset":
+            option.type = click.Choice(list(spec.presets)) if spec.presets else option.type
+        params.append(option)
+    for name in ("features", "manifest", "out"):
+        next(p for p in params if p.name == name).show_default = False
+    params += [click.Option(["--" + i.name.replace("_", "-"), i.name], type=click.Path(dir_okay=False),
+                            default=None, help=i.help + (" (required)" if i.required else ""))
+               for i in spec.inputs]
+    params += settings_options(spec.config_class, shown)
+    params += [click.Option([flag, _shortcut_name(flag)], is_flag=True, default=False, help=help_text)
+               for flag, (help_text, _) in spec.shortcuts.items()]
+    params += [click.Option(["--config"], type=click.Path(dir_okay=False), default=None,
+                            help="Settings from a JSON/YAML file or a run's config.json (options override it)."),
+               click.Option(["--resume"], is_flag=True, help="Continue the run in --out from its newest checkpoint.")]
+    params.append(_quiet_param())
+
+    def callback(**values) -> None:
+        from retr.trainers.loop import train
+
+        ctx = click.get_current_context()
+        explicit = {name for name in values if ctx.get_parameter_source(name) in _EXPLICIT}
+        cfg, _ = gather_settings(spec, values, explicit)
+        log = lambda message: click.echo(message, err=True)  # noqa: E731
+        train(cfg, resume=values["resume"], quiet=values["quiet"], log=log)
+        if spec.after_training is not None:
+            spec.after_training(cfg.out, cfg, log)
+        click.echo(f"run written to {cfg.out} (evaluate: retr-train eval {cfg.out} --protocol f30k-1k)")
+
+    return click.Command(spec.name, params=params, callback=callback, help=_help(spec),
+                         short_help=spec.summary.split(". ")[0].rstrip("."))
+
+
+def _quiet_param() -> click.Parameter:
+    """The shared ``--quiet`` option (:func:`retr.common.cli.quiet_option`) as a parameter object."""
+    def holder() -> None:
+        """placeholder"""
+    return click.command()(quiet_option(holder)).params[-1]
