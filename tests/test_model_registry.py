@@ -72,17 +72,17 @@ class Throwaway(MatchingModel):
 
 THROWAWAY = ModelSpec(name="throwaway-mean", model_class=Throwaway, config_class=ThrowawayConfig,
                       summary="Train a mean-pooling dot-product model (a test's throwaway).",
+                      examples=("retr-train throwaway-mean --features f.h5 --manifest m.jsonl --out runs/t",),
                       presets={"f30k": {"epochs": 2, "lr": 1e-3}}, default_preset="f30k")
+#: every registered model, and the throwaway (registered only while a test runs: no other test sees it)
+MODELS = [*list_models(), THROWAWAY.name]
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def throwaway_registered():
+    register_model(THROWAWAY)
     yield
     unregister_model(THROWAWAY.name)
-
-
-register_model(THROWAWAY)
-MODELS = list_models()
 
 
 def test_registry_lists_the_papers_models_and_the_throwaway():

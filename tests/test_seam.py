@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from retr.trainers.models import create_model, preset
-from retr.trainers.models.seam import SEAM, MaskedBatchNorm1d, SelfAttention, attention_penalty
+from retr.trainers.models.seam import SEAMConfig, SEAM, MaskedBatchNorm1d, SelfAttention, attention_penalty
 from tests.ddp_simulation import simulated_ddp_grads
 
 VOCAB, D_IN, CROPS = 40, 20, 10
@@ -182,8 +182,8 @@ def test_registry_preset_and_bad_options():
     cfg = preset("seam", "coco")
     assert cfg["margin"] == 0.05 and cfg["max_violation"] is False and cfg["penalty_weight"] == 0.5
     assert cfg["lr"] == 1e-3 and cfg["lr_update"] == 15 and cfg["epochs"] == 30 and cfg["batch_size"] == 128
-    model_args = {k: v for k, v in cfg.items() if k in SEAM.__init__.__code__.co_varnames}
-    model = create_model("seam", vocab_size=VOCAB, img_dim=D_IN, text_encoder="g", **model_args)
+    model_args = {k: v for k, v in cfg.items() if k in SEAMConfig.__dataclass_fields__}
+    model = create_model("seam", vocab_size=VOCAB, img_dim=D_IN, **{**model_args, "text_encoder": "g"})
     assert isinstance(model, SEAM) and model.txt_enc.rnn.hidden_size == 512
     for bad in ({"text_encoder": "x"}, {"crops": "centre"}, {"penalty_norm": "l1"}):
         with pytest.raises(ValueError):

@@ -55,8 +55,7 @@ def test_blockwise_matrix_equals_one_block(name, kwargs):
         tokens, lengths = pad_tokens([data.tokens[9]])
         img = {k: v.double() if v.is_floating_point() else v for k, v in model.encode_images(f, mask).items()}
         cap = {k: v.double() if v.is_floating_point() else v for k, v in model.encode_captions(tokens, lengths).items()}
-        model.score_dtype = torch.float64
-        assert model.score(img, cap).item() == pytest.approx(whole[3, 9], rel=1e-5)  # float32 encoders, other batch
+        assert model.score(img, cap, dtype=torch.float64).item() == pytest.approx(whole[3, 9], rel=1e-5)  # float32 encoders, other batch
 
 
 def test_rank_deciding_pairs_are_those_near_the_true_or_best_true_score():
@@ -79,15 +78,15 @@ class _TableModel:
     """A "model" whose score is a fixed float64 table; its float32 scores carry a chosen error pattern."""
 
     def __init__(self, table: np.ndarray, error: np.ndarray):
-        self.table, self.error, self.score_dtype = table, error, None
+        self.table, self.error = table, error
         self.calls: list[torch.dtype] = []
 
-    def score(self, images, captions):
+    def score(self, images, captions, dtype=None):
         rows = images["id"][:, 0].long().numpy()
         cols = captions["id"][:, 0].long().numpy()
-        self.calls.append(self.score_dtype)
+        self.calls.append(dtype)
         values = self.table[np.ix_(rows, cols)]
-        if self.score_dtype == torch.float32:
+        if dtype == torch.float32:
             values = values + self.error[np.ix_(rows, cols)]
         return torch.from_numpy(values)
 

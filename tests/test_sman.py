@@ -143,9 +143,8 @@ def test_float64_evaluation_embeddings_score_like_float32():
     with torch.no_grad():
         im, caps = m.encode_images(features, mask), m.encode_captions(tokens, lengths)
         ref = m.score(im, caps)
-        m.score_dtype = torch.float64
         as64 = m.score({k: v.double() if v.is_floating_point() else v for k, v in im.items()},
-                       {k: v.double() if v.is_floating_point() else v for k, v in caps.items()})
+                       {k: v.double() if v.is_floating_point() else v for k, v in caps.items()}, dtype=torch.float64)
     assert as64.dtype == torch.float64
     torch.testing.assert_close(as64.float(), ref, rtol=1e-5, atol=1e-6)
 

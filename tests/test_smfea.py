@@ -286,7 +286,7 @@ def test_smfea_learns_the_synthetic_scenes_and_reports_node_accuracy(tmp_path):
     assert accuracy["split"] == "test" and accuracy["captions"] == test.num_captions
     # the trained trees against the same untrained network (random classifiers over the dictionaries)
     from retr.trainers.models import create_model
-    from retr.trainers.smfea_inputs import tree_node_accuracy
+    from retr.trainers.tree_accuracy import tree_node_accuracy
     torch.manual_seed(0)
     untrained = create_model("smfea", **config["model_args"]).eval()
     before = tree_node_accuracy(untrained, test, ImageFeatures(fs, test.image_ids), str(tmp_path / "trees.h5"))
@@ -320,14 +320,14 @@ def test_token_concepts_agree_with_concepts_file(tmp_path):
     from retr.store.concepts import ConceptSet
     from retr.store.features import FeatureSet
     from retr.trainers.data import load_split
-    from retr.trainers.smfea_inputs import caption_keys, load_training_inputs
+    from retr.trainers.side_inputs import caption_keys, read_training_inputs
     from retr.store.vocab import Vocabulary
     from retr.manifests.schema import read_manifest
 
     manifest, features = _prepare_synthetic(tmp_path, images=40)
     vocab = Vocabulary.build(c for r in read_manifest(manifest) for c in r.captions)
     data, _ = load_split(manifest, ["train", "val", "test"], vocab, FeatureSet(features))
-    inputs = load_training_inputs(data, str(tmp_path / "trees.h5"), str(tmp_path / "concepts.h5"),
+    inputs = read_training_inputs(data, str(tmp_path / "trees.h5"), str(tmp_path / "concepts.h5"),
                                   vocab_size=len(vocab))
     concepts = ConceptSet(tmp_path / "concepts.h5")
     model = SMFEA(vocab_size=len(vocab), num_entities=5, num_relations=5, num_concepts=len(concepts), img_dim=16,
@@ -360,7 +360,8 @@ def test_smfea_with_glove_format_concept_vectors(tmp_path):
                                             "--out", str(tmp_path / "run"), "--epochs", "1", *TINY])
     assert result.exit_code == 0, result.output
     model, _, config = ckpt.load_run_model(tmp_path / "run")
-    assert config["model_args"]["concept_vectors"] == str(glove) and config["model_args"]["concept_word_dim"] == 5
+    assert config["model_args"]["concept_vectors"] == "fixed" and config["model_args"]["concept_word_dim"] == 5
+    assert config["inputs"]["concept_vectors"] == str(glove)
     assert "gcn.vectors" not in dict(model.named_parameters())          # fixed, as CVSE's GloVe input
     torch.testing.assert_close(model.gcn.vectors[2], torch.tensor([2, 0.5, -1, 2, 0.2]))
     assert model.gcn.vectors[0].abs().max() <= 0.1                        # not in the file: random start

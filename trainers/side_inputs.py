@@ -170,6 +170,7 @@ def load_smfea_inputs(data, files: dict, config, vocab_size: int) -> ModelInputs
     """SMFEA's spec step: sizes for the constructor (dictionary and concept counts, the concept vector size and
     whether the vectors are fixed) and the training tensors for :meth:`SMFEA.prepare_training`."""
     trees, concepts, vectors = files.get("trees"), files.get("concepts"), files.get("concept_vectors")
+    vectors = None if vectors == "learned" else vectors          # the option's old spelling of "no file"
     if config.use_trees and not trees:
         raise UserError("--trees is required (or train the 'w/o trees' ablation with --no-trees)")
     inputs = read_training_inputs(data, trees if config.use_trees else None, concepts, vectors or "learned",

@@ -145,8 +145,7 @@ class SplitEmbeddings:
 class Scorer:
     """A model's ``score`` over its :class:`SplitEmbeddings`: whole matrices and listed pairs.
 
-    The model's ``score_dtype`` attribute (read by every model's ``score``) is set for the duration of a call.
-    float64 scoring uses a float64 copy of the model (made once), so that parameters used inside ``score``
+    The scoring dtype is passed to the model's ``score`` (nothing is set on the model). float64 scoring uses a float64 copy of the model (made once), so that parameters used inside ``score``
     (SMAN's multi-modal attention, JGCAR's co-attention) compute in float64 too.
     """
 
@@ -170,23 +169,17 @@ class Scorer:
         return self._wide_model
 
     def _with_dtype(self, dtype: torch.dtype, fn):
-        """``fn(model)`` with the model for ``dtype``, its ``score_dtype`` set, without gradients."""
-        model = self._model_for(dtype)
-        previous = getattr(model, "score_dtype", None)
-        model.score_dtype = dtype
-        try:
-            with torch.no_grad():
-                return fn(model)
-        finally:
-            model.score_dtype = previous
+        """``fn(model)`` with the model for ``dtype`` (a float64 copy for float64), without gradients."""
+        with torch.no_grad():
+            return fn(self._model_for(dtype))
 
     def matrix(self, dtype: torch.dtype, image_block: int = 128, pair_budget: int = 1 << 16,
                quiet: bool = True) -> np.ndarray:
-        """Every pair's score ``[N_img, M]`` float64, with embeddings and ``score_dtype`` in ``dtype``."""
+        """Every pair's score ``[N_img, M]`` float64, with embeddings and scoring in ``dtype``."""
         e = self.embeddings
         images = _cast(e.images, dtype)
         sims = self._with_dtype(dtype, lambda model: score_blocks(
-            model.score, images, e.caption_blocks, e.num_images, e.num_captions, image_block, pair_budget,
+            lambda im, cap: model.score(im, cap, dtype=dtype), images, e.caption_blocks, e.num_images, e.num_captions, image_block, pair_budget,
             cast=dtype, quiet=quiet))
         shared = np.flatnonzero(e.sources != np.arange(e.num_captions))
         sims[:, shared] = sims[:, e.sources[shared]]          # identical captions: the very same column
@@ -219,7 +212,7 @@ class Scorer:
             row = int(image_rows[listed[0]])
             image = _cast(_slice(self.embeddings.images, slice(row, row + 1)), torch.float64)
             caps = _cast(self._captions(captions[listed]), torch.float64)
-            scores = self._with_dtype(torch.float64, lambda model: model.score(image, caps))
+            scores = self._with_dtype(torch.float64, lambda model: model.score(image, caps, dtype=torch.float64))
             out[listed] = scores[0].double().cpu().numpy()
         return out
 

@@ -97,7 +97,9 @@ def gather_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> tuple[
     train_names = {f.name for f in setting_fields(TrainConfig)}
     model_names = {f.name for f in dataclasses.fields(spec.config_class)}
     input_names = {i.name for i in spec.inputs}
-    given = {k: values[k] for k in explicit if k in train_names | model_names | input_names}
+    cli_model_names = {f.name for f in setting_fields(spec.config_class)}
+    given = {k: values[k] for k in explicit if k in train_names | cli_model_names}
+    given_inputs = {k: values[k] for k in explicit if k in input_names}
     for flag, (_, overrides) in spec.shortcuts.items():
         if _shortcut_name(flag) in explicit and values[_shortcut_name(flag)]:
             given.update(overrides)
@@ -121,7 +123,9 @@ def gather_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> tuple[
         from_file = {k: v for k, v in from_file.items() if k not in _data_size_names(spec)}
     preset_name = spec.preset_for(given.get("preset") or from_file.get("preset"), {**from_file, **given})
     preset_values = spec.resolve_preset(preset_name)
+    from_file_inputs = {k: from_file.pop(k) for k in list(from_file) if k in input_names}
     merged = {**preset_values, **from_file, **given}
+    from_file.update(from_file_inputs)
     for name in ("features", "manifest", "out"):
         if not merged.get(name):
             raise UserError(f"--{name} is required (or give it in --config)")
@@ -133,7 +137,7 @@ def gather_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> tuple[
                           **{**train_values, "preset": preset_name})
     except ValueError as exc:
         raise UserError(_flagged(str(exc), flags)) from None
-    inputs = {k: merged[k] for k in input_names if merged.get(k)}
+    inputs = {k: v for k, v in {**{k: from_file.get(k) for k in input_names}, **given_inputs}.items() if v}
     missing = [i.name for i in spec.inputs if i.required and i.name not in inputs]
     if missing:
         raise UserError(f"{spec.name} needs --{missing[0].replace('_', '-')}")

@@ -1,8 +1,8 @@
 """Two-step retrieval (JGCAR §2.4): shortlist by a cheap global score, re-rank the shortlist pair-specifically.
 
-A model takes part when it offers, besides the shared interface, ``global_score(images, captions) ->
-[n_img, n_cap]`` (pair-independent, cheap) and ``pair_score(images, captions, img_idx [P], cap_idx [P]) -> [P]``
-(the expensive re-rank score of listed pairs only); :func:`supports_two_step` checks for both. Its ``score``
+A model takes part when it has a global stage (``has_global_stage``): ``global_score(images, captions) ->
+[n_img, n_cap]`` (pair-independent, cheap) besides ``pair_score(images, captions, img_idx [P], cap_idx [P]) -> [P]``
+(the expensive re-rank score of listed pairs only). Its ``score``
 must equal ``pair_score`` on every pair (that is what one-step "score everything" evaluation uses).
 
 How each direction is shortlisted and ranked (``shortlist`` = k, 100 in the paper):
@@ -39,8 +39,8 @@ DEFAULT_SHORTLIST = 100
 
 
 def supports_two_step(model) -> bool:
-    """True when ``model`` offers ``global_score`` and ``pair_score``."""
-    return callable(getattr(model, "global_score", None)) and callable(getattr(model, "pair_score", None))
+    """True when ``model`` has a global stage to shortlist by (:attr:`MatchingModel.has_global_stage`)."""
+    return bool(model.has_global_stage)
 
 
 @torch.no_grad()
@@ -106,51 +106,49 @@ def two_step_split(model, data: SplitData, features: ImageFeatures, device: torc
     device = torch.device(device)
     model.eval()
     dtype = torch.float32 if precision == "float32" else torch.float64   # "refined": the re-rank is cheap, so float64
-    previous = getattr(model, "score_dtype", None)
-    model.score_dtype = dtype
-    try:
-        t0 = time.perf_counter()
-        images, captions = encode_all(model, data, features, device, encode_batch, dtype)
+    # the scoring dtype is passed to every call: nothing is set on the model
+    t0 = time.perf_counter()
+    images, captions = encode_all(model, data, features, device, encode_batch, dtype)
+    _sync(device)
+    t1 = time.perf_counter()
+    global_sims = model.global_score(images, captions, dtype=dtype)
+    _sync(device)
+    t2 = time.perf_counter()
+    i2t, t2i = rerank_matrices(global_sims, lambda ii, cc: model.pair_score(images, captions, ii, cc, dtype=dtype),
+                               shortlist)
+    _sync(device)
+    t3 = time.perf_counter()
+    ci = data.caption_image
+    g = global_sims.double().cpu().numpy()
+    result = {"one_step": retrieval_metrics(g, ci),
+              "two_step": _directions(i2t.double().cpu().numpy(), t2i.double().cpu().numpy(), ci),
+              "shortlist": shortlist,
+              "seconds": {"encode": t1 - t0, "global": t2 - t1, "rerank": t3 - t2,
+                          "one_step": t2 - t0, "two_step": t3 - t0},
+              "pairs_scored": {"two_step": int(data.num_images * min(shortlist, data.num_captions)
+                                               + data.num_captions * min(shortlist, data.num_images)),
+                               "full": int(data.num_images * data.num_captions)}}
+    if full:
+        t4 = time.perf_counter()
+        sims = full_scores(model, images, captions, dtype=dtype)
         _sync(device)
-        t1 = time.perf_counter()
-        global_sims = model.global_score(images, captions)
-        _sync(device)
-        t2 = time.perf_counter()
-        i2t, t2i = rerank_matrices(global_sims, lambda ii, cc: model.pair_score(images, captions, ii, cc), shortlist)
-        _sync(device)
-        t3 = time.perf_counter()
-        ci = data.caption_image
-        g = global_sims.double().cpu().numpy()
-        result = {"one_step": retrieval_metrics(g, ci),
-                  "two_step": _directions(i2t.double().cpu().numpy(), t2i.double().cpu().numpy(), ci),
-                  "shortlist": shortlist,
-                  "seconds": {"encode": t1 - t0, "global": t2 - t1, "rerank": t3 - t2,
-                              "one_step": t2 - t0, "two_step": t3 - t0},
-                  "pairs_scored": {"two_step": int(data.num_images * min(shortlist, data.num_captions)
-                                                   + data.num_captions * min(shortlist, data.num_images)),
-                                   "full": int(data.num_images * data.num_captions)}}
-        if full:
-            t4 = time.perf_counter()
-            sims = full_scores(model, images, captions)
-            _sync(device)
-            result["full"] = retrieval_metrics(sims.double().cpu().numpy(), ci)
-            result["seconds"]["full_rerank"] = time.perf_counter() - t4
-            result["seconds"]["full"] = result["seconds"]["full_rerank"] + result["seconds"]["encode"]
-        return result
-    finally:
-        model.score_dtype = previous
+        result["full"] = retrieval_metrics(sims.double().cpu().numpy(), ci)
+        result["seconds"]["full_rerank"] = time.perf_counter() - t4
+        result["seconds"]["full"] = result["seconds"]["full_rerank"] + result["seconds"]["encode"]
+    return result
 
 
 @torch.no_grad()
-def full_scores(model, images: dict, captions: dict, image_block: int = 128, caption_block: int = 512) -> torch.Tensor:
-    """``model.score`` of every pair, block by block → ``[N_img, M]``."""
+def full_scores(model, images: dict, captions: dict, image_block: int = 128, caption_block: int = 512,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``model.score`` of every pair (in ``dtype``), block by block → ``[N_img, M]``."""
     n_img, n_cap = next(iter(images.values())).shape[0], next(iter(captions.values())).shape[0]
     out = None
     for i in range(0, n_img, image_block):
         block = {k: v[i:i + image_block] for k, v in images.items()}
         for c in range(0, n_cap, caption_block):
             caps = {k: v[c:c + caption_block] for k, v in captions.items()}
-            s = model.score(block, caps)
+            s = model.score(block, caps, dtype=dtype)
             if out is None:
                 out = s.new_empty(n_img, n_cap)
             out[i:i + s.shape[0], c:c + s.shape[1]] = s

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from retr.trainers.models.base import l2norm
+from retr.trainers.models.layers import l2norm
 
 CONCEPT_VECTOR_MODES = ("learned", "fixed")
 

@@ -84,25 +84,14 @@ from retr.trainers.distributed import world_size
 from retr.trainers.losses import hinge_triplet_loss
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.optim import PerGroupOptimizer
-from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
+from retr.trainers.models.base import Embeddings, MatchingModel
+from retr.trainers.models.layers import lengths_mask, masked_mean, l2norm
 
 GLOBAL_SIMILARITIES = ("dot", "cosine")
 INTRA_REDUCTIONS = ("mean_positive", "sum")
 NEGATIVE_MINING = ("dissimilar", "similar")
 OPTIMIZERS = ("paper", "adam")
 
-
-def _lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-    return torch.arange(max_len, device=lengths.device).view(1, -1) < lengths.view(-1, 1)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` [B, K, d] over K where ``mask`` [B, K] is True → ``[B, d]``."""
-    w = mask.to(x.dtype).unsqueeze(-1)
-    return (x * w).sum(1) / w.sum(1).clamp(min=1)
-
-
-# ------------------------------------------------------------------------------------------------ encoders
 
 class PhraseTextEncoder(nn.Module):
     """Word → phrase → sentence-level features ``S^s`` ``[B, T, d]`` (Eq. 1–4); zero at padding positions."""
@@ -121,7 +110,7 @@ class PhraseTextEncoder(nn.Module):
         """``tokens`` [B, L] long, ``lengths`` [B] (≥ 1) → ``[B, max(lengths), d]``."""
         t = int(lengths.max())
         tokens = tokens[:, :t]
-        mask = _lengths_mask(lengths.to(tokens.device), t)
+        mask = lengths_mask(lengths.to(tokens.device), t)
         words = self.dropout(self.embed(tokens)) * mask.unsqueeze(-1)            # S^w, 0 after each caption
         x = words.transpose(1, 2)                                                 # [B, word_dim, T]
         phrases = torch.stack([torch.tanh(conv(F.pad(x, (0, c - 1))))            # window t : t+c-1
@@ -337,6 +326,8 @@ class JGCAR(MatchingModel):
     """JGCAR on VGG-16 14×14 maps (see the module docstring for every equation and choice); settings:
     :class:`JGCARConfig`."""
 
+    has_global_stage = True
+
     def __init__(self, vocab_size: int, img_dim: int = 512, config: "JGCARConfig | None" = None, **settings):
         cfg = self.config = self.settings(JGCARConfig, config, settings)
         super().__init__(cfg.margin, cfg.max_violation)
@@ -369,8 +360,6 @@ class JGCAR(MatchingModel):
         self.img_enc = MapEncoder(img_dim, embed_size, dropout)
         self.txt_enc = PhraseTextEncoder(vocab_size, word_dim, hidden_size, embed_size, dropout)
         self.coattn = CoAttention(embed_size, hidden_size, num_regions, max_words, position_bias)
-        #: dtype of scoring (the evaluator sets float64); the embeddings are cast to it
-        self.score_dtype: torch.dtype | None = None
 
     # -- the shared interface ---------------------------------------------------------------------------
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
@@ -383,16 +372,13 @@ class JGCAR(MatchingModel):
         """``tokens`` [B, L], ``lengths`` [B] → ``words`` S^s [B, T, d] (T ≤ max_words), ``mask`` [B, T], ``global``."""
         lengths = lengths.clamp(max=self.max_words)
         words = self.txt_enc(tokens, lengths)
-        mask = _lengths_mask(lengths.to(words.device), words.shape[1])
+        mask = lengths_mask(lengths.to(words.device), words.shape[1])
         g = masked_mean(words, mask)
         return {"words": words, "mask": mask, "global": l2norm(g) if self.global_similarity == "cosine" else g}
 
-    def _dtype(self, images: Embeddings) -> torch.dtype:
-        return self.score_dtype or images["regions"].dtype
-
-    def global_score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+    def global_score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Ω = V̂ Ŝᵀ ``[n_img, n_cap]``: the first step of retrieval and J1's scores."""
-        dtype = self._dtype(images)
+        dtype = dtype or images["regions"].dtype
         return images["global"].to(dtype) @ captions["global"].to(dtype).t()
 
     def _sides(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype) -> tuple[Embeddings, Embeddings]:
@@ -403,20 +389,20 @@ class JGCAR(MatchingModel):
                **self.coattn.caption_side(words, captions["mask"].bool())}
         return img, cap
 
-    def score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+    def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Co-attentive α of every pair of the block ``[n_img, n_cap]`` (Eq. 11–15): the re-rank score."""
-        img, cap = self._sides(images, captions, self._dtype(images))
+        img, cap = self._sides(images, captions, dtype or images["regions"].dtype)
         return self.coattn.block_scores(img, cap, self.pair_chunk)
 
     def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor,
-                   cap_idx: torch.Tensor, image_block: int = 128) -> torch.Tensor:
+                   cap_idx: torch.Tensor, dtype: torch.dtype | None = None, image_block: int = 128) -> torch.Tensor:
         """Co-attentive α of the listed pairs only → ``[P]`` (two-step re-ranking scores only its shortlists).
 
         Memory stays bounded for any number of images and captions: pairs are taken ``image_block`` images at
         a time (the images' ``X``/``R`` computed once per block) and ``pair_chunk`` pairs at a time (the chunk's
         captions' ``Z``/``Q`` computed per chunk, about a tenth of a pair's cost).
         """
-        dtype = self._dtype(images)
+        dtype = dtype or images["regions"].dtype
         out = images["regions"].new_empty(img_idx.numel(), dtype=dtype)
         n_img = images["regions"].shape[0]
         for start in range(0, n_img, image_block):
@@ -494,8 +480,7 @@ class JGCAR(MatchingModel):
         return bi_rank_loss(comparison(rest[0], s_ok), comparison(rest[1], v_ok_i), comparison(rest[2], v_ok),
                             comparison(rest[3], s_ok_j), self.gamma)
 
-    #: batch entries the training loop passes to ``forward`` besides the four tensors
-    batch_extras = ("image_index",)
+    batch_extras = ("image_index",)     # each row's training image, to look up its labels
 
     def prepare_training(self, inputs: dict[str, torch.Tensor]) -> None:
         """Install the intra-modal label table of the training images (built by

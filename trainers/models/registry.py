@@ -89,6 +89,8 @@ class ModelSpec:
             unknown = sorted(set(values) - known)
             if unknown:
                 raise ValueError(f"shortcut {flag} of {self.name} sets unknown setting(s): {', '.join(unknown)}")
+        if not self.examples:
+            raise ValueError(f"model {self.name} needs at least one example command (shown in --help)")
         if self.default_preset is not None and self.default_preset not in self.presets:
             raise ValueError(f"default preset {self.default_preset!r} of {self.name} is not among its presets")
 

@@ -25,7 +25,8 @@ from torch import nn
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
-from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
+from retr.trainers.models.base import Embeddings, MatchingModel
+from retr.trainers.models.layers import lengths_mask, l2norm
 from retr.trainers.models.text import GRUWordEncoder
 from retr.trainers.models.xattn import AGGREGATIONS, DIRECTIONS, NORMS, xattn_scores
 
@@ -55,10 +56,6 @@ class RegionEncoder(nn.Module):
         return x if self.no_imgnorm else l2norm(x, dim=-1)
 
 
-def _lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-    return torch.arange(max_len, device=lengths.device).view(1, -1) < lengths.view(-1, 1)
-
-
 class SCAN(MatchingModel):
     """SCAN with either formulation (``t2i``: text–image, ``i2t``: image–text); settings: :class:`SCANConfig`."""
 
@@ -70,8 +67,6 @@ class SCAN(MatchingModel):
         self.img_enc = RegionEncoder(img_dim, cfg.embed_size, cfg.no_imgnorm, cfg.precomp_enc_type)
         self.txt_enc = GRUWordEncoder(vocab_size, cfg.word_dim, cfg.embed_size, bidirectional=cfg.bi_gru,
                                       normalize=not cfg.no_txtnorm)
-        #: dtype of ``score``'s arithmetic, set by the evaluator (None: the embeddings'); aggregation is then float64
-        self.score_dtype: torch.dtype | None = None
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
         """``features`` [B, K, D_in], ``mask`` [B, K] → ``{"regions": [B, K, d], "mask": [B, K]}``."""
@@ -80,13 +75,14 @@ class SCAN(MatchingModel):
     def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
         """``tokens`` [B, L], ``lengths`` [B] → ``{"words": [B, L', d], "mask": [B, L']}``."""
         words = self.txt_enc(tokens, lengths)
-        return {"words": words, "mask": _lengths_mask(lengths.to(words.device), words.shape[1])}
+        return {"words": words, "mask": lengths_mask(lengths.to(words.device), words.shape[1])}
 
-    def score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
-        """Cross-attention similarities ``[n_img, n_cap]``."""
+    def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Cross-attention similarities ``[n_img, n_cap]``; with ``dtype`` the arithmetic runs in it and the
+        aggregation in float64 (the evaluator's exact scoring)."""
         return xattn_scores(images["regions"], images["mask"].bool(), captions["words"], captions["mask"].bool(),
                             self.direction, self.norm, self.agg, self.lambda_softmax, self.lambda_lse,
-                            dtype=self.score_dtype, agg_dtype=torch.float64 if self.score_dtype else None)
+                            dtype=dtype, agg_dtype=torch.float64 if dtype else None)
 
 
 @dataclass

@@ -51,18 +51,14 @@ from retr.trainers.losses import hinge_triplet_loss
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
-from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
+from retr.trainers.models.base import Embeddings, MatchingModel
+from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean
 
 TEXT_ENCODERS = ("e", "c", "g")
 DEFAULT_HOPS = {"e": 30, "c": 10, "g": 30}
 CROP_MODES = ("mean", "random")
 PENALTY_NORMS = ("squared", "plain")
 PAD_LOGIT = -10000.0
-
-
-def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-    """``[B, max_len]`` bool, True at positions ``< lengths[b]``."""
-    return torch.arange(max_len, device=lengths.device).view(1, -1) < lengths.view(-1, 1)
 
 
 def _xavier(module: nn.Module) -> nn.Module:
@@ -174,8 +170,6 @@ class SEAM(MatchingModel):
         self.img_fc = _xavier(nn.Linear(img_dim, embed_size))
         self.txt_enc = SEAMTextEncoder(vocab_size, text_encoder, embed_size, word_dim, hops, attention_hidden,
                                        conv_filters, gru_size)
-        #: dtype of the order-violation arithmetic in ``score`` (the evaluator may set float64)
-        self.score_dtype: torch.dtype | None = None
         #: upper bound on n_img·n_cap·d elements per chunk inside ``score``
         self.max_chunk_elements = 1 << 24
 
@@ -187,8 +181,7 @@ class SEAM(MatchingModel):
             choice = torch.multinomial(mask.float(), 1).squeeze(1)
             pooled = features[torch.arange(features.shape[0], device=features.device), choice]
         else:
-            weights = mask.to(features.dtype).unsqueeze(-1)
-            pooled = (features * weights).sum(1) / weights.sum(1).clamp(min=1)
+            pooled = masked_mean(features, mask)
         if self.input_l2norm:
             pooled = l2norm(pooled)
         return {"vector": l2norm(self.img_fc(pooled)).abs()}
@@ -199,9 +192,9 @@ class SEAM(MatchingModel):
         penalty = sum(attention_penalty(a, self.penalty_squared) for a in attentions)
         return {"vector": l2norm(vector).abs(), "penalty": penalty}
 
-    def score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+    def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Order-violation similarity ``[n_img, n_cap]``: ``−‖max(0, c − i)‖₂`` (squared with ``order_squared``)."""
-        dtype = self.score_dtype or images["vector"].dtype
+        dtype = dtype or images["vector"].dtype
         im, cap = images["vector"].to(dtype), captions["vector"].to(dtype)
         step = max(1, self.max_chunk_elements // max(1, cap.shape[0] * cap.shape[1]))
         rows = []

@@ -66,34 +66,12 @@ from retr.trainers.config import (embed_size_setting, margin_setting, setting, v
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel
+from retr.trainers.models.layers import EPS, lengths_mask, masked_mean, masked_softmax, cosine
 
 INTRA_PAIR_LEVELS = ("each", "sum")
 EVAL_SCORES = ("sum", "concat")
 TEXT_RNNS = ("lstm", "gru")
 OPTIMIZERS = ("adadelta", "adam")
-EPS = 1e-8
-
-
-def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-    """``[B, max_len]`` bool, True at positions ``< lengths[b]``."""
-    return torch.arange(max_len, device=lengths.device).view(1, -1) < lengths.view(-1, 1)
-
-
-def masked_softmax(logits: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Softmax of ``logits`` over ``dim`` where ``mask`` (broadcastable bool) is True; 0 elsewhere."""
-    logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
-    return torch.softmax(logits, dim=dim) * mask
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` [B, T, d] over T where ``mask`` [B, T] is True → [B, d]."""
-    weights = mask.to(x.dtype).unsqueeze(-1)
-    return (x * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
-
-
-def cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cosine along the last axis (broadcasting), ``x·y / max(‖x‖‖y‖, 1e-8)``."""
-    return (x * y).sum(-1) / (x.norm(dim=-1) * y.norm(dim=-1)).clamp(min=EPS)
 
 
 class GuidedAttention(nn.Module):
@@ -154,6 +132,8 @@ class WordEncoder(nn.Module):
 class SMAN(MatchingModel):
     """SMAN on grid features ``[B, M, D_in]`` (module docstring: equations and decisions)."""
 
+    has_global_stage = True
+
     def __init__(self, vocab_size: int, img_dim: int = 2048, config: "SMANConfig | None" = None, **settings):
         cfg = self.config = self.settings(SMANConfig, config, settings)
         super().__init__(cfg.margin, cfg.max_violation)
@@ -193,8 +173,6 @@ class SMAN(MatchingModel):
             self.img_attn2 = GuidedAttention(img_dim, d, d)
             self.img_proj2 = nn.Linear(img_dim, d)                                # P2
             self.txt_attn2 = GuidedAttention(d, d, d)
-        #: dtype of the cosine arithmetic in ``score`` (the evaluator may set float64)
-        self.score_dtype: torch.dtype | None = None
         #: upper bound on n_img·n_cap·d elements per pair-specific chunk inside ``score``
         self.max_chunk_elements = 1 << 23
         #: gradient scale of the parameters used only inside ``score`` (1/world size while a DDP step scores
@@ -240,21 +218,22 @@ class SMAN(MatchingModel):
         return out
 
     # -- pair-specific scoring --------------------------------------------------------------------------------
-    def level_scores(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+    def level_scores(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Per-level cosines ``[n_img, n_cap, levels]`` (levels: v0·t0, v1·t1 and, with the multi-modal step, v2·t2)."""
-        return self._levels(images, captions, dots=False)
+        return self._levels(images, captions, dots=False, dtype=dtype)
 
-    def score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+    def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``[n_img, n_cap]``: Σ_k cos(v_k, t_k) (or, evaluating with ``eval_score="concat"``, the cosine of the
-        concatenated levels)."""
+        concatenated levels); the cosines in ``dtype`` when given."""
         if self.eval_score == "concat" and not self.training:
-            parts = self._levels(images, captions, dots=True)   # [n_i, n_c, levels, 3]: v·t, ‖v‖², ‖t‖²
+            parts = self._levels(images, captions, dots=True, dtype=dtype)   # [n_i, n_c, levels, 3]: v·t, ‖v‖², ‖t‖²
             dot, vv, tt = parts.sum(2).unbind(-1)
             return dot / (vv.sqrt() * tt.sqrt()).clamp(min=EPS)
-        return self.level_scores(images, captions).sum(-1)
+        return self.level_scores(images, captions, dtype).sum(-1)
 
-    def _levels(self, images: Embeddings, captions: Embeddings, dots: bool, pair_specific: bool = True) -> torch.Tensor:
-        dtype = self.score_dtype or images["v0"].dtype
+    def _levels(self, images: Embeddings, captions: Embeddings, dots: bool, pair_specific: bool = True,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or images["v0"].dtype
         n_img, n_cap = images["v0"].shape[0], captions["t0"].shape[0]
         pair_independent = []
         for k in ("0", "1"):
@@ -317,14 +296,14 @@ class SMAN(MatchingModel):
                         scale_grad(linear.bias, self.score_grad_scale))
 
     # -- two-step evaluation (optional) ---------------------------------------------------------------------------
-    def global_score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+    def global_score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The pair-independent part, ``cos(v0, t0) + cos(v1, t1)`` ``[n_img, n_cap]`` (two-step shortlist)."""
-        return self._levels(images, captions, dots=False, pair_specific=False).sum(-1)
+        return self._levels(images, captions, dots=False, pair_specific=False, dtype=dtype).sum(-1)
 
     def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor,
-                   cap_idx: torch.Tensor) -> torch.Tensor:
+                   cap_idx: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``score`` of the listed pairs only: ``[P]`` for ``img_idx``, ``cap_idx`` [P] (chunked, bounded memory)."""
-        dtype = self.score_dtype or images["v0"].dtype
+        dtype = dtype or images["v0"].dtype
         w = self.img_memory.weight.dtype if self.multimodal_step else dtype
         per_pair = (images["mask"].shape[1] + captions["mask"].shape[1]) * images["v0"].shape[-1]
         step = max(1, self.max_chunk_elements // per_pair)

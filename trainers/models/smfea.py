@@ -44,17 +44,14 @@ from torch import nn
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
                                    word_dim_setting)
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
-from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
+from retr.trainers.models.base import Embeddings, MatchingModel
+from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean
 from retr.trainers.models.concepts import (ConceptAttention, ConceptGCN, consensus_vector, mix_text_labels)
 from retr.trainers.models.scan import RegionEncoder
 from retr.trainers.models.text import GRUWordEncoder
 from retr.trainers.models.tree_lstm import ENTITY_SLOTS, FORGET_GATES, NUM_NODES, RELATION_SLOTS, StructuredTreeEncoder
 
 TRAIN_TEXT_LABELS = ("image", "caption")
-
-
-def _lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-    return torch.arange(max_len, device=lengths.device).view(1, -1) < lengths.view(-1, 1)
 
 
 class MeanQueryAttention(nn.Module):
@@ -74,8 +71,7 @@ class MeanQueryAttention(nn.Module):
         self.bn_query = nn.BatchNorm1d(embed_size) if batch_norm else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        weights = mask.to(x.dtype).unsqueeze(-1)                                  # [B, K, 1]
-        mean = (x * weights).sum(1) / weights.sum(1).clamp(min=1)                  # [B, d]
+        mean = masked_mean(x, mask)                                                # [B, d]
         local = self.fc_local(x)                                                   # [B, K, d]
         query = self.fc_query(mean)                                                # [B, d]
         if self.bn_local is not None:
@@ -112,6 +108,8 @@ class SMFEA(MatchingModel):
     :class:`SMFEAConfig`. ``num_entities``/``num_relations``/``num_concepts`` are the sizes of the run's
     dictionaries and concept set (:func:`retr.trainers.side_inputs.load_smfea_inputs` reads them)."""
 
+    batch_extras = ("caption_index",)   # each row's training caption, to look up its tree and image labels
+
     def __init__(self, vocab_size: int, num_entities: int, num_relations: int, num_concepts: int,
                  img_dim: int = 2048, config: "SMFEAConfig | None" = None, **settings):
         cfg = self.config = self.settings(SMFEAConfig, config, settings)
@@ -121,8 +119,6 @@ class SMFEA(MatchingModel):
         beta_d, beta_t, beta_c, ce_weight, kl_weight = cfg.beta_d, cfg.beta_t, cfg.beta_c, cfg.ce_weight, cfg.kl_weight
         label_ratio, concept_smooth, concept_word_dim = cfg.label_ratio, cfg.concept_smooth, cfg.concept_word_dim
         concept_vectors, train_text_labels = cfg.concept_vectors, cfg.train_text_labels
-        #: the loop passes these batch entries to :meth:`forward`
-        self.batch_extras = ("caption_index",)
         #: per training caption: referral-tree node ids [M, 7] (−100 = no tree) and image concept labels [M, C]
         self.train_nodes: torch.Tensor | None = None
         self.train_image_labels: torch.Tensor | None = None
@@ -151,7 +147,6 @@ class SMFEA(MatchingModel):
         self.txt_concept_attn = ConceptAttention(embed_size, concept_smooth)
         #: vocabulary id → concept id (−1: the word is no concept); set from concepts.h5 by the command
         self.register_buffer("token_concepts", torch.full((vocab_size,), -1, dtype=torch.long))
-        self.score_dtype: torch.dtype | None = None
 
     # ---------------------------------------------------------------------------------------------- inputs
     def prepare_training(self, inputs: dict[str, torch.Tensor]) -> None:
@@ -177,7 +172,7 @@ class SMFEA(MatchingModel):
     def caption_concept_labels(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Multi-hot ``[B, C]`` float of the concepts among each caption's own tokens."""
         concept = self.token_concepts[tokens]                                        # [B, L]
-        valid = _lengths_mask(lengths.to(tokens.device), tokens.shape[1]) & (concept >= 0)
+        valid = lengths_mask(lengths.to(tokens.device), tokens.shape[1]) & (concept >= 0)
         labels = torch.zeros(tokens.shape[0], self.num_concepts + 1, device=tokens.device)
         labels.scatter_(1, torch.where(valid, concept, self.num_concepts), 1.0)
         return labels[:, :self.num_concepts]
@@ -216,13 +211,13 @@ class SMFEA(MatchingModel):
         """``tokens`` [B, L], ``lengths`` [B] → as :meth:`encode_images`. ``concept_labels`` [B, C] replaces the
         caption's own labels (training with ``train_text_labels="image"`` only)."""
         words = self.txt_enc(tokens, lengths)
-        instance = self.txt_attn(words, _lengths_mask(lengths.to(words.device), words.shape[1]))
+        instance = self.txt_attn(words, lengths_mask(lengths.to(words.device), words.shape[1]))
         labels = concept_labels if concept_labels is not None else self.caption_concept_labels(tokens, lengths)
         return self._branches(instance, self.txt_tree if self.use_trees else None, self.txt_concept_attn, labels)
 
-    def score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+    def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Cosine of the fused vectors ``[n_img, n_cap]``."""
-        dtype = self.score_dtype or images["fused"].dtype
+        dtype = dtype or images["fused"].dtype
         return images["fused"].to(dtype) @ captions["fused"].to(dtype).t()
 
     # ---------------------------------------------------------------------------------------------- loss
@@ -287,7 +282,7 @@ class SMFEA(MatchingModel):
             tree = self.img_tree
         else:
             words = self.txt_enc(tokens, lengths)
-            instance = self.txt_attn(words, _lengths_mask(lengths.to(words.device), words.shape[1]))
+            instance = self.txt_attn(words, lengths_mask(lengths.to(words.device), words.shape[1]))
             tree = self.txt_tree
         out = tree(instance)
         pred = torch.empty(instance.shape[0], NUM_NODES, dtype=torch.long, device=instance.device)

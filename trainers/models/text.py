@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from retr.trainers.models.base import l2norm
+from retr.trainers.models.layers import l2norm
 
 
 class GRUWordEncoder(nn.Module):

@@ -19,7 +19,8 @@ import torch
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
-from retr.trainers.models.base import Embeddings, MatchingModel, l2norm
+from retr.trainers.models.base import Embeddings, MatchingModel
+from retr.trainers.models.layers import masked_mean
 from retr.trainers.models.scan import ENCODER_TYPES, RegionEncoder
 from retr.trainers.models.text import GRUSentenceEncoder
 
@@ -34,21 +35,18 @@ class VSEPP(MatchingModel):
         no_imgnorm, precomp_enc_type = cfg.no_imgnorm, cfg.precomp_enc_type
         self.img_enc = RegionEncoder(img_dim, embed_size, no_imgnorm, precomp_enc_type)
         self.txt_enc = GRUSentenceEncoder(vocab_size, word_dim, embed_size, bidirectional=bi_gru)
-        self.score_dtype: torch.dtype | None = None
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
         """``features`` [B, K, D_in], ``mask`` [B, K] → ``{"vector": [B, d]}`` (masked mean over K, fc, l2norm)."""
-        weights = mask.to(features.dtype).unsqueeze(-1)
-        pooled = (features * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
-        return {"vector": self.img_enc(pooled)}
+        return {"vector": self.img_enc(masked_mean(features, mask))}
 
     def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
         """``tokens`` [B, L], ``lengths`` [B] → ``{"vector": [B, d]}``."""
         return {"vector": self.txt_enc(tokens, lengths)}
 
-    def score(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+    def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dot products ``[n_img, n_cap]``."""
-        dtype = self.score_dtype or images["vector"].dtype
+        dtype = dtype or images["vector"].dtype
         return images["vector"].to(dtype) @ captions["vector"].to(dtype).t()
 
 
