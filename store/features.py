@@ -53,6 +53,10 @@ REGION_DATASETS = {
 #: Per-row datasets of a ``regions`` set that do not have the K axis: name → (shape after [N], dtype).
 REGION_IMAGE_DATASETS = {"num_boxes": ((), "int32"), "image_hw": ((2,), "int32")}
 FEATURE_DTYPES = ("float16", "float32")
+#: row order of a ``tencrop`` feature set (torchvision's ``ten_crop``): the four corners, the centre, then the
+#: same five of the horizontally flipped image
+TENCROP_ORDER = ("top-left", "top-right", "bottom-left", "bottom-right", "centre",
+                 "flipped top-left", "flipped top-right", "flipped bottom-left", "flipped bottom-right", "flipped centre")
 
 _STR = h5py.string_dtype("utf-8")
 

@@ -138,6 +138,149 @@ _add(Recipe("scan-coco5k-ensemble", "SCAN t-i AVG + i-t LSE on COCO 5K (averaged
             Published((50.4, 82.2, 90.0), (38.6, 69.3, 80.4), f"{SCAN_PAPER}, Table 2 (5K), 'SCAN t-i AVG + i-t LSE'")))
 
 
+# ------------------------------------------------------------------------------------------------- VSE++
+_add(Recipe("vsepp-f30k-fixed-resnet-1crop", "VSE++ on fixed ResNet-152 features, one (centre) crop, Flickr30K",
+            TENCROP_RESNET,
+            (Member("vsepp-f30k-resnet-centre", "vsepp", "f30k", {"crops": "centre"}),), "f30k-1k",
+            Published((31.9, None, 68.0), (23.1, None, 60.7), f"{SCAN_PAPER}, Table 3, 'VSE++ (fixed ResNet, 1 crop)'"),
+            "SCAN prints no R@5. Tables 1-2 of SCAN quote VSE++'s fine-tuned ResNet model, which cached features "
+            "cannot reach (the CNN is trained end to end), so only this row has a recipe."))
+
+# ------------------------------------------------------------------------------------------------- SMAN
+SMAN_PAPER = "SMAN (Ji et al., IEEE TMM)"
+_SMAN_ROWS = {
+    # (dataset, variant): (settings, published i2t, t2i, table, label)
+    ("f30k", "sman"): ({}, (56.9, 84.8, 91.9), (43.2, 73.3, 83.5), "Table I", "SMAN"),
+    ("f30k", "inter-a0.9"): ({"intra_pair_weight": 0.0}, (56.2, 83.5, 90.6), (41.9, 71.5, 82.0), "Table I",
+                             "SMAN-inter (α = 0.9)"),
+    ("f30k", "inter-a1"): ({"alpha": 1.0, "intra_pair_weight": 0.0}, (54.9, 81.9, 89.3), (40.2, 70.6, 80.1), "Table I",
+                           "SMAN-inter (α = 1)"),
+    ("coco", "sman"): ({}, (67.9, 90.6, 96.2), (58.8, 87.0, 93.7), "Table II", "SMAN (Random)"),
+    ("coco", "inter-a0.9"): ({"intra_pair_weight": 0.0}, (67.3, 89.9, 94.6), (57.8, 86.5, 92.4), "Table II",
+                             "SMAN-inter (α = 0.9)"),
+    ("coco", "inter-a1"): ({"alpha": 1.0, "intra_pair_weight": 0.0}, (66.1, 89.0, 94.1), (55.7, 85.3, 90.2),
+                           "Table II", "SMAN-inter (α = 1)"),
+    ("f30k", "im"): ({"multimodal_step": False, "use_location": False}, (55.5, 82.9, 89.2), (39.8, 71.2, 80.7),
+                     "Table III", "SMAN-IM"),
+    ("f30k", "im-loc"): ({"multimodal_step": False}, (55.9, 82.6, 89.1), (40.3, 71.4, 80.9), "Table III",
+                         "SMAN-IM-LOC"),
+    ("f30k", "sim"): ({"alpha": 1.0}, (56.5, 84.3, 81.4), (42.3, 72.8, 82.7), "Table III",
+                      "SMAN-SIM (sentence R@10 printed 81.4, below its R@5: a typo in the paper, kept)"),
+}
+for (_dataset, _variant), (_settings, _i2t, _t2i, _table, _label) in _SMAN_ROWS.items():
+    _row = Published(_i2t, _t2i, f"{SMAN_PAPER}, {_table}, '{_label}'")
+    _name = "sman" if _variant == "sman" else f"sman-{_variant}"
+    _add(Recipe(f"{_name}-{_dataset}", f"{_label} on {'Flickr30K' if _dataset == 'f30k' else 'COCO 1K (5 folds)'}",
+                RESNET_GRID, (Member(f"{_name}-{_dataset}", "sman", _dataset, _settings),),
+                "f30k-1k" if _dataset == "f30k" else "coco-1k", _row,
+                "The ablation tables (III-V) repeat Table I's 'SMAN (Glove)' numbers as 'SMAN': the ablations may "
+                "have used GloVe word vectors, which retr's SMAN does not offer (the '(Glove)' rows have no recipe)."
+                if _table == "Table III" else "Word embeddings learned from scratch (the paper's 'Random' rows)."))
+
+# ------------------------------------------------------------------------------------------------- JGCAR
+JGCAR_PAPER = "JGCAR (ACM MM 2018)"
+_JGCAR_ROWS = {
+    ("coco", "jgcar"): ({}, (52.7, 82.6, 90.5), (40.2, 74.8, 85.7), "Table 1", "JGCAR d=256"),
+    ("coco", "v1"): ({"lambda2": 0.0, "lambda3": 0.0}, (49.2, 78.6, 87.1), (38.0, 70.6, 80.1), "Table 1",
+                     "JGCARv1 d=256"),
+    ("coco", "v2"): ({"lambda4": 0.0}, (52.4, 82.3, 90.4), (39.5, 74.6, 85.3), "Table 1", "JGCARv2 d=256"),
+    ("f30k", "jgcar"): ({}, (44.9, 75.3, 82.7), (35.2, 62.0, 72.4), "Table 2", "JGCAR d=256"),
+    ("f30k", "v1"): ({"lambda2": 0.0, "lambda3": 0.0}, (43.2, 71.4, 76.8), (38.0, 56.4, 65.3), "Table 2",
+                     "JGCARv1 d=256"),
+    ("f30k", "v2"): ({"lambda4": 0.0}, (44.6, 74.8, 81.2), (35.1, 61.5, 71.8), "Table 2", "JGCARv2 d=256"),
+}
+for (_dataset, _variant), (_settings, _i2t, _t2i, _table, _label) in _JGCAR_ROWS.items():
+    _name = "jgcar" if _variant == "jgcar" else f"jgcar-{_variant}"
+    _add(Recipe(f"{_name}-{_dataset}", f"{_label} on {'Flickr30K' if _dataset == 'f30k' else 'COCO 1K'}", VGG_MAPS,
+                (Member(f"{_name}-{_dataset}", "jgcar", _dataset, _settings),),
+                "f30k-1k" if _dataset == "f30k" else "coco-1k",
+                Published(_i2t, _t2i, f"{JGCAR_PAPER}, {_table}, '{_label}'"),
+                "Two-step retrieval (top 100 by the global score, re-ranked). Train with --labels (COCO instance "
+                "categories / Flickr30K Entities types: retr-pipeline labels). "
+                + ("The paper does not say whether its COCO 1,000 test images are one set or five folds; "
+                   "coco-1k (five folds) is used." if _dataset == "coco" else "")))
+
+# ------------------------------------------------------------------------------------------------- SEAM
+SEAM_PAPER = "SEAM (Wehrmann et al., WACV 2018)"
+_SEAM_ENCODERS = {  # row name → settings (hops and λ inferred where the row is unmarked, see notes)
+    "SEAM-E": {"text_encoder": "e", "hops": 30, "penalty_weight": 0.0},
+    "SEAM-E(λ = 0.5)": {"text_encoder": "e", "hops": 30, "penalty_weight": 0.5},
+    "SEAM-C": {"text_encoder": "c", "hops": 10, "penalty_weight": 0.0},
+    "SEAM-C(λ = 0.5)": {"text_encoder": "c", "hops": 10, "penalty_weight": 0.5},
+    "SEAM-G (512)": {"text_encoder": "g", "hops": 30, "gru_size": 512, "penalty_weight": 0.5},
+}
+_SEAM_RUN = {"SEAM-E": "e-l0", "SEAM-E(λ = 0.5)": "e-l0.5", "SEAM-C": "c-l0", "SEAM-C(λ = 0.5)": "c-l0.5",
+             "SEAM-G (512)": "g512"}
+_SEAM_ROWS = {
+    # (table, features, row) → i2t, t2i
+    (3, "vgg19", "SEAM-E"): ((52.7, 83.2, 91.2), (41.4, 76.0, 86.8)),
+    (3, "vgg19", "SEAM-E(λ = 0.5)"): ((50.6, 82.8, 91.5), (41.7, 76.2, 87.4)),
+    (3, "vgg19", "SEAM-C"): ((51.8, 81.7, 91.0), (41.5, 76.7, 88.0)),
+    (3, "vgg19", "SEAM-C(λ = 0.5)"): ((54.3, 82.7, 91.9), (41.8, 76.7, 87.8)),
+    (3, "vgg19", "SEAM-G (512)"): ((52.1, 83.1, 91.0), (41.8, 76.8, 87.6)),
+    (3, "irv2", "SEAM-E"): ((54.2, 85.6, 92.7), (43.3, 78.8, 90.0)),
+    (3, "irv2", "SEAM-E(λ = 0.5)"): ((55.2, 84.7, 93.9), (43.9, 79.4, 89.5)),
+    (3, "irv2", "SEAM-C"): ((54.5, 85.4, 93.7), (43.7, 79.6, 89.6)),
+    (3, "irv2", "SEAM-C(λ = 0.5)"): ((55.4, 86.4, 94.4), (43.8, 79.8, 90.1)),
+    (3, "irv2", "SEAM-G (512)"): ((53.6, 85.6, 93.2), (44.6, 79.8, 90.3)),
+    (4, "vgg19", "SEAM-E"): ((51.2, 81.4, 90.5), (39.7, 75.3, 86.7)),
+    (4, "vgg19", "SEAM-E(λ = 0.5)"): ((49.4, 80.7, 90.3), (39.7, 75.3, 87.0)),
+    (4, "vgg19", "SEAM-C"): ((50.0, 81.1, 90.6), (40.2, 75.6, 87.1)),
+    (4, "vgg19", "SEAM-C(λ = 0.5)"): ((50.7, 81.4, 90.9), (40.3, 75.7, 87.4)),
+    (4, "vgg19", "SEAM-G (512)"): ((50.9, 81.8, 90.5), (40.2, 75.7, 87.2)),
+    (4, "irv2", "SEAM-E"): ((51.8, 83.9, 92.0), (42.0, 77.2, 88.4)),
+    (4, "irv2", "SEAM-E(λ = 0.5)"): ((51.9, 83.2, 92.2), (41.6, 77.3, 88.0)),
+    (4, "irv2", "SEAM-C"): ((52.9, 83.5, 92.6), (42.3, 77.9, 88.4)),
+    (4, "irv2", "SEAM-C(λ = 0.5)"): ((52.8, 83.5, 92.6), (41.9, 77.5, 88.5)),
+    (4, "irv2", "SEAM-G (512)"): ((52.1, 84.0, 92.5), (41.9, 78.2, 89.1)),
+}
+_SEAM_FEATURES = {"vgg19": (TENCROP_VGG19, "VGG-19"), "irv2": (TENCROP_IRV2, "IRv2")}
+for (_table, _feat, _row_name), (_i2t, _t2i) in _SEAM_ROWS.items():
+    _features, _feat_label = _SEAM_FEATURES[_feat]
+    _protocol, _where = ("coco-1k-first", "COCO 1K (first fold)") if _table == 3 else ("coco-1k", "COCO 1K (5 folds)")
+    _label = f"{_row_name} ({_feat_label})"
+    _add(Recipe(f"seam-{_SEAM_RUN[_row_name]}-{_feat}-{'coco1k-first' if _table == 3 else 'coco1k'}",
+                f"{_label} on {_where}", _features,
+                (Member(f"seam-coco-{_SEAM_RUN[_row_name]}-{_feat}", "seam", "coco", _SEAM_ENCODERS[_row_name]),),
+                _protocol, Published(_i2t, _t2i, f"{SEAM_PAPER}, Table {_table}, '{_label}'"),
+                "Rows not marked λ = 0.5 are read as λ = 0 and the hops as E 30 / C 10 (the paper's validation "
+                "tables); SEAM-G's λ is not printed (0.5, the authors' code). "
+                + ("Table 3's 'COCO-1k' is one 1K set: the first fold of the 5K test." if _table == 3 else
+                   "Table 4's 'COCO-5cv' is the mean over the five 1K folds.")))
+
+# ------------------------------------------------------------------------------------------------- SMFEA
+SMFEA_PAPER = "SMFEA (ACM MM 2021)"
+_SMFEA_F30K = Published((73.7, 92.5, 96.1), (54.7, 82.1, 88.4), f"{SMFEA_PAPER}, Table 1, 'SMFEA(ours)'",
+                        printed_rsum=487.5)
+_add(Recipe("smfea-f30k", "SMFEA on Flickr30K", BUTD, (Member("smfea-f30k", "smfea", "f30k"),), "f30k-1k",
+            _SMFEA_F30K, "Needs --trees (retr-pipeline parse-trees) and --concepts (retr-pipeline build-concepts)."))
+_add(Recipe("smfea-coco1k", "SMFEA on COCO 1K (5 folds)", BUTD, (Member("smfea-coco", "smfea", "coco"),), "coco-1k",
+            Published((75.1, 95.4, 98.3), (62.5, 90.1, 96.2), f"{SMFEA_PAPER}, Table 2, 'SMFEA(ours)'",
+                      printed_rsum=517.6),
+            "The paper does not name its 1K protocol; the rows it compares with are five-fold means."))
+_add(Recipe("smfea-coco5k", "SMFEA on COCO 5K", BUTD, (Member("smfea-coco", "smfea", "coco"),), "coco-5k",
+            Published((54.2, None, 89.9), (41.9, None, 83.7), f"{SMFEA_PAPER}, Table 3, 'SMFEA(ours)'",
+                      printed_rsum=425.3),
+            "The 5K table prints R@1 and R@10 only; its rSum includes the unprinted R@5s."))
+_SMFEA_ABLATIONS = {
+    "no-trees": ({"use_trees": False}, (71.7, 91.5, 94.7), (51.3, 78.9, 87.2), "Table 5", "w/o trees",
+                 "The paper ran 'w/o trees' with CVSE's code 'with slightly different parameters'; retr keeps SMFEA's "
+                 "objective without the tree encoders."),
+    "no-kl": ({"kl_weight": 0.0}, (72.1, 90.9, 94.3), (53.2, 81.1, 86.6), "Table 5", "w/o D_KL", ""),
+    "no-ce": ({"ce_weight": 0.0}, (72.4, 91.4, 94.9), (53.8, 81.5, 87.0), "Table 5", "w/o L_CE", ""),
+    "beta-1-0-0": ({"beta_d": 1.0, "beta_t": 0.0, "beta_c": 0.0}, (64.1, 88.6, 92.6), (47.3, 75.2, 84.1), "Table 6",
+                   "[1.0, 0.0, 0.0]", "Which losses stayed on for the β ablations is not stated."),
+    "beta-0.6-0-0.4": ({"beta_d": 0.6, "beta_t": 0.0, "beta_c": 0.4}, (66.5, 89.9, 93.7), (49.1, 76.9, 85.0),
+                       "Table 6", "[0.6, 0.0, 0.4]", "Which losses stayed on for the β ablations is not stated."),
+    "beta-0.6-0.4-0": ({"beta_d": 0.6, "beta_t": 0.4, "beta_c": 0.0}, (70.9, 90.8, 93.7), (52.1, 79.3, 86.9),
+                       "Table 6", "[0.6, 0.4, 0.0]", "Which losses stayed on for the β ablations is not stated."),
+}
+for _variant, (_settings, _i2t, _t2i, _table, _label, _note) in _SMFEA_ABLATIONS.items():
+    _add(Recipe(f"smfea-f30k-{_variant}", f"SMFEA ablation {_label} on Flickr30K", BUTD,
+                (Member(f"smfea-f30k-{_variant}", "smfea", "f30k", _settings),), "f30k-1k",
+                Published(_i2t, _t2i, f"{SMFEA_PAPER}, {_table}, '{_label}'"), _note))
+
+
 def get_recipe(name: str) -> Recipe:
     if name not in RECIPES:
         raise UserError(f"unknown recipe {name!r} (retr-train recipes lists them)")

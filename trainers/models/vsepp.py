@@ -1,7 +1,8 @@
 """VSE++ (Faghri et al., BMVC 2018): global image and caption vectors, dot-product score, hardest negatives.
 
 Image side: the mean of the feature set's vectors over its K axis — regions (only real ones, by the mask),
-grid cells, or the ten crops (VSE++'s own 10-crop features are averaged the same way) — then ``fc``
+grid cells, or the ten crops (VSE++'s own 10-crop features are averaged the same way; ``crops="centre"`` takes
+the centre crop alone, SCAN Table 3's "VSE++ (fixed ResNet, 1 crop)") — then ``fc``
 (Linear(D_in → d), Xavier-uniform, bias 0) and l2norm, as ``EncoderImagePrecomp``. Caption side:
 :class:`GRUSentenceEncoder` (unidirectional GRU, last state, l2norm). Score: dot product of the l2-normalised
 vectors (cosine). Loss: hinge with hardest negatives (``--sum-violation`` gives VSE0).
@@ -16,6 +17,7 @@ from typing import Literal
 
 import torch
 
+from retr.store.features import TENCROP_ORDER
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
@@ -33,11 +35,17 @@ class VSEPP(MatchingModel):
         super().__init__(cfg.margin, cfg.max_violation)
         embed_size, word_dim, bi_gru = cfg.embed_size, cfg.word_dim, cfg.bi_gru
         no_imgnorm, precomp_enc_type = cfg.no_imgnorm, cfg.precomp_enc_type
+        self.crops = cfg.crops
         self.img_enc = RegionEncoder(img_dim, embed_size, no_imgnorm, precomp_enc_type)
         self.txt_enc = GRUSentenceEncoder(vocab_size, word_dim, embed_size, bidirectional=bi_gru)
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
-        """``features`` [B, K, D_in], ``mask`` [B, K] → ``{"vector": [B, d]}`` (masked mean over K, fc, l2norm)."""
+        """``features`` [B, K, D_in], ``mask`` [B, K] → ``{"vector": [B, d]}`` (masked mean over K — or, with
+        ``crops="centre"``, the centre crop of a ten-crop set —, fc, l2norm)."""
+        if self.crops == "centre":
+            if features.shape[1] != len(TENCROP_ORDER):
+                raise ValueError(f"crops='centre' needs ten-crop features (K = 10), not K = {features.shape[1]}")
+            return {"vector": self.img_enc(features[:, TENCROP_ORDER.index("centre")])}
         return {"vector": self.img_enc(masked_mean(features, mask))}
 
     def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
@@ -59,6 +67,8 @@ class VSEPPConfig:
     bi_gru: bool = setting(False, "Caption GRU direction (VSE++: unidirectional).", flag="--bi-gru/--uni-gru")
     no_imgnorm: bool = setting(False, "Do not l2-normalise the image vector.", flag="--no-imgnorm")
     precomp_enc_type: Literal[ENCODER_TYPES] = setting("basic", "Image encoder: Linear or weight-normed.")
+    crops: Literal["mean", "centre"] = setting(
+        "mean", "Ten-crop features: the mean of the crops, or the centre crop only (VSE++'s '1 crop' rows).")
     margin: float = margin_setting(0.2)
     max_violation: bool = violation_setting(True)
 
