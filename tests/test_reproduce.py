@@ -123,3 +123,13 @@ def test_reproduce_refuses_settings_no_member_has(tmp_path, run_cli):
     result = run_cli("train", "reproduce", "scan-f30k-t2i-avg", "--features", tmp_path / "f.h5", "--manifest",
                      tmp_path / "m.jsonl", "--out", tmp_path / "o", "--set", "gamma=3", ok=False)
     assert "no member of scan-f30k-t2i-avg has the setting(s) gamma" in str(result.exception)
+
+
+def test_readme_table_is_the_recipes_table():
+    from pathlib import Path
+
+    from retr.trainers.reproduce import markdown_table
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    assert markdown_table() in readme, "README's recipe table is stale: paste `retr-train recipes --markdown`"
+    assert readme.index("## Reproduce a paper's row") < readme.index("## Two commands")
