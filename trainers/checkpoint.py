@@ -13,13 +13,21 @@ Run directory (``--out``)::
 A checkpoint holds ``model`` (state dict), ``optimizer``, ``scheduler``, ``scaler`` (AMP), ``vocab``
 (``Vocabulary.to_json()``), ``epoch`` (finished epochs, 0-based index of the last one), ``best_rsum``,
 ``rng`` (python, numpy, torch CPU and CUDA states) and ``config`` — everything a resume needs.
+
+Trust: a checkpoint holds tensors, numbers, strings, lists, tuples and dicts only (the RNG states are stored as
+such), so it is read with ``torch.load(weights_only=True)``: no pickled object can run code. Runs written
+before that kept numpy's RNG state as an array; reading them allows exactly numpy's array reconstruction.
+Anything else (a checkpoint whose pickle names other Python objects) is refused in one line and loads only
+with ``trust=True`` (``--trust-checkpoint``).
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -50,15 +58,22 @@ def read_config(run: str | os.PathLike) -> dict:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state in plain types (tuples, ints, floats, tensors), so a checkpoint needs no pickle."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": (kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss),
+                       float(cached)),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((kind, keys.astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -84,14 +99,43 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
     return path
 
 
-def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
+#: what older checkpoints need besides tensors: numpy's RNG key array (array reconstruction only)
+LEGACY_SAFE_GLOBALS = (np.ndarray, np.dtype, np.dtypes.UInt32DType)
+
+
+def _numpy_reconstruct():
+    """numpy's array-unpickling function (its module moved in numpy 2)."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:                      # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return _reconstruct
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = False,
+                    allow: tuple = ()) -> dict:
+    """A checkpoint's contents, read without running code (module docstring): tensors and plain types, the
+    numpy arrays of older runs' RNG states, and the types in ``allow`` (e.g. ``argparse.Namespace`` for official
+    SCAN checkpoints). ``trust=True`` reads any pickle (``--trust-checkpoint``; only for files you trust)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist")
+    if trust:
+        try:
+            return torch.load(path, map_location=map_location, weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file for the user
+            raise UserError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {exc})") from None
     try:
-        # Own checkpoints hold RNG states (numpy arrays, tuples): trusted files written by this project.
-        return torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file for the user
+        with torch.serialization.safe_globals([*LEGACY_SAFE_GLOBALS, _numpy_reconstruct(), *allow]):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        allowed = {f"{g.__module__}.{g.__qualname__}" for g in (*LEGACY_SAFE_GLOBALS, _numpy_reconstruct(), *allow)}
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path) if zipfile.is_zipfile(path) else []
+        names = [n for n in names if n not in allowed]
+        what = f" ({', '.join(names)})" if names else ""
+        raise UserError(f"{path} holds Python objects other than tensors{what}, which could run code when "
+                        "loaded; load it only if you trust it: --trust-checkpoint") from None
+    except Exception as exc:  # noqa: BLE001 - any other failure is a bad file for the user
         raise UserError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {exc})") from None
 
 
@@ -101,8 +145,10 @@ def prune_checkpoints(run: str | os.PathLike, keep: int) -> None:
         path.unlink(missing_ok=True)
 
 
-def load_run_model(run: str | os.PathLike, which: str = "best", device: torch.device | str = "cpu"):
-    """(model in eval mode, vocabulary, config) of a run; ``which`` is ``best``, ``last`` or a file name."""
+def load_run_model(run: str | os.PathLike, which: str = "best", device: torch.device | str = "cpu",
+                   trust: bool = False):
+    """(model in eval mode, vocabulary, config) of a run; ``which`` is ``best``, ``last`` or a file name;
+    ``trust``: read a checkpoint that holds other Python objects (:func:`load_checkpoint`)."""
     from retr.trainers.models import create_model
 
     run = Path(run)
@@ -117,7 +163,7 @@ def load_run_model(run: str | os.PathLike, which: str = "best", device: torch.de
         path = list_checkpoints(run)[-1][1]
     else:
         path = run / which
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, trust=trust)
     vocab = Vocabulary.from_json(state["vocab"], str(path)) if "vocab" in state else Vocabulary.load(run / VOCAB)
     model = create_model(config["model"], **config["model_args"])
     model.load_state_dict(state["model"])

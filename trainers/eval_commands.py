@@ -21,7 +21,8 @@ from retr.common.devices import resolve_device
 
 def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features: str | None = None,
                   manifest: str | None = None, device: str = "auto", precision: str = DEFAULT_PRECISION,
-                  which: str = "best", preload: bool | None = None, quiet: bool = False):
+                  which: str = "best", preload: bool | None = None, quiet: bool = False,
+                  trust_checkpoint: bool = False):
     """Score ``split`` with every run, average the similarity matrices (ensemble) and apply ``protocol``.
 
     Returns ``(result dict, sims [N_img, M] float64)``. Every run's embeddings are kept until the end, so that
@@ -30,7 +31,7 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
     dev = resolve_device(device)
     reference, models, scorers = None, [], []
     for run in runs:
-        model, vocab, config = ckpt.load_run_model(run, which, dev)
+        model, vocab, config = ckpt.load_run_model(run, which, dev, trust=trust_checkpoint)
         feats_path = features or config.get("features")
         manifest_path = manifest or config.get("manifest")
         if not feats_path or not manifest_path:
@@ -43,7 +44,7 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
             raise UserError(f"{run} sees other images/captions than {runs[0]}; an ensemble needs the same split")
         reference = key
         image_features = ImageFeatures(feature_set, data.image_ids, preload)
-        if getattr(model, "shortlist", 0) and len(runs) == 1:   # hook: two-step models (JGCAR), see two_step.py
+        if model.shortlist and len(runs) == 1:   # two-step models (MatchingModel.shortlist > 0), see two_step.py
             from retr.trainers.two_step import two_step_protocol
             result = two_step_protocol(model, data, image_features, protocol, dev, model.shortlist, precision)
             result.update({k: result["two_step"][k] for k in ("i2t", "t2i", "rsum")}, protocol=protocol,
@@ -94,9 +95,12 @@ def _line(side: str, m: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number.")
 @click.option("--save-sims", type=click.Path(dir_okay=False), default=None,
               help="Write the images × captions similarities (float64 .npy, manifest order).")
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Read checkpoints that hold Python objects besides tensors (they can run code: only for files "
+                   "you trust).")
 @quiet_option
 def eval_command(runs, protocol, split, features, manifest, which, precision, device, preload, as_json,
-                 save_sims, quiet) -> None:
+                 save_sims, trust_checkpoint, quiet) -> None:
     """Evaluate one run, or an ensemble of runs (their similarity matrices averaged).
 
     The result is also stored in each run's eval.json.
@@ -107,7 +111,7 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
       retr-train eval runs/scan-coco-t2i runs/scan-coco-i2t --protocol coco-1k --json
     """
     result, sims = evaluate_runs(list(runs), protocol, split, features, manifest, device, precision, which,
-                                 preload, quiet)
+                                 preload, quiet, trust_checkpoint=trust_checkpoint)
     if save_sims and sims is None:
         raise UserError("--save-sims: a two-step run has no single similarity matrix (one per direction)")
     if save_sims:

@@ -54,15 +54,17 @@ def seed_everything(seed: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ the loop
 
-def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False, log=print) -> dict:
-    """Train ``cfg.model``; returns the last epoch's validation metrics. Resumable with ``resume=True``."""
+def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False, log=print,
+          trust_checkpoint: bool = False) -> dict:
+    """Train ``cfg.model``; returns the last epoch's validation metrics. Resumable with ``resume=True``
+    (``trust_checkpoint``: read a checkpoint holding other Python objects, see :func:`checkpoint.load_checkpoint`)."""
     device = resolve_device(cfg.device)
     info = init_from_env(device.type)
     if info.enabled and device.type == "cuda":
         device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)
     try:
-        run = build_run(cfg, resume, device, info, log)
+        run = build_run(cfg, resume, device, info, log, trust_checkpoint)
         last_val: dict = {}
         for epoch in range(run.start_epoch, run.cfg.epochs):
             started = time.time()
@@ -114,9 +116,10 @@ class Run:
         return is_best
 
 
-def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistInfo, log) -> Run:
+def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistInfo, log,
+              trust_checkpoint: bool = False) -> Run:
     """Open (or resume) the run directory, load the data, build the model, optimiser and data loader."""
-    folder, state = _open_run_folder(cfg, resume, info)
+    folder, state = _open_run_folder(cfg, resume, info, trust_checkpoint)
     features = FeatureSet(cfg.features)
     if state is not None:
         cfg = _resumed_config(cfg, state, folder)
@@ -143,8 +146,10 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     if info.is_main:
         for note in inputs.notes:
             log(f"note: {note}")
-    cfg.model_args = {**cfg.model_args, "vocab_size": len(vocab), "img_dim": int(features.feature_shape[1]),
-                      **inputs.sizes}
+    # config.json keeps the model's full config (not only the values given), so a later default change cannot
+    # alter what a stored run means (the specs' upgrade_args fill absent fields with their old values)
+    cfg.model_args = {**cfg.model_args, **asdict(config), "vocab_size": len(vocab),
+                      "img_dim": int(features.feature_shape[1]), **inputs.sizes}
     seed_everything(cfg.seed)
     model = create_model(cfg.model, **cfg.model_args).to(device)
     model.prepare_training(inputs.tensors)
@@ -180,14 +185,15 @@ def _config_names(spec) -> set[str]:
     return {f.name for f in fields(spec.config_class)}
 
 
-def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo) -> tuple[Path, dict | None]:
+def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo,
+                     trust_checkpoint: bool = False) -> tuple[Path, dict | None]:
     """The run directory and, with ``resume``, its newest checkpoint's state."""
     folder = Path(cfg.out)
     existing = ckpt.list_checkpoints(folder) if folder.is_dir() else []
     if resume:
         if not existing:
             raise UserError(f"nothing to resume in {folder} (no checkpoint-*.pt); start without --resume")
-        return folder, ckpt.load_checkpoint(existing[-1][1])
+        return folder, ckpt.load_checkpoint(existing[-1][1], trust=trust_checkpoint)
     if existing or (folder / ckpt.METRICS).exists():
         raise UserError(f"{folder} already holds a run; pass --resume to continue it or choose another --out")
     if info.is_main:

@@ -30,8 +30,6 @@ from retr.trainers.models.registry import DATA_SIZES, ModelSpec
 #: keys of a run's config.json that are records of the run, not settings
 RUN_RECORDS = ("retr_version", "feature_attrs", "vocab_size", "train_images", "val_images_used", "model",
                "model_args", "inputs")
-#: run options that are not settings of a run
-COMMAND_FLAGS = ("config", "resume", "quiet")
 _EXPLICIT = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT, ParameterSource.PROMPT)
 
 
@@ -188,7 +186,10 @@ def training_command(spec: ModelSpec) -> click.Command:
                for flag, (help_text, _) in spec.shortcuts.items()]
     params += [click.Option(["--config"], type=click.Path(dir_okay=False), default=None,
                             help="Settings from a JSON/YAML file or a run's config.json (options override it)."),
-               click.Option(["--resume"], is_flag=True, help="Continue the run in --out from its newest checkpoint.")]
+               click.Option(["--resume"], is_flag=True, help="Continue the run in --out from its newest checkpoint."),
+               click.Option(["--trust-checkpoint"], is_flag=True,
+                            help="With --resume: read a checkpoint that holds Python objects besides tensors (they "
+                                 "can run code: only for files you trust).")]
     params.append(_quiet_param())
 
     def callback(**values) -> None:
@@ -198,7 +199,7 @@ def training_command(spec: ModelSpec) -> click.Command:
         explicit = {name for name in values if ctx.get_parameter_source(name) in _EXPLICIT}
         cfg, _ = gather_settings(spec, values, explicit)
         log = lambda message: click.echo(message, err=True)  # noqa: E731
-        train(cfg, resume=values["resume"], quiet=values["quiet"], log=log)
+        train(cfg, resume=values["resume"], quiet=values["quiet"], log=log, trust_checkpoint=values["trust_checkpoint"])
         if spec.after_training is not None:
             spec.after_training(cfg.out, cfg, log)
         click.echo(f"run written to {cfg.out} (evaluate: retr-train eval {cfg.out} --protocol f30k-1k)")
