@@ -1,14 +1,15 @@
 """Import an official SCAN checkpoint (``model_best.pth.tar`` of kuanghuei/SCAN) as a retr run.
 
 The official file is a pickle ``{'epoch', 'model': [img_enc_state, txt_enc_state], 'best_rsum', 'opt',
-'Eiters'}`` whose ``opt`` is an ``argparse.Namespace`` (so it is loaded with ``weights_only=False``: only import
-files from a source you trust). Parameter names of both encoders are those of :class:`SCAN` here
+'Eiters'}`` whose ``opt`` is an ``argparse.Namespace``; it is read with ``weights_only=True`` allowing exactly
+that type (a file holding any other object is refused unless ``--trust-checkpoint``). Parameter names of both encoders are those of :class:`SCAN` here
 (``fc.*`` / ``fc.weight_g``, ``fc.weight_v``; ``embed.weight``, ``rnn.*``), so the states are copied under
 ``img_enc.`` and ``txt_enc.``. The run gets ``config.json`` (the options translated), ``vocab.json`` and
 ``best.pt``; it records no features or manifest, so ``retr-train eval`` needs ``--features/--manifest``.
 """
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import click
@@ -40,14 +41,18 @@ def scan_args_from_opt(opt) -> dict:
             "max_violation": bool(get("max_violation", False))}
 
 
-def import_scan_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out: str | Path) -> Path:
-    """Write a run directory ``out`` from an official SCAN checkpoint and its vocabulary."""
+def import_scan_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out: str | Path,
+                           trust_checkpoint: bool = False) -> Path:
+    """Write a run directory ``out`` from an official SCAN checkpoint and its vocabulary.
+
+    The file is read without running code: tensors, plain types and exactly ``argparse.Namespace`` (the
+    official ``opt``); anything else needs ``trust_checkpoint``."""
     checkpoint, out = Path(checkpoint), Path(out)
     if not checkpoint.is_file():
         raise UserError(f"checkpoint {checkpoint} does not exist")
     if (out / ckpt.BEST).exists():
         raise UserError(f"{out} already holds a run; choose another --out")
-    state = ckpt.load_checkpoint(checkpoint)
+    state = ckpt.load_checkpoint(checkpoint, trust=trust_checkpoint, allow=(argparse.Namespace,))
     if not isinstance(state, dict) or "model" not in state or "opt" not in state \
             or not isinstance(state["model"], (list, tuple)) or len(state["model"]) != 2:
         raise UserError(f"{checkpoint} is not an official SCAN checkpoint "
@@ -84,10 +89,13 @@ def import_scan_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out: 
 @click.option("--vocab", "vocab_path", required=True, type=click.Path(dir_okay=False),
               help="The {name}_vocab.json the model was trained with.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory to create.")
-def import_scan_command(checkpoint, vocab_path, out) -> None:
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Read a checkpoint that holds Python objects besides tensors and the official argparse "
+                   "Namespace (they can run code: only for files you trust).")
+def import_scan_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
     """Turn an official SCAN checkpoint into a run that `retr-train eval` can evaluate.
 
-    The file is unpickled (it holds an argparse Namespace): import only checkpoints you trust.
+    The file is read without running code (tensors and the official argparse Namespace only).
 
     \b
     Example:
@@ -96,5 +104,5 @@ def import_scan_command(checkpoint, vocab_path, out) -> None:
       retr-train eval runs/scan-official-coco --protocol coco-1k --features data/coco/features/butd-regions.h5 \\
           --manifest data/coco/manifest.jsonl
     """
-    import_scan_checkpoint(checkpoint, vocab_path, out)
+    import_scan_checkpoint(checkpoint, vocab_path, out, trust_checkpoint)
     click.echo(f"imported {checkpoint} → {out}")
