@@ -1,9 +1,10 @@
-"""What the four torchvision-backbone extractors share: weights, one layer's output, device and precision.
+"""What the backbone extractors share: weights, one layer's output, device and precision.
 
-Each extractor names a torchvision architecture and the graph node whose output it keeps; the network is
-``torchvision.models.feature_extraction.create_feature_extractor(model, {node: "out"})``, i.e. torchvision's
-own forward pass cut at that node (nothing after it is computed). A subclass then only reshapes that output
-into ``[B, K, D]`` (:meth:`BackboneExtractor.to_features`) and describes itself (:meth:`extra_attrs`).
+Each extractor names an architecture (torchvision's, or timm's for ``tencrop-irv2``) and the graph node whose
+output it keeps; the network is ``torchvision.models.feature_extraction.create_feature_extractor(model, {node:
+"out"})``, i.e. the model's own forward pass cut at that node (nothing after it is computed), or the whole model
+when it already ends there (``cut=False``). A subclass then only reshapes that output into ``[B, K, D]``
+(:meth:`BackboneExtractor.to_features`) and describes itself (:meth:`extra_attrs`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from retr.common.errors import ParameterError
 from retr.extractors.base import Extractor
 from retr.extractors.weights import LoadedWeights, build_backbone
 
+#: ``builder(arch, weights, unused_prefixes, **random_options) -> (model, LoadedWeights)``
+ModelBuilder = Callable[..., tuple[nn.Module, LoadedWeights]]
+
 CPU_PIXELS_PER_PASS = 448 * 448   # input pixels per network call on CPU (see BackboneExtractor.run_network)
 
 
@@ -31,17 +35,34 @@ def resolve_device(device: str | torch.device, half: bool) -> torch.device:
     return device
 
 
+class WholeModel(nn.Module):
+    """A model that already ends at the kept layer, answering like a cut one: ``{"out": model(x)}``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"out": self.model(x)}
+
+
 class BackboneExtractor(Extractor):
-    """An extractor made of one torchvision network cut at one node, fed by a preprocessing object.
+    """An extractor made of one network cut at one node, fed by a preprocessing object.
 
     Args:
-        arch: torchvision builder name (``resnet152``, ``vgg16``, ``vgg19``).
+        arch: architecture name for ``builder`` (torchvision's ``resnet152``, ``vgg16``, ``vgg19``; timm's
+            ``inception_resnet_v2``).
         node: graph node whose output is kept (``layer4``, ``features.30``, ``classifier.4``, ``flatten``).
         weights: ``imagenet`` | enum member name | ``random`` | state-dict path (:mod:`retr.extractors.weights`).
         preprocess: builds the worker-side preprocessing from the weights' normalisation ``(mean, std)``.
         unused_prefixes: parameters the cut network never uses (a state-dict file may omit them).
         random_options: torchvision builder options used only for ``weights="random"``.
         device: ``cpu`` | ``cuda`` | ``cuda:N``; half: float16 network and inputs (CUDA only).
+        builder: where the model and its weights come from: torchvision's (:func:`build_backbone`, default) or
+            timm's (:func:`retr.extractors.timm_weights.build_timm_backbone`).
+        cut: ``True``: cut the model at ``node`` with ``create_feature_extractor``. ``False``: the builder's
+            model already ends at ``node`` (timm's headless network ends at its global pool) and runs whole;
+            ``node`` only names the layer. (Tracing Inception-ResNet-v2 for a cut takes ~10 s of CPU.)
     """
 
     backbone: str
@@ -49,14 +70,15 @@ class BackboneExtractor(Extractor):
     def __init__(self, *, arch: str, node: str, weights: str,
                  preprocess: Callable[[tuple, tuple], Callable[[str], torch.Tensor]],
                  unused_prefixes: tuple[str, ...] = (), random_options: dict | None = None,
-                 device: str | torch.device = "cpu", half: bool = False):
+                 device: str | torch.device = "cpu", half: bool = False, builder: ModelBuilder = build_backbone,
+                 cut: bool = True):
         self.backbone = arch
         self.node = node
         self.half = bool(half)
         self.device = resolve_device(device, self.half)
-        model, self.weights = build_backbone(arch, weights, unused_prefixes,
-                                             **((random_options or {}) if weights == "random" else {}))
-        self.network: nn.Module = create_feature_extractor(model, {node: "out"}).eval()
+        model, self.weights = builder(arch, weights, unused_prefixes,
+                                      **((random_options or {}) if weights == "random" else {}))
+        self.network: nn.Module = (create_feature_extractor(model, {node: "out"}) if cut else WholeModel(model)).eval()
         self.network.requires_grad_(False)
         self._preprocess = preprocess(self.weights.mean, self.weights.std)
         self.to(self.device)

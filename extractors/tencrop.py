@@ -1,4 +1,5 @@
-"""10-crop global vectors (SEAM): ``tencrop-vgg19`` (fc7 after ReLU, 10×4096) and ``tencrop-resnet152`` (10×2048).
+"""10-crop global vectors (SEAM): ``tencrop-vgg19`` (fc7 after ReLU, 10×4096), ``tencrop-resnet152`` (10×2048) and
+``tencrop-irv2`` (Inception-ResNet-v2 global pool, 10×1536).
 
 Every image is resized so its short side is 256, and the network sees ten 224×224 crops — the four corners,
 the centre, and the same five of the mirrored image (torchvision's ``ten_crop`` order, which the rows keep:
@@ -7,9 +8,16 @@ public pipeline trains on) is the trainer's business.
 
 * VGG-19: output of ``classifier.4`` — fc7 after its ReLU (eval mode, so dropout is off); fc8 is never run.
 * ResNet-152: the global average pool (``flatten``), 2048-d; fc is never run.
+* Inception-ResNet-v2 (SEAM's "IRv2"/"Inception-ResNet-C" rows, Tables 3-4): timm's ``inception_resnet_v2``
+  built headless, kept at its global average pool (``global_pool.flatten``), 1536-d; weights and their files in
+  :mod:`retr.extractors.timm_weights`. Its input is 299×299 with pixels scaled to [-1, 1] (timm's pretrained
+  config: mean = std = 0.5). SEAM's paper and code give no crop sizes, so the ratio above is kept: short side 342
+  (= 299·256/224), ten 299 crops — each crop covers 87.5 % of the short side like the VGG/ResNet crops, the
+  same fraction as the network's own evaluation preprocessing (TF-slim's central crop of 0.875). Crops down to
+  75 pixels run (smaller ones leave the last 3×3 convolutions less than 3×3).
 
-``image_size`` is the crop side (224 by default); the resize keeps the 256/224 ratio. Smaller crops are for
-quick runs (the demo); VGG's adaptive average pool makes fc6 accept any crop ≥ 32 pixels.
+``image_size`` is the crop side (224 by default, 299 for IRv2); the resize keeps the 256/224 ratio. Smaller
+crops are for quick runs (the demo); VGG's adaptive average pool makes fc6 accept any crop ≥ 32 pixels.
 ``weights="random"`` for ResNet-152 uses ``zero_init_residual=True`` (see :mod:`retr.extractors.resnet_grid`).
 """
 from __future__ import annotations
@@ -19,12 +27,16 @@ from typing import Any
 import torch
 
 from retr.common.errors import ParameterError
-from retr.extractors.backbone import BackboneExtractor
+from retr.extractors.backbone import BackboneExtractor, ModelBuilder
 from retr.extractors.base import register
 from retr.extractors.images import TenCrop, tencrop_resize_for
+from retr.extractors.timm_weights import build_timm_backbone
+from retr.extractors.weights import build_backbone
 
 NUM_CROPS = 10
 MIN_CROP = 32
+#: The smallest crop Inception-ResNet-v2 takes (from 74 pixels down, a 3×3 convolution near the end meets a 2×2 map).
+MIN_CROP_IRV2 = 75
 
 
 class TenCropExtractor(BackboneExtractor):
@@ -34,16 +46,18 @@ class TenCropExtractor(BackboneExtractor):
 
     def __init__(self, *, name: str, arch: str, node: str, dim: int, unused_prefixes: tuple[str, ...],
                  random_options: dict | None, weights: str, device: str, half: bool, image_size: int,
-                 exif_orientation: bool):
-        if image_size < MIN_CROP:
-            raise ParameterError(f"image_size (the crop side) must be at least {MIN_CROP} for {name}, "
+                 exif_orientation: bool, builder: ModelBuilder = build_backbone, min_crop: int = MIN_CROP,
+                 normalisation: str = "ImageNet", cut: bool = True):
+        if image_size < min_crop:
+            raise ParameterError(f"image_size (the crop side) must be at least {min_crop} for {name}, "
                                  f"not {image_size}", "image_size")
-        self.name, self.dim = name, dim
+        self.name, self.dim, self.normalisation = name, dim, normalisation
         self.image_size, self.resize = image_size, tencrop_resize_for(image_size)
         self.exif_orientation = exif_orientation
         super().__init__(arch=arch, node=node, weights=weights, device=device, half=half,
                          preprocess=lambda mean, std: TenCrop(image_size, self.resize, mean, std, exif_orientation),
-                         unused_prefixes=unused_prefixes, random_options=random_options)
+                         unused_prefixes=unused_prefixes, random_options=random_options, builder=builder,
+                         cut=cut)
 
     @property
     def feature_shape(self) -> tuple[int, int]:
@@ -59,7 +73,7 @@ class TenCropExtractor(BackboneExtractor):
         return {"image_size": self.image_size, "resize_short_side": self.resize, "num_crops": NUM_CROPS,
                 "crop_order": "top-left, top-right, bottom-left, bottom-right, centre, then the same of the "
                               "horizontally flipped image",
-                "preprocessing": f"resize short side to {self.resize} (bilinear, antialiased), ImageNet "
+                "preprocessing": f"resize short side to {self.resize} (bilinear, antialiased), {self.normalisation} "
                                  f"normalisation, ten {self.image_size}x{self.image_size} crops",
                 "exif_orientation": self.exif_orientation}
 
@@ -81,3 +95,14 @@ def build_tencrop_resnet152(weights: str = "imagenet", device: str = "cpu", half
                             unused_prefixes=("fc.",), random_options={"zero_init_residual": True},
                             weights=weights, device=device, half=half, image_size=image_size,
                             exif_orientation=exif_orientation)
+
+
+@register("tencrop-irv2")
+def build_tencrop_irv2(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 299,
+                       exif_orientation: bool = False) -> TenCropExtractor:
+    """Inception-ResNet-v2 (timm) global average pool of ten crops: ``[10, 1536]`` per image."""
+    return TenCropExtractor(name="tencrop-irv2", arch="inception_resnet_v2", node="global_pool.flatten", dim=1536,
+                            unused_prefixes=("classif.",), random_options=None, weights=weights, device=device,
+                            half=half, image_size=image_size, exif_orientation=exif_orientation,
+                            builder=build_timm_backbone, min_crop=MIN_CROP_IRV2,
+                            normalisation="Inception (mean 0.5, std 0.5)", cut=False)

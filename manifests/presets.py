@@ -18,8 +18,11 @@ from pathlib import Path
 
 from retr.common.errors import ParameterError
 
-#: Every extractor ``make extract`` runs for a real dataset, in order.
+#: The extractors ``make extract`` runs for every dataset, in order.
 ALL_EXTRACTORS = ("resnet152-grid", "vgg16-maps", "tencrop-vgg19", "tencrop-resnet152", "butd-regions")
+#: Extractors only some presets run: ``tencrop-irv2`` serves only SEAM's IRv2 rows, which are COCO rows
+#: (Tables 3-4), so only the ``coco`` preset runs it.
+EXTRA_EXTRACTORS = {"coco": ("tencrop-irv2",)}
 
 
 @dataclass(frozen=True)
@@ -75,5 +78,6 @@ def get_preset(name: str, images: str | os.PathLike | None = None, manifest: str
 
     return DatasetPreset(name=name, images=pick(images, "images"), manifest=pick(manifest, "manifest"),
                          karpathy=pick(None, "karpathy"), features=pick(features, "features"),
-                         extractors=ALL_EXTRACTORS, test_protocols=spec["protocols"],
+                         extractors=ALL_EXTRACTORS + EXTRA_EXTRACTORS.get(name, ()),
+                         test_protocols=spec["protocols"],
                          description=spec["description"])

@@ -14,7 +14,7 @@ from retr.common.version import __version__
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="retr-pipeline")
 def cli() -> None:
-    """retr's offline pipeline: manifests, feature extraction, referral trees, feature-set checks.
+    """retr's offline pipeline: manifests, label files, feature extraction, referral trees, feature-set checks.
 
     \b
     Example:
@@ -26,6 +26,7 @@ def cli() -> None:
 def _register() -> None:
     # One line per command module; keep alphabetical by module.
     from retr.manifests.commands import manifest_group
+    from retr.manifests.label_commands import labels_group
     from retr.manifests.synthetic_command import synth_command
     from retr.pipeline.concepts import build_concepts_command
     from retr.pipeline.extract_command import extract_command, extract_preset_command
@@ -34,7 +35,7 @@ def _register() -> None:
                                            show_tree_command)
     from retr.pipeline.store_commands import index_command, inspect_command, verify_command
 
-    for command in (manifest_group, synth_command, verify_command, inspect_command,
+    for command in (manifest_group, labels_group, synth_command, verify_command, inspect_command,
                     index_command, parse_trees_command, show_tree_command, fetch_parser_models_command,
                     extract_command, extract_preset_command, build_concepts_command,
                     import_scan_command, import_tsv_command, import_npz_command):

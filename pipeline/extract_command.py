@@ -59,7 +59,7 @@ def _builder_options(weights: str | None, device: str, half: bool, **specific: A
 @click.option("--shard-index", type=int, default=None, help="Run only this shard (with --num-shards).")
 @click.option("--image-size", type=int, default=None,
               help="Input side in pixels: the square resize for grid/maps (default 448), the crop side for "
-                   "tencrop (default 224).")
+                   "tencrop (default 224; 299 for tencrop-irv2).")
 @click.option("--grid-size", type=int, default=None,
               help="resnet152-grid only: 7 (default; 448 input pooled 2×2) or 14 (the raw res5c map).")
 @click.option("--exif-orientation", is_flag=True,

@@ -1,0 +1,249 @@
+"""Image labels from the datasets' own annotations, joined to a manifest (JGCAR's intra-modal labels).
+
+JGCAR (§3.1) uses "the category information with 80 classes of MSCOCO" and, on Flickr30K, "object labels from
+the bounding box annotation". Two readers make those labels for the images of a manifest; ``retr-pipeline
+labels coco|f30k-entities`` writes them with :func:`retr.store.labels.write_label_file`.
+
+**COCO** (:func:`coco_instance_labels`): the instance annotation files ``instances_{train,val}2014.json`` —
+``{"images": [{"id", "file_name", …}], "annotations": [{"image_id", "category_id", …}], "categories": [{"id",
+"name", …}]}``. An image's labels are the sorted names of the categories of its annotations (crowd annotations
+count: a crowd of people shows people); an image listed in ``images`` with no annotation gets ``[]``.
+
+The join: a manifest record's file name (the last part of its ``path``, ``COCO_val2014_000000391895.jpg``) is
+looked up among the images' ``file_name``; a record whose file name is not there but whose id is
+``coco_<number>`` (the id ``retr-pipeline manifest karpathy`` gives: ``cocoid``, which *is* COCO's image id) is
+looked up by that number — so the 2017 files (``000000391895.jpg``, same ids) work too. File names first because
+they do not depend on how the manifest's ids were made; when both keys name an image and they differ, the files
+disagree and the reader stops rather than guess.
+
+Each file is parsed by :func:`json.load` with a hook that keeps only the fields the join needs, so the
+segmentation polygons (most of the 450 MB training file) are dropped object by object while parsing instead of
+being held for the whole file.
+
+**Flickr30K Entities** (:func:`f30k_entity_labels`): ``Sentences/<image id>.txt``, five captions per image, each
+phrase written ``[/EN#<chain id>/<type>[/<type>…] words …]``. An image's labels are the union of the types of
+its phrases over its five sentences, sorted. ``notvisual`` is not a label: the dataset marks with it phrases that
+name nothing visible (their chain id is the null id 0 and they have no box), so it says nothing about what the
+image shows, and as a label it would make unrelated images "share a label". With ``annotations`` (the
+``Annotations/<image id>.xml`` folder) only chains with at least one bounding box count — the paper's "labels
+from the bounding box annotation" taken literally (scene chains, which have no box, then drop out).
+
+The join: the manifest path's file stem (``1000092795.jpg`` → ``1000092795``) names the sentence file; ids of
+Flickr manifests are ``f30k_<stem>`` of the same name. Only the manifest's files are opened.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Iterable, Sequence
+
+from retr.common.errors import MissingResourceError, UserError
+from retr.manifests.schema import ManifestRecord
+
+COCO_ANNOTATIONS_HOW = ("download annotations_trainval2014.zip from https://cocodataset.org/#download "
+                        "(http://images.cocodataset.org/annotations/annotations_trainval2014.zip) and unzip it")
+F30K_ENTITIES_HOW = ("download annotations.zip from https://github.com/BryanPlummer/flickr30k_entities and unzip "
+                     "it (it holds Sentences/ and Annotations/)")
+
+#: Flickr30K Entities' phrase types (the coarse categories of the paper; ``notvisual`` marks unannotated ones).
+F30K_TYPES = ("people", "clothing", "bodyparts", "animals", "vehicles", "instruments", "scene", "other", "notvisual")
+#: Types that are never labels (see the module docstring).
+F30K_NOT_LABELS = ("notvisual",)
+
+_COCO_KEEP = frozenset({"images", "annotations", "categories", "id", "file_name", "image_id", "category_id",
+                        "name"})
+_COCO_ID = re.compile(r"coco_(\d+)")
+_PHRASE = re.compile(r"\[/EN#(\d+)((?:/[A-Za-z]+)+) [^\[\]]*\]")
+
+
+@dataclass
+class LabelJoin:
+    """Labels of the manifest images a reader could join, and those it could not."""
+
+    labels: dict[str, list[str]] = field(default_factory=dict)  #: image id → sorted labels, manifest order
+    unmatched: list[ManifestRecord] = field(default_factory=list)  #: records with no annotation entry
+    vocabulary: list[str] = field(default_factory=list)  #: every label the annotation files define/use, sorted
+    join: str = ""  #: how records were joined (recorded in the file's attributes)
+
+    def summary(self, total: int) -> str:
+        empty = sum(1 for v in self.labels.values() if not v)
+        line = (f"labels for {len(self.labels)} of {total} manifest images ({len(self.vocabulary)} labels; "
+                f"{empty} images with none)")
+        if self.unmatched:
+            first = self.unmatched[0]
+            line += (f"; {len(self.unmatched)} images not found in the annotations, left out "
+                     f"(first: {first.id} {first.path})")
+        return line
+
+
+# --------------------------------------------------------------------------------------------------- COCO
+
+def _keep_coco_fields(pairs: list[tuple[str, object]]) -> dict:
+    return {key: value for key, value in pairs if key in _COCO_KEEP}
+
+
+@dataclass
+class CocoInstances:
+    """What the join needs from one or more instance files."""
+
+    by_file: dict[str, int] = field(default_factory=dict)  #: file_name → image id
+    categories: dict[int, set[int]] = field(default_factory=dict)  #: image id → category ids
+    names: dict[int, str] = field(default_factory=dict)  #: category id → name
+    files: list[str] = field(default_factory=list)
+
+
+def read_coco_instances(paths: Sequence[str | os.PathLike]) -> CocoInstances:
+    """Images, their category ids and the category names of COCO instance files (several merge)."""
+    if not paths:
+        raise UserError("no COCO instance annotation file given")
+    out = CocoInstances()
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise MissingResourceError(f"COCO instance annotations {path.name}", str(path.parent),
+                                       COCO_ANNOTATIONS_HOW)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle, object_pairs_hook=_keep_coco_fields)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{path}: not a UTF-8 text file") from None
+        _merge_coco(out, data, path)
+        out.files.append(path.name)
+        del data
+    return out
+
+
+def _merge_coco(out: CocoInstances, data: object, path: Path) -> None:
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: not a COCO instances file (expected a JSON object)")
+    for key in ("images", "annotations", "categories"):
+        if not isinstance(data.get(key), list):
+            hint = " — a captions file? give instances_*.json" if key == "categories" else ""
+            raise UserError(f"{path}: not a COCO instances file (no {key!r} list){hint}")
+    try:
+        for category in data["categories"]:
+            cid, name = int(category["id"]), str(category["name"])
+            if out.names.setdefault(cid, name) != name:
+                raise UserError(f"{path}: category {cid} is {name!r} here but {out.names[cid]!r} in "
+                                f"{', '.join(out.files)}")
+        for image in data["images"]:
+            image_id, name = int(image["id"]), str(image["file_name"])
+            if out.by_file.setdefault(name, image_id) != image_id:
+                raise UserError(f"{path}: file {name} is image {image_id} here but {out.by_file[name]} in "
+                                f"{', '.join(out.files)}")
+            out.categories.setdefault(image_id, set())
+        for n, annotation in enumerate(data["annotations"]):
+            image_id, cid = int(annotation["image_id"]), int(annotation["category_id"])
+            if cid not in out.names:
+                raise UserError(f"{path}: annotations[{n}] has category_id {cid}, which 'categories' does not list")
+            if image_id not in out.categories:
+                raise UserError(f"{path}: annotations[{n}] is for image {image_id}, which 'images' does not list")
+            out.categories[image_id].add(cid)
+    except (KeyError, TypeError, ValueError) as exc:
+        detail = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise UserError(f"{path}: not a COCO instances file ({detail})") from None
+
+
+def coco_instance_labels(records: Iterable[ManifestRecord], instances: CocoInstances) -> LabelJoin:
+    """Each record's sorted COCO category names, joined by file name, else by a ``coco_<id>`` id."""
+    result = LabelJoin(vocabulary=sorted(set(instances.names.values())),
+                       join="manifest path's file name = COCO file_name, else manifest id coco_<n> = COCO image id")
+    for record in records:
+        by_name = instances.by_file.get(PurePosixPath(record.path).name)
+        match = _COCO_ID.fullmatch(record.id)
+        by_id = int(match.group(1)) if match and int(match.group(1)) in instances.categories else None
+        if by_name is not None and match and int(match.group(1)) != by_name:
+            raise UserError(f"manifest image {record.id} ({record.path}) is COCO image {by_name} by its file name "
+                            f"but {match.group(1)} by its id; the manifest and the instance files disagree")
+        image_id = by_name if by_name is not None else by_id
+        if image_id is None:
+            result.unmatched.append(record)
+            continue
+        result.labels[record.id] = sorted({instances.names[c] for c in instances.categories[image_id]})
+    return result
+
+
+# ------------------------------------------------------------------------------------ Flickr30K Entities
+
+def parse_entity_sentence(line: str, where: str = "") -> list[tuple[int, tuple[str, ...]]]:
+    """``(chain id, types)`` of every phrase of one Flickr30K Entities sentence, in order.
+
+    ``[/EN#18/people A man] with [/EN#19/clothing pierced ears] .`` → ``[(18, ("people",)), (19, ("clothing",))]``;
+    ``[/EN#123/people/bodyparts …]`` carries two types. Raises :class:`UserError` (prefixed ``where``) for a
+    ``[/EN#`` that does not open a whole phrase, or an unknown type.
+    """
+    phrases = [(int(m.group(1)), tuple(m.group(2)[1:].split("/"))) for m in _PHRASE.finditer(line)]
+    if len(phrases) != line.count("[/EN#"):
+        raise UserError(f"{where}: not a Flickr30K Entities sentence (expected phrases like "
+                        f"'[/EN#18/people A man]'): {line.strip()[:80]!r}")
+    for _, types in phrases:
+        unknown = [t for t in types if t not in F30K_TYPES]
+        if unknown:
+            raise UserError(f"{where}: unknown entity type {unknown[0]!r} (Flickr30K Entities has "
+                            f"{', '.join(F30K_TYPES)})")
+    return phrases
+
+
+def _boxed_chains(path: Path) -> set[int]:
+    """Chain ids with at least one bounding box in one ``Annotations/<image id>.xml``."""
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as exc:
+        raise UserError(f"{path}: not valid XML ({exc})") from None
+    boxed = set()
+    for obj in root.iter("object"):
+        if obj.find("bndbox") is None:
+            continue
+        for name in obj.findall("name"):
+            try:
+                boxed.add(int((name.text or "").strip()))
+            except ValueError:
+                raise UserError(f"{path}: object name {name.text!r} is not a chain id") from None
+    return boxed
+
+
+def f30k_entity_labels(records: Iterable[ManifestRecord], sentences: str | os.PathLike,
+                       annotations: str | os.PathLike | None = None) -> LabelJoin:
+    """Each record's entity types (union over its sentences, ``notvisual`` left out), joined by file stem.
+
+    ``annotations``: the ``Annotations`` folder; when given, only chains with a bounding box count.
+    """
+    sentences = Path(sentences)
+    if not sentences.is_dir():
+        raise MissingResourceError("Flickr30K Entities Sentences folder", str(sentences), F30K_ENTITIES_HOW)
+    if annotations is not None and not Path(annotations).is_dir():
+        raise MissingResourceError("Flickr30K Entities Annotations folder", str(annotations), F30K_ENTITIES_HOW)
+    result = LabelJoin(vocabulary=[t for t in F30K_TYPES if t not in F30K_NOT_LABELS],
+                       join="manifest path's file stem = Sentences/<stem>.txt"
+                            + (" (types of chains with a box in Annotations/<stem>.xml)" if annotations else ""))
+    any_phrase = False
+    for record in records:
+        stem = PurePosixPath(record.path).stem
+        path = sentences / f"{stem}.txt"
+        if not path.is_file():
+            result.unmatched.append(record)
+            continue
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise UserError(f"{path}: not a UTF-8 text file") from None
+        phrases = [p for n, line in enumerate(lines, 1) if line.strip()
+                   for p in parse_entity_sentence(line, f"{path}:{n}")]
+        any_phrase = any_phrase or bool(phrases)
+        if annotations is not None:
+            xml = Path(annotations) / f"{stem}.xml"
+            if not xml.is_file():
+                raise UserError(f"{xml} does not exist, but {path} does (is {annotations} the Annotations folder "
+                                f"of the same release?)")
+            boxed = _boxed_chains(xml)
+            phrases = [p for p in phrases if p[0] in boxed]
+        result.labels[record.id] = sorted({t for _, types in phrases for t in types if t not in F30K_NOT_LABELS})
+    if result.labels and not any_phrase:
+        raise UserError(f"no [/EN#…] phrase in any of the {len(result.labels)} sentence files read from {sentences}; "
+                        f"is it the Sentences folder of Flickr30K Entities?")
+    return result
