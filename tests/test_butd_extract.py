@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from retr.store.features import FeatureSet
 from retr.pipeline.verify import verify_feature_set
@@ -14,9 +13,8 @@ FAST_ARGS = ["--short-side", "96", "--max-side", "128", "--pre-nms-topk", "600",
 
 
 @pytest.mark.slow
-def test_extract_command_writes_a_sound_regions_set_and_records_bad_images(tmp_path):
+def test_extract_command_writes_a_sound_regions_set_and_records_bad_images(tmp_path, run_cli):
     from retr.manifests.synthetic import generate_synthetic
-    from retr.pipeline.cli import cli
 
     data = tmp_path / "synthetic"
     generate_synthetic(data, num_images=4, seed=0)
@@ -24,8 +22,7 @@ def test_extract_command_writes_a_sound_regions_set_and_records_bad_images(tmp_p
     broken.write_bytes(b"not a jpeg at all")
     args = ["extract", "--manifest", str(data / "manifest.jsonl"), "--extractor", "butd-regions",
             "--weights", "random", "--out", str(tmp_path / "features"), "--workers", "0", "--quiet", *FAST_ARGS]
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 0, result.output
+    run_cli("pipeline", *args)
     path = tmp_path / "features" / "butd-regions.h5"
     assert verify_feature_set(path) == []
     fs = FeatureSet(path)
@@ -40,6 +37,5 @@ def test_extract_command_writes_a_sound_regions_set_and_records_bad_images(tmp_p
     assert fs.attrs["short_side"] == 96 and fs.attrs["detector_settings"]["pooled_size"] == 7
     # a second run resumes: the complete shard is kept as is
     before = path.with_suffix("").joinpath("shard-00000-of-00001.h5").stat().st_mtime_ns
-    again = CliRunner().invoke(cli, args)
-    assert again.exit_code == 0, again.output
+    run_cli("pipeline", *args)
     assert path.with_suffix("").joinpath("shard-00000-of-00001.h5").stat().st_mtime_ns == before

@@ -94,7 +94,7 @@ def test_karpathy_coco(tmp_path):
     assert [len(r.captions) for r in read_karpathy(path, max_captions=None)] == [5, 7, 5, 6]
 
 
-def test_karpathy_flickr_and_cli(tmp_path):
+def test_karpathy_flickr_and_cli(tmp_path, run_cli):
     data = {"dataset": "flickr30k", "images": [
         {"sentids": [0, 1], "imgid": 0, "split": "train", "filename": "1000092795.jpg",
          "sentences": [{"tokens": ["two", "men"], "raw": "Two young guys with shaggy hair .", "imgid": 0,
@@ -104,11 +104,8 @@ def test_karpathy_flickr_and_cli(tmp_path):
          "sentences": [{"tokens": ["y"], "raw": "Several men in hard hats .", "imgid": 1, "sentid": 2}]}]}
     path = tmp_path / "dataset_flickr30k.json"
     path.write_text(json.dumps(data))
-    from click.testing import CliRunner
-    from retr.pipeline.cli import cli
     out = tmp_path / "f30k.jsonl"
-    result = CliRunner().invoke(cli, ["manifest", "karpathy", str(path), "--out", str(out)])
-    assert result.exit_code == 0, result.output
+    result = run_cli("pipeline", "manifest", "karpathy", path, "--out", out)
     assert "2 images (train 1, test 1), 3 captions" in result.output
     records = read_manifest(out)
     assert records[0].id == "f30k_1000092795" and records[0].path == "1000092795.jpg"

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 from PIL import Image
 
 from retr.manifests.schema import read_manifest
@@ -250,33 +249,21 @@ def test_gold_parses_of_the_clausal_templates():
 
 # ------------------------------------------------------------------------------------------------ CLI
 
-def test_cli_writes_dataset_and_prints_one_line(tmp_path):
-    from retr.pipeline.cli import cli
-
-    result = CliRunner().invoke(cli, ["synth", "--out", str(tmp_path / "s"), "--images", "20", "--seed", "1",
-                                      "--quiet"])
-    assert result.exit_code == 0, result.output
+def test_cli_writes_dataset_and_prints_one_line(tmp_path, run_cli):
+    result = run_cli("pipeline", "synth", "--out", tmp_path / "s", "--images", "20", "--seed", "1", "--quiet")
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "20 images" in lines[0] and "100 captions" in lines[0]
     assert len(read_manifest(tmp_path / "s" / "manifest.jsonl")) == 20
 
 
-def test_cli_help_has_example():
-    from retr.pipeline.cli import cli
-
-    result = CliRunner().invoke(cli, ["synth", "--help"])
-    assert result.exit_code == 0
+def test_cli_help_has_example(run_cli):
+    result = run_cli("pipeline", "synth", "--help")
     assert "Example:" in result.output
     assert "    retr-pipeline synth --out data/synthetic --images 240 --seed 0\n" in result.output
 
 
-def test_cli_too_many_images_is_one_error_line(tmp_path, capsys):
-    from retr.common.cli import run
-    from retr.pipeline.cli import cli
-
-    with pytest.raises(SystemExit) as exit_info:
-        run(cli, ["synth", "--out", str(tmp_path / "s"), "--images", str(MAX_SCENES + 1)])
-    assert exit_info.value.code != 0
-    err = capsys.readouterr().err
+def test_cli_too_many_images_is_one_error_line(tmp_path, run_cli):
+    code, _, err = run_cli.as_user("pipeline", "synth", "--out", tmp_path / "s", "--images", MAX_SCENES + 1)
+    assert code != 0
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and str(MAX_SCENES) in err
     assert "Traceback" not in err
