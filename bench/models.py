@@ -59,8 +59,7 @@ def random_features(n: int, k: int, d: int, seed: int = 0) -> tuple[torch.Tensor
 def train_steps_per_s(model, features, mask, tokens, lengths, steps: int, lr: float, grad_clip: float) -> float:
     """Optimisation steps per second (one warm-up step not timed)."""
     model.train()
-    optimizer = (model.configure_optimizer(lr) if hasattr(model, "configure_optimizer")
-                 else torch.optim.Adam(model.parameters(), lr=lr))
+    optimizer = model.configure_optimizer(lr)
 
     def step():
         optimizer.zero_grad(set_to_none=True)

@@ -43,26 +43,63 @@ def make_feature_set(tmp_path):
     return make
 
 
-@pytest.fixture
-def run_cli():
-    """Run a ``retr-pipeline``/``retr-train`` command in-process: ``run_cli("train", "scan", "--out", …)``.
+class CliRunnerHelper:
+    """Runs ``retr-pipeline``/``retr-train`` commands for tests (the one CLI helper; fixture :func:`run_cli`).
 
-    Returns click's result; asserts the exit code is 0 unless ``ok=False`` (then it must be non-zero).
+    * ``run_cli("train", "scan", "--out", …)`` — in-process through click's runner; asserts the exit code is 0
+      (or non-zero with ``ok=False``) and returns click's result;
+    * ``run_cli.as_user("pipeline", …)`` — in-process through the console scripts' entry point
+      (:func:`retr.common.cli.run`: one-line errors, exit codes), returns ``(exit code, stdout, stderr)``;
+    * ``run_cli.console_script("retr-pipeline", …)`` — the installed script in a subprocess (exactly what a
+      user's shell sees), returns the ``CompletedProcess``.
     """
-    from click.testing import CliRunner
 
-    def run(program: str, *args, ok: bool = True):
+    @staticmethod
+    def _group(program: str):
         if program == "train":
             from retr.trainers.cli import cli
         elif program == "pipeline":
             from retr.pipeline.cli import cli
         else:
             raise ValueError(f"program must be 'train' or 'pipeline', not {program!r}")
-        result = CliRunner().invoke(cli, [str(a) for a in args])
+        return cli
+
+    def __call__(self, program: str, *args, ok: bool = True):
+        from click.testing import CliRunner
+
+        result = CliRunner().invoke(self._group(program), [str(a) for a in args])
         if ok:
             assert result.exit_code == 0, result.output
         else:
             assert result.exit_code != 0, result.output
         return result
 
-    return run
+    def as_user(self, program: str, *args) -> tuple[int, str, str]:
+        import contextlib
+        import io
+
+        from retr.common.cli import run
+
+        out, err = io.StringIO(), io.StringIO()
+        code = 0
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                run(self._group(program), [str(a) for a in args])
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return code, out.getvalue(), err.getvalue()
+
+    @staticmethod
+    def console_script(name: str, *args):
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        return subprocess.run([str(Path(sys.executable).parent / name), *map(str, args)], capture_output=True,
+                              text=True)
+
+
+@pytest.fixture
+def run_cli() -> CliRunnerHelper:
+    """The CLI helper (:class:`CliRunnerHelper`)."""
+    return CliRunnerHelper()

@@ -1,6 +1,7 @@
 """JGCAR: shapes and masking, every loss against its direct formula, pair/block scoring, two-step retrieval."""
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -43,6 +44,30 @@ def test_registry_and_presets():
     assert preset("jgcar", "coco")["max_words"] == 20 and preset("jgcar", "f30k")["max_words"] == 15
     p = preset("jgcar")
     assert (p["embed_size"], p["batch_size"], p["gamma"], p["num_negatives"], p["beta"]) == (256, 200, 10.0, 30, 0.5)
+    # §3.1: lr 4e-4, momentum 0.99, weight decay 1e-8, ≤ 128 epochs, early stop 5, 512-d words and hidden layers,
+    # dropout 0.5, top-100 candidates; λ2 = λ3 = λ4 = 1 (§2.2)
+    assert (p["lr"], p["momentum"], p["weight_decay"], p["epochs"], p["early_stop"]) == (4e-4, 0.99, 1e-8, 128, 5)
+    assert (p["word_dim"], p["hidden_size"], p["dropout"], p["shortlist"]) == (512, 512, 0.5, 100)
+    assert (p["lambda2"], p["lambda3"], p["lambda4"], p["lr_update"]) == (1.0, 1.0, 1.0, 128)
+    assert p["negative_mining"] == "similar" and p["optimizer"] == "paper"
+
+
+def test_runs_written_before_the_mining_default_keep_dissimilar():
+    from retr.trainers.models import get_spec
+    spec = get_spec("jgcar")
+    args, inputs = spec.upgrade({"gamma": 10.0, "labels": "l.json"})
+    assert args["negative_mining"] == "dissimilar" and inputs == {"labels": "l.json"} and "labels" not in args
+    assert spec.upgrade({"negative_mining": "similar"})[0]["negative_mining"] == "similar"
+
+
+def test_default_mining_takes_the_most_similar_negatives():
+    from retr.trainers.models.jgcar import mine_negatives
+    sims = torch.tensor([[9.0, 1.0, 5.0, 3.0, 7.0]])
+    valid = torch.tensor([[False, True, True, True, True]])
+    mode = small_model().negative_mining
+    assert mode == "similar"
+    assert sorted(mine_negatives(sims, valid, 2, mode)[0].tolist()[0]) == [2, 4]
+    assert sorted(mine_negatives(sims, valid, 2, "dissimilar")[0].tolist()[0]) == [1, 3]
 
 
 def test_shapes():
@@ -258,6 +283,31 @@ def test_two_step_shortlist_placement():
             assert (t2i[row, col] == alpha[row, col]) == (row in top)
 
 
+def test_same_image_pairs_per_batch_is_the_exact_expectation():
+    import itertools
+    from retr.trainers.side_inputs import same_image_pairs_per_batch
+    owner = np.array([0, 0, 0, 1, 1, 2, 3])
+    subsets = list(itertools.combinations(range(7), 3))
+    brute = np.mean([sum(owner[a] == owner[b] for a, b in itertools.combinations(c, 2)) for c in subsets])
+    assert same_image_pairs_per_batch(owner, batch=3) == pytest.approx(brute)
+    coco = np.repeat(np.arange(113_287), 5)                    # COCO train + restval, 5 captions per image
+    assert same_image_pairs_per_batch(coco) == pytest.approx(0.14, abs=0.005)
+
+
+def test_training_without_labels_notes_that_j3_is_nearly_inert(tmp_path):
+    from retr.trainers.data import SplitData
+    from retr.trainers.side_inputs import load_jgcar_inputs
+    data = SplitData(["a", "b"], ["a red circle", "the red circle", "a blue star", "one blue star"],
+                     np.array([0, 0, 1, 1]), [[1, 4, 5, 2]] * 4)
+    notes = load_jgcar_inputs(data, None).notes
+    assert len(notes) == 1 and "\n" not in notes[0]
+    assert "retr-pipeline labels coco" in notes[0] and "retr-pipeline labels f30k-entities" in notes[0]
+    assert "--labels" in notes[0] and "J3" in notes[0]
+    labels = tmp_path / "labels.json"
+    labels.write_text('{"a": ["dog"], "b": []}')
+    assert load_jgcar_inputs(data, str(labels)).notes == []
+
+
 def test_labels_and_concepts(tmp_path):
     path = tmp_path / "labels.json"
     path.write_text('{"a": ["dog", "cat"], "b": ["cat"], "c": []}')
@@ -334,7 +384,13 @@ def test_jgcar_learns_on_synthetic_maps(tmp_path):
     cfg = TrainConfig(model="jgcar", model_args=args, features=str(features), manifest=str(manifest),
                       out=str(tmp_path / "run"), epochs=4, batch_size=32, lr=2e-3, lr_update=100, grad_clip=2.0,
                       device="cpu", train_splits=["train"], seed=0)
-    train(cfg, quiet=True, log=lambda m: None)
+    messages: list[str] = []
+    train(cfg, quiet=True, log=messages.append)
+    assert sum(m.startswith("note: no --labels") for m in messages) == 1        # no label file: said at start
+    # config.json holds the full config, settings not given included, so later default changes keep their meaning
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())["model_args"]
+    assert stored["negative_mining"] == "similar" and stored["gamma"] == 10.0
+    assert ckpt.read_config(tmp_path / "run")["model_args"]["negative_mining"] == "similar"
     model, vocab, _ = ckpt.load_run_model(str(tmp_path / "run"), "best", torch.device("cpu"))
     fs = FeatureSet(features)
     data, _ = load_split(manifest, ["test"], vocab, fs)

@@ -177,6 +177,74 @@ def test_blocks_pairs_and_float64_agree(name):
     assert exact.dtype == torch.float64 and torch.allclose(exact.float(), full, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["scan", "vsepp", "throwaway-mean"])
+def test_generic_pair_score_equals_score_on_the_listed_pairs(name):
+    """The base ``pair_score`` (these models keep it): pairs in any order, repeated, spread over several image
+    blocks and caption chunks, give ``score``'s entries, in float32 and float64; no pairs give ``[0]``."""
+    assert type(tiny_model(name)).pair_score is MatchingModel.pair_score
+    model = tiny_model(name).eval()
+    with torch.no_grad():
+        images = model.encode_images(*image_batch(7))
+        captions = model.encode_captions(*caption_batch(9))
+        g = torch.Generator().manual_seed(3)
+        img_idx, cap_idx = torch.randint(0, 7, (40,), generator=g), torch.randint(0, 9, (40,), generator=g)
+        img_idx[:3], cap_idx[:3] = 5, 4                                   # one pair three times
+        for dtype in (None, torch.float64):
+            full = model.score(images, captions, dtype=dtype)
+            for image_block, pair_budget in ((64, 1 << 16), (2, 3), (3, 1)):
+                pairs = model.pair_score(images, captions, img_idx, cap_idx, dtype=dtype,
+                                         image_block=image_block, pair_budget=pair_budget)
+                assert pairs.shape == (40,) and pairs.dtype == full.dtype
+                torch.testing.assert_close(pairs, full[img_idx, cap_idx], rtol=0, atol=1e-6 if dtype is None
+                                           else 1e-12)
+        empty = torch.zeros(0, dtype=torch.long)
+        assert model.pair_score(images, captions, empty, empty).shape == (0,)
+
+
+def _model_state(model: nn.Module) -> tuple[dict, dict]:
+    """Every plain attribute of every submodule (other objects by type) and every tensor (dtype, value)."""
+    plain = (bool, int, float, str, tuple, torch.dtype, type(None))
+    attributes = {(path, k): (v if isinstance(v, plain) else type(v))
+                  for path, module in model.named_modules() for k, v in vars(module).items()}
+    tensors = {k: (v.dtype, v.detach().clone()) for k, v in model.state_dict(keep_vars=True).items()}
+    return attributes, tensors
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_scoring_in_float64_leaves_the_model_as_it_was(name):
+    """The dtype is an argument: scoring (and the two-step hooks) at float64 sets and changes nothing."""
+    model = tiny_model(name).eval()
+    with torch.no_grad():
+        images = model.encode_images(*image_batch(3))
+        captions = model.encode_captions(*caption_batch(4))
+        before = _model_state(model)
+        reference = model.score(images, captions)
+        wide = lambda e: {k: v.double() if v.is_floating_point() else v for k, v in e.items()}  # noqa: E731
+        model.score(wide(images), wide(captions), dtype=torch.float64)
+        model.pair_score(wide(images), wide(captions), torch.tensor([0, 2]), torch.tensor([3, 1]), dtype=torch.float64)
+        if model.has_global_stage:
+            model.global_score(wide(images), wide(captions), dtype=torch.float64)
+        else:
+            with pytest.raises(NotImplementedError, match="no global stage"):
+                model.global_score(images, captions)
+        after = _model_state(model)
+        assert torch.equal(model.score(images, captions), reference)
+    assert after[0] == before[0]
+    assert after[1].keys() == before[1].keys()
+    for key, (dtype, value) in before[1].items():
+        assert after[1][key][0] == dtype and torch.equal(after[1][key][1], value), key
+
+
+def test_hook_defaults_are_declared_on_the_base_class():
+    model = tiny_model("throwaway-mean")
+    assert (model.batch_extras, model.shortlist, model.has_global_stage) == ((), 0, False)
+    assert isinstance(model.configure_optimizer(1e-3), torch.optim.Adam)
+    with pytest.raises(NotImplementedError, match="throwaway-mean predicts no tree nodes"):
+        model.predict_nodes()
+    assert {n: get_spec(n).model_class.has_global_stage for n in ("jgcar", "sman", "scan", "vsepp")} == \
+        {"jgcar": True, "sman": True, "scan": False, "vsepp": False}
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_state_dict_round_trip_gives_the_same_scores(name):
     model = tiny_model(name, seed=0).eval()

@@ -25,12 +25,6 @@ def synth(tmp_path_factory):
     return out
 
 
-def _run_cli(args):
-    from retr.common.cli import run
-
-    run(cli, args)
-
-
 def test_parse_trees_on_synthetic_conllu_gives_every_caption_a_tree(synth, tmp_path):
     out = tmp_path / "trees.h5"
     result = CliRunner().invoke(cli, ["parse-trees", "--manifest", str(synth / "manifest.jsonl"), "--conllu",
@@ -160,17 +154,14 @@ def test_show_tree_prints_the_tree(synth):
     assert missing.exit_code != 0
 
 
-def test_stanza_without_models_is_one_error_line(synth, tmp_path, capsys):
-    with pytest.raises(SystemExit) as info:
-        _run_cli(["parse-trees", "--manifest", str(synth / "manifest.jsonl"), "--out", str(tmp_path / "t.h5"),
-                  "--stanza-dir", str(tmp_path / "nowhere"), "--device", "cpu"])
-    assert info.value.code == 1
-    err = capsys.readouterr().err
+def test_stanza_without_models_is_one_error_line(synth, tmp_path, run_cli):
+    code, _, err = run_cli.as_user("pipeline", "parse-trees", "--manifest", synth / "manifest.jsonl", "--out",
+                                   tmp_path / "t.h5", "--stanza-dir", tmp_path / "nowhere", "--device", "cpu")
+    assert code == 1
     assert err.startswith("error: stanza English models") and len(err.strip().splitlines()) == 1
     assert "fetch-parser-models" in err and str(tmp_path / "nowhere") in err and not (tmp_path / "t.h5").exists()
-    with pytest.raises(SystemExit):
-        _run_cli(["show-tree", "a dog", "--conllu", "x.conllu", "--stanza-dir", "d"])
-    assert "not both" in capsys.readouterr().err
+    code, _, err = run_cli.as_user("pipeline", "show-tree", "a dog", "--conllu", "x.conllu", "--stanza-dir", "d")
+    assert code != 0 and "not both" in err
 
 
 @pytest.mark.parametrize("command", ["parse-trees", "show-tree", "fetch-parser-models"])

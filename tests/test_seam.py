@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from retr.trainers.models import create_model, preset
 from retr.trainers.models.seam import SEAMConfig, SEAM, MaskedBatchNorm1d, SelfAttention, attention_penalty
@@ -104,6 +105,86 @@ def test_masked_batch_norm_uses_real_words_only():
     assert (out[1, :, 2:] == 0).all()
 
 
+def public_seam_c(m: SEAM, tokens: torch.Tensor, training: bool, stats: dict) -> torch.Tensor:
+    """SEAM-C's caption vector as ``jwehrmann/seam-retrieval`` computes it (``ConvAttentiveTextEncoder.forward``
+    with ``ConvBlock`` = Conv1d → ReLU → BatchNorm1d and ``SelfAttentiveEncoder``), written out with ``m``'s
+    weights. ``tokens`` [B, T]: 0 (``<pad>``) after each caption, T = the longest caption; ``stats``: BatchNorm
+    running statistics {"bn2": (mean, var), "bn3": …}, updated in place in training."""
+    enc = m.txt_enc
+    x_embed = enc.embed.weight[tokens]                                 # the <pad> row is a row like any other
+    x = x_embed.permute(0, 2, 1)                                       # [B, 300, T]
+    pad = (tokens == 0).float()
+
+    def conv_block(conv, bn, name):                                    # BatchNorm over every position
+        y = torch.relu(F.conv1d(x, conv.weight, conv.bias, padding=1))
+        return F.batch_norm(y, *stats[name], bn.weight, bn.bias, training, bn.momentum, bn.eps)
+
+    def attend(att, h):                                                # h [B, T, z]
+        alphas = F.linear(torch.tanh(F.linear(h, att.ws1.weight)), att.ws2.weight).transpose(1, 2)
+        alphas = torch.softmax(alphas + (-10000 * pad.unsqueeze(1)), dim=-1)
+        return torch.bmm(alphas, h).reshape(h.shape[0], -1)
+
+    conv1 = conv_block(enc.conv2, enc.bn2, "bn2")[:, :, :-1]           # k=2: T+1 outputs, cropped after BN
+    conv2 = conv_block(enc.conv3, enc.bn3, "bn3")
+    vectors = torch.cat([attend(enc.attention[0], conv1.permute(0, 2, 1)),
+                         attend(enc.attention[1], conv2.permute(0, 2, 1)),
+                         attend(enc.attention[2], x_embed)], 1)
+    out = F.linear(vectors, enc.fc.weight, enc.fc.bias)
+    return (out / out.pow(2).sum(1, keepdim=True).sqrt()).abs()
+
+
+def bn_stats(m: SEAM) -> dict:
+    return {n: (getattr(m.txt_enc, n).running_mean.clone(), getattr(m.txt_enc, n).running_var.clone())
+            for n in ("bn2", "bn3")}
+
+
+def test_authors_padding_reproduces_the_public_seam_c_arithmetic():
+    """padding="authors" = the public code's SEAM-C: the <pad> embedding is convolved, BatchNorm sees padded
+    positions (training: batch statistics and running statistics); "masked" differs, so the option matters."""
+    _, _, tokens, lengths = batch(n_cap=6)                    # lengths 9, 3, 6, 2, 7, 5: padded to 9
+    authors, masked = tiny("c", padding="authors").train(), tiny("c", padding="masked").train()
+    assert authors.txt_enc.embed.weight[0].abs().min() > 0     # a real <pad> vector, not zeros
+    stats = bn_stats(authors)
+    got = authors.encode_captions(tokens, lengths)["vector"]
+    expected = public_seam_c(authors, tokens, True, stats)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for name in ("bn2", "bn3"):                                 # running statistics include padded positions
+        torch.testing.assert_close(getattr(authors.txt_enc, name).running_mean, stats[name][0])
+        torch.testing.assert_close(getattr(authors.txt_enc, name).running_var, stats[name][1])
+    assert (masked.encode_captions(tokens, lengths)["vector"] - expected).abs().max() > 1e-3
+    assert (masked.txt_enc.bn3.running_mean - stats["bn3"][0]).abs().max() > 1e-4
+
+    # evaluation (running statistics): every caption as the public code encodes it next to a longer caption,
+    # i.e. with at least one <pad> after it, whatever the batch
+    authors.eval()
+    stats = bn_stats(authors)
+    with torch.no_grad():
+        got = authors.encode_captions(tokens, lengths)["vector"]
+        expected = public_seam_c(authors, F.pad(tokens, (0, 1)), False, stats)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        for j in range(6):
+            alone = authors.encode_captions(tokens[j:j + 1, :int(lengths[j])], lengths[j:j + 1])["vector"]
+            torch.testing.assert_close(alone[0], got[j], rtol=1e-5, atol=1e-6)
+        masked.eval().load_state_dict(authors.state_dict())
+        assert (masked.encode_captions(tokens, lengths)["vector"] - expected).abs().max() > 1e-4
+
+
+def test_init_authors_keeps_pytorch_default_text_biases_zero_bias_zeroes_them():
+    for kind, text_biases in (("e", ["fc"]), ("c", ["fc", "conv2", "conv3"]), ("g", ["fc"])):
+        authors, zero = tiny(kind, init="authors"), tiny(kind, init="zero_bias")
+        for name in text_biases:
+            layer = getattr(authors.txt_enc, name)
+            bound = 1 / layer.weight[0].numel() ** 0.5             # PyTorch's default: U(±1/√fan_in)
+            assert 0 < layer.bias.abs().max() <= bound and layer.bias.abs().max() > bound / 2
+            assert (getattr(zero.txt_enc, name).bias == 0).all()
+        assert (authors.img_fc.bias == 0).all() and (zero.img_fc.bias == 0).all()   # the public image encoder
+        differ = {f"txt_enc.{n}.bias" for n in text_biases}
+        zero_params = dict(zero.named_parameters())
+        for name, p in authors.named_parameters():                 # the same random draws otherwise
+            if name not in differ:
+                torch.testing.assert_close(p, zero_params[name], msg=name)
+
+
 @pytest.mark.parametrize("squared", [False, True])
 def test_order_violation_score_matches_the_direct_formula(squared):
     m = tiny("e", order_squared=squared)
@@ -185,7 +266,11 @@ def test_registry_preset_and_bad_options():
     model_args = {k: v for k, v in cfg.items() if k in SEAMConfig.__dataclass_fields__}
     model = create_model("seam", vocab_size=VOCAB, img_dim=D_IN, **{**model_args, "text_encoder": "g"})
     assert isinstance(model, SEAM) and model.txt_enc.rnn.hidden_size == 512
-    for bad in ({"text_encoder": "x"}, {"crops": "centre"}, {"penalty_norm": "l1"}):
+    assert cfg["padding"] == "masked" and cfg["init"] == "authors" and cfg["hops"] is None
+    assert (cfg["embed_size"], cfg["word_dim"], cfg["attention_hidden"], cfg["conv_filters"]) == (1024, 300, 300, 100)
+    assert cfg["grad_clip"] == 1.0 and cfg["text_encoder"] == "c" and cfg["order_squared"] is False
+    for bad in ({"text_encoder": "x"}, {"crops": "centre"}, {"penalty_norm": "l1"}, {"padding": "zero"},
+                {"init": "xavier"}):
         with pytest.raises(ValueError):
             tiny(**bad)
 

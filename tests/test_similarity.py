@@ -7,6 +7,7 @@ import torch
 
 from retr.trainers.data import ImageFeatures, SplitData, pad_tokens
 from retr.trainers.models import create_model
+from retr.trainers.models.base import MatchingModel
 from retr.trainers.evaluation import i2t_ranks, retrieval_metrics, t2i_ranks
 from retr.trainers.similarity import (Scorer, SplitEmbeddings, caption_sources, combined_matrix, rank_deciding_pairs,
                                       similarity_matrix, with_shared_captions)
@@ -74,10 +75,11 @@ def test_rank_deciding_pairs_are_those_near_the_true_or_best_true_score():
     assert rank_deciding_pairs(sims, caption_image, margin=0.5).sum() > want.sum()
 
 
-class _TableModel:
+class _TableModel(MatchingModel):
     """A "model" whose score is a fixed float64 table; its float32 scores carry a chosen error pattern."""
 
     def __init__(self, table: np.ndarray, error: np.ndarray):
+        super().__init__()
         self.table, self.error = table, error
         self.calls: list[torch.dtype] = []
 
@@ -196,6 +198,42 @@ def test_listed_pairs_and_refined_ranks_match_the_float64_matrix(case):
     source = caption_sources(tokens)
     for sims in (full, refined, combined_matrix([scorer], "float32")):     # identical captions: identical columns
         np.testing.assert_array_equal(sims, sims[:, source])
+
+
+def _attributes(model: torch.nn.Module) -> dict:
+    """``vars`` of every submodule: plain values as they are, other objects by identity."""
+    plain = (bool, int, float, str, tuple, torch.dtype, type(None))
+    return {(path, k): (v if isinstance(v, plain) else id(v))
+            for path, module in model.named_modules() for k, v in vars(module).items()}
+
+
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_evaluation_at_every_precision_leaves_the_model_as_it_was(case):
+    """The scoring dtype is passed, not set: after float64, refined and float32 evaluation (and two-step, for
+    models with a global stage) the model has the same attributes, parameter dtypes and values, and scores the
+    same numbers as before."""
+    from retr.trainers.two_step import two_step_split
+
+    name, args, (k, dim) = MODELS[case]
+    torch.manual_seed(0)
+    model = create_model(name, **args).eval()
+    rng = np.random.default_rng(2)
+    n, per = 6, 2
+    tokens = [[1] + [int(t) for t in rng.integers(4, 30, size=int(rng.integers(1, 7)))] + [2] for _ in range(n * per)]
+    data = SplitData([f"i{j}" for j in range(n)], ["x"] * (n * per), np.arange(n * per) // per, tokens)
+    feats = _Features(rng.standard_normal((n, k, dim)).astype(np.float16), np.full(n, k))
+    attributes = _attributes(model)
+    state = {key: (v.dtype, v.clone()) for key, v in model.state_dict().items()}
+    first = {p: similarity_matrix(model, data, feats, precision=p, encode_batch=4, quiet=True)
+             for p in ("float64", "refined", "float32")}
+    if model.has_global_stage:
+        two_step_split(model, data, feats, shortlist=3, precision="float64", full=True)
+    assert _attributes(model) == attributes
+    assert {key: v.dtype for key, v in model.state_dict().items()} == {key: d for key, (d, _) in state.items()}
+    assert all(torch.equal(v, state[key][1]) for key, v in model.state_dict().items())
+    for precision, sims in first.items():           # nothing left behind: the same numbers again, to the bit
+        np.testing.assert_array_equal(similarity_matrix(model, data, feats, precision=precision, encode_batch=4,
+                                                        quiet=True), sims)
 
 
 def test_caption_sources_and_shared_pairs():

@@ -216,6 +216,10 @@ def test_registry_preset_and_options():
     assert cfg["alpha"] == 0.9 and cfg["margin"] == 0.2 and cfg["intra_pair_margin"] == 0.25
     assert cfg["intra_pair_weight"] == 1.0 and cfg["grad_clip"] == 0.1 and cfg["embed_size"] == 512
     assert cfg["epochs"] == 60 and cfg["lr_update"] == 50 and cfg["optimizer"] == "adadelta"
+    assert cfg["lr"] == 0.05 and cfg["batch_size"] == 128 and cfg["max_violation"] is True
+    assert cfg["rho"] == 0.9 and cfg["adadelta_eps"] == 1e-8 and cfg["weight_decay"] == 5e-4
+    assert cfg["dropout"] == 0.3 and cfg["word_dim"] == 512 and cfg["text_rnn"] == "lstm"
+    assert preset("sman", "f30k") == cfg                     # §IV-A3 gives one setting for both datasets
     model_args = {k: v for k, v in cfg.items() if k in SMAN.__init__.__code__.co_varnames}
     model = create_model("sman", vocab_size=VOCAB, img_dim=D_IN, **model_args)
     assert isinstance(model, SMAN) and model.alpha == 0.9
@@ -223,6 +227,51 @@ def test_registry_preset_and_options():
     for bad in ({"alpha": 1.5}, {"intra_pair_level": "max"}, {"eval_score": "dot"}, {"text_rnn": "rnn"}):
         with pytest.raises(ValueError):
             tiny(**bad)
+
+
+def tensorflow_adadelta(var, grads, lr, rho, eps, weight_decay):
+    """TensorFlow's ApplyAdadelta, step by step (weight decay as an L2 term: its gradient ``wd · var``)."""
+    accum, accum_update = torch.zeros_like(var), torch.zeros_like(var)
+    for g in grads:
+        g = g + weight_decay * var
+        accum = rho * accum + (1 - rho) * g * g
+        update = (accum_update + eps).sqrt() / (accum + eps).sqrt() * g
+        accum_update = rho * accum_update + (1 - rho) * update * update
+        var = var - lr * update
+    return var
+
+
+@pytest.mark.parametrize("settings", [{}, {"adadelta_eps": 1e-6}, {"rho": 0.95}])
+def test_adadelta_steps_follow_tensorflows_update(settings):
+    """The optimiser takes TensorFlow's Adadelta steps with the configured ε and ρ (defaults: ε 1e-8, ρ 0.9)."""
+    m = tiny(**settings).double()
+    eps, rho = settings.get("adadelta_eps", 1e-8), settings.get("rho", 0.9)
+    optimizer = m.configure_optimizer(0.05)
+    param = m.img_proj1.weight
+    start = param.detach().clone()
+    g = torch.Generator().manual_seed(7)
+    grads = [torch.randn(param.shape, generator=g, dtype=torch.float64) * 0.01 for _ in range(3)]
+    for grad in grads:
+        optimizer.zero_grad(set_to_none=True)
+        param.grad = grad.clone()
+        optimizer.step()
+    expected = tensorflow_adadelta(start, grads, 0.05, rho, eps, 5e-4)
+    torch.testing.assert_close(param.detach(), expected, rtol=1e-10, atol=1e-12)
+    # ε matters at this gradient size: PyTorch's 1e-6 would move ~10× farther than TensorFlow's 1e-8
+    other = tensorflow_adadelta(start, grads, 0.05, rho, 1e-6 if eps == 1e-8 else 1e-8, 5e-4)
+    ratio = (other - start).norm() / (expected - start).norm()
+    assert ratio > 5 or ratio < 0.2
+
+
+def test_runs_written_before_adadelta_eps_keep_pytorchs_epsilon():
+    from retr.trainers.models import get_spec
+    spec = get_spec("sman")
+    assert spec.upgrade({"alpha": 0.9})[0]["adadelta_eps"] == 1e-6
+    assert spec.upgrade({"adadelta_eps": 1e-8})[0]["adadelta_eps"] == 1e-8
+    old = create_model("sman", vocab_size=VOCAB, img_dim=D_IN, embed_size=D, word_dim=D,
+                       **{k: v for k, v in spec.upgrade({})[0].items()})
+    assert old.configure_optimizer(0.05).param_groups[0]["eps"] == 1e-6
+    assert tiny().configure_optimizer(0.05).param_groups[0]["eps"] == 1e-8
 
 
 def test_ddp_gradients_sum_to_the_single_process_ones(monkeypatch):

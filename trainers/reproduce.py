@@ -239,9 +239,21 @@ def reproduce_command(recipe, features, manifest, out, trees, concepts, concept_
     click.echo(f"report written to {Path(out) / f'reproduce-{chosen.name}.json'}")
 
 
+def markdown_table() -> str:
+    """The README's table of recipes (``retr-train recipes --markdown``; a test keeps the README in step)."""
+    lines = ["| recipe | published in | protocol | i2t R@1 / R@5 / R@10 | t2i R@1 / R@5 / R@10 | rSum | features |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in list_recipes():
+        p = r.published
+        lines.append(f"| `{r.name}` | {p.source} | {r.protocol} | {' / '.join(map(_fmt, p.i2t))} | "
+                     f"{' / '.join(map(_fmt, p.t2i))} | {_fmt(p.rsum)} | `{r.features.extractor}` |")
+    return "\n".join(lines)
+
+
 @click.command("recipes")
 @click.option("--json", "as_json", is_flag=True, help="Print the recipes as JSON.")
-def recipes_command(as_json) -> None:
+@click.option("--markdown", is_flag=True, help="Print the README's table.")
+def recipes_command(as_json, markdown) -> None:
     """List every recipe: the published row it reproduces, its protocol and the features it needs.
 
     \b
@@ -250,6 +262,9 @@ def recipes_command(as_json) -> None:
       retr-train reproduce scan-f30k-t2i-avg --features … --manifest … --out runs/
     """
     recipes = list_recipes()
+    if markdown:
+        click.echo(markdown_table())
+        return
     if as_json:
         click.echo(json.dumps([{"name": r.name, "title": r.title, "protocol": r.protocol,
                                 "features": dataclasses.asdict(r.features),

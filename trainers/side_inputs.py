@@ -4,8 +4,9 @@ Each model's :class:`~retr.trainers.models.registry.ModelSpec` points its ``load
 themselves read no file and receive what these functions return (:class:`~retr.trainers.models.registry.ModelInputs`).
 
 JGCAR (:func:`load_jgcar_inputs`): the intra-modal labels of each training image, from a label file
-(``--labels``: COCO's instance categories, Flickr30K Entities' types) or, without one, the caption-concept
-fallback (:func:`caption_concepts`).
+(``--labels``: COCO's instance categories, Flickr30K Entities' types, made by ``retr-pipeline labels coco`` /
+``retr-pipeline labels f30k-entities``) or, without one, the caption-concept fallback (:func:`caption_concepts`),
+with a note at training start that the caption-side loss J3 is then nearly inert.
 
 SMFEA (:func:`load_smfea_inputs`), from ``trees.h5`` and ``concepts.h5`` joined to the training captions:
 
@@ -62,11 +63,38 @@ def labels_to_multihot(label_sets: Sequence[Sequence[str]]) -> torch.Tensor:
             out[row, index[x]] = True
     return out
 
+#: the batch the JGCAR presets train with (§3.1), for the no-label-file note
+JGCAR_BATCH = 200
+
+
+def same_image_pairs_per_batch(caption_image: np.ndarray, batch: int = JGCAR_BATCH) -> float:
+    """Expected number of caption pairs from the same image in a batch of ``batch`` captions drawn without
+    replacement from the split (``caption_image`` [M]: each caption's image): ``Σ_i C(n_i, 2) · B(B−1) / (M(M−1))``.
+    COCO's training split (≈567k captions, 5 per image): about 0.14."""
+    counts = np.bincount(np.asarray(caption_image, dtype=np.int64)).astype(np.float64)
+    m = float(counts.sum())
+    if m < 2:
+        return 0.0
+    b = float(min(batch, m))
+    return float((counts * (counts - 1) / 2).sum() * b * (b - 1) / (m * (m - 1)))
+
+
+def no_labels_note(data) -> str:
+    """The one-line note the loop prints when JGCAR trains without ``--labels``."""
+    pairs = same_image_pairs_per_batch(data.caption_image)
+    return (f"no --labels: J3 has positives only between captions of one image (about {pairs:.2g} such pairs per "
+            f"batch of {JGCAR_BATCH} here, so it is nearly inert) and J2 uses shared caption words; the paper used "
+            "COCO's 80 categories / Flickr30K Entities' types — make a label file with `retr-pipeline labels "
+            "coco` or `retr-pipeline labels f30k-entities` and pass it with --labels")
+
+
 def load_jgcar_inputs(data, labels_path: str | None, concept_min_captions: int = 2) -> ModelInputs:
     """JGCAR's intra-modal label table of the training images of ``data`` (a ``SplitData``).
 
     With ``labels_path`` (a label file): every training image needs an entry (an empty list is allowed), and a
-    caption has its image's labels. Without: the caption-concept fallback for images, same-image for captions.
+    caption has its image's labels. Without: the caption-concept fallback for images, same-image for captions —
+    and a note (:func:`no_labels_note`) that J3 is then nearly inert: a random batch of 200 of COCO's ≈567k
+    training captions holds about 0.14 same-image pairs.
     """
     if labels_path:
         table = read_label_file(labels_path)
@@ -81,7 +109,8 @@ def load_jgcar_inputs(data, labels_path: str | None, concept_min_captions: int =
             per_image[int(owner)].append(tokenize(caption))
         sets = [sorted(c) for c in caption_concepts(per_image, concept_min_captions)]
     return ModelInputs(tensors={"image_labels": labels_to_multihot(sets),
-                                "labels_are_captions": torch.tensor(bool(labels_path))})
+                                "labels_are_captions": torch.tensor(bool(labels_path))},
+                       notes=[] if labels_path else [no_labels_note(data)])
 
 
 # ------------------------------------------------------------------------------------------------- SMFEA

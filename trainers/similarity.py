@@ -39,6 +39,7 @@ import torch
 from retr.common.cli import progress
 from retr.common.errors import UserError
 from retr.trainers.data import ImageFeatures, SplitData, pad_tokens
+from retr.trainers.models.base import MatchingModel
 
 PRECISIONS = ("refined", "float64", "float32")
 DEFAULT_PRECISION = "refined"
@@ -145,11 +146,12 @@ class SplitEmbeddings:
 class Scorer:
     """A model's ``score`` over its :class:`SplitEmbeddings`: whole matrices and listed pairs.
 
-    The scoring dtype is passed to the model's ``score`` (nothing is set on the model). float64 scoring uses a float64 copy of the model (made once), so that parameters used inside ``score``
-    (SMAN's multi-modal attention, JGCAR's co-attention) compute in float64 too.
+    The scoring dtype is passed to the model's ``score`` (nothing is set on the model). float64 scoring uses a
+    float64 copy of the model (made once, kept here), so that parameters used inside ``score`` (SMAN's
+    multi-modal attention, JGCAR's co-attention) compute in float64 too.
     """
 
-    def __init__(self, model, embeddings: SplitEmbeddings):
+    def __init__(self, model: MatchingModel, embeddings: SplitEmbeddings):
         self.model, self.embeddings = model, embeddings
         self._wide_model = None
         caption_block = np.full(embeddings.num_captions, -1, dtype=np.int64)
@@ -160,8 +162,7 @@ class Scorer:
         self._caption_block, self._caption_row = caption_block, caption_row
 
     def _model_for(self, dtype: torch.dtype):
-        params = [p for p in self.model.parameters() if p.is_floating_point()] if hasattr(self.model, "parameters") \
-            else []
+        params = [p for p in self.model.parameters() if p.is_floating_point()]
         if dtype != torch.float64 or all(p.dtype == torch.float64 for p in params):
             return self.model
         if self._wide_model is None:

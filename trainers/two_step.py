@@ -38,11 +38,6 @@ from retr.trainers.similarity import _concat, encode_split
 DEFAULT_SHORTLIST = 100
 
 
-def supports_two_step(model) -> bool:
-    """True when ``model`` has a global stage to shortlist by (:attr:`MatchingModel.has_global_stage`)."""
-    return bool(model.has_global_stage)
-
-
 @torch.no_grad()
 def encode_all(model, data: SplitData, features: ImageFeatures, device: torch.device, batch_size: int = 128,
                dtype: torch.dtype = torch.float64, quiet: bool = True) -> tuple[dict, dict]:
@@ -101,8 +96,8 @@ def two_step_split(model, data: SplitData, features: ImageFeatures, device: torc
     """
     if shortlist < 1:
         raise UserError("--shortlist must be ≥ 1")
-    if not supports_two_step(model):
-        raise UserError(f"model {getattr(model, 'name', type(model).__name__)} has no global score to shortlist by")
+    if not model.has_global_stage:
+        raise UserError(f"model {model.name or type(model).__name__} has no global score to shortlist by")
     device = torch.device(device)
     model.eval()
     dtype = torch.float32 if precision == "float32" else torch.float64   # "refined": the re-rank is cheap, so float64

@@ -14,10 +14,14 @@ A model is an ``nn.Module``; the loop and the evaluator call only the methods an
 * ``forward(features, mask, tokens, lengths, gather, **extras)`` — one training step's loss (encode, gather the
   global batch, score, loss), a single forward call for DDP; ``batch_extras`` names the batch entries it takes;
 * ``prepare_training(inputs)`` — per-run tensors from the spec's ``load_inputs`` (default: none);
-* ``configure_optimizer(lr)`` — the optimiser (default: Adam);
-* ``shortlist`` / ``has_global_stage`` / ``global_score`` / ``pair_score`` — two-step evaluation
-  (:mod:`retr.trainers.two_step`) and scoring of listed pairs;
-* ``predict_nodes(...)`` — referral-tree node predictions (SMFEA; others raise).
+* ``configure_optimizer(lr) -> torch.optim.Optimizer`` — the optimiser (default: Adam on every parameter);
+* two-step evaluation (:mod:`retr.trainers.two_step`): ``shortlist`` — candidates re-ranked per query (default
+  0: every pair is scored with ``score``); ``has_global_stage`` — class attribute, True when
+  ``global_score(images, captions, dtype=None) -> [n_img, n_cap]`` is a cheap pair-independent score to
+  shortlist by (JGCAR, SMAN; default: False, and ``global_score`` raises); ``pair_score(images, captions,
+  img_idx [P] long, cap_idx [P] long, dtype=None) -> [P]`` — ``score`` of the listed pairs only (default: through
+  ``score``, block by block);
+* ``predict_nodes(...) -> [B, 7]`` — referral-tree node ids (SMFEA; the default raises ``NotImplementedError``).
 """
 from __future__ import annotations
 
@@ -33,7 +37,21 @@ Embeddings = dict[str, torch.Tensor]
 
 
 class MatchingModel(nn.Module):
-    """Base class: subclasses implement the encoders and ``score``; the hinge loss is shared."""
+    """Base class: subclasses implement ``encode_images``, ``encode_captions`` and ``score``; everything else
+    the loop and the evaluator call is declared here with its default (shapes: module docstring).
+
+    * ``loss(scores [B, B]) -> scalar`` — the shared hinge triplet loss (``margin``, ``max_violation``);
+    * ``forward(...)`` — encode → gather → score → loss; ``batch_extras`` (default ``()``) names the extra batch
+      entries (e.g. ``"image_index"`` ``[B]``) the loop passes to it by keyword;
+    * ``prepare_training(inputs)`` — default: nothing; ``configure_optimizer(lr)`` — default: Adam;
+    * ``shortlist`` (default 0: every pair scored) and ``has_global_stage`` (default False) select two-step
+      evaluation; ``global_score(images, captions, dtype) -> [n_img, n_cap]`` (default: raises) shortlists,
+      ``pair_score(images, captions, img_idx [P], cap_idx [P], dtype) -> [P]`` re-ranks (default: the listed
+      pairs through ``score``);
+    * ``predict_nodes(...) -> [B, 7]`` tree node ids (default: raises; SMFEA overrides).
+
+    The scoring ``dtype`` is always an argument: scoring sets no attribute on the model.
+    """
 
     #: the model's registry name, set by :func:`retr.trainers.models.register_model`
     name: str = ""
@@ -41,6 +59,8 @@ class MatchingModel(nn.Module):
     batch_extras: tuple[str, ...] = ()
     #: two-step evaluation: candidates re-ranked per query (0: score every pair); see :mod:`retr.trainers.two_step`
     shortlist: int = 0
+    #: True when :meth:`global_score` is a pair-independent first stage that :meth:`pair_score` re-ranks
+    has_global_stage: bool = False
 
     def __init__(self, margin: float = 0.2, max_violation: bool = True):
         super().__init__()
@@ -66,21 +86,22 @@ class MatchingModel(nn.Module):
         """Install per-run training data read by the spec's ``load_inputs`` (tensors only, e.g. SMFEA's tree
         node targets ``{"nodes": [M, 7]}``). Called once by the loop before training; default: nothing."""
 
-    #: True when :meth:`global_score` is a pair-independent first stage that :meth:`pair_score` re-ranks
-    has_global_stage: bool = False
-
     def configure_optimizer(self, lr: float) -> torch.optim.Optimizer:
         """The optimiser the loop steps (default: Adam on every parameter at ``lr``)."""
         return torch.optim.Adam(self.parameters(), lr=lr)
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
-        raise NotImplementedError
+        """``features`` ``[B, K, D_in]``, ``mask`` ``[B, K]`` bool → per-image tensors, batch on dim 0."""
+        raise NotImplementedError(f"model {self.name or type(self).__name__} defines no encode_images")
 
     def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
-        raise NotImplementedError
+        """``tokens`` ``[B, L]`` long, ``lengths`` ``[B]`` → per-caption tensors, batch on dim 0."""
+        raise NotImplementedError(f"model {self.name or type(self).__name__} defines no encode_captions")
 
     def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
-        raise NotImplementedError
+        """Every image of a block × every caption of a block → ``[n_img, n_cap]``; ``dtype`` is the arithmetic's
+        dtype when given (the evaluator's float32 and float64 passes), else the embeddings' (training)."""
+        raise NotImplementedError(f"model {self.name or type(self).__name__} defines no score")
 
     def global_score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The cheap pair-independent score ``[n_img, n_cap]`` two-step evaluation shortlists by (models with
@@ -88,24 +109,34 @@ class MatchingModel(nn.Module):
         raise NotImplementedError(f"model {self.name or type(self).__name__} has no global stage")
 
     def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor, cap_idx: torch.Tensor,
-                   dtype: torch.dtype | None = None, image_block: int = 64) -> torch.Tensor:
-        """``score`` of the listed pairs only: ``[P]`` for ``img_idx``, ``cap_idx`` ``[P]`` long.
+                   dtype: torch.dtype | None = None, image_block: int = 64,
+                   pair_budget: int = 1 << 16) -> torch.Tensor:
+        """``score`` of the listed pairs only: ``[P]`` (the dtype ``score`` returns) for ``img_idx``, ``cap_idx``
+        ``[P]`` long (rows of ``images`` and ``captions``; repeats allowed).
 
-        Default: each block of ``image_block`` images is scored against the distinct captions its pairs name,
-        so memory is bounded by the block; models with a cheaper pair path override it.
+        Default: the distinct listed images, ``image_block`` at a time, are scored with ``score`` against the
+        distinct captions their pairs name, cut so that one ``score`` call holds at most ``pair_budget`` pairs
+        (at least one caption): memory is bounded by the block whatever the split's size. Models with a
+        cheaper pair path (JGCAR, SMAN) override it; either way it equals ``score`` on every listed pair.
         """
+        rows, row_of = torch.unique(img_idx, return_inverse=True)             # distinct images, pair → row
         out: torch.Tensor | None = None
-        for start in range(0, int(img_idx.max()) + 1 if img_idx.numel() else 0, image_block):
-            sel = torch.nonzero((img_idx >= start) & (img_idx < start + image_block)).view(-1)
-            if sel.numel() == 0:
-                continue
-            caps, column = torch.unique(cap_idx[sel], return_inverse=True)
-            block = {k: v[start:start + image_block] for k, v in images.items()}
-            scores = self.score(block, {k: v[caps] for k, v in captions.items()}, dtype=dtype)
-            if out is None:
-                out = scores.new_empty(img_idx.numel())
-            out[sel] = scores[img_idx[sel] - start, column]
-        return out if out is not None else torch.empty(0, dtype=dtype or torch.float32)
+        for r in range(0, rows.numel(), image_block):
+            sel = torch.nonzero((row_of >= r) & (row_of < r + image_block)).view(-1)   # pairs of this block
+            block_rows = rows[r:r + image_block]
+            block = {k: v[block_rows] for k, v in images.items()}
+            caps, col_of = torch.unique(cap_idx[sel], return_inverse=True)
+            step = max(1, pair_budget // block_rows.numel())
+            for c in range(0, caps.numel(), step):
+                in_part = (col_of >= c) & (col_of < c + step)
+                part = sel[in_part]
+                scores = self.score(block, {k: v[caps[c:c + step]] for k, v in captions.items()}, dtype=dtype)
+                if out is None:
+                    out = scores.new_empty(img_idx.numel())
+                out[part] = scores[row_of[part] - r, col_of[in_part] - c]
+        if out is None:                                                        # no pairs listed
+            out = torch.empty(0, dtype=dtype or torch.get_default_dtype(), device=img_idx.device)
+        return out
 
     def predict_nodes(self, *args, **kwargs) -> torch.Tensor:
         """Referral-tree node ids ``[B, 7]`` (SMFEA only)."""

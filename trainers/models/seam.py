@@ -31,9 +31,27 @@ Decisions (``docs/models-seam-sman.md``):
 * 10 crops: the features of the crops are averaged (``crops="mean"``, the public pipeline, train and test);
   ``crops="random"`` trains on one random crop per image and still evaluates on the mean. The averaged vector
   is l2-normalised before the linear map, as the public pipeline stores it (``input_l2norm=False`` skips it).
-* SEAM-C's BatchNorm takes its statistics over real words only (the public code includes padding, which
-  makes a caption's embedding depend on the other captions' lengths); padded embeddings are zeroed before
-  the convolutions, so they see the same zero padding as an unpadded caption.
+* SEAM-C's padding (``padding``). ``"masked"`` (default): padded embeddings are zeroed before the
+  convolutions (they see the zero padding an unpadded caption sees) and BatchNorm takes its statistics over
+  real words only, so a caption's embedding does not depend on its batch. ``"authors"``: the public code's
+  arithmetic. Its ``<pad>`` row (id 0) is an ordinary embedding row (U(−0.1, 0.1), no ``padding_idx``,
+  trained through the convolutions); the convolutions read it at padded positions (the trigram of a
+  caption's last word reads it unless the caption is the longest of its batch, which reads the convolution's
+  zero padding); BatchNorm normalises every position, padded ones included — in training its statistics
+  come from B×T positions (trigram) and B×(T+1) (bigram: the public code crops the extra output *after*
+  BatchNorm). Attention gives padded positions weight exactly 0 in both modes, so SEAM-E and SEAM-G have no
+  such difference. In evaluation (BatchNorm on running statistics) the ``"authors"`` encoder appends one
+  ``<pad>`` column, so every caption's trigram reads the ``<pad>`` row: the authors' arithmetic for every
+  caption that shares its evaluation batch with a longer one (all but one in 128 in their evaluation),
+  whatever retr's length-sorted evaluation blocks hold. The published numbers come from the authors'
+  behaviour (their recipe: ``padding="authors"``); ``"masked"`` stays the default because it makes scores
+  independent of batching (``docs/models-seam-sman.md``).
+* Initialisation (``init``). ``"authors"`` (default): Xavier-uniform weights, and the text encoder's Linear
+  and Conv1d biases left at PyTorch's default U(±1/√fan_in), as the public code's initialiser leaves them;
+  the image Linear's bias is zero, as the public image encoder sets it. ``"zero_bias"``: every bias zero
+  (retr before this option). Both draw the same random numbers, so with one seed they differ only in those
+  biases. Existing runs need no upgrade: evaluation and ``--resume`` load every parameter (and the RNG
+  state) from the checkpoint, so the initialisation no longer matters for them.
 * SEAM-G's GRU size: 1024 in the authors' code default; the paper's reported model is SEAM-G (512), which
   the presets use (``gru_size``).
 """
@@ -53,17 +71,21 @@ from retr.trainers.config import (embed_size_setting, margin_setting, setting, v
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean
+from retr.store.vocab import PAD_ID
 
 TEXT_ENCODERS = ("e", "c", "g")
 DEFAULT_HOPS = {"e": 30, "c": 10, "g": 30}
 CROP_MODES = ("mean", "random")
 PENALTY_NORMS = ("squared", "plain")
+PADDINGS = ("masked", "authors")
+INITS = ("authors", "zero_bias")
 PAD_LOGIT = -10000.0
 
 
-def _xavier(module: nn.Module) -> nn.Module:
+def _xavier(module: nn.Module, zero_bias: bool = True) -> nn.Module:
+    """Xavier-uniform weight; the bias zeroed, or (``zero_bias=False``) left at PyTorch's default init."""
     nn.init.xavier_uniform_(module.weight)
-    if getattr(module, "bias", None) is not None:
+    if zero_bias and getattr(module, "bias", None) is not None:
         nn.init.zeros_(module.bias)
     return module
 
@@ -93,9 +115,12 @@ def attention_penalty(attention: torch.Tensor, squared: bool = True) -> torch.Te
 
 
 class MaskedBatchNorm1d(nn.BatchNorm1d):
-    """BatchNorm over the channels of ``x`` [B, C, T] using only positions where ``mask`` [B, T] is True."""
+    """BatchNorm over the channels of ``x`` [B, C, T] using only positions where ``mask`` [B, T] is True
+    (``mask=None``: every position, as ``nn.BatchNorm1d``; padded positions are then normalised too)."""
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        if mask is None:
+            return super().forward(x)
         flat = x.transpose(1, 2)[mask]                                            # [N_real, C]
         normed = super().forward(flat)
         out = torch.zeros_like(x.transpose(1, 2))
@@ -108,26 +133,31 @@ class SEAMTextEncoder(nn.Module):
 
     def __init__(self, vocab_size: int, kind: str, embed_size: int = 1024, word_dim: int = 300,
                  hops: int | None = None, attention_hidden: int = 300, conv_filters: int = 100,
-                 gru_size: int = 1024):
+                 gru_size: int = 1024, padding: str = "masked", init: str = "authors"):
         super().__init__()
         if kind not in TEXT_ENCODERS:
             raise ValueError(f"text_encoder must be one of {', '.join(TEXT_ENCODERS)}, not {kind!r}")
-        self.kind = kind
+        if padding not in PADDINGS:
+            raise ValueError(f"padding must be one of {', '.join(PADDINGS)}, not {padding!r}")
+        if init not in INITS:
+            raise ValueError(f"init must be one of {', '.join(INITS)}, not {init!r}")
+        self.kind, self.padding = kind, padding
+        zero_bias = init == "zero_bias"
         hops = hops or DEFAULT_HOPS[kind]
         self.embed = nn.Embedding(vocab_size, word_dim)
         nn.init.uniform_(self.embed.weight, -0.1, 0.1)
         if kind == "e":
             widths = [word_dim]
         elif kind == "c":
-            self.conv2 = _xavier(nn.Conv1d(word_dim, conv_filters, kernel_size=2, padding=1))
-            self.conv3 = _xavier(nn.Conv1d(word_dim, conv_filters, kernel_size=3, padding=1))
+            self.conv2 = _xavier(nn.Conv1d(word_dim, conv_filters, kernel_size=2, padding=1), zero_bias)
+            self.conv3 = _xavier(nn.Conv1d(word_dim, conv_filters, kernel_size=3, padding=1), zero_bias)
             self.bn2, self.bn3 = MaskedBatchNorm1d(conv_filters), MaskedBatchNorm1d(conv_filters)
             widths = [conv_filters, conv_filters, word_dim]
         else:
             self.rnn = nn.GRU(word_dim, gru_size, batch_first=True)
             widths = [gru_size]
         self.attention = nn.ModuleList(SelfAttention(w, hops, attention_hidden) for w in widths)
-        self.fc = _xavier(nn.Linear(sum(widths) * hops, embed_size))
+        self.fc = _xavier(nn.Linear(sum(widths) * hops, embed_size), zero_bias)
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         length = int(lengths.max())
@@ -136,6 +166,8 @@ class SEAMTextEncoder(nn.Module):
         words = self.embed(tokens) * mask.unsqueeze(-1)                           # [B, T, 300], padding = 0
         if self.kind == "e":
             views = [words]
+        elif self.kind == "c" and self.padding == "authors":
+            views, mask = self._authors_conv_views(tokens, mask)
         elif self.kind == "c":
             x = words.transpose(1, 2)                                             # [B, 300, T]
             bigram = self.bn2(F.relu(self.conv2(x)[..., :length]), mask)         # crop the k=2 output to T
@@ -147,6 +179,23 @@ class SEAMTextEncoder(nn.Module):
             views = [pad_packed_sequence(out, batch_first=True, total_length=length)[0]]
         pooled, attentions = zip(*(attend(v, mask) for attend, v in zip(self.attention, views)))
         return self.fc(torch.cat(pooled, dim=1)), list(attentions)
+
+    def _authors_conv_views(self, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """SEAM-C's three views with the public code's padding (``padding="authors"``, module docstring).
+
+        ``tokens`` [B, T] cut to the longest caption, ``mask`` [B, T]. Padded positions hold the ``<pad>`` row's
+        embedding; BatchNorm sees every position (the bigram's T+1 outputs, cropped afterwards). In evaluation
+        one more ``<pad>`` column is appended, so no caption's trigram reads the convolution's zero padding.
+        Returns the views ``[B, T', 100 | 100 | 300]`` and their mask ``[B, T']`` (T' = T, or T + 1 in eval).
+        """
+        if not self.training:
+            tokens = F.pad(tokens, (0, 1), value=PAD_ID)
+            mask = F.pad(mask, (0, 1), value=False)
+        words = self.embed(tokens.masked_fill(~mask, PAD_ID))                    # <pad> row where padded
+        x = words.transpose(1, 2)                                                 # [B, 300, T']
+        bigram = self.bn2(F.relu(self.conv2(x)))[..., :x.shape[-1]]              # BN over T'+1, then crop
+        trigram = self.bn3(F.relu(self.conv3(x)))
+        return [bigram.transpose(1, 2), trigram.transpose(1, 2), words], mask
 
 
 class SEAM(MatchingModel):
@@ -167,9 +216,9 @@ class SEAM(MatchingModel):
         self.text_encoder, self.crops, self.input_l2norm = text_encoder, crops, input_l2norm
         self.penalty_weight, self.penalty_squared = float(penalty_weight), penalty_norm == "squared"
         self.order_squared = bool(order_squared)
-        self.img_fc = _xavier(nn.Linear(img_dim, embed_size))
+        self.img_fc = _xavier(nn.Linear(img_dim, embed_size))     # bias zero in both inits (the public code's)
         self.txt_enc = SEAMTextEncoder(vocab_size, text_encoder, embed_size, word_dim, hops, attention_hidden,
-                                       conv_filters, gru_size)
+                                       conv_filters, gru_size, cfg.padding, cfg.init)
         #: upper bound on n_img·n_cap·d elements per chunk inside ``score``
         self.max_chunk_elements = 1 << 24
 
@@ -246,6 +295,13 @@ class SEAMConfig:
         "squared", "‖AAᵀ − I‖_F squared (paper) or plain (the authors' code).")
     order_squared: bool = setting(False, "Square the order violation (original order embeddings); default: its norm.",
                                   flag="--order-squared")
+    padding: Literal[PADDINGS] = setting(
+        "masked", "SEAM-C's padded positions: masked (zeroed before the convolutions, BatchNorm over real words; "
+                  "scores independent of batching) or authors (the <pad> embedding is convolved and BatchNorm "
+                  "sees padded positions: the public code's arithmetic, which made the published numbers).")
+    init: Literal[INITS] = setting(
+        "authors", "Initial biases: authors (text Linear/Conv biases at PyTorch's default, image Linear bias 0, "
+                   "as the public code) or zero_bias (every bias 0).")
     crops: Literal[CROP_MODES] = setting("mean", "Average the 10 crops or train on one random crop per image.")
     input_l2norm: bool = setting(True, "l2-normalise the averaged image vector before the linear map.",
                                  flag="--input-l2norm/--no-input-l2norm")

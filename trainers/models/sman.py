@@ -39,8 +39,16 @@ Decisions where the paper is silent or contradicts itself:
   printed terms of Eq. 22 are the same matched pair's distance (cosine is symmetric), so the term is counted
   twice, as printed. ``intra_pair_weight=0`` is the SMAN-inter ablation.
 * Dropout (0.3, place unstated): on the grid features and on the word embeddings, before everything else.
-* Optimiser: Adadelta, lr 0.05 → 0.005 after epoch 50, "momentum 0.9" read as Adadelta's ρ, weight decay
-  5e-4, gradient-norm clip 0.1 (the presets); ``optimizer="adam"`` for comparison.
+* Optimiser: Adadelta, lr 0.05 → 0.005 after epoch 50, weight decay 5e-4, gradient-norm clip 0.1 (the
+  presets); ``optimizer="adam"`` for comparison. Adadelta has no momentum: the paper's "momentum 0.9" is read
+  as its decay ρ (``rho``), the one constant a TensorFlow user sets besides the learning rate; the other
+  reading — "momentum" names nothing Adadelta uses and ρ stayed at TensorFlow's default — is ``rho=0.95``.
+* Adadelta's ε (``adadelta_eps``): the paper trained in TensorFlow, whose ``tf.train.AdadeltaOptimizer``
+  defaults to ε = 1e-8 (Keras's ``Adadelta``: 1e-7); PyTorch's default is 1e-6, which retr used before this
+  setting. The update is ``lr · √(E[Δx²] + ε) / √(E[g²] + ε) · g``, so while ``(1 − ρ) g²`` dominates ε
+  (|g| above ≈ √(ε / (1 − ρ))) a step scales with √ε: PyTorch's ε makes those steps ~10× larger than the
+  paper's; below that (tiny gradients) both move like SGD at ``lr · g``. Default 1e-8 (fidelity); runs
+  written before the setting keep 1e-6 (the spec's ``upgrade_args``).
 * Biases everywhere ("they actually exist in our model"); PyTorch's default initialisation otherwise.
 
 Scoring cost: the attention logits of the multi-modal step are ``(w_h ⊙ tanh(W I_m)) · tanh(W_q o)``, one
@@ -145,6 +153,7 @@ class SMAN(MatchingModel):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
         self.optimizer_name, self.rho, self.weight_decay = optimizer, float(rho), float(weight_decay)
+        self.adadelta_eps = float(cfg.adadelta_eps)
         #: > 0: evaluate in two steps (``retr.trainers.two_step``) — shortlist by the pair-independent levels
         #: 0 and 1, re-score the top ``shortlist`` with all three levels; 0 scores every pair (the paper)
         self.shortlist = int(shortlist)
@@ -285,10 +294,12 @@ class SMAN(MatchingModel):
 
     def configure_optimizer(self, lr: float) -> torch.optim.Optimizer:
         """The paper's Adadelta (lr 0.05, "momentum 0.9" read as Adadelta's decay ρ — Adadelta has no
-        momentum — weight decay 5e-4), or Adam (``optimizer="adam"``, no weight decay) for comparison."""
+        momentum — ε ``adadelta_eps`` (TensorFlow's 1e-8), weight decay 5e-4), or Adam (``optimizer="adam"``,
+        no weight decay) for comparison."""
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=lr)
-        return torch.optim.Adadelta(self.parameters(), lr=lr, rho=self.rho, weight_decay=self.weight_decay)
+        return torch.optim.Adadelta(self.parameters(), lr=lr, rho=self.rho, eps=self.adadelta_eps,
+                                    weight_decay=self.weight_decay)
 
     def _memory(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """U_v / U_t of Eq. 12 (with the score-side gradient scale)."""
@@ -403,7 +414,8 @@ class SMANConfig:
     text_rnn: Literal[TEXT_RNNS] = setting("lstm", "Bi-LSTM (paper) or bi-GRU.")
     dropout: float = setting(0.3, "Dropout on grid features and word embeddings.")
     optimizer: Literal[OPTIMIZERS] = setting("adadelta", "Adadelta (paper) or Adam.")
-    rho: float = setting(0.9, "Adadelta's decay ρ (the paper's \"momentum 0.9\").")
+    rho: float = setting(0.9, "Adadelta's decay ρ (the paper's \"momentum 0.9\"; 0.95: TensorFlow's default).")
+    adadelta_eps: float = setting(1e-8, "Adadelta's ε (1e-8: TensorFlow's, the paper's toolkit; 1e-6: PyTorch's).")
     weight_decay: float = setting(5e-4, "Adadelta weight decay.")
     shortlist: int = setting(0, "Evaluate in two steps: shortlist K by the pair-independent levels, re-score them "
                                 "with all three (0: score every pair, as the paper).")
@@ -414,6 +426,12 @@ class SMANConfig:
 #: The paper's schedule (§IV-A3), the same for Flickr30K and COCO: Adadelta 0.05 → 0.005 after epoch 50.
 SMAN_PRESET = {"epochs": 60, "lr": 0.05, "lr_update": 50, "batch_size": 128, "grad_clip": 0.1}
 
+def _sman_upgrade(model_args: dict) -> tuple[dict, dict]:
+    """Runs written before ``adadelta_eps`` existed trained with PyTorch's Adadelta ε, 1e-6."""
+    model_args.setdefault("adadelta_eps", 1e-6)
+    return model_args, {}
+
+
 register_model(ModelSpec(
     name="sman", model_class=SMAN, config_class=SMANConfig,
     summary="Train SMAN (stacked multi-modal attention) on ResNet-152 7×7 grid features. Pair-specific: "
@@ -422,4 +440,4 @@ register_model(ModelSpec(
               "--preset f30k --out runs/sman-f30k",
               "retr-train sman --features data/f30k/features/resnet152-grid.h5 --manifest data/f30k/manifest.jsonl "
               "--preset f30k --alpha 1 --intra-pair-weight 0 --out runs/sman-f30k-sim-inter"),
-    presets={"f30k": SMAN_PRESET, "coco": SMAN_PRESET}, default_preset="f30k"))
+    presets={"f30k": SMAN_PRESET, "coco": SMAN_PRESET}, default_preset="f30k", upgrade_args=_sman_upgrade))

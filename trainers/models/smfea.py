@@ -45,7 +45,7 @@ from retr.trainers.config import (embed_size_setting, margin_setting, setting, v
                                    word_dim_setting)
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel
-from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean
+from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean, masked_softmax
 from retr.trainers.models.concepts import (ConceptAttention, ConceptGCN, consensus_vector, mix_text_labels)
 from retr.trainers.models.scan import RegionEncoder
 from retr.trainers.models.text import GRUWordEncoder
@@ -79,8 +79,7 @@ class MeanQueryAttention(nn.Module):
             local = local.masked_scatter(mask.unsqueeze(-1), self.bn_local(valid).to(local.dtype))
             query = self.bn_query(query)
         h = torch.tanh(local) * torch.tanh(query).unsqueeze(1)
-        logits = self.fc_score(h).squeeze(-1).masked_fill(~mask, float("-inf"))   # [B, K]
-        alpha = torch.softmax(logits, dim=-1)
+        alpha = masked_softmax(self.fc_score(h).squeeze(-1), mask)               # [B, K]
         return l2norm((alpha.unsqueeze(-1) * x).sum(1), dim=-1)
 
 

@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from retr.trainers.models.layers import l2norm
+
 #: slot index → its children's slot indices (in-order layout E1 R2 E3 R4 E5 R6 E7)
 CHILDREN: dict[int, tuple[int, ...]] = {0: (), 2: (), 4: (), 6: (), 1: (0, 2), 5: (4, 6), 3: (1, 5)}
 #: bottom-up update order: the four leaves, the two relations of layer 2, the root
@@ -127,7 +129,7 @@ class StructuredTreeEncoder(nn.Module):
         if self.residual:
             tree = tree + instance
         if self.normalize:
-            tree = tree / (tree.norm(dim=-1, keepdim=True) + 1e-8)
+            tree = l2norm(tree, dim=-1)
         return {"entity_logits": self.entity_classifier(hidden[:, list(ENTITY_SLOTS)]),
                 "relation_logits": self.relation_classifier(hidden[:, list(RELATION_SLOTS)]),
                 "hidden": hidden, "tree": tree}
