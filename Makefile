@@ -50,25 +50,25 @@ demo: $(STAMP)
 	rm -rf $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp
 	$(BIN)/retr-train scan --features $(DEMO_DIR)/synthetic/features/butd-regions.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/scan --epochs 6 --batch-size 32 --embed-size 256 --lr 2e-4 --sum-violation --quiet
 	$(BIN)/retr-train vsepp --features $(DEMO_DIR)/synthetic/features/butd-regions.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/vsepp --epochs 10 --batch-size 32 --embed-size 256 --lr 2e-4 --sum-violation --quiet
-	$(BIN)/retr-train eval $(DEMO_DIR)/runs/scan --protocol f30k-1k --quiet
-	$(BIN)/retr-train eval $(DEMO_DIR)/runs/vsepp --protocol f30k-1k --quiet
+	$(BIN)/retr-train eval $(DEMO_DIR)/runs/scan --protocol f30k-1k --allow-size-mismatch --quiet
+	$(BIN)/retr-train eval $(DEMO_DIR)/runs/vsepp --protocol f30k-1k --allow-size-mismatch --quiet
 	@echo "== SMFEA (same region features + referral trees + consensus concepts; brief training) =="
 	$(BIN)/retr-pipeline build-concepts --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --conllu $(DEMO_DIR)/synthetic/captions.conllu --out $(DEMO_DIR)/synthetic/concepts.h5
 	rm -rf $(DEMO_DIR)/runs/smfea
 	$(BIN)/retr-train smfea --features $(DEMO_DIR)/synthetic/features/butd-regions.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --trees $(DEMO_DIR)/synthetic/trees.h5 --concepts $(DEMO_DIR)/synthetic/concepts.h5 --out $(DEMO_DIR)/runs/smfea --epochs 6 --batch-size 32 --embed-size 256 --lr 2e-4 --sum-violation --quiet
-	$(BIN)/retr-train eval $(DEMO_DIR)/runs/smfea --protocol f30k-1k --quiet
+	$(BIN)/retr-train eval $(DEMO_DIR)/runs/smfea --protocol f30k-1k --allow-size-mismatch --quiet
 	@echo "== SMAN (ResNet-152 7x7 grid, random weights, 224-px input; brief training with Adam) =="
 	rm -rf $(DEMO_DIR)/runs/sman
 	$(BIN)/retr-train sman --features $(DEMO_DIR)/synthetic/features/resnet152-grid.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/sman --epochs 4 --batch-size 32 --embed-size 128 --word-dim 128 --optimizer adam --lr 2e-4 --grad-clip 2 --sum-violation --quiet
-	$(BIN)/retr-train eval $(DEMO_DIR)/runs/sman --protocol f30k-1k --quiet
+	$(BIN)/retr-train eval $(DEMO_DIR)/runs/sman --protocol f30k-1k --allow-size-mismatch --quiet
 	@echo "== SEAM-C (ResNet-152 ten 64-px crops, random weights; brief training) =="
 	rm -rf $(DEMO_DIR)/runs/seam
 	$(BIN)/retr-train seam --features $(DEMO_DIR)/synthetic/features/tencrop-resnet152.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/seam --text-encoder c --epochs 6 --batch-size 32 --lr 2e-4 --quiet
-	$(BIN)/retr-train eval $(DEMO_DIR)/runs/seam --protocol f30k-1k --quiet
+	$(BIN)/retr-train eval $(DEMO_DIR)/runs/seam --protocol f30k-1k --allow-size-mismatch --quiet
 	@echo "== JGCAR (VGG-16 maps from random weights at 224 px: 7x7 cells; brief training, two-step evaluation) =="
 	rm -rf $(DEMO_DIR)/runs/jgcar
 	$(BIN)/retr-train jgcar --features $(DEMO_DIR)/synthetic/features/vgg16-maps.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/jgcar --num-regions 49 --epochs 8 --batch-size 32 --embed-size 64 --word-dim 64 --hidden-size 32 --num-negatives 10 --dropout 0.1 --optimizer adam --lr 1e-3 --global-similarity cosine --shortlist 10 --sum-violation --quiet
-	$(BIN)/retr-train eval $(DEMO_DIR)/runs/jgcar --protocol f30k-1k --quiet
+	$(BIN)/retr-train eval $(DEMO_DIR)/runs/jgcar --protocol f30k-1k --allow-size-mismatch --quiet
 	@echo "== results =="
 	$(BIN)/retr-train table $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp $(DEMO_DIR)/runs/smfea $(DEMO_DIR)/runs/sman $(DEMO_DIR)/runs/seam $(DEMO_DIR)/runs/jgcar
 

@@ -83,12 +83,27 @@ def test_coco_five_fold_slicing():
     rng = np.random.default_rng(1)
     data = _split(10)
     sims = rng.standard_normal((10, 50))
-    result = protocol_metrics(sims, data, "coco-1k")
-    assert len(result["folds"]) == 5
+    with pytest.raises(Exception, match="coco-1k expects a split of 5000 images, this one has 10"):
+        protocol_metrics(sims, data, "coco-1k")
+    result = protocol_metrics(sims, data, "coco-1k", allow_size_mismatch=True)
+    assert len(result["folds"]) == 5 and result["size_mismatch"] == {"expected": 5000, "images": 10}
     # fold 2 = images 4,5 and captions 20..29, scored only against each other
     fold = retrieval_metrics(sims[4:6, 20:30], np.arange(10) // 5)
     assert result["folds"][2]["rsum"] == fold["rsum"]
     assert result["i2t"]["r1"] == pytest.approx(np.mean([f["i2t"]["r1"] for f in result["folds"]]))
     assert result["rsum"] == pytest.approx(np.mean([f["rsum"] for f in result["folds"]]))
-    whole = protocol_metrics(sims, data, "coco-5k")
+    first = protocol_metrics(sims, data, "coco-1k-first", allow_size_mismatch=True)
+    assert first["rsum"] == result["folds"][0]["rsum"] and first["images"] == 2 and first["captions"] == 10
+    whole = protocol_metrics(sims, data, "coco-5k", allow_size_mismatch=True)
     assert "folds" not in whole and whole["images"] == 10 and whole["captions"] == 50
+
+
+def test_protocols_refuse_another_split_size_unless_allowed():
+    from retr.trainers.evaluation import EXPECTED_IMAGES, check_split_size
+
+    assert EXPECTED_IMAGES == {"f30k-1k": 1000, "coco-1k": 5000, "coco-5k": 5000, "coco-1k-first": 5000}
+    for protocol, size in EXPECTED_IMAGES.items():
+        assert check_split_size(protocol, size) is None
+        with pytest.raises(Exception, match="--allow-size-mismatch"):
+            check_split_size(protocol, size + 5)
+        assert check_split_size(protocol, 24, allow_size_mismatch=True) == {"expected": size, "images": 24}

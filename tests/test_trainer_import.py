@@ -61,9 +61,11 @@ def test_official_checkpoint_imports_and_evaluates(tmp_path, weight_norm):
     assert config["model_args"]["direction"] == "i2t" and config["model_args"]["agg"] == "avg"
     assert config["model_args"]["lambda_lse"] == 6.0                  # the authors' fallback when absent
     with pytest.raises(UserError, match="--features"):
-        CliRunner().invoke(cli, ["eval", str(run), "--protocol", "f30k-1k"], catch_exceptions=False)
+        CliRunner().invoke(cli, ["eval", str(run), "--protocol", "f30k-1k", "--allow-size-mismatch"],
+                           catch_exceptions=False)
     sims_path = tmp_path / "sims.npy"
-    result = CliRunner().invoke(cli, ["eval", str(run), "--protocol", "f30k-1k", "--features", str(features),
+    result = CliRunner().invoke(cli, ["eval", str(run), "--protocol", "f30k-1k", "--allow-size-mismatch",
+                                      "--features", str(features),
                                       "--manifest", str(manifest), "--save-sims", str(sims_path), "--json"],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output

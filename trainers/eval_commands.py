@@ -22,7 +22,7 @@ from retr.common.devices import resolve_device
 def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features: str | None = None,
                   manifest: str | None = None, device: str = "auto", precision: str = DEFAULT_PRECISION,
                   which: str = "best", preload: bool | None = None, quiet: bool = False,
-                  trust_checkpoint: bool = False):
+                  trust_checkpoint: bool = False, allow_size_mismatch: bool = False):
     """Score ``split`` with every run, average the similarity matrices (ensemble) and apply ``protocol``.
 
     Returns ``(result dict, sims [N_img, M] float64)``. Every run's embeddings are kept until the end, so that
@@ -46,7 +46,8 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
         image_features = ImageFeatures(feature_set, data.image_ids, preload)
         if model.shortlist and len(runs) == 1:   # two-step models (MatchingModel.shortlist > 0), see two_step.py
             from retr.trainers.two_step import two_step_protocol
-            result = two_step_protocol(model, data, image_features, protocol, dev, model.shortlist, precision)
+            result = two_step_protocol(model, data, image_features, protocol, dev, model.shortlist, precision,
+                                       allow_size_mismatch=allow_size_mismatch)
             result.update({k: result["two_step"][k] for k in ("i2t", "t2i", "rsum")}, protocol=protocol,
                           split=split, ensemble=False, runs=[str(run)], precision=precision,
                           models=[{"run": str(run), "model": config["model"], "direction": None,
@@ -58,7 +59,7 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
                        "direction": config["model_args"].get("direction"), "features": str(feats_path)})
     stats: dict = {}
     sims = combined_matrix(scorers, precision, data.caption_image, quiet=quiet, stats=stats)
-    result = protocol_metrics(sims, data, protocol)
+    result = protocol_metrics(sims, data, protocol, allow_size_mismatch)
     result.update(protocol=protocol, split=split, ensemble=len(runs) > 1, runs=[str(r) for r in runs],
                   models=models, precision=precision, **({"refinement": stats} if stats else {}),
                   evaluated=datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -81,7 +82,8 @@ def _line(side: str, m: dict) -> str:
 @click.command("eval")
 @click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--protocol", type=click.Choice(PROTOCOLS), required=True,
-              help="f30k-1k / coco-5k: the split as given; coco-1k: five equal folds in file order, averaged.")
+              help="f30k-1k / coco-5k: the split as given; coco-1k: five equal folds in file order, averaged; "
+                   "coco-1k-first: the first fold alone (SEAM's Table 3).")
 @click.option("--split", default="test", show_default=True)
 @click.option("--features", type=click.Path(dir_okay=False), default=None, help="Override the run's feature set.")
 @click.option("--manifest", type=click.Path(dir_okay=False), default=None, help="Override the run's manifest.")
@@ -95,12 +97,15 @@ def _line(side: str, m: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number.")
 @click.option("--save-sims", type=click.Path(dir_okay=False), default=None,
               help="Write the images × captions similarities (float64 .npy, manifest order).")
+@click.option("--allow-size-mismatch", is_flag=True,
+              help="Evaluate a split whose size is not the protocol's (1,000 Flickr30K / 5,000 COCO test images), "
+                   "e.g. the synthetic data; recorded in the result.")
 @click.option("--trust-checkpoint", is_flag=True,
               help="Read checkpoints that hold Python objects besides tensors (they can run code: only for files "
                    "you trust).")
 @quiet_option
 def eval_command(runs, protocol, split, features, manifest, which, precision, device, preload, as_json,
-                 save_sims, trust_checkpoint, quiet) -> None:
+                 save_sims, allow_size_mismatch, trust_checkpoint, quiet) -> None:
     """Evaluate one run, or an ensemble of runs (their similarity matrices averaged).
 
     The result is also stored in each run's eval.json.
@@ -111,7 +116,8 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
       retr-train eval runs/scan-coco-t2i runs/scan-coco-i2t --protocol coco-1k --json
     """
     result, sims = evaluate_runs(list(runs), protocol, split, features, manifest, device, precision, which,
-                                 preload, quiet, trust_checkpoint=trust_checkpoint)
+                                 preload, quiet, trust_checkpoint=trust_checkpoint,
+                                 allow_size_mismatch=allow_size_mismatch)
     if save_sims and sims is None:
         raise UserError("--save-sims: a two-step run has no single similarity matrix (one per direction)")
     if save_sims:
@@ -124,8 +130,14 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
     kind = f"ensemble of {len(runs)} runs (averaged similarities)" if len(runs) > 1 else "single model"
     click.echo(f"{protocol} on {split} ({result['images']} images, {result['captions']} captions) — {kind}: "
                f"{', '.join(runs)}")
+    if result.get("size_mismatch"):
+        m = result["size_mismatch"]
+        click.echo(f"note: {protocol} expects {m['expected']} images, this split has {m['images']} "
+                   "(--allow-size-mismatch): not the protocol's numbers")
     if protocol == "coco-1k":
         click.echo("mean over 5 folds:")
+    if protocol == "coco-1k-first":
+        click.echo("first 1K fold only:")
     click.echo(_line("image→text (i2t)", result["i2t"]))
     click.echo(_line("text→image (t2i)", result["t2i"]))
     click.echo(f"rsum: {result['rsum']:.1f}")

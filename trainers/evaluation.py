@@ -12,7 +12,11 @@ Metrics (``reference/scan.md`` "Evaluation", identical to the authors' ``i2t``/`
   therefore gets chance-level, not perfect, recall.
 
 Protocols: ``f30k-1k`` and ``coco-5k`` score the split as given; ``coco-1k`` cuts it into five equal folds of
-images in file order (with their captions) and reports each fold and the mean of every number over folds.
+images in file order (with their captions) and reports each fold and the mean of every number over folds
+(SEAM's "COCO-5cv"); ``coco-1k-first`` scores the first of those folds alone (the single 1K set of SEAM's
+Table 3, "COCO-1k"). Each protocol expects its split's size (:data:`EXPECTED_IMAGES`: 1,000 Flickr30K test
+images, the 5,000-image COCO test split); another size is refused unless ``allow_size_mismatch``, and is then
+recorded in the result (``size_mismatch``).
 """
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ import numpy as np
 from retr.common.errors import UserError
 from retr.trainers.data import SplitData
 
-PROTOCOLS = ("f30k-1k", "coco-1k", "coco-5k")
+PROTOCOLS = ("f30k-1k", "coco-1k", "coco-5k", "coco-1k-first")
+#: the number of images each protocol's split must have (the Karpathy test splits)
+EXPECTED_IMAGES = {"f30k-1k": 1000, "coco-1k": 5000, "coco-5k": 5000, "coco-1k-first": 5000}
 COCO_FOLDS = 5
 METRIC_KEYS = ("r1", "r5", "r10", "medr", "meanr")
 
@@ -81,10 +87,36 @@ def coco_folds(num_images: int, folds: int = COCO_FOLDS) -> list[tuple[int, int]
     return [(f * size, (f + 1) * size) for f in range(folds)]
 
 
-def protocol_metrics(sims: np.ndarray, data: SplitData, protocol: str) -> dict:
-    """Every number of ``protocol`` for ``sims`` [N_img, M] over ``data`` (folds included for ``coco-1k``)."""
+def check_split_size(protocol: str, num_images: int, allow_size_mismatch: bool = False) -> dict | None:
+    """None when the split has the protocol's size; otherwise refuse (one line), or with
+    ``allow_size_mismatch`` return ``{"expected": …, "images": …}`` for the result to record."""
     if protocol not in PROTOCOLS:
         raise UserError(f"unknown protocol {protocol!r} (expected one of {', '.join(PROTOCOLS)})")
+    expected = EXPECTED_IMAGES[protocol]
+    if num_images == expected:
+        return None
+    if not allow_size_mismatch:
+        raise UserError(f"{protocol} expects a split of {expected} images, this one has {num_images}; evaluate "
+                        "the right split, or pass --allow-size-mismatch (recorded in the result)")
+    return {"expected": expected, "images": int(num_images)}
+
+
+def protocol_metrics(sims: np.ndarray, data: SplitData, protocol: str, allow_size_mismatch: bool = False) -> dict:
+    """Every number of ``protocol`` for ``sims`` [N_img, M] over ``data`` (folds included for ``coco-1k``)."""
+    mismatch = check_split_size(protocol, data.num_images, allow_size_mismatch)
+    result = _protocol_numbers(sims, data, protocol)
+    if mismatch:
+        result["size_mismatch"] = mismatch
+    return result
+
+
+def _protocol_numbers(sims: np.ndarray, data: SplitData, protocol: str) -> dict:
+    if protocol == "coco-1k-first":
+        start, stop = coco_folds(data.num_images)[0]
+        cols = np.flatnonzero((data.caption_image >= start) & (data.caption_image < stop))
+        result = retrieval_metrics(sims[start:stop][:, cols], data.caption_image[cols] - start)
+        result.update(images=stop - start, captions=int(cols.size))
+        return result
     if protocol != "coco-1k":
         result = retrieval_metrics(sims, data.caption_image)
         result.update(images=data.num_images, captions=data.num_captions)

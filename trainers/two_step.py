@@ -31,8 +31,8 @@ import torch
 
 from retr.common.errors import UserError
 from retr.trainers.data import ImageFeatures, SplitData
-from retr.trainers.evaluation import (COCO_FOLDS, METRIC_KEYS, PROTOCOLS, coco_folds, i2t_ranks, rank_metrics,
-                                      retrieval_metrics, t2i_ranks)
+from retr.trainers.evaluation import (COCO_FOLDS, METRIC_KEYS, PROTOCOLS, check_split_size, coco_folds, i2t_ranks,
+                                     rank_metrics, retrieval_metrics, t2i_ranks)
 from retr.trainers.similarity import _concat, encode_split
 
 DEFAULT_SHORTLIST = 100
@@ -152,10 +152,21 @@ def full_scores(model, images: dict, captions: dict, image_block: int = 128, cap
 
 def two_step_protocol(model, data: SplitData, features: ImageFeatures, protocol: str,
                       device: torch.device | str = "cpu", shortlist: int = DEFAULT_SHORTLIST,
-                      precision: str = "float64", full: bool = False) -> dict:
-    """Every number of ``protocol`` for both steps; ``coco-1k`` runs each fold on its own and averages."""
-    if protocol not in PROTOCOLS:
-        raise UserError(f"unknown protocol {protocol!r} (expected one of {', '.join(PROTOCOLS)})")
+                      precision: str = "float64", full: bool = False, allow_size_mismatch: bool = False) -> dict:
+    """Every number of ``protocol`` for both steps; ``coco-1k`` runs each fold on its own and averages,
+    ``coco-1k-first`` runs the first fold only."""
+    mismatch = check_split_size(protocol, data.num_images, allow_size_mismatch)
+    result = _two_step_numbers(model, data, features, protocol, device, shortlist, precision, full)
+    if mismatch:
+        result["size_mismatch"] = mismatch
+    return result
+
+
+def _two_step_numbers(model, data: SplitData, features: ImageFeatures, protocol: str, device, shortlist: int,
+                      precision: str, full: bool) -> dict:
+    if protocol == "coco-1k-first":
+        start, stop = coco_folds(data.num_images, COCO_FOLDS)[0]
+        data, features = data.subset_images(start, stop), _SubsetFeatures(features, start)
     if protocol != "coco-1k":
         result = two_step_split(model, data, features, device, shortlist, precision, full=full)
         result.update(images=data.num_images, captions=data.num_captions)
