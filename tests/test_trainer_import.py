@@ -82,3 +82,62 @@ def test_import_rejects_wrong_vocabulary_and_files(tmp_path):
     with pytest.raises(UserError, match="not an official SCAN checkpoint"):
         CliRunner().invoke(cli, ["import-scan-checkpoint", str(bad), "--vocab", str(vocab), "--out",
                                  str(tmp_path / "r")], catch_exceptions=False)
+
+
+def _official_file(tmp_path, vocab, reference, **opt_fields):
+    img_state = {k[len("img_enc."):]: v for k, v in reference.state_dict().items() if k.startswith("img_enc.")}
+    txt_state = {k[len("txt_enc."):]: v for k, v in reference.state_dict().items() if k.startswith("txt_enc.")}
+    fields = dict(img_dim=D, embed_size=12, word_dim=6, vocab_size=len(vocab), cross_attn="t2i",
+                  agg_func="LogSumExp", raw_feature_norm="clipped_l2norm", lambda_softmax=9.0, lambda_lse=6.0,
+                  bi_gru=True, no_imgnorm=False, margin=0.2, max_violation=True, precomp_enc_type="basic",
+                  num_layers=1, data_path="/data", logger_name="runs/x")
+    opt = argparse.Namespace(**{**fields, **opt_fields})
+    path = tmp_path / f"model_best_{len(list(tmp_path.glob('model_best_*')))}.pth.tar"
+    torch.save({"epoch": 1, "model": [img_state, txt_state], "best_rsum": 1.0, "opt": opt, "Eiters": 1}, path)
+    return path
+
+
+def test_two_layer_gru_and_no_txtnorm_import_exactly(tmp_path):
+    """The official model with ``num_layers=2`` and ``no_txtnorm`` scores as retr's model with those settings."""
+    manifest, features = make_synthetic(tmp_path, images=20)
+    from retr.manifests.schema import read_manifest
+    vocab = Vocabulary.build([c for r in read_manifest(manifest, ["train"]) for c in r.captions], 4)
+    vocab_path = vocab.save(tmp_path / "vocab.json")
+    torch.manual_seed(5)
+    reference = create_model("scan", vocab_size=len(vocab), img_dim=D, embed_size=12, word_dim=6, num_layers=2,
+                             no_txtnorm=True, lambda_softmax=9.0, lambda_lse=6.0, agg="lse")
+    official = _official_file(tmp_path, vocab, reference, no_txtnorm=True)
+    state = torch.load(official, weights_only=False)
+    state["opt"].num_layers = 2
+    torch.save(state, official)
+    run = tmp_path / "imported"
+    result = CliRunner().invoke(cli, ["import-scan-checkpoint", str(official), "--vocab", str(vocab_path), "--out",
+                                      str(run)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    config = json.loads((run / "config.json").read_text())
+    assert config["model_args"]["num_layers"] == 2 and config["model_args"]["no_txtnorm"] is True
+    from retr.trainers import checkpoint as ckpt
+    model, _, _ = ckpt.load_run_model(run)
+    fs = FeatureSet(features)
+    data, _ = load_split(manifest, ["test"], vocab, fs)
+    feats = ImageFeatures(fs, data.image_ids)
+    np.testing.assert_allclose(similarity_matrix(model, data, feats, quiet=True),
+                               similarity_matrix(reference.eval(), data, feats, quiet=True), rtol=1e-12, atol=1e-12)
+    with torch.no_grad():       # the words are not normalised: an official no_txtnorm model's vectors
+        tokens = torch.tensor([data.tokens[0]])
+        words = model.encode_captions(tokens, torch.tensor([tokens.shape[1]]))["words"]
+    assert not torch.allclose(words.norm(dim=-1), torch.ones(1, tokens.shape[1]))
+
+
+@pytest.mark.parametrize("field, value, message", [("raw_feature_norm", "l1norm", "cannot run it"),
+                                                   ("raw_feature_norm", "clipped_l1norm", "cannot run it"),
+                                                   ("measure", "order", "cosine only"),
+                                                   ("mystery_flag", 3, "mystery_flag=3")])
+def test_options_retr_cannot_reproduce_are_refused_by_name(tmp_path, field, value, message):
+    vocab = Vocabulary(["a", "b"])
+    vocab_path = vocab.save(tmp_path / "v.json")
+    reference = create_model("scan", vocab_size=len(vocab), img_dim=D, embed_size=12, word_dim=6)
+    official = _official_file(tmp_path, vocab, reference, **{field: value})
+    with pytest.raises(UserError, match=message):
+        CliRunner().invoke(cli, ["import-scan-checkpoint", str(official), "--vocab", str(vocab_path), "--out",
+                                 str(tmp_path / "r")], catch_exceptions=False)

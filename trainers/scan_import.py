@@ -22,19 +22,50 @@ from retr.trainers.models import create_model
 from retr.store.vocab import Vocabulary
 
 AGG_NAMES = {"LogSumExp": "lse", "Mean": "avg", "Max": "max", "Sum": "sum"}
+#: ``opt`` fields that decide the scores, each mapped to a SCAN setting by :func:`scan_args_from_opt`
+HONOURED = ("img_dim", "embed_size", "word_dim", "num_layers", "cross_attn", "agg_func", "raw_feature_norm",
+            "lambda_softmax", "lambda_lse", "bi_gru", "no_imgnorm", "no_txtnorm", "precomp_enc_type", "margin",
+            "max_violation", "measure")
+#: ``opt`` fields that do not change a trained model's scores: paths, logging, the schedule, the CNN options of
+#: the raw-image code path (the precomputed-feature model has no CNN)
+IRRELEVANT = ("data_path", "data_name", "vocab_path", "num_epochs", "batch_size", "grad_clip", "crop_size",
+              "learning_rate", "lr_update", "workers", "log_step", "val_step", "logger_name", "model_name", "resume",
+              "reset_train", "finetune", "cnn_type", "use_restval", "vocab_size", "use_abs")
+
+
+def _check_fields(opt: dict) -> None:
+    """Refuse, by name, an ``opt`` field retr does not know (it might change the scores)."""
+    unknown = sorted(set(opt) - set(HONOURED) - set(IRRELEVANT))
+    if unknown:
+        raise UserError(f"the checkpoint's options have field(s) retr does not know: "
+                        f"{', '.join(f'{k}={opt[k]!r}' for k in unknown)}; cannot tell whether they change the scores")
 
 
 def scan_args_from_opt(opt) -> dict:
-    """SCAN constructor arguments from the official ``opt`` Namespace (their defaults where absent)."""
-    get = (lambda k, d=None: getattr(opt, k, d)) if not isinstance(opt, dict) else (lambda k, d=None: opt.get(k, d))
+    """SCAN settings from the official ``opt`` Namespace (their defaults where absent).
+
+    Every field is honoured (:data:`HONOURED`), listed as irrelevant to scoring (:data:`IRRELEVANT`) or refused
+    by name; so are values retr cannot reproduce (``l1norm``/``clipped_l1norm``, which the official code cannot
+    run either: it raises NameError; a ``measure`` other than cosine).
+    """
+    fields = dict(vars(opt)) if not isinstance(opt, dict) else dict(opt)
+    _check_fields(fields)
+    get = fields.get
     agg = get("agg_func", "LogSumExp")
     if agg not in AGG_NAMES:
         raise UserError(f"unknown agg_func {agg!r} in the checkpoint's options")
+    norm = get("raw_feature_norm", "clipped_l2norm")
+    if norm in ("l1norm", "clipped_l1norm"):
+        raise UserError(f"raw_feature_norm={norm!r}: the official code cannot run it (NameError on l1norm), so "
+                        "there are no scores to reproduce")
+    if get("measure", "cosine") != "cosine":
+        raise UserError(f"measure={get('measure')!r}: SCAN scores with cosine only; retr cannot reproduce it")
     direction = get("cross_attn", "t2i")
     lambda_lse = get("lambda_lse")
     return {"img_dim": int(get("img_dim", 2048)), "embed_size": int(get("embed_size", 1024)),
             "word_dim": int(get("word_dim", 300)), "direction": direction, "agg": AGG_NAMES[agg],
-            "norm": get("raw_feature_norm", "clipped_l2norm"), "lambda_softmax": float(get("lambda_softmax", 9.0)),
+            "norm": norm, "num_layers": int(get("num_layers", 1)), "no_txtnorm": bool(get("no_txtnorm", False)),
+            "lambda_softmax": float(get("lambda_softmax", 9.0)),
             "lambda_lse": float(lambda_lse if lambda_lse is not None else 6.0),   # the authors' fallback
             "bi_gru": bool(get("bi_gru", False)), "no_imgnorm": bool(get("no_imgnorm", False)),
             "precomp_enc_type": get("precomp_enc_type", "basic"), "margin": float(get("margin", 0.2)),

@@ -65,8 +65,8 @@ class SCAN(MatchingModel):
         self.direction, self.agg, self.norm = cfg.direction, cfg.agg, cfg.norm
         self.lambda_softmax, self.lambda_lse = float(cfg.lambda_softmax), float(cfg.lambda_lse)
         self.img_enc = RegionEncoder(img_dim, cfg.embed_size, cfg.no_imgnorm, cfg.precomp_enc_type)
-        self.txt_enc = GRUWordEncoder(vocab_size, cfg.word_dim, cfg.embed_size, bidirectional=cfg.bi_gru,
-                                      normalize=not cfg.no_txtnorm)
+        self.txt_enc = GRUWordEncoder(vocab_size, cfg.word_dim, cfg.embed_size, num_layers=cfg.num_layers,
+                                      bidirectional=cfg.bi_gru, normalize=not cfg.no_txtnorm)
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
         """``features`` [B, K, D_in], ``mask`` [B, K] → ``{"regions": [B, K, d], "mask": [B, K]}``."""
@@ -99,6 +99,7 @@ class SCANConfig:
     lambda_softmax: float = setting(9.0, "Inverse temperature λ1 of the attention.")
     lambda_lse: float = setting(6.0, "λ2 of LogSumExp aggregation.")
     bi_gru: bool = setting(True, "Bidirectional GRU, directions averaged.", flag="--bi-gru/--uni-gru")
+    num_layers: int = setting(1, "GRU layers of the caption encoder.")
     no_imgnorm: bool = setting(False, "Do not l2-normalise region vectors.", flag="--no-imgnorm")
     no_txtnorm: bool = setting(False, "Do not l2-normalise word vectors.", flag="--no-txtnorm")
     precomp_enc_type: Literal[ENCODER_TYPES] = setting("basic", "Region encoder: Linear or weight-normed.")
