@@ -7,7 +7,8 @@
   are given, it is imported and ``test`` is skipped (its images would be duplicates); the COCO 1K folds are
   then the project's usual five 1K slices of ``test`` in file order. SCAN's loader cuts ``dev`` to its first
   1,000 images; the importer keeps every row (the trainer decides what to evaluate on). Ids come from
-  ``{split}_ids.txt`` (with ``--id-prefix``) when present, else ``<scan split>_<row>``. Manifest paths are
+  ``{split}_ids.txt`` (with ``--id-prefix``; one id per image, or one per caption repeated five times in a row as
+  the released COCO files have) when present, else ``<scan split>_<row>``. Manifest paths are
   ``precomputed/<scan split>/<row>`` (there is no image file) and each record carries ``"source"``.
   SCAN's files have no boxes or labels: ``boxes`` and ``image_hw`` are zeros, ids −1, confidences 0, and the
   attribute ``placeholder_datasets`` names them.
@@ -215,7 +216,14 @@ def read_scan_split(data_dir: Path, split: str, id_prefix: str = "") -> ScanSpli
     ids_path = data_dir / f"{split}_ids.txt"
     if ids_path.is_file():
         raw_ids = [line.strip() for line in _read_lines(ids_path)]
-        if len(raw_ids) == rows and rows_per_image == CAPTIONS_PER_IMAGE:
+        if len(raw_ids) == len(captions) and len(raw_ids) != num_images:
+            # one id per caption (the released COCO files: 25,000 lines for 5,000 images), 5 in a row per image
+            grouped = [raw_ids[i:i + CAPTIONS_PER_IMAGE] for i in range(0, len(raw_ids), CAPTIONS_PER_IMAGE)]
+            bad = next((n for n, g in enumerate(grouped) if len(set(g)) != 1), None)
+            if bad is not None:
+                raise UserError(f"{ids_path} has one id per caption, but lines {bad * CAPTIONS_PER_IMAGE + 1}-"
+                                f"{bad * CAPTIONS_PER_IMAGE + CAPTIONS_PER_IMAGE} name different images "
+                                f"({', '.join(sorted(set(grouped[bad])))})")
             raw_ids = raw_ids[::CAPTIONS_PER_IMAGE]
         if len(raw_ids) != num_images:
             raise UserError(f"{ids_path} has {len(raw_ids)} ids for {num_images} images")

@@ -82,6 +82,19 @@ def test_import_scan_coco_testall_and_repeated_rows(tmp_path):
         import_scan(data, tmp_path / "out2", splits=["test", "testall"])
 
 
+def test_import_scan_accepts_one_id_per_caption(tmp_path):
+    """The released COCO ``{split}_ids.txt`` has one line per caption (25,000 for 5,000 images)."""
+    rng = np.random.default_rng(3)
+    data = tmp_path / "coco_precomp"
+    data.mkdir()
+    write_scan(data, "test", 3, rng, ids=[i for i in ("391895", "522418", "184613") for _ in range(5)])
+    summary = import_scan(data, tmp_path / "out", dtype="float32")
+    assert list(FeatureSet(summary.features).ids) == ["391895", "522418", "184613"]
+    write_scan(data, "test", 3, rng, ids=["1"] * 4 + ["2"] * 5 + ["3"] * 6)
+    with pytest.raises(UserError, match="lines 1-5 name different images"):
+        import_scan(data, tmp_path / "out2")
+
+
 def test_import_scan_rejects_inconsistent_files(tmp_path):
     rng = np.random.default_rng(2)
     write_scan(tmp_path, "train", 3, rng)
