@@ -107,3 +107,40 @@ def test_protocols_refuse_another_split_size_unless_allowed():
         with pytest.raises(Exception, match="--allow-size-mismatch"):
             check_split_size(protocol, size + 5)
         assert check_split_size(protocol, 24, allow_size_mismatch=True) == {"expected": size, "images": 24}
+
+
+def _authors_i2t_t2i(sims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The authors' evaluation loops, written out in the test: captions 5k..5k+4 belong to image k."""
+    n = sims.shape[0]
+    i2t = np.zeros(n)
+    for index in range(n):
+        inds = np.argsort(sims[index])[::-1]
+        rank = 1e20
+        for i in range(5 * index, 5 * index + 5):
+            rank = min(rank, np.where(inds == i)[0][0])
+        i2t[index] = rank
+    t2i = np.zeros(5 * n)
+    sims_t = sims.T
+    for index in range(n):
+        for i in range(5):
+            inds = np.argsort(sims_t[5 * index + i])[::-1]
+            t2i[5 * index + i] = np.where(inds == index)[0][0]
+    return i2t, t2i
+
+
+def test_official_tie_rule_equals_the_authors_loops_where_ties_differ():
+    from retr.trainers.evaluation import i2t_ranks_official, t2i_ranks_official
+
+    rng = np.random.default_rng(4)
+    sims = np.round(rng.standard_normal((30, 150)), 1)        # coarse values: many exact ties
+    sims[:, 5:10] = sims[:, 0:5]                              # identical captions of images 0 and 1 tie exactly
+    caption_image = np.arange(150) // 5
+    want_i2t, want_t2i = _authors_i2t_t2i(sims)
+    np.testing.assert_array_equal(i2t_ranks_official(sims, caption_image), want_i2t)
+    np.testing.assert_array_equal(t2i_ranks_official(sims, caption_image), want_t2i)
+    official = retrieval_metrics(sims, caption_image, ties="official")
+    pessimistic = retrieval_metrics(sims, caption_image)
+    assert official["i2t"]["r1"] == pytest.approx(100 * np.mean(want_i2t < 1))
+    assert official["i2t"]["r1"] >= pessimistic["i2t"]["r1"] and official != pessimistic
+    with pytest.raises(ValueError, match="ties must be one of"):
+        retrieval_metrics(sims, caption_image, ties="optimistic")

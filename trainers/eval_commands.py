@@ -14,7 +14,7 @@ from retr.common.errors import UserError
 from retr.store.features import FeatureSet
 from retr.trainers import checkpoint as ckpt
 from retr.trainers.data import ImageFeatures, load_split
-from retr.trainers.evaluation import PROTOCOLS, protocol_metrics
+from retr.trainers.evaluation import PROTOCOLS, TIE_RULES, protocol_metrics
 from retr.trainers.similarity import DEFAULT_PRECISION, PRECISIONS, Scorer, SplitEmbeddings, combined_matrix
 from retr.common.devices import resolve_device
 
@@ -22,7 +22,7 @@ from retr.common.devices import resolve_device
 def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features: str | None = None,
                   manifest: str | None = None, device: str = "auto", precision: str = DEFAULT_PRECISION,
                   which: str = "best", preload: bool | None = None, quiet: bool = False,
-                  trust_checkpoint: bool = False, allow_size_mismatch: bool = False):
+                  trust_checkpoint: bool = False, allow_size_mismatch: bool = False, ties: str = "pessimistic"):
     """Score ``split`` with every run, average the similarity matrices (ensemble) and apply ``protocol``.
 
     Returns ``(result dict, sims [N_img, M] float64)``. Every run's embeddings are kept until the end, so that
@@ -46,6 +46,8 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
         image_features = ImageFeatures(feature_set, data.image_ids, preload)
         if model.shortlist and len(runs) == 1:   # two-step models (MatchingModel.shortlist > 0), see two_step.py
             from retr.trainers.two_step import two_step_protocol
+            if ties != "pessimistic":
+                raise UserError("--ties official applies to one-step scoring; a two-step run ranks its shortlists")
             result = two_step_protocol(model, data, image_features, protocol, dev, model.shortlist, precision,
                                        allow_size_mismatch=allow_size_mismatch)
             result.update({k: result["two_step"][k] for k in ("i2t", "t2i", "rsum")}, protocol=protocol,
@@ -59,7 +61,7 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
                        "direction": config["model_args"].get("direction"), "features": str(feats_path)})
     stats: dict = {}
     sims = combined_matrix(scorers, precision, data.caption_image, quiet=quiet, stats=stats)
-    result = protocol_metrics(sims, data, protocol, allow_size_mismatch)
+    result = protocol_metrics(sims, data, protocol, allow_size_mismatch, ties)
     result.update(protocol=protocol, split=split, ensemble=len(runs) > 1, runs=[str(r) for r in runs],
                   models=models, precision=precision, **({"refinement": stats} if stats else {}),
                   evaluated=datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -97,6 +99,9 @@ def _line(side: str, m: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number.")
 @click.option("--save-sims", type=click.Path(dir_okay=False), default=None,
               help="Write the images × captions similarities (float64 .npy, manifest order).")
+@click.option("--ties", type=click.Choice(TIE_RULES), default="pessimistic", show_default=True,
+              help="pessimistic: a tie counts against the query; official: the authors' argsort order (gives an "
+                   "imported official checkpoint its official numbers when identical captions tie).")
 @click.option("--allow-size-mismatch", is_flag=True,
               help="Evaluate a split whose size is not the protocol's (1,000 Flickr30K / 5,000 COCO test images), "
                    "e.g. the synthetic data; recorded in the result.")
@@ -105,7 +110,7 @@ def _line(side: str, m: dict) -> str:
                    "you trust).")
 @quiet_option
 def eval_command(runs, protocol, split, features, manifest, which, precision, device, preload, as_json,
-                 save_sims, allow_size_mismatch, trust_checkpoint, quiet) -> None:
+                 save_sims, ties, allow_size_mismatch, trust_checkpoint, quiet) -> None:
     """Evaluate one run, or an ensemble of runs (their similarity matrices averaged).
 
     The result is also stored in each run's eval.json.
@@ -117,7 +122,7 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
     """
     result, sims = evaluate_runs(list(runs), protocol, split, features, manifest, device, precision, which,
                                  preload, quiet, trust_checkpoint=trust_checkpoint,
-                                 allow_size_mismatch=allow_size_mismatch)
+                                 allow_size_mismatch=allow_size_mismatch, ties=ties)
     if save_sims and sims is None:
         raise UserError("--save-sims: a two-step run has no single similarity matrix (one per direction)")
     if save_sims:
@@ -140,7 +145,7 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
         click.echo("first 1K fold only:")
     click.echo(_line("image→text (i2t)", result["i2t"]))
     click.echo(_line("text→image (t2i)", result["t2i"]))
-    click.echo(f"rsum: {result['rsum']:.1f}")
+    click.echo(f"rsum: {result['rsum']:.1f}  (ties: {result.get('ties', 'pessimistic')})")
     if "refinement" in result:
         r = result["refinement"]
         click.echo(f"precision refined: {r['rescored_pairs']} pairs ({100 * r['rescored_fraction']:.2f}%) rescored "

@@ -6,10 +6,12 @@ Metrics (``reference/scan.md`` "Evaluation", identical to the authors' ``i2t``/`
   captions are sorted by decreasing similarity; t2i: the 0-based rank of a caption's true image.
 * ``R@K = 100 · mean(rank < K)``, ``medr = floor(median(rank)) + 1``, ``meanr = mean(rank) + 1``,
   ``rsum`` = the sum of the six R@K (the true sum; the authors' 5-fold printout has a known defect).
-* Ties: the authors rank with ``np.argsort``, whose order among equal scores is unspecified. Here ties count
-  *against* the query: a rank is the number of other items scoring **at least** as high as the true one (for
-  i2t, as high as the best true caption, other true captions excluded). A model that scores everything equal
-  therefore gets chance-level, not perfect, recall.
+* Ties (``ties``): by default (``"pessimistic"``) ties count *against* the query: a rank is the number of other
+  items scoring **at least** as high as the true one (for i2t, as high as the best true caption, other true
+  captions excluded). A model that scores everything equal therefore gets chance-level, not perfect, recall.
+  ``"official"`` ranks as the authors' ``evaluation.py`` does: ``np.argsort(scores)[::-1]`` (numpy's default
+  sort) and the position of the true item (i2t: the best of the true captions' positions) in that order, so an
+  imported official checkpoint gives the official numbers even where identical captions tie (COCO has some).
 
 Protocols: ``f30k-1k`` and ``coco-5k`` score the split as given; ``coco-1k`` cuts it into five equal folds of
 images in file order (with their captions) and reports each fold and the mean of every number over folds
@@ -59,6 +61,31 @@ def t2i_ranks(sims: np.ndarray, caption_image: np.ndarray) -> np.ndarray:
     return (sims >= true[None, :]).sum(axis=0) - 1
 
 
+def i2t_ranks_official(sims: np.ndarray, caption_image: np.ndarray) -> np.ndarray:
+    """``[N_img]`` ranks as the authors' ``i2t``: each image's captions in ``np.argsort(row)[::-1]`` order, the
+    smallest position of a true caption."""
+    sims = np.asarray(sims)
+    ranks = np.empty(sims.shape[0], dtype=np.int64)
+    for i in range(sims.shape[0]):
+        position = np.empty(sims.shape[1], dtype=np.int64)
+        position[np.argsort(sims[i])[::-1]] = np.arange(sims.shape[1])
+        ranks[i] = position[caption_image == i].min()
+    return ranks
+
+
+def t2i_ranks_official(sims: np.ndarray, caption_image: np.ndarray) -> np.ndarray:
+    """``[M]`` ranks as the authors' ``t2i``: the position of the true image in ``np.argsort(column)[::-1]``."""
+    sims = np.asarray(sims)
+    ranks = np.empty(sims.shape[1], dtype=np.int64)
+    for c in range(sims.shape[1]):
+        order = np.argsort(np.ascontiguousarray(sims[:, c]))[::-1]
+        ranks[c] = int(np.flatnonzero(order == caption_image[c])[0])
+    return ranks
+
+
+TIE_RULES = ("pessimistic", "official")
+
+
 def rank_metrics(ranks: np.ndarray) -> dict[str, float]:
     """R@1/5/10 (percent), medr and meanr (1-based) of 0-based ``ranks``."""
     ranks = np.asarray(ranks)
@@ -67,15 +94,19 @@ def rank_metrics(ranks: np.ndarray) -> dict[str, float]:
             "meanr": float(np.mean(ranks)) + 1.0}
 
 
-def retrieval_metrics(sims: np.ndarray, caption_image: np.ndarray) -> dict:
-    """``{"i2t": {r1, r5, r10, medr, meanr}, "t2i": {…}, "rsum": …}`` of one similarity matrix."""
+def retrieval_metrics(sims: np.ndarray, caption_image: np.ndarray, ties: str = "pessimistic") -> dict:
+    """``{"i2t": {r1, r5, r10, medr, meanr}, "t2i": {…}, "rsum": …}`` of one similarity matrix (``ties``: see the
+    module docstring)."""
+    if ties not in TIE_RULES:
+        raise ValueError(f"ties must be one of {', '.join(TIE_RULES)}, not {ties!r}")
     caption_image = np.asarray(caption_image, dtype=np.int64)
     if not np.isfinite(sims).all():
         raise UserError("the similarity matrix contains NaN/inf (a diverged model?); cannot rank")
     if sims.ndim != 2 or sims.shape[1] != caption_image.size or caption_image.max() >= sims.shape[0]:
         raise ValueError(f"similarities {sims.shape} do not fit {caption_image.size} captions")
-    i2t = rank_metrics(i2t_ranks(sims, caption_image))
-    t2i = rank_metrics(t2i_ranks(sims, caption_image))
+    official = ties == "official"
+    i2t = rank_metrics((i2t_ranks_official if official else i2t_ranks)(sims, caption_image))
+    t2i = rank_metrics((t2i_ranks_official if official else t2i_ranks)(sims, caption_image))
     return {"i2t": i2t, "t2i": t2i, "rsum": sum(d[k] for d in (i2t, t2i) for k in ("r1", "r5", "r10"))}
 
 
@@ -101,30 +132,32 @@ def check_split_size(protocol: str, num_images: int, allow_size_mismatch: bool =
     return {"expected": expected, "images": int(num_images)}
 
 
-def protocol_metrics(sims: np.ndarray, data: SplitData, protocol: str, allow_size_mismatch: bool = False) -> dict:
+def protocol_metrics(sims: np.ndarray, data: SplitData, protocol: str, allow_size_mismatch: bool = False,
+                     ties: str = "pessimistic") -> dict:
     """Every number of ``protocol`` for ``sims`` [N_img, M] over ``data`` (folds included for ``coco-1k``)."""
     mismatch = check_split_size(protocol, data.num_images, allow_size_mismatch)
-    result = _protocol_numbers(sims, data, protocol)
+    result = _protocol_numbers(sims, data, protocol, ties)
+    result["ties"] = ties
     if mismatch:
         result["size_mismatch"] = mismatch
     return result
 
 
-def _protocol_numbers(sims: np.ndarray, data: SplitData, protocol: str) -> dict:
+def _protocol_numbers(sims: np.ndarray, data: SplitData, protocol: str, ties: str) -> dict:
     if protocol == "coco-1k-first":
         start, stop = coco_folds(data.num_images)[0]
         cols = np.flatnonzero((data.caption_image >= start) & (data.caption_image < stop))
-        result = retrieval_metrics(sims[start:stop][:, cols], data.caption_image[cols] - start)
+        result = retrieval_metrics(sims[start:stop][:, cols], data.caption_image[cols] - start, ties)
         result.update(images=stop - start, captions=int(cols.size))
         return result
     if protocol != "coco-1k":
-        result = retrieval_metrics(sims, data.caption_image)
+        result = retrieval_metrics(sims, data.caption_image, ties)
         result.update(images=data.num_images, captions=data.num_captions)
         return result
     folds = []
     for start, stop in coco_folds(data.num_images):
         cols = np.flatnonzero((data.caption_image >= start) & (data.caption_image < stop))
-        fold = retrieval_metrics(sims[start:stop][:, cols], data.caption_image[cols] - start)
+        fold = retrieval_metrics(sims[start:stop][:, cols], data.caption_image[cols] - start, ties)
         fold.update(images=stop - start, captions=int(cols.size))
         folds.append(fold)
     mean = {side: {k: float(np.mean([f[side][k] for f in folds])) for k in METRIC_KEYS} for side in ("i2t", "t2i")}
