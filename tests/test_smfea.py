@@ -122,9 +122,13 @@ def _batch(b=4, k=5, seed=5):
     return features, mask, tokens, lengths, nodes
 
 
+EQ20_AS_PRINTED = dict(fused_rank_weight=1.0, instance_rank_weight=0.0, concept_rank_weight=0.0,
+                       concept_kl_weight=0.0)
+
+
 def test_loss_is_eq_20_and_ablations_drop_terms():
     features, mask, tokens, lengths, nodes = _batch()
-    model = _model().train()
+    model = _model(**EQ20_AS_PRINTED).train()
     images = model.encode_images(features, mask)
     captions = model.encode_captions(tokens, lengths)
     scores = model.score(images, captions)
@@ -132,16 +136,51 @@ def test_loss_is_eq_20_and_ablations_drop_terms():
     from retr.trainers.losses import hinge_triplet_loss
     torch.testing.assert_close(terms["rank"], hinge_triplet_loss(scores, 0.2, True))
     ce = (node_cross_entropy(images["entity_logits"], images["relation_logits"], nodes)
-          + node_cross_entropy(captions["entity_logits"], captions["relation_logits"], nodes)).mean()
-    torch.testing.assert_close(terms["node_ce"], ce)
+          + node_cross_entropy(captions["entity_logits"], captions["relation_logits"], nodes))
+    torch.testing.assert_close(terms["node_ce"], ce.mean())
     torch.testing.assert_close(terms["node_kl"], node_kl(images, captions).mean())
     torch.testing.assert_close(model.loss(scores, images, captions, nodes), sum(terms.values()))
-    assert set(_model(kl_weight=0).loss_terms(scores, images, captions, nodes)) == {"rank", "node_ce"}
-    assert set(_model(ce_weight=0).loss_terms(scores, images, captions, nodes)) == {"rank", "node_kl"}
+    assert set(_model(kl_weight=0, **EQ20_AS_PRINTED).loss_terms(scores, images, captions, nodes)) == {"rank", "node_ce"}
+    assert set(_model(ce_weight=0, **EQ20_AS_PRINTED).loss_terms(scores, images, captions, nodes)) == {"rank", "node_kl"}
+    summed = _model(tree_loss_reduction="sum", **EQ20_AS_PRINTED).loss_terms(scores, images, captions, nodes)
+    torch.testing.assert_close(summed["node_ce"], ce.sum())
+    torch.testing.assert_close(summed["node_kl"], node_kl(images, captions).sum())
     no_trees = _model(use_trees=False).train()
     out = no_trees.encode_images(features, mask)
     assert "tree" not in out and "entity_logits" not in out
     torch.testing.assert_close(out["fused"], F.normalize(0.6 * out["instance"] + 0.2 * out["concept"], dim=-1))
+
+
+def test_default_objective_adds_cvse_terms():
+    """3·Rank(fused) + 5·Rank(instance) + 1·Rank(concept) + 2·KL(w_t ‖ w_v), plus the tree terms."""
+    from retr.trainers.losses import hinge_triplet_loss
+
+    features, mask, tokens, lengths, nodes = _batch()
+    model = _model().train()
+    images = model.encode_images(features, mask)
+    captions = model.encode_captions(tokens, lengths)
+    scores = model.score(images, captions)
+    terms = model.loss_terms(scores, images, captions, nodes)
+    torch.testing.assert_close(terms["rank"], 3 * hinge_triplet_loss(scores, 0.2, True))
+    torch.testing.assert_close(terms["rank_instance"],
+                               5 * hinge_triplet_loss(images["instance"] @ captions["instance"].t(), 0.2, True))
+    torch.testing.assert_close(terms["rank_concept"],
+                               hinge_triplet_loss(images["concept"] @ captions["concept"].t(), 0.2, True))
+    w_v, w_t = images["concept_weights"], captions["concept_weights"]
+    torch.testing.assert_close(terms["concept_kl"], 2 * (w_t * (w_t.log() - w_v.log())).sum(-1).mean())
+    assert {"node_ce", "node_kl"} <= set(terms)
+
+
+def test_text_query_norm_and_tree_residual_change_the_embeddings():
+    features, mask, tokens, lengths, _ = _batch()
+    normed, raw = _model().eval(), _model(text_query_l2norm=False).eval()
+    raw.load_state_dict(normed.state_dict())
+    with torch.no_grad():
+        a, b = normed.encode_captions(tokens, lengths), raw.encode_captions(tokens, lengths)
+    assert not torch.allclose(a["instance"], b["instance"])
+    torch.testing.assert_close(normed.encode_images(features, mask)["instance"],
+                               raw.encode_images(features, mask)["instance"])   # the image side has no such norm
+    assert normed.img_tree.residual is True and _model(tree_residual=False).img_tree.residual is False
 
 
 def test_fusion_is_eq_15_and_score_is_cosine():

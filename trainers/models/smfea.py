@@ -62,8 +62,10 @@ class MeanQueryAttention(nn.Module):
     statistics use only the unmasked positions.
     """
 
-    def __init__(self, embed_size: int, batch_norm: bool):
+    def __init__(self, embed_size: int, batch_norm: bool, normalize_query: bool = False):
         super().__init__()
+        #: l2-normalise the mean before it becomes the query (CVSE's text attention: ``l2norm(mean)``)
+        self.normalize_query = normalize_query
         self.fc_local = nn.Linear(embed_size, embed_size)
         self.fc_query = nn.Linear(embed_size, embed_size)
         self.fc_score = nn.Linear(embed_size, 1)
@@ -72,6 +74,8 @@ class MeanQueryAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         mean = masked_mean(x, mask)                                                # [B, d]
+        if self.normalize_query:
+            mean = l2norm(mean, dim=-1)
         local = self.fc_local(x)                                                   # [B, K, d]
         query = self.fc_query(mean)                                                # [B, d]
         if self.bn_local is not None:
@@ -133,7 +137,11 @@ class SMFEA(MatchingModel):
         self.img_enc = RegionEncoder(img_dim, embed_size)
         self.img_attn = MeanQueryAttention(embed_size, batch_norm=True)
         self.txt_enc = GRUWordEncoder(vocab_size, word_dim, embed_size, bidirectional=True)
-        self.txt_attn = MeanQueryAttention(embed_size, batch_norm=False)
+        self.txt_attn = MeanQueryAttention(embed_size, batch_norm=False, normalize_query=cfg.text_query_l2norm)
+        self.rank_weights = {"fused": float(cfg.fused_rank_weight), "instance": float(cfg.instance_rank_weight),
+                             "concept": float(cfg.concept_rank_weight)}
+        self.concept_kl_weight = float(cfg.concept_kl_weight)
+        self.tree_loss_reduction = cfg.tree_loss_reduction
         if self.use_trees:
             tree_args = dict(embed_size=embed_size, num_entities=num_entities, num_relations=num_relations,
                              hidden_size=tree_hidden, input_dim=tree_input_dim, forget_gate=forget_gate,
@@ -194,6 +202,8 @@ class SMFEA(MatchingModel):
             if labels is not None:
                 weights = mix_text_labels(weights, labels, self.label_ratio, self.concept_smooth)
             out["concept"] = consensus_vector(weights, concepts)
+            if self.training:   # CVSE's concept KL compares the two sides' concept distributions
+                out["concept_weights"] = weights
             fused = fused + beta_c * out["concept"]
         out["fused"] = l2norm(fused, dim=-1)
         return out
@@ -227,7 +237,17 @@ class SMFEA(MatchingModel):
 
     def loss_terms(self, scores: torch.Tensor, images: Embeddings | None, captions: Embeddings | None,
                    nodes: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        terms = {"rank": super().loss(scores)}
+        terms = {"rank": self.rank_weights["fused"] * super().loss(scores)}
+        for branch in ("instance", "concept"):
+            weight = self.rank_weights[branch]
+            if weight and images is not None and captions is not None and branch in images:
+                branch_scores = images[branch] @ captions[branch].t()
+                terms[f"rank_{branch}"] = weight * super().loss(branch_scores)
+        if self.concept_kl_weight and images is not None and captions is not None and "concept_weights" in images:
+            w_v, w_t = images["concept_weights"], captions["concept_weights"]
+            kl = (w_t * (torch.log(w_t.clamp(min=1e-12)) - torch.log(w_v.clamp(min=1e-12)))).sum(-1)
+            terms["concept_kl"] = self.concept_kl_weight * kl.mean()
+        reduce = (lambda x: x.mean()) if self.tree_loss_reduction == "mean" else (lambda x: x.sum())
         if self.use_trees and (self.ce_weight or self.kl_weight):
             if images is None or captions is None or "entity_logits" not in images:
                 raise ValueError("SMFEA's tree losses need the training-mode embeddings of both sides")
@@ -236,9 +256,9 @@ class SMFEA(MatchingModel):
                     raise ValueError("SMFEA's node cross-entropy needs the captions' referral trees (nodes [B, 7])")
                 ce = (node_cross_entropy(images["entity_logits"], images["relation_logits"], nodes)
                       + node_cross_entropy(captions["entity_logits"], captions["relation_logits"], nodes))
-                terms["node_ce"] = self.ce_weight * ce.mean()
+                terms["node_ce"] = self.ce_weight * reduce(ce)
             if self.kl_weight:
-                terms["node_kl"] = self.kl_weight * node_kl(images, captions).mean()
+                terms["node_kl"] = self.kl_weight * reduce(node_kl(images, captions))
         return terms
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
@@ -302,8 +322,9 @@ class SMFEAConfig:
     tree_input_dim: int | None = setting(None, "Tree node input size (default: the embedding size).")
     forget_gate: Literal[FORGET_GATES] = setting(
         "as-printed", "Eq. 10 as printed or Tai et al.'s per-child forget gates.")
-    tree_residual: bool = setting(False, "Add the instance feature to the tree embedding (the paper's sentence "
-                                         "on S_T).", flag="--tree-residual")
+    tree_residual: bool = setting(True, "Add the instance feature S_D to the tree embedding S_T (§3.2.2: S_T "
+                                        "includes the original instance-level feature).",
+                                  flag="--tree-residual/--no-tree-residual")
     use_trees: bool = setting(True, "VCS/TCS-Tree encoders; --no-trees is the 'w/o trees' ablation (Table 5).",
                               flag="--use-trees/--no-trees")
     beta_d: float = setting(0.6, "Fusion weight of the instance features.")
@@ -319,8 +340,23 @@ class SMFEAConfig:
     train_text_labels: Literal[TRAIN_TEXT_LABELS] = setting(
         "image", "Labels the text branch mixes in training: its image's (CVSE) or its own. Evaluation always "
                  "uses the caption's own.")
+    fused_rank_weight: float = setting(3.0, "Weight of Rank(V_F, S_F) (CVSE's 3; Eq. 20 as printed: 1).")
+    instance_rank_weight: float = setting(5.0, "Weight of CVSE's Rank(instance) (5; Eq. 20 as printed: 0).")
+    concept_rank_weight: float = setting(1.0, "Weight of CVSE's Rank(consensus concept) (1; Eq. 20 as printed: 0).")
+    concept_kl_weight: float = setting(2.0, "Weight of CVSE's KL(w_t ‖ w_v) between the concept distributions "
+                                            "(2; Eq. 20 as printed: 0).")
+    tree_loss_reduction: Literal["mean", "sum"] = setting(
+        "mean", "L_CE and D_KL over the batch: mean (the ranking term's scale) or the literal sum.")
+    text_query_l2norm: bool = setting(True, "l2-normalise the mean word vector before it queries the text "
+                                            "attention (CVSE's code).", flag="--text-query-l2norm/--raw-text-query")
     margin: float = margin_setting(0.2)
     max_violation: bool = violation_setting(True)
+
+
+#: settings whose default changed after runs were written; a stored run without the field had the old value
+SMFEA_OLD_DEFAULTS = {"tree_residual": False, "fused_rank_weight": 1.0, "instance_rank_weight": 0.0,
+                      "concept_rank_weight": 0.0, "concept_kl_weight": 0.0, "tree_loss_reduction": "mean",
+                      "text_query_l2norm": False}
 
 
 #: SMFEA §4.2: Adam 2e-4 ×0.1 every 25 epochs, 50 epochs; CVSE's label ratio r: 0.4 COCO, 0.35 Flickr30K.
@@ -336,6 +372,8 @@ def _smfea_upgrade(model_args: dict) -> tuple[dict, dict]:
     """Runs written before the spec registry kept the side files among the model's arguments."""
     inputs = {k: model_args.pop(k, None) for k in ("trees", "concepts")}
     inputs = {k: v for k, v in inputs.items() if v}
+    for name, old in SMFEA_OLD_DEFAULTS.items():
+        model_args.setdefault(name, old)
     vectors = model_args.get("concept_vectors")
     if vectors not in (None, "learned", "fixed"):
         inputs["concept_vectors"], model_args["concept_vectors"] = vectors, "fixed"
