@@ -22,13 +22,16 @@ captions of its image. In training, CVSE mixes the *image's* labels (the union o
 ``train_text_labels="image"`` (default) does that with the labels the loop passes, ``"caption"`` keeps the
 caption's own also in training.
 
-Loss (Eq. 20): ``Rank(V_F, S_F) + L_CE + D_KL`` —
+Loss: CVSE's ranking terms plus Eq. 20's tree terms (``docs/models-smfea.md`` decision 12; Eq. 20 as printed is
+``fused_rank_weight=1`` and the three CVSE weights 0): ``3·Rank(V_F, S_F) + 5·Rank(V_D, S_D) + 1·Rank(V_C, S_C) +
+2·KL(w_t ‖ w_v) + L_CE + D_KL`` —
 ``Rank``: the shared hinge loss (hardest negatives, margin 0.2, sum over the batch);
 ``L_CE`` (Eq. 18): for each pair, Σ over the 7 nodes of the cross-entropy of the image tree's and of the text
 tree's node distribution against the caption's referral tree (leaves against entity ids, inner nodes against
 relation ids; ``null`` and ``unknown`` are ordinary classes, as the paper's Figure 4 shows them predicted);
 ``D_KL`` (Eq. 19): for each pair, Σ over nodes of ``KL(P_V ‖ P_S)``. Both are averaged over the batch (the paper
-gives no batch reduction; a sum over a batch of 128 would outweigh the ranking term a hundredfold) and weighted
+gives no batch reduction; a sum over a batch of 128 would outweigh the ranking term a hundredfold;
+``tree_loss_reduction="sum"`` is the literal reading) and weighted
 by ``ce_weight``/``kl_weight`` (1 in Eq. 20). Ablations (Tables 5–7): ``use_trees=False`` (no tree encoders,
 no L_CE/D_KL, fusion ``β_d V_D + β_c V_C``), ``kl_weight=0``, ``ce_weight=0``, any ``β``.
 """
