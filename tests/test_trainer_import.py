@@ -141,3 +141,54 @@ def test_options_retr_cannot_reproduce_are_refused_by_name(tmp_path, field, valu
     with pytest.raises(UserError, match=message):
         CliRunner().invoke(cli, ["import-scan-checkpoint", str(official), "--vocab", str(vocab_path), "--out",
                                  str(tmp_path / "r")], catch_exceptions=False)
+
+
+def test_vsepp_checkpoint_imports_and_scores_as_the_official_encoders(tmp_path):
+    """fartashf/vsepp's precomputed-feature model, written out here: image ``l2norm(fc(x))``; text the GRU output
+    at the last word, l2norm; score the dot product."""
+    from torch import nn
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(7)
+    vocab = Vocabulary(["a", "dog", "runs", "cat", "sits"])
+    vocab_path = vocab.save(tmp_path / "vocab.json")
+    fc, embed, rnn = nn.Linear(D, 10), nn.Embedding(len(vocab), 6), nn.GRU(6, 10, 2, batch_first=True)
+    opt = argparse.Namespace(data_name="coco_precomp", img_dim=D, embed_size=10, word_dim=6, num_layers=2,
+                             measure="cosine", use_abs=False, no_imgnorm=False, margin=0.2, max_violation=True,
+                             learning_rate=2e-4, logger_name="runs/x", cnn_type="resnet152", finetune=False)
+    official = tmp_path / "model_best.pth.tar"
+    torch.save({"epoch": 3, "model": [{f"fc.{k}": v for k, v in fc.state_dict().items()}, {**{f"embed.{k}": v for k, v in embed.state_dict().items()},
+                                                         **{f"rnn.{k}": v for k, v in rnn.state_dict().items()}}],
+                "best_rsum": 1.0, "opt": opt, "Eiters": 5}, official)
+    run = tmp_path / "imported"
+    result = CliRunner().invoke(cli, ["import-vsepp-checkpoint", str(official), "--vocab", str(vocab_path), "--out",
+                                      str(run)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    from retr.trainers import checkpoint as ckpt
+    model, _, config = ckpt.load_run_model(run)
+    assert config["model"] == "vsepp" and config["model_args"]["num_layers"] == 2
+    images = torch.randn(3, 1, D)
+    tokens = torch.tensor([[1, 5, 6, 2, 0], [1, 7, 2, 0, 0], [1, 5, 8, 6, 2]])
+    lengths = torch.tensor([4, 3, 5])
+    with torch.no_grad():
+        want_img = F_normalize(fc(images[:, 0]))
+        out, _ = rnn(pack_padded_sequence(embed(tokens), lengths, batch_first=True, enforce_sorted=False))
+        out, _ = pad_packed_sequence(out, batch_first=True)
+        want_cap = F_normalize(out[torch.arange(3), lengths - 1])
+        got = model.score(model.encode_images(images, torch.ones(3, 1, dtype=torch.bool)),
+                          model.encode_captions(tokens, lengths))
+    torch.testing.assert_close(got, want_img @ want_cap.t(), rtol=1e-5, atol=1e-6)
+    for bad, message in ((dict(measure="order"), "cosine only"), (dict(use_abs=True), "absolute value"),
+                         (dict(data_name="coco"), "raw images"), (dict(strange=1), "strange=1")):
+        opt2 = argparse.Namespace(**{**vars(opt), **bad})
+        state = torch.load(official, weights_only=False)
+        state["opt"] = opt2
+        bad_file = tmp_path / "bad.pth.tar"
+        torch.save(state, bad_file)
+        with pytest.raises(UserError, match=message):
+            CliRunner().invoke(cli, ["import-vsepp-checkpoint", str(bad_file), "--vocab", str(vocab_path), "--out",
+                                     str(tmp_path / "r")], catch_exceptions=False)
+
+
+def F_normalize(x):
+    return x / (x.norm(dim=-1, keepdim=True) + 1e-8)

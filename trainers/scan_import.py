@@ -72,13 +72,8 @@ def scan_args_from_opt(opt) -> dict:
             "max_violation": bool(get("max_violation", False))}
 
 
-def import_scan_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out: str | Path,
-                           trust_checkpoint: bool = False) -> Path:
-    """Write a run directory ``out`` from an official SCAN checkpoint and its vocabulary.
-
-    The file is read without running code: tensors, plain types and exactly ``argparse.Namespace`` (the
-    official ``opt``); anything else needs ``trust_checkpoint``."""
-    checkpoint, out = Path(checkpoint), Path(out)
+def _load_official(checkpoint: Path, out: Path, trust_checkpoint: bool, kind: str) -> dict:
+    """The official ``{'model': [img_enc, txt_enc], 'opt', 'epoch', …}`` file, read without running code."""
     if not checkpoint.is_file():
         raise UserError(f"checkpoint {checkpoint} does not exist")
     if (out / ckpt.BEST).exists():
@@ -86,33 +81,89 @@ def import_scan_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out: 
     state = ckpt.load_checkpoint(checkpoint, trust=trust_checkpoint, allow=(argparse.Namespace,))
     if not isinstance(state, dict) or "model" not in state or "opt" not in state \
             or not isinstance(state["model"], (list, tuple)) or len(state["model"]) != 2:
-        raise UserError(f"{checkpoint} is not an official SCAN checkpoint "
+        raise UserError(f"{checkpoint} is not an official {kind} checkpoint "
                         "(expected {'model': [img_enc, txt_enc], 'opt': …, 'epoch': …})")
+    return state
+
+
+def _write_run(checkpoint: Path, vocab_path: str | Path, out: Path, state: dict, model_name: str, args: dict) -> Path:
+    """Load the official encoders' states into retr's model and write the run directory."""
     vocab = Vocabulary.load(vocab_path)
-    args = scan_args_from_opt(state["opt"])
     img_state, txt_state = state["model"]
     vocab_rows = txt_state["embed.weight"].shape[0] if "embed.weight" in txt_state else None
     if vocab_rows != len(vocab):
         raise UserError(f"{vocab_path} has {len(vocab)} words but the checkpoint's embedding has {vocab_rows} rows; "
                         "use the vocabulary the model was trained with")
     args["vocab_size"] = len(vocab)
-    model = create_model("scan", **args)
+    model = create_model(model_name, **args)
     merged = {f"img_enc.{k}": v for k, v in img_state.items()}
     merged.update({f"txt_enc.{k}": v for k, v in txt_state.items()})
     try:
         model.load_state_dict(merged)
     except RuntimeError as exc:
-        raise UserError(f"{checkpoint} does not match SCAN with its own options: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"{checkpoint} does not match {model_name} with its own options: "
+                        f"{' '.join(str(exc).split())}") from None
     out.mkdir(parents=True, exist_ok=True)
     vocab.save(out / ckpt.VOCAB)
     epoch = int(state.get("epoch", 0))
-    ckpt.write_json(out / ckpt.CONFIG, {"model": "scan", "model_args": args, "features": None, "manifest": None,
+    ckpt.write_json(out / ckpt.CONFIG, {"model": model_name, "model_args": args, "features": None, "manifest": None,
                                          "imported_from": str(checkpoint), "epoch": epoch,
                                          "best_rsum": float(state.get("best_rsum", 0.0) or 0.0),
                                          "retr_version": __version__})
     ckpt.save_checkpoint(out / ckpt.BEST, {"model": model.state_dict(), "vocab": vocab.to_json(), "epoch": epoch,
                                            "imported_from": str(checkpoint)})
     return out
+
+
+def import_scan_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out: str | Path,
+                           trust_checkpoint: bool = False) -> Path:
+    """Write a run directory ``out`` from an official SCAN checkpoint and its vocabulary.
+
+    The file is read without running code: tensors, plain types and exactly ``argparse.Namespace`` (the
+    official ``opt``); anything else needs ``trust_checkpoint``."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    state = _load_official(checkpoint, out, trust_checkpoint, "SCAN")
+    return _write_run(checkpoint, vocab_path, out, state, "scan", scan_args_from_opt(state["opt"]))
+
+
+#: fartashf/vsepp ``opt`` fields that decide the scores (the rest: :data:`IRRELEVANT`)
+VSEPP_HONOURED = ("img_dim", "embed_size", "word_dim", "num_layers", "no_imgnorm", "margin", "max_violation",
+                  "measure", "use_abs")
+VSEPP_IRRELEVANT = tuple(f for f in IRRELEVANT if f != "use_abs") + ("precomp_enc_type",)
+
+
+def vsepp_args_from_opt(opt) -> dict:
+    """VSE++ settings from the official ``opt`` of fartashf/vsepp (precomputed-feature model only).
+
+    Honoured: sizes, ``num_layers``, ``no_imgnorm``, margin and hardest negatives. Refused by name: ``measure``
+    other than cosine (order embeddings), ``use_abs`` (retr's VSE++ has no absolute value), a model on raw images
+    (``data_name`` not ``*_precomp``: its CNN is part of the checkpoint), unknown fields.
+    """
+    fields = dict(vars(opt)) if not isinstance(opt, dict) else dict(opt)
+    unknown = sorted(set(fields) - set(VSEPP_HONOURED) - set(VSEPP_IRRELEVANT))
+    if unknown:
+        raise UserError(f"the checkpoint's options have field(s) retr does not know: "
+                        f"{', '.join(f'{k}={fields[k]!r}' for k in unknown)}; cannot tell whether they change the scores")
+    if fields.get("measure", "cosine") != "cosine":
+        raise UserError(f"measure={fields['measure']!r}: retr's VSE++ scores with cosine only")
+    if fields.get("use_abs"):
+        raise UserError("use_abs=True: retr's VSE++ takes no absolute value of the embeddings")
+    data_name = str(fields.get("data_name", "_precomp"))
+    if not data_name.endswith("_precomp"):
+        raise UserError(f"data_name={data_name!r}: a VSE++ model on raw images (its CNN is in the checkpoint); retr "
+                        "imports the precomputed-feature model (*_precomp)")
+    return {"img_dim": int(fields.get("img_dim", 4096)), "embed_size": int(fields.get("embed_size", 1024)),
+            "word_dim": int(fields.get("word_dim", 300)), "num_layers": int(fields.get("num_layers", 1)),
+            "no_imgnorm": bool(fields.get("no_imgnorm", False)), "bi_gru": False,
+            "margin": float(fields.get("margin", 0.2)), "max_violation": bool(fields.get("max_violation", False))}
+
+
+def import_vsepp_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out: str | Path,
+                            trust_checkpoint: bool = False) -> Path:
+    """Write a run directory ``out`` from an official VSE++ (fartashf/vsepp) precomputed-feature checkpoint."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    state = _load_official(checkpoint, out, trust_checkpoint, "VSE++")
+    return _write_run(checkpoint, vocab_path, out, state, "vsepp", vsepp_args_from_opt(state["opt"]))
 
 
 @click.command("import-scan-checkpoint")
@@ -136,4 +187,29 @@ def import_scan_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
           --manifest data/coco/manifest.jsonl
     """
     import_scan_checkpoint(checkpoint, vocab_path, out, trust_checkpoint)
+    click.echo(f"imported {checkpoint} → {out}")
+
+
+@click.command("import-vsepp-checkpoint")
+@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.option("--vocab", "vocab_path", required=True, type=click.Path(dir_okay=False),
+              help="The {name}_vocab.json the model was trained with.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory to create.")
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Read a checkpoint that holds Python objects besides tensors and the official argparse "
+                   "Namespace (they can run code: only for files you trust).")
+def import_vsepp_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
+    """Turn an official VSE++ checkpoint (fartashf/vsepp, *_precomp model) into a run `retr-train eval` evaluates.
+
+    A command of its own (not an option of import-scan-checkpoint): the two files look alike but hold other
+    encoders and options, and a wrong guess would load silently.
+
+    \b
+    Example:
+      retr-train import-vsepp-checkpoint runs/coco_vse++_resnet_restval/model_best.pth.tar \\
+          --vocab vocab/coco_precomp_vocab.json --out runs/vsepp-official-coco
+      retr-train eval runs/vsepp-official-coco --protocol coco-1k --features data/coco/features/resnet-precomp.h5 \\
+          --manifest data/coco/manifest.jsonl
+    """
+    import_vsepp_checkpoint(checkpoint, vocab_path, out, trust_checkpoint)
     click.echo(f"imported {checkpoint} → {out}")

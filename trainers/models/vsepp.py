@@ -37,7 +37,8 @@ class VSEPP(MatchingModel):
         no_imgnorm, precomp_enc_type = cfg.no_imgnorm, cfg.precomp_enc_type
         self.crops = cfg.crops
         self.img_enc = RegionEncoder(img_dim, embed_size, no_imgnorm, precomp_enc_type)
-        self.txt_enc = GRUSentenceEncoder(vocab_size, word_dim, embed_size, bidirectional=bi_gru)
+        self.txt_enc = GRUSentenceEncoder(vocab_size, word_dim, embed_size, num_layers=cfg.num_layers,
+                                          bidirectional=bi_gru)
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
         """``features`` [B, K, D_in], ``mask`` [B, K] → ``{"vector": [B, d]}`` (masked mean over K — or, with
@@ -65,6 +66,7 @@ class VSEPPConfig:
     embed_size: int = embed_size_setting(1024)
     word_dim: int = word_dim_setting(300)
     bi_gru: bool = setting(False, "Caption GRU direction (VSE++: unidirectional).", flag="--bi-gru/--uni-gru")
+    num_layers: int = setting(1, "GRU layers of the caption encoder.")
     no_imgnorm: bool = setting(False, "Do not l2-normalise the image vector.", flag="--no-imgnorm")
     precomp_enc_type: Literal[ENCODER_TYPES] = setting("basic", "Image encoder: Linear or weight-normed.")
     crops: Literal["mean", "centre"] = setting(
