@@ -166,14 +166,22 @@ def import_vsepp_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out:
     return _write_run(checkpoint, vocab_path, out, state, "vsepp", vsepp_args_from_opt(state["opt"]))
 
 
+def _import_options(f):
+    """The options both importers take: the vocabulary, the run to create, the trust opt-in."""
+    for option in reversed([
+            click.option("--vocab", "vocab_path", required=True, type=click.Path(dir_okay=False),
+                         help="The {name}_vocab.json the model was trained with."),
+            click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory to create."),
+            click.option("--trust-checkpoint", is_flag=True,
+                         help="Read a checkpoint that holds Python objects besides tensors and the official "
+                              "argparse Namespace (they can run code: only for files you trust).")]):
+        f = option(f)
+    return f
+
+
 @click.command("import-scan-checkpoint")
 @click.argument("checkpoint", type=click.Path(dir_okay=False))
-@click.option("--vocab", "vocab_path", required=True, type=click.Path(dir_okay=False),
-              help="The {name}_vocab.json the model was trained with.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory to create.")
-@click.option("--trust-checkpoint", is_flag=True,
-              help="Read a checkpoint that holds Python objects besides tensors and the official argparse "
-                   "Namespace (they can run code: only for files you trust).")
+@_import_options
 def import_scan_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
     """Turn an official SCAN checkpoint into a run that `retr-train eval` can evaluate.
 
@@ -192,12 +200,7 @@ def import_scan_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
 
 @click.command("import-vsepp-checkpoint")
 @click.argument("checkpoint", type=click.Path(dir_okay=False))
-@click.option("--vocab", "vocab_path", required=True, type=click.Path(dir_okay=False),
-              help="The {name}_vocab.json the model was trained with.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory to create.")
-@click.option("--trust-checkpoint", is_flag=True,
-              help="Read a checkpoint that holds Python objects besides tensors and the official argparse "
-                   "Namespace (they can run code: only for files you trust).")
+@_import_options
 def import_vsepp_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
     """Turn an official VSE++ checkpoint (fartashf/vsepp, *_precomp model) into a run `retr-train eval` evaluates.
 
