@@ -101,7 +101,7 @@ def test_node_kl_direct_formula():
 def _model(**kw) -> SMFEA:
     torch.manual_seed(4)
     args = dict(vocab_size=30, num_entities=9, num_relations=6, num_concepts=5, img_dim=12, embed_size=16,
-                word_dim=8, tree_hidden=6)
+                word_dim=8, tree_hidden=6, num_regions=5)
     args.update(kw)
     model = SMFEA(**args)
     token_concepts = torch.full((30,), -1, dtype=torch.long)
@@ -291,7 +291,7 @@ def _prepare_synthetic(tmp_path, images):
 
 
 TINY = ["--embed-size", "64", "--word-dim", "32", "--tree-hidden", "16", "--batch-size", "50", "--lr", "2e-3",
-        "--device", "cpu", "--quiet", "--val-images", "20"]
+        "--device", "cpu", "--quiet", "--val-images", "20", "--num-regions", "4"]
 
 
 @pytest.mark.slow
@@ -412,3 +412,28 @@ def test_one_pair_batch_contributes_nothing():
     loss = model(features[:1], mask[:1], tokens[:1], lengths[:1], nodes=nodes[:1])
     loss.backward()
     assert float(loss.detach()) == 0.0
+
+
+def test_instance_bn_over_region_positions_and_attention_dropout():
+    """CVSE's image attention: BatchNorm1d over the region positions of ``fc1 v`` and dropout after each tanh."""
+    features, mask, _, _, _ = _batch()
+    regions, by_feature = _model(), _model(instance_bn="features")
+    assert regions.img_attn.bn_local.num_features == 5 and by_feature.img_attn.bn_local.num_features == 16
+    attn = regions.img_attn.train()
+    local = attn.fc_local(regions.img_enc(features))                             # [B, K, d]
+    normed = attn.bn_local(local)
+    mean, var = local.mean(dim=(0, 2)), local.var(dim=(0, 2), unbiased=False)   # statistics per position
+    torch.testing.assert_close(normed, (local - mean.view(1, -1, 1)) / (var.view(1, -1, 1) + 1e-5).sqrt(),
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="num_regions is 36"):
+        _model(num_regions=36).encode_images(features, mask)
+    assert regions.img_attn.dropout.p == 0.4 and regions.txt_attn.dropout.p == 0.4
+    regions.train()
+    torch.manual_seed(0)
+    a = regions.encode_images(features, mask)["instance"]
+    torch.manual_seed(1)
+    b = regions.encode_images(features, mask)["instance"]
+    assert not torch.allclose(a, b)                     # dropout in training
+    regions.eval()
+    torch.testing.assert_close(regions.encode_images(features, mask)["instance"],
+                               regions.encode_images(features, mask)["instance"])

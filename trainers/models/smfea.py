@@ -65,14 +65,22 @@ class MeanQueryAttention(nn.Module):
     statistics use only the unmasked positions.
     """
 
-    def __init__(self, embed_size: int, batch_norm: bool, normalize_query: bool = False):
+    def __init__(self, embed_size: int, batch_norm: bool, normalize_query: bool = False, bn_axis: str = "features",
+                 num_regions: int = 36, dropout: float = 0.0):
         super().__init__()
+        if bn_axis not in ("features", "regions"):
+            raise ValueError(f"instance_bn must be features or regions, not {bn_axis!r}")
+        #: CVSE batch-normalises the local path over the region positions (``BatchNorm1d(36)``), unmasked
+        self.bn_axis, self.num_regions = bn_axis, int(num_regions)
+        #: CVSE's dropout after each tanh of the attention (0.4 in its runs)
+        self.dropout = nn.Dropout(dropout)
         #: l2-normalise the mean before it becomes the query (CVSE's text attention: ``l2norm(mean)``)
         self.normalize_query = normalize_query
         self.fc_local = nn.Linear(embed_size, embed_size)
         self.fc_query = nn.Linear(embed_size, embed_size)
         self.fc_score = nn.Linear(embed_size, 1)
-        self.bn_local = nn.BatchNorm1d(embed_size) if batch_norm else None
+        self.bn_local = (nn.BatchNorm1d(num_regions if bn_axis == "regions" else embed_size) if batch_norm
+                         else None)
         self.bn_query = nn.BatchNorm1d(embed_size) if batch_norm else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -81,11 +89,17 @@ class MeanQueryAttention(nn.Module):
             mean = l2norm(mean, dim=-1)
         local = self.fc_local(x)                                                   # [B, K, d]
         query = self.fc_query(mean)                                                # [B, d]
-        if self.bn_local is not None:
+        if self.bn_local is not None and self.bn_axis == "regions":
+            if local.shape[1] != self.num_regions:
+                raise ValueError(f"num_regions is {self.num_regions} (instance_bn='regions' normalises each region "
+                                 f"position), but the features have {local.shape[1]} regions")
+            local = self.bn_local(local)                                           # [B, K, d]: per position
+            query = self.bn_query(query)
+        elif self.bn_local is not None:
             valid = local[mask]                                                    # [n_valid, d]
             local = local.masked_scatter(mask.unsqueeze(-1), self.bn_local(valid).to(local.dtype))
             query = self.bn_query(query)
-        h = torch.tanh(local) * torch.tanh(query).unsqueeze(1)
+        h = self.dropout(torch.tanh(local)) * self.dropout(torch.tanh(query)).unsqueeze(1)
         alpha = masked_softmax(self.fc_score(h).squeeze(-1), mask)               # [B, K]
         return l2norm((alpha.unsqueeze(-1) * x).sum(1), dim=-1)
 
@@ -138,9 +152,11 @@ class SMFEA(MatchingModel):
         self.train_text_labels = train_text_labels
         self.num_concepts = int(num_concepts)
         self.img_enc = RegionEncoder(img_dim, embed_size)
-        self.img_attn = MeanQueryAttention(embed_size, batch_norm=True)
+        self.img_attn = MeanQueryAttention(embed_size, batch_norm=True, bn_axis=cfg.instance_bn,
+                                           num_regions=cfg.num_regions, dropout=cfg.attention_dropout)
         self.txt_enc = GRUWordEncoder(vocab_size, word_dim, embed_size, bidirectional=True)
-        self.txt_attn = MeanQueryAttention(embed_size, batch_norm=False, normalize_query=cfg.text_query_l2norm)
+        self.txt_attn = MeanQueryAttention(embed_size, batch_norm=False, normalize_query=cfg.text_query_l2norm,
+                                           dropout=cfg.attention_dropout)
         self.rank_weights = {"fused": float(cfg.fused_rank_weight), "instance": float(cfg.instance_rank_weight),
                              "concept": float(cfg.concept_rank_weight)}
         self.concept_kl_weight = float(cfg.concept_kl_weight)
@@ -352,6 +368,11 @@ class SMFEAConfig:
         "mean", "L_CE and D_KL over the batch: mean (the ranking term's scale) or the literal sum.")
     text_query_l2norm: bool = setting(True, "l2-normalise the mean word vector before it queries the text "
                                             "attention (CVSE's code).", flag="--text-query-l2norm/--raw-text-query")
+    instance_bn: Literal["regions", "features"] = setting(
+        "regions", "Image attention batch norm over the region positions (CVSE's BatchNorm1d(36), unmasked) or over "
+                   "the features (masked statistics).")
+    num_regions: int = setting(36, "Regions per image for instance_bn=regions (bottom-up features: 36).")
+    attention_dropout: float = setting(0.4, "Dropout after each tanh of the instance attention (CVSE's 0.4).")
     margin: float = margin_setting(0.2)
     max_violation: bool = violation_setting(True)
 
@@ -359,7 +380,7 @@ class SMFEAConfig:
 #: settings whose default changed after runs were written; a stored run without the field had the old value
 SMFEA_OLD_DEFAULTS = {"tree_residual": False, "fused_rank_weight": 1.0, "instance_rank_weight": 0.0,
                       "concept_rank_weight": 0.0, "concept_kl_weight": 0.0, "tree_loss_reduction": "mean",
-                      "text_query_l2norm": False}
+                      "text_query_l2norm": False, "instance_bn": "features", "attention_dropout": 0.0}
 
 
 #: SMFEA §4.2: Adam 2e-4 ×0.1 every 25 epochs, 50 epochs; CVSE's label ratio r: 0.4 COCO, 0.35 Flickr30K.
