@@ -267,8 +267,11 @@ import click  # noqa: E402  (kept next to the command it serves)
 @click.option("--verbs", type=click.IntRange(min=0), default=DEFAULT_VERBS, show_default=True)
 @click.option("--train-splits", default="train,restval", show_default=True,
               help="Splits whose captions define the vocabulary and the graph.")
+@click.option("--select", type=click.Choice(["pos", "frequency"]), default="pos", show_default=True,
+              help="pos: CVSE's nouns/adjectives/verbs from --conllu (the reading that reproduces CVSE/SMFEA); "
+                   "frequency: the most frequent non-function words, without part-of-speech tags or lemmas.")
 def build_concepts_command(manifest: Path, out: Path, conllu: Path | None, nouns: int, adjectives: int,
-                           verbs: int, train_splits: str) -> None:
+                           verbs: int, train_splits: str, select: str) -> None:
     """Build SMFEA/CVSE concept data: vocabulary, caption/image multi-hot labels, co-occurrence graph.
 
     The vocabulary is the most frequent training nouns, adjectives and verbs (CVSE: 210/60/30); the graph is
@@ -279,6 +282,13 @@ def build_concepts_command(manifest: Path, out: Path, conllu: Path | None, nouns
       retr-pipeline build-concepts --manifest data/synthetic/manifest.jsonl \\
           --conllu data/synthetic/captions.conllu --out data/synthetic/concepts.h5
     """
+    if select == "pos" and conllu is None:
+        raise UserError("build-concepts needs part-of-speech tags for CVSE's 210 nouns / 60 adjectives / 30 verbs: "
+                        "give --conllu FILE (a CoNLL-U parse of the captions), or --select frequency for the "
+                        "POS-free fallback")
+    if select == "frequency":
+        conllu = None
+        click.echo("note: --select frequency: concepts are the most frequent words, not CVSE's POS split", err=True)
     splits = tuple(s.strip() for s in train_splits.split(",") if s.strip())
     data = build_concepts_file(manifest, out, conllu, nouns, adjectives, verbs, splits)
     parts = Counter(data.pos)

@@ -129,3 +129,16 @@ def test_build_concepts_command_on_synthetic(tmp_path):
     assert np.isfinite(adjacency).all() and (np.diag(adjacency) > 0).all()
     bad = CliRunner().invoke(cli, ["build-concepts", "--manifest", str(tmp_path / "none.jsonl"), "--out", str(out)])
     assert bad.exit_code != 0
+
+
+def test_build_concepts_without_pos_tags_needs_an_explicit_choice(tmp_path, run_cli):
+    from retr.manifests.synthetic import generate_synthetic
+
+    generate_synthetic(tmp_path / "s", 20, seed=2)
+    manifest, out = tmp_path / "s" / "manifest.jsonl", tmp_path / "concepts.h5"
+    code, _, err = run_cli.as_user("pipeline", "build-concepts", "--manifest", manifest, "--out", out)
+    assert code != 0 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert "--conllu" in err and "--select frequency" in err and not out.exists()
+    result = run_cli("pipeline", "build-concepts", "--manifest", manifest, "--out", out, "--select", "frequency",
+                     "--nouns", "4", "--adjectives", "2", "--verbs", "1")
+    assert ConceptSet(out).attrs["pos_source"] == "frequency" and "POS from frequency" in result.output
