@@ -170,7 +170,7 @@ MODELS = {
     "jgcar": ("jgcar", dict(vocab_size=30, img_dim=8, embed_size=6, word_dim=5, hidden_size=7, num_regions=9,
                             max_words=8, dropout=0.0, num_negatives=3), (9, 8)),
     "smfea": ("smfea", dict(vocab_size=30, num_entities=5, num_relations=4, num_concepts=3, img_dim=8,
-                            embed_size=8, word_dim=4, tree_hidden=4), (6, 8)),
+                            embed_size=8, word_dim=4, tree_hidden=4, num_regions=6), (6, 8)),
 }
 
 
