@@ -11,7 +11,9 @@ captions). The part of speech needs a tagger; retr downloads none, so:
 * with ``--conllu`` (CoNLL-U of every caption, ``# sent_id = <caption key>``, e.g. the synthetic dataset's gold
   ``captions.conllu`` or the file ``parse-trees`` reads): words are the LEMMA column, lower-cased; UPOS NOUN and
   PROPN count as nouns, ADJ as adjectives, VERB as verbs. Frequency = number of training tokens.
-* without it (**frequency fallback**, ``pos_source="frequency"``): words are the lower-cased tokens of the
+* with ``--select frequency`` instead (**frequency fallback**, ``pos_source="frequency"``; without ``--conllu``
+  and without it the command refuses in one line, since no tagger works offline: NLTK's needs downloaded data,
+  stanza its models): words are the lower-cased tokens of the
   trainer's tokenizer (:func:`retr.store.vocab.tokenize`), closed-class words (:data:`~retr.store.vocab.FUNCTION_WORDS`:
   determiners, pronouns, prepositions, conjunctions, auxiliaries, numerals) and tokens without a letter are
   dropped, and the ``nouns + adjectives + verbs`` most frequent remaining words are taken with POS ``ANY``.
@@ -261,7 +263,7 @@ import click  # noqa: E402  (kept next to the command it serves)
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="concepts.h5 to write.")
 @click.option("--conllu", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="CoNLL-U of every caption (# sent_id = <image id>#<k>): lemmas and POS. "
-                   "Without it: frequency fallback (no POS split, no lemmas).")
+                   "Required unless --select frequency.")
 @click.option("--nouns", type=click.IntRange(min=0), default=DEFAULT_NOUNS, show_default=True)
 @click.option("--adjectives", type=click.IntRange(min=0), default=DEFAULT_ADJECTIVES, show_default=True)
 @click.option("--verbs", type=click.IntRange(min=0), default=DEFAULT_VERBS, show_default=True)
@@ -284,8 +286,9 @@ def build_concepts_command(manifest: Path, out: Path, conllu: Path | None, nouns
     """
     if select == "pos" and conllu is None:
         raise UserError("build-concepts needs part-of-speech tags for CVSE's 210 nouns / 60 adjectives / 30 verbs: "
-                        "give --conllu FILE (a CoNLL-U parse of the captions), or --select frequency for the "
-                        "POS-free fallback")
+                        "give --conllu FILE (the captions tagged with UPOS and lemmas, e.g. by stanza's "
+                        "tokenize,pos,lemma with the models of `retr-pipeline fetch-parser-models`), or "
+                        "--select frequency for the POS-free fallback")
     if select == "frequency":
         conllu = None
         click.echo("note: --select frequency: concepts are the most frequent words, not CVSE's POS split", err=True)

@@ -138,7 +138,7 @@ def test_build_concepts_without_pos_tags_needs_an_explicit_choice(tmp_path, run_
     manifest, out = tmp_path / "s" / "manifest.jsonl", tmp_path / "concepts.h5"
     code, _, err = run_cli.as_user("pipeline", "build-concepts", "--manifest", manifest, "--out", out)
     assert code != 0 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
-    assert "--conllu" in err and "--select frequency" in err and not out.exists()
+    assert "--conllu" in err and "--select frequency" in err and "fetch-parser-models" in err and not out.exists()
     result = run_cli("pipeline", "build-concepts", "--manifest", manifest, "--out", out, "--select", "frequency",
                      "--nouns", "4", "--adjectives", "2", "--verbs", "1")
     assert ConceptSet(out).attrs["pos_source"] == "frequency" and "POS from frequency" in result.output

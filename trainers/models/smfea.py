@@ -4,16 +4,23 @@ branches. Decisions the paper leaves open are listed in ``docs/models-smfea.md``
 Image side (``encode_images``), regions ``[B, K, D_in]`` with mask ``[B, K]``:
 
 1. regions → ``Linear(D_in → d)`` (Xavier, SCAN's ``RegionEncoder``) → l2norm per region: ``v_i`` [B, K, d];
-2. instance feature (Eq. 1–3, CVSE's form): ``h_i = tanh(BN(fc1 v_i)) ⊙ tanh(BN(fc2 v̄))``, ``α = softmax_i(fc3 h_i)``,
-   ``V_D = l2norm(Σ α_i v_i)`` with ``v̄`` the mean of the real regions (padding regions get no weight and are left
-   out of the mean and of the batch-norm statistics);
+2. instance feature (Eq. 1–3, CVSE's form): ``h_i = drop(tanh(BN_K(fc1 v_i))) ⊙ drop(tanh(BN_d(fc2 v̄)))``,
+   ``α = softmax_i(fc3 h_i)``, ``V_D = l2norm(Σ α_i v_i)``, ``v̄`` the raw (not normalised, as CVSE) mean of the
+   real regions. ``BN_K`` is CVSE's ``BatchNorm1d(36)``: statistics per region *position* over batch × features
+   (``instance_bn="regions"``, needs exactly ``num_regions`` regions; padded regions would enter their position's
+   training statistics, but bottom-up sets have no padding); ``instance_bn="features"`` normalises each feature
+   over the real regions only. ``drop``: CVSE's dropout 0.4 (``attention_dropout``);
 3. VCS-Tree (:class:`~retr.trainers.models.tree_lstm.StructuredTreeEncoder`): node logits and ``V_T`` [B, d];
 4. consensus concepts (:mod:`~retr.trainers.models.concepts`): ``w_v`` [B, C] and ``V_C = l2norm(w_v · C)``;
 5. ``V_F = l2norm(β_d V_D + β_t V_T + β_c V_C)`` (Eq. 15; normalised so the score is the cosine of Eq. 17).
 
-Caption side (``encode_captions``), tokens ``[B, L]``: bi-GRU words (directions averaged, l2norm per word), the same
-attention without batch norm and with padding masked (CVSE does not mask it — a defect we do not copy), TCS-Tree,
-concepts with the text label mixing ``w_t = r·softmax(10·y) + (1−r)·w`` and ``S_F`` likewise.
+Caption side (``encode_captions``), tokens ``[B, L]``: word embeddings with CVSE's dropout 0.4 (``word_dropout``),
+bi-GRU words (directions averaged, l2norm per word), the same attention without batch norm, padding masked and
+the mean query l2-normalised (``text_query_l2norm``, CVSE's ``l2norm(mean)``). CVSE masks nothing, but its padded
+word vectors are 0 and its output is l2-normalised, so with the normalised query this *is* CVSE's text attention
+(``tests/test_smfea.py`` checks it against CVSE's form). TCS-Tree, concepts with the text label mixing
+``w_t = r·softmax(10·y) + (1−r)·w`` and ``S_F`` likewise. The concept attention has no dropout (CVSE's, with its
+batch norm and tanh, has none either).
 
 The concept labels ``y`` of a caption come from **its own tokens** through the buffer ``token_concepts`` [V]
 (vocabulary id → concept id, −1 for none; set by the training command from ``concepts.h5``). So at evaluation a
@@ -22,15 +29,20 @@ captions of its image. In training, CVSE mixes the *image's* labels (the union o
 ``train_text_labels="image"`` (default) does that with the labels the loop passes, ``"caption"`` keeps the
 caption's own also in training.
 
-Loss: CVSE's ranking terms plus Eq. 20's tree terms (``docs/models-smfea.md`` decision 12; Eq. 20 as printed is
-``fused_rank_weight=1`` and the three CVSE weights 0): ``3·Rank(V_F, S_F) + 5·Rank(V_D, S_D) + 1·Rank(V_C, S_C) +
-2·KL(w_t ‖ w_v) + L_CE + D_KL`` —
+Loss: CVSE's ranking terms plus Eq. 20's tree terms (``docs/models-smfea.md``, "Where retr and CVSE could
+differ"; Eq. 20 as printed is ``fused_rank_weight=1`` and the three CVSE weights 0): ``3·Rank(V_F, S_F) +
+5·Rank(V_D, S_D) + 1·Rank(V_C, S_C) + 2·KL(w_t ‖ w_v) + L_CE + D_KL`` —
 ``Rank``: the shared hinge loss (hardest negatives, margin 0.2, sum over the batch);
+``KL(w_t ‖ w_v)``: CVSE's ``KLDivLoss(log w_v, w_t)`` summed over concepts and over the batch
+(``concept_kl_reduction="sum"``; ``"mean"`` averages over the batch), gradients into both sides;
 ``L_CE`` (Eq. 18): for each pair, Σ over the 7 nodes of the cross-entropy of the image tree's and of the text
 tree's node distribution against the caption's referral tree (leaves against entity ids, inner nodes against
 relation ids; ``null`` and ``unknown`` are ordinary classes, as the paper's Figure 4 shows them predicted);
-``D_KL`` (Eq. 19): for each pair, Σ over nodes of ``KL(P_V ‖ P_S)``. Both are averaged over the batch (the paper
-gives no batch reduction; a sum over a batch of 128 would outweigh the ranking term a hundredfold;
+``D_KL`` (Eq. 19): for each pair, Σ over nodes of ``KL(P_V ‖ P_S)``. Both are averaged over the batch (Eq. 18–19
+sum over nodes only, Eq. 17 over pairs; at initialisation, with the paper's 1440 entities and 247 relations and
+a batch of 128, a pair's L_CE is ≈ 2·(4 ln 1440 + 3 ln 247) ≈ 91, so its batch sum ≈ 1.2e4 would outweigh the
+three ranking terms together (≈ 5e2) about twentyfold and, under gradient clipping at 2, leave ranking little of
+each step;
 ``tree_loss_reduction="sum"`` is the literal reading) and weighted
 by ``ce_weight``/``kl_weight`` (1 in Eq. 20). Ablations (Tables 5–7): ``use_trees=False`` (no tree encoders,
 no L_CE/D_KL, fusion ``β_d V_D + β_c V_C``), ``kl_weight=0``, ``ce_weight=0``, any ``β``.
@@ -61,8 +73,10 @@ class MeanQueryAttention(nn.Module):
     """Attention pooling with the mean as query (CVSE's instance attention): ``[B, K, d]`` + mask → ``[B, d]``.
 
     ``h_k = tanh(N(fc1 x_k)) ⊙ tanh(N(fc2 x̄))``, ``α = softmax_k(fc3 h_k)`` over unmasked positions,
-    output ``l2norm(Σ α_k x_k)``; ``N`` is BatchNorm1d (image side) or the identity (text side). Batch-norm
-    statistics use only the unmasked positions.
+    output ``l2norm(Σ α_k x_k)``; ``N`` is BatchNorm1d (image side) or the identity (text side). The local path's
+    batch norm is per region position over batch × features (``bn_axis="regions"``, CVSE's ``BatchNorm1d(36)``,
+    unmasked: it needs exactly ``num_regions`` positions) or per feature over the unmasked positions
+    (``"features"``). ``dropout`` follows each tanh.
     """
 
     def __init__(self, embed_size: int, batch_norm: bool, normalize_query: bool = False, bn_axis: str = "features",
@@ -154,12 +168,13 @@ class SMFEA(MatchingModel):
         self.img_enc = RegionEncoder(img_dim, embed_size)
         self.img_attn = MeanQueryAttention(embed_size, batch_norm=True, bn_axis=cfg.instance_bn,
                                            num_regions=cfg.num_regions, dropout=cfg.attention_dropout)
-        self.txt_enc = GRUWordEncoder(vocab_size, word_dim, embed_size, bidirectional=True)
+        self.txt_enc = GRUWordEncoder(vocab_size, word_dim, embed_size, bidirectional=True, dropout=cfg.word_dropout)
         self.txt_attn = MeanQueryAttention(embed_size, batch_norm=False, normalize_query=cfg.text_query_l2norm,
                                            dropout=cfg.attention_dropout)
         self.rank_weights = {"fused": float(cfg.fused_rank_weight), "instance": float(cfg.instance_rank_weight),
                              "concept": float(cfg.concept_rank_weight)}
         self.concept_kl_weight = float(cfg.concept_kl_weight)
+        self.concept_kl_reduction = cfg.concept_kl_reduction
         self.tree_loss_reduction = cfg.tree_loss_reduction
         if self.use_trees:
             tree_args = dict(embed_size=embed_size, num_entities=num_entities, num_relations=num_relations,
@@ -265,7 +280,8 @@ class SMFEA(MatchingModel):
         if self.concept_kl_weight and images is not None and captions is not None and "concept_weights" in images:
             w_v, w_t = images["concept_weights"], captions["concept_weights"]
             kl = (w_t * (torch.log(w_t.clamp(min=1e-12)) - torch.log(w_v.clamp(min=1e-12)))).sum(-1)
-            terms["concept_kl"] = self.concept_kl_weight * kl.mean()
+            terms["concept_kl"] = self.concept_kl_weight * (kl.sum() if self.concept_kl_reduction == "sum"
+                                                            else kl.mean())
         reduce = (lambda x: x.mean()) if self.tree_loss_reduction == "mean" else (lambda x: x.sum())
         if self.use_trees and (self.ce_weight or self.kl_weight):
             if images is None or captions is None or "entity_logits" not in images:
@@ -373,6 +389,9 @@ class SMFEAConfig:
                    "the features (masked statistics).")
     num_regions: int = setting(36, "Regions per image for instance_bn=regions (bottom-up features: 36).")
     attention_dropout: float = setting(0.4, "Dropout after each tanh of the instance attention (CVSE's 0.4).")
+    word_dropout: float = setting(0.4, "Dropout on the word embeddings before the bi-GRU (CVSE's 0.4).")
+    concept_kl_reduction: Literal["sum", "mean"] = setting(
+        "sum", "KL(w_t ‖ w_v) over the batch: sum (CVSE's code, the scale its weight 2 was set for) or mean.")
     margin: float = margin_setting(0.2)
     max_violation: bool = violation_setting(True)
 
@@ -380,7 +399,8 @@ class SMFEAConfig:
 #: settings whose default changed after runs were written; a stored run without the field had the old value
 SMFEA_OLD_DEFAULTS = {"tree_residual": False, "fused_rank_weight": 1.0, "instance_rank_weight": 0.0,
                       "concept_rank_weight": 0.0, "concept_kl_weight": 0.0, "tree_loss_reduction": "mean",
-                      "text_query_l2norm": False, "instance_bn": "features", "attention_dropout": 0.0}
+                      "text_query_l2norm": False, "instance_bn": "features", "attention_dropout": 0.0,
+                      "word_dropout": 0.0, "concept_kl_reduction": "mean"}
 
 
 #: SMFEA §4.2: Adam 2e-4 ×0.1 every 25 epochs, 50 epochs; CVSE's label ratio r: 0.4 COCO, 0.35 Flickr30K.

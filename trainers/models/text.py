@@ -17,12 +17,14 @@ class GRUWordEncoder(nn.Module):
 
     Embedding(V, word_dim) initialised uniform(±0.1) → packed GRU(word_dim → d). With ``bidirectional`` the two
     directions are averaged (not concatenated), giving ``d`` per word. Each word vector is l2-normalised unless
-    ``normalize=False``; positions past a caption's length are 0. No dropout.
+    ``normalize=False``; positions past a caption's length are 0. ``dropout`` acts on the word embeddings before
+    the GRU (CVSE's ``EncoderText``; 0, the default, is SCAN's encoder).
     """
 
     def __init__(self, vocab_size: int, word_dim: int = 300, embed_size: int = 1024, num_layers: int = 1,
-                 bidirectional: bool = True, normalize: bool = True):
+                 bidirectional: bool = True, normalize: bool = True, dropout: float = 0.0):
         super().__init__()
+        self.dropout = nn.Dropout(dropout)
         self.embed_size = embed_size
         self.bidirectional = bidirectional
         self.normalize = normalize
@@ -32,7 +34,7 @@ class GRUWordEncoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """``tokens`` [B, L] long, ``lengths`` [B] (≥ 1) → ``[B, max(lengths), d]``."""
-        x = self.embed(tokens)
+        x = self.dropout(self.embed(tokens))
         packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
         out, _ = self.rnn(packed)
         out, _ = pad_packed_sequence(out, batch_first=True, total_length=int(lengths.max()))
