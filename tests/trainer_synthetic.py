@@ -58,3 +58,18 @@ def make_synthetic(folder: Path, images: int = 300, seed: int = 0) -> tuple[Path
     """(manifest, scene-region feature set) of a fresh synthetic dataset in ``folder``."""
     generate_synthetic(folder, images, seed)
     return folder / "manifest.jsonl", write_scene_regions(folder)
+
+
+def write_uninformative_regions(folder: Path, name: str = "same-regions", seed: int = 0) -> Path:
+    """``folder/<name>.h5``: every image of ``folder/scenes.jsonl`` gets the same regions, so no model can rank
+    images, and every image-side score ties (the state a collapsed run ends in)."""
+    scenes = [json.loads(line) for line in (folder / "scenes.jsonl").read_text().splitlines() if line.strip()]
+    ids = [s["id"] for s in scenes]
+    regions = np.random.default_rng(seed).standard_normal((K, D)).astype(np.float32)
+    feats = np.broadcast_to(regions, (len(ids), K, D)).copy()
+    attrs = dict(kind="regions", extractor=name, backbone="constant", weights="random", image_size=224,
+                 manifest_sha256="0" * 64)
+    path = folder / name / shard_name(0, 1)
+    with ShardWriter(path, attrs, (K, D), extras={"num_boxes": ((), "int32")}, shard_index=0, num_shards=1) as writer:
+        writer.append(ids, feats, num_boxes=np.full(len(ids), K, dtype=np.int32))
+    return write_index(folder / f"{name}.h5", [path])

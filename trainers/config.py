@@ -60,6 +60,9 @@ class TrainConfig:
     lr: float = setting(2e-4, "Learning rate.")
     lr_update: int = setting(15, "Multiply the lr by 0.1 every N epochs.")
     grad_clip: float = setting(2.0, "Gradient-norm clip (0 = off).")
+    warmup_epochs: int = setting(0, "Train the first N epochs on the sum of violations, then on the model's "
+                                    "configured loss (VSE∞'s warm-up against the hardest-negative collapse; the "
+                                    "papers used none).")
     early_stop: int = setting(0, "Stop after N epochs without a better validation rSum (0 = never).")
     seed: int = setting(0, "Seed of every random number generator.")
     device: str = setting("auto", "cpu, cuda, cuda:1 … (auto: cuda if any).")
@@ -81,7 +84,7 @@ class TrainConfig:
 
 
 #: the schedule settings a model's preset may set besides the model's own
-SCHEDULE_KEYS = ("epochs", "batch_size", "lr", "lr_update", "grad_clip", "early_stop")
+SCHEDULE_KEYS = ("epochs", "batch_size", "lr", "lr_update", "grad_clip", "early_stop", "warmup_epochs")
 
 
 def setting_fields(cls: type) -> list[dataclasses.Field]:

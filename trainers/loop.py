@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,8 @@ from retr.common.errors import UserError
 from retr.common.version import __version__
 from retr.store.features import FeatureSet
 from retr.trainers import checkpoint as ckpt
+from retr.trainers.collapse import (CollapseMonitor, StepRanking, collapse_message, recall_at_chance,
+                                    val_at_chance_message)
 from retr.trainers.config import TrainConfig
 from retr.trainers.data import CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData, load_split
 from retr.trainers.distributed import DistInfo, barrier, cleanup, gather_embeddings, init_from_env
@@ -66,9 +68,10 @@ def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False, log=print
     try:
         run = build_run(cfg, resume, device, info, log, trust_checkpoint)
         last_val: dict = {}
+        epoch = run.start_epoch - 1
         for epoch in range(run.start_epoch, run.cfg.epochs):
             started = time.time()
-            losses = train_one_epoch(run, epoch, quiet)
+            losses = train_one_epoch(run, epoch, quiet, log)
             if info.is_main:
                 last_val = validate(run)
                 is_best = run.record_epoch(epoch, losses, last_val)
@@ -77,6 +80,8 @@ def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False, log=print
                 run.scheduler.step()
             if should_stop(run, epoch, log):
                 break
+        if info.is_main and last_val:
+            report_val_at_chance(run, last_val, epoch, log)
         return last_val
     finally:
         cleanup(info)
@@ -107,6 +112,7 @@ class Run:
     step: int = 0
     best_rsum: float = -1.0
     best_epoch: int = -1
+    monitor: CollapseMonitor = field(default_factory=CollapseMonitor)
 
     def record_epoch(self, epoch: int, losses: list[float], val: dict) -> bool:
         """Update the best validation rSum; True when this epoch is the best so far."""
@@ -227,6 +233,8 @@ def _restore(run: Run, state: dict) -> None:
         run.scaler.load_state_dict(state["scaler"])
     run.start_epoch, run.best_rsum, run.step = state["epoch"] + 1, state["best_rsum"], state["step"]
     run.best_epoch = state.get("best_epoch", state["epoch"])
+    if state.get("collapse_monitor"):
+        run.monitor.load_state_dict(state["collapse_monitor"])
     if run.cfg.early_stop and state["epoch"] - run.best_epoch >= run.cfg.early_stop:
         run.start_epoch = run.cfg.epochs           # the run had already stopped early: nothing left to do
     ckpt.set_rng_state(state["rng"])
@@ -257,21 +265,38 @@ def train_step(model, batch: dict, optimizer, scaler: torch.amp.GradScaler | Non
     return float(loss.detach())
 
 
-def train_one_epoch(run: Run, epoch: int, quiet: bool) -> list[float]:
-    """One pass over the training captions; a metrics line every ``log_every`` steps. Returns the losses."""
+def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]:
+    """One pass over the training captions; a metrics line every ``log_every`` steps, the collapse monitor
+    after every step (:mod:`retr.trainers.collapse`). Returns the losses.
+
+    The first ``warmup_epochs`` epochs train on the sum of violations (``model.warming_up``)."""
     cfg, info = run.cfg, run.info
     run.sampler.set_epoch(epoch)
+    run.model.warming_up = epoch < cfg.warmup_epochs
+    if info.is_main and cfg.warmup_epochs and epoch == cfg.warmup_epochs and run.model.max_violation:
+        log(f"epoch {epoch + 1}: warm-up over ({cfg.warmup_epochs} epoch(s) on the sum of violations), "
+            "training on hardest negatives")
     losses = []
     bar = progress(run.loader, total=len(run.sampler), desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch",
                    quiet=quiet or not info.is_main)
     for batch in bar:
+        run.model.batch_ranking = None
         loss = train_step(run.net, batch, run.optimizer, run.scaler, cfg.grad_clip, run.device, info,
                           run.scaler.is_enabled())
         losses.append(loss)
         run.step += 1
-        if info.is_main and cfg.log_every and run.step % cfg.log_every == 0:
-            _append_metrics(run.folder, {"epoch": epoch, "step": run.step, "loss": loss,
-                                         "lr": run.optimizer.param_groups[0]["lr"]})
+        if not info.is_main:
+            continue
+        ranking = StepRanking.of(run.model.batch_ranking) if run.model.batch_ranking is not None else None
+        if cfg.log_every and run.step % cfg.log_every == 0:
+            record = {"epoch": epoch, "step": run.step, "loss": loss, "lr": run.optimizer.param_groups[0]["lr"]}
+            if ranking is not None and ranking.trials:
+                record["in_batch_top1"] = ranking.hits / ranking.trials
+            _append_metrics(run.folder, record)
+        event = run.monitor.observe(run.step, ranking)
+        if event is not None:
+            _append_metrics(run.folder, {**event, "epoch": epoch})
+            log(collapse_message(event, epoch))
         if hasattr(bar, "set_postfix"):           # a tqdm bar (not the plain iterator of --quiet)
             bar.set_postfix(loss=f"{loss:.3f}")
     return losses
@@ -300,7 +325,8 @@ def save_epoch(run: Run, epoch: int, is_best: bool, losses: list[float], val: di
              "scheduler": run.scheduler.state_dict(),
              "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
              "vocab": run.vocab.to_json(), "epoch": epoch, "step": run.step, "best_rsum": run.best_rsum,
-             "best_epoch": run.best_epoch, "rng": ckpt.rng_state(), "config": asdict(run.cfg)}
+             "best_epoch": run.best_epoch, "rng": ckpt.rng_state(), "config": asdict(run.cfg),
+             "collapse_monitor": run.monitor.state_dict()}
     path = ckpt.save_checkpoint(ckpt.checkpoint_path(run.folder, epoch), state)
     if is_best:
         ckpt.save_checkpoint(run.folder / ckpt.BEST, state)
@@ -308,6 +334,15 @@ def save_epoch(run: Run, epoch: int, is_best: bool, losses: list[float], val: di
     log(f"epoch {epoch + 1}/{run.cfg.epochs}: loss {np.mean(losses):.4f}, val rsum {val['rsum']:.1f} "
         f"(i2t R@1 {val['i2t']['r1']:.1f}, t2i R@1 {val['t2i']['r1']:.1f}){' best' if is_best else ''} "
         f"→ {path.name}")
+
+
+def report_val_at_chance(run: Run, val: dict, epoch: int, log) -> None:
+    """At the end of training: one warning line (and a ``metrics.jsonl`` event) when the last validation recall
+    is no better than a random ordering of the validation split."""
+    event = recall_at_chance(val, run.val_data.caption_image)
+    if event is not None:
+        _append_metrics(run.folder, {**event, "epoch": epoch, "step": run.step})
+        log(val_at_chance_message(event, epoch + 1))
 
 
 def should_stop(run: Run, epoch: int, log) -> bool:

@@ -15,6 +15,8 @@ As in the authors' code, two captions of one image in a batch are negatives of e
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -34,3 +36,49 @@ def hinge_triplet_loss(scores: torch.Tensor, margin: float = 0.2, max_violation:
     if max_violation:
         return cost_s.max(dim=1)[0].sum() + cost_im.max(dim=0)[0].sum()
     return cost_s.sum() + cost_im.sum()
+
+
+@dataclass
+class BatchRanking:
+    """How the matching pairs of one training batch rank among its other pairs (tensors, no gradient).
+
+    The collapse monitor (:mod:`retr.trainers.collapse`) reads these after each step: a model whose scores have
+    collapsed to equal values ranks the matching pair first no more often than chance, whatever its loss.
+
+    * ``hits`` — 0-d: rows (images) whose matching caption outscores every negative caption, plus columns
+      (captions) whose matching image outscores every negative image (a tie counts as a miss);
+    * ``expected`` / ``variance`` — 0-d: the mean and variance of ``hits`` for scores in random order (a row with
+      ``n`` negatives ranks its pair first with probability ``1 / (n + 1)``);
+    * ``trials`` — rows plus columns that have at least one negative;
+    * ``hinge`` — 0-d: the batch's hinge loss; ``hinge_at_equal_scores`` — its value when every score is equal
+      (``2·B·margin`` for hardest negatives, ``2·B·(B−1)·margin`` for the sum, fewer with ``positives``).
+    """
+
+    hits: torch.Tensor
+    expected: torch.Tensor
+    variance: torch.Tensor
+    trials: torch.Tensor
+    hinge: torch.Tensor
+    hinge_at_equal_scores: torch.Tensor
+
+
+@torch.no_grad()
+def in_batch_ranking(scores: torch.Tensor, margin: float, max_violation: bool, hinge: torch.Tensor,
+                     positives: torch.Tensor | None = None) -> BatchRanking:
+    """:class:`BatchRanking` of ``scores`` [B, B] (diagonal = matching pairs; ``positives`` [B, B] bool as in
+    :func:`hinge_triplet_loss`, excluded from the negatives) whose hinge loss was ``hinge``."""
+    scores = scores.detach().float()
+    b = scores.shape[0]
+    excluded = torch.eye(b, dtype=torch.bool, device=scores.device)
+    if positives is not None:
+        excluded = excluded | positives.to(device=scores.device, dtype=torch.bool)
+    negatives = scores.masked_fill(excluded, float("-inf"))
+    diagonal = scores.diagonal()
+    counts = torch.cat([(~excluded).sum(1), (~excluded).sum(0)])                 # negatives per row, per column
+    has_negative = counts > 0
+    firsts = torch.cat([diagonal > negatives.max(1).values, diagonal > negatives.max(0).values])
+    chance = 1.0 / (counts.float() + 1)
+    at_equal = margin * (has_negative.sum() if max_violation else counts.sum()).float()
+    return BatchRanking(hits=(firsts & has_negative).sum(), expected=chance[has_negative].sum(),
+                        variance=(chance * (1 - chance))[has_negative].sum(), trials=has_negative.sum(),
+                        hinge=hinge.detach().float(), hinge_at_equal_scores=at_equal)

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from retr.trainers.losses import hinge_triplet_loss
+from retr.trainers.losses import BatchRanking, hinge_triplet_loss, in_batch_ranking
 
 
 Embeddings = dict[str, torch.Tensor]
@@ -40,7 +40,9 @@ class MatchingModel(nn.Module):
     """Base class: subclasses implement ``encode_images``, ``encode_captions`` and ``score``; everything else
     the loop and the evaluator call is declared here with its default (shapes: module docstring).
 
-    * ``loss(scores [B, B]) -> scalar`` — the shared hinge triplet loss (``margin``, ``max_violation``);
+    * ``loss(scores [B, B]) -> scalar`` — the shared hinge triplet loss (``margin``, ``max_violation``) through
+      :meth:`ranking_loss`, which also records how the batch ranks its matching pairs (``batch_ranking``, read by
+      the loop's collapse monitor) and honours the loop's warm-up (``warming_up``: sum of violations);
     * ``forward(...)`` — encode → gather → score → loss; ``batch_extras`` (default ``()``) names the extra batch
       entries (e.g. ``"image_index"`` ``[B]``) the loop passes to it by keyword;
     * ``prepare_training(inputs)`` — default: nothing; ``configure_optimizer(lr)`` — default: Adam;
@@ -66,6 +68,27 @@ class MatchingModel(nn.Module):
         super().__init__()
         self.margin = float(margin)
         self.max_violation = bool(max_violation)
+        #: set by the loop during ``--warmup-epochs``: the hinge sums every violation (VSE∞'s warm-up)
+        self.warming_up = False
+        #: the last training batch's :class:`~retr.trainers.losses.BatchRanking` (None before the first step)
+        self.batch_ranking: BatchRanking | None = None
+
+    @property
+    def hardest_negatives(self) -> bool:
+        """Whether the hinge keeps only each row's and column's hardest negative now: the configured
+        ``max_violation``, except during the loop's warm-up."""
+        return self.max_violation and not self.warming_up
+
+    def ranking_loss(self, scores: torch.Tensor, positives: torch.Tensor | None = None,
+                     observe: bool = True) -> torch.Tensor:
+        """The hinge triplet loss of ``scores`` [B, B] (diagonal = matching pairs; ``positives`` [B, B] bool are
+        never negatives) with :attr:`hardest_negatives`; a scalar. With ``observe`` (the model's main score
+        matrix, not an auxiliary branch) the batch's ranking is kept in :attr:`batch_ranking`."""
+        hardest = self.hardest_negatives
+        loss = hinge_triplet_loss(scores, self.margin, hardest, positives)
+        if observe and self.training:
+            self.batch_ranking = in_batch_ranking(scores, self.margin, hardest, loss, positives)
+        return loss
 
     @staticmethod
     def settings(config_class: type, config=None, overrides: dict | None = None):
@@ -143,7 +166,7 @@ class MatchingModel(nn.Module):
         raise NotImplementedError(f"model {self.name or type(self).__name__} predicts no tree nodes")
 
     def loss(self, scores: torch.Tensor) -> torch.Tensor:
-        return hinge_triplet_loss(scores, self.margin, self.max_violation)
+        return self.ranking_loss(scores)
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
                 gather: Callable[[Embeddings], Embeddings] | None = None) -> torch.Tensor:

@@ -93,7 +93,6 @@ from torch.utils.checkpoint import checkpoint
 
 from retr.trainers.config import embed_size_setting, margin_setting, setting, violation_setting, word_dim_setting
 from retr.trainers.distributed import world_size
-from retr.trainers.losses import hinge_triplet_loss
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.optim import PerGroupOptimizer
 from retr.trainers.models.base import Embeddings, MatchingModel
@@ -447,7 +446,7 @@ class JGCAR(MatchingModel):
         """
         same = image_index.view(-1, 1) == image_index.view(1, -1)                  # [B, B]
         omega = self.global_score(images, captions)                                # [B, B]
-        j1 = hinge_triplet_loss(omega, self.margin, max_violation=self.max_violation, positives=same)
+        j1 = self.ranking_loss(omega, positives=same)
 
         def related(labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             if labels is None:

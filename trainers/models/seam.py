@@ -65,7 +65,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from retr.trainers.losses import hinge_triplet_loss
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
@@ -254,7 +253,7 @@ class SEAM(MatchingModel):
 
     def loss(self, scores: torch.Tensor, penalty: torch.Tensor | None = None) -> torch.Tensor:
         """Hinge over ``scores`` [B, B] (all negatives, margin 0.05) + λ · mean of ``penalty`` [B]."""
-        total = hinge_triplet_loss(scores, self.margin, self.max_violation)
+        total = self.ranking_loss(scores)
         if self.penalty_weight > 0:
             if penalty is None:
                 raise ValueError("SEAM's loss needs the captions' attention penalty (use model.forward)")

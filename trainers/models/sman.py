@@ -69,7 +69,6 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from retr.trainers.distributed import scale_grad, world_size
-from retr.trainers.losses import hinge_triplet_loss
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
@@ -362,7 +361,7 @@ class SMAN(MatchingModel):
     def loss(self, scores: torch.Tensor, matched_levels: torch.Tensor | None = None) -> torch.Tensor:
         """Eq. 23: hinge (hardest negatives, m1) on ``scores`` [B, B] + λ · intra-pair on ``matched_levels``
         [B, levels] (the per-level cosines of the diagonal pairs, required when λ > 0)."""
-        total = hinge_triplet_loss(scores, self.margin, self.max_violation)
+        total = self.ranking_loss(scores)
         if self.intra_pair_weight > 0:
             if matched_levels is None:
                 raise ValueError("SMAN's loss needs the matched pairs' per-level cosines (use model.forward)")

@@ -271,12 +271,12 @@ class SMFEA(MatchingModel):
 
     def loss_terms(self, scores: torch.Tensor, images: Embeddings | None, captions: Embeddings | None,
                    nodes: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        terms = {"rank": self.rank_weights["fused"] * super().loss(scores)}
+        terms = {"rank": self.rank_weights["fused"] * self.ranking_loss(scores)}
         for branch in ("instance", "concept"):
             weight = self.rank_weights[branch]
             if weight and images is not None and captions is not None and branch in images:
                 branch_scores = images[branch] @ captions[branch].t()
-                terms[f"rank_{branch}"] = weight * super().loss(branch_scores)
+                terms[f"rank_{branch}"] = weight * self.ranking_loss(branch_scores, observe=False)
         if self.concept_kl_weight and images is not None and captions is not None and "concept_weights" in images:
             w_v, w_t = images["concept_weights"], captions["concept_weights"]
             kl = (w_t * (torch.log(w_t.clamp(min=1e-12)) - torch.log(w_v.clamp(min=1e-12)))).sum(-1)
