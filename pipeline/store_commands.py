@@ -6,32 +6,43 @@ from pathlib import Path
 import click
 
 from retr.store.features import index_shard_folder
-from retr.pipeline.verify import summarize_feature_set, verify_feature_set
+from retr.pipeline.verify import summarize_feature_set, verify_report
 
 
 @click.command("verify")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--sample-rows", type=int, default=64, show_default=True,
-              help="How many random rows to check for non-finite values.")
-def verify_command(paths: tuple[Path, ...], sample_rows: int) -> None:
+@click.option("--sample", "--sample-rows", "sample", type=click.IntRange(min=0), default=None,
+              help="Quick mode: read only N random rows (plus the first and last) instead of every row.")
+@click.option("--no-checksum", "no_checksum", is_flag=True,
+              help="Quick mode: do not compare rows with the checksums stored when they were written.")
+def verify_command(paths: tuple[Path, ...], sample: int | None, no_checksum: bool) -> None:
     """Check feature sets; exit non-zero with a list of problems unless every one is sound.
 
-    Checks attributes, shapes for the kind, unique ids, every shard present and complete, a sample of rows finite.
+    Checks attributes, shapes for the kind, unique ids, every shard present and complete with the ids the
+    index records, then every row: finite values, and the checksum stored when it was written. Rows are
+    streamed (bounded memory); --sample N and --no-checksum are quicker, weaker checks.
 
     \b
     Example:
       retr-pipeline verify data/coco/features/resnet152-grid.h5
+      retr-pipeline verify --sample 64 --no-checksum data/coco/features/*.h5
     """
     failed = 0
     for path in paths:
-        problems = verify_feature_set(path, sample_rows=sample_rows)
-        if problems:
+        report = verify_report(path, sample=sample, checksum=not no_checksum)
+        if report.problems:
             failed += 1
-            click.echo(f"{path}: {len(problems)} problem{'s' if len(problems) > 1 else ''}")
-            for problem in problems:
+            click.echo(f"{path}: {len(report.problems)} problem{'s' if len(report.problems) > 1 else ''}")
+            for problem in report.problems:
                 click.echo(f"  - {problem}")
         else:
-            click.echo(f"{path}: ok")
+            read = (f"{report.rows_read} of {report.rows} rows read" if sample is not None
+                    else f"all {report.rows} rows read")
+            sums = (f", {report.rows_checksummed} matched their checksums" if not no_checksum
+                    else ", checksums not compared (--no-checksum)")
+            click.echo(f"{path}: ok ({read}{sums})")
+        for note in report.notes:
+            click.echo(f"  note: {note}")
     if failed:
         raise click.ClickException(f"{failed} of {len(paths)} feature set(s) failed verification")
 

@@ -1,15 +1,30 @@
-"""Checks of a feature set (``retr-pipeline verify``) and its one-screen summary (``retr-pipeline inspect``)."""
+"""Checks of a feature set (``retr-pipeline verify``) and its one-screen summary (``retr-pipeline inspect``).
+
+``verify`` reads every row by default: each per-row dataset is streamed in blocks of about ``chunk_bytes``
+(64 MiB), so memory stays bounded whatever the size of the set. Every float value must be finite, and every
+row must match the CRC-32 its shard stored when it was written (:func:`retr.store.features.row_checksums`:
+the id and the row's bytes, so a zeroed, altered or re-labelled row is found). For an index, each shard is read
+directly (the bytes the checksums cover) and its ids are compared with the index's copy. ``sample=N`` reads
+only N random rows (plus the first and last): the quick check; ``checksum=False`` skips the checksums.
+Shards written before checksums existed verify with a note saying none was present.
+"""
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from retr.store.features import (FEATURE_DTYPES, FORMAT_VERSION, KINDS, PARTIAL_SUFFIX, REGION_DATASETS,
-                                 REGION_IMAGE_DATASETS, ROOT_ATTRS, SHARED_ATTRS, decode_str, is_complete)
+from retr.common.errors import UserError
+from retr.store.features import (CHECKSUMS, FEATURE_DTYPES, FORMAT_VERSION, KINDS, NOT_ROW_DATA, PARTIAL_SUFFIX,
+                                 REGION_DATASETS, REGION_IMAGE_DATASETS, ROOT_ATTRS, SHARED_ATTRS, decode_str,
+                                 is_complete, non_finite_rows, row_checksums)
+
+#: Bytes of row data read at once while streaming (all per-row datasets of a block together).
+DEFAULT_CHUNK_BYTES = 64 << 20
 
 #: What each kind's per-sample shape (K, D) may be. ``None`` means any positive size.
 #: grid: 7×7 (448 input pooled 2×2, or 224 input) or the raw 14×14; maps: 14×14 (448) or 7×7 (224);
@@ -36,101 +51,286 @@ def _shape_problems(kind: str, shape: tuple[int, ...]) -> list[str]:
     return problems
 
 
-def verify_feature_set(path: str | os.PathLike, sample_rows: int = 64, seed: int = 0) -> list[str]:
-    """Every problem found in a feature set (an empty list means sound).
+@dataclass
+class VerifyReport:
+    """What :func:`verify_report` found in one feature set.
+
+    ``problems``: everything wrong (empty: sound); ``notes``: facts worth saying that are not problems (e.g. no
+    checksums stored); ``rows``: rows in the set; ``rows_read``: rows whose values were checked;
+    ``rows_checksummed``: rows compared with a stored checksum.
+    """
+
+    path: Path
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    rows: int = 0
+    rows_read: int = 0
+    rows_checksummed: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_feature_set(path: str | os.PathLike, sample: int | None = None, checksum: bool = True, seed: int = 0,
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[str]:
+    """Every problem found in a feature set (an empty list means sound); see :func:`verify_report`."""
+    return verify_report(path, sample=sample, checksum=checksum, seed=seed, chunk_bytes=chunk_bytes).problems
+
+
+def verify_report(path: str | os.PathLike, sample: int | None = None, checksum: bool = True, seed: int = 0,
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> VerifyReport:
+    """Check a feature set (an index or a single shard) and say what was found.
 
     Checks: root attributes present, known and consistent with the data (and, for an index, with every shard);
-    every shard listed by an index present and complete with the row count recorded; shapes as ``kind``
-    requires (plus the regions datasets); ids non-empty and unique; error ids absent from the rows; a random
-    sample of ``sample_rows`` rows (plus the first and last) finite.
+    every shard listed by an index present and complete, with the row count, dataset shapes and ids the index
+    records; shapes as ``kind`` requires (plus the regions datasets); ids non-empty and unique; error ids absent
+    from the rows; then the values of every row (or, with ``sample``, of that many random rows plus the first
+    and last): finite in every float dataset, and — unless ``checksum`` is false — equal to the checksum stored
+    when the row was written. Rows are streamed ``chunk_bytes`` at a time.
     """
     path = Path(path)
+    report = VerifyReport(path)
+    if sample is not None and sample < 0:
+        raise UserError(f"sample must be 0 or more, not {sample}", parameters=["sample"])
+    if path.is_dir():
+        report.problems.append(f"{path} is a folder, not a feature-set file (give DIR/NAME.h5)")
+        return report
     if not path.is_file():
-        return [f"{path} does not exist"]
+        report.problems.append(f"{path} does not exist")
+        return report
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
-        return [f"{path} is not a readable HDF5 file ({exc})"]
-    problems: list[str] = []
+        report.problems.append(f"{path} is not a readable HDF5 file ({exc})")
+        return report
     with f:
-        attrs = {k: f.attrs[k] for k in f.attrs}
-        missing = [a for a in ROOT_ATTRS if a not in attrs]
-        if missing:
-            problems.append(f"missing root attributes: {', '.join(missing)}")
-        if not attrs.get("complete", False):
-            problems.append("file is not marked complete (its writer did not finish)")
-        if "format_version" in attrs and int(attrs["format_version"]) != FORMAT_VERSION:
-            problems.append(f"format_version {attrs['format_version']} is not {FORMAT_VERSION}")
-        kind = decode_str(attrs.get("kind", ""))
-        if "kind" in attrs and kind not in KINDS:
-            problems.append(f"unknown kind {kind!r} (expected one of {', '.join(KINDS)})")
-        if "ids" not in f or "features" not in f:
-            return problems + ["no 'ids' or no 'features' dataset"]
-        if "shards" in attrs:
-            problems += _shard_problems(path, attrs)
-            if problems and any("shard" in p for p in problems):
-                return problems  # the virtual datasets would read fill values: stop before reading data
-        features = f["features"]
-        n = features.shape[0]
-        problems += _shape_problems(kind, tuple(features.shape[1:]))
-        declared = decode_str(attrs.get("dtype", ""))
-        if declared and declared not in FEATURE_DTYPES:
-            problems.append(f"dtype attribute {declared!r} is not one of {', '.join(FEATURE_DTYPES)}")
-        if declared and str(features.dtype) != declared:
-            problems.append(f"dtype attribute says {declared}, features are {features.dtype}")
-        ids = [decode_str(v) for v in f["ids"][:]]
-        if len(ids) != n:
-            problems.append(f"{len(ids)} ids for {n} feature rows")
-        if "num_rows" in attrs and int(attrs["num_rows"]) != n:
-            problems.append(f"num_rows attribute says {attrs['num_rows']}, features have {n} rows")
-        empty = sum(1 for i in ids if not i)
-        if empty:
-            problems.append(f"{empty} empty ids")
-        seen, duplicates = set(), []
-        for image_id in ids:
-            if image_id in seen:
-                duplicates.append(image_id)
-            seen.add(image_id)
-        if duplicates:
-            problems.append(f"{len(duplicates)} duplicate ids, e.g. {duplicates[0]!r}")
-        for name, other in f.items():
-            if name not in ("ids", "errors") and other.shape[0] != n:
-                problems.append(f"dataset {name!r} has {other.shape[0]} rows, features have {n}")
-        if kind == "regions":
-            problems += _region_problems(f, tuple(features.shape[1:]))
-        if "errors" in f:
-            errors = f["errors"]
-            if errors.ndim != 2 or errors.shape[1] != 2:
-                problems.append(f"errors has shape {errors.shape}, expected [E, 2] (id, reason)")
-            else:
-                both = sorted({decode_str(v) for v in errors[:, 0]} & seen) if len(errors) else []
-                if both:
-                    problems.append(f"{len(both)} ids are both rows and errors, e.g. {both[0]!r}")
-        if n:
-            rng = np.random.default_rng(seed)
-            rows = np.unique(np.concatenate([[0, n - 1], rng.choice(n, size=min(sample_rows, n), replace=False)]))
-            for name in ("features", "boxes", "object_conf", "attr_conf"):
-                if name in f and f[name].dtype.kind == "f":
-                    block = f[name][rows]
-                    bad = ~np.isfinite(block.reshape(len(rows), -1)).all(axis=1)
-                    if bad.any():
-                        problems.append(f"{int(bad.sum())} of {len(rows)} sampled rows of {name!r} are not finite, "
-                                        f"e.g. row {int(rows[bad][0])} (id {ids[int(rows[bad][0])]!r})")
-    return problems
+        try:
+            _verify_open_file(f, path, report, sample, checksum, seed, chunk_bytes)
+        except OSError as exc:  # HDF5 could not read a block: the file is damaged there
+            report.problems.append(f"reading {path} failed ({str(exc).splitlines()[0]})")
+    return report
 
 
-def _shard_problems(path: Path, attrs: dict) -> list[str]:
+def _verify_open_file(f: h5py.File, path: Path, report: VerifyReport, sample: int | None, checksum: bool,
+                      seed: int, chunk_bytes: int) -> None:
+    problems = report.problems
+    attrs = {k: f.attrs[k] for k in f.attrs}
+    missing = [a for a in ROOT_ATTRS if a not in attrs]
+    if missing:
+        problems.append(f"missing root attributes: {', '.join(missing)}")
+    if not attrs.get("complete", False):
+        problems.append("file is not marked complete (its writer did not finish)")
+    if "format_version" in attrs and _int(attrs["format_version"]) != FORMAT_VERSION:
+        problems.append(f"format_version {attrs['format_version']} is not {FORMAT_VERSION}")
+    kind = decode_str(attrs.get("kind", ""))
+    if "kind" in attrs and kind not in KINDS:
+        problems.append(f"unknown kind {kind!r} (expected one of {', '.join(KINDS)})")
+    if not isinstance(f.get("ids"), h5py.Dataset) or not isinstance(f.get("features"), h5py.Dataset):
+        problems.append("no 'ids' or no 'features' dataset (is this a feature set?)")
+        return
+    features = f["features"]
+    if features.ndim != 3 or f["ids"].ndim != 1:
+        problems.append(f"features have shape {features.shape} and ids {f['ids'].shape}; a feature set has "
+                        f"features [N, K, D] and ids [N]")
+        return
+    shards = None
+    if "shards" in attrs:
+        shards, shard_problems = _shard_problems(path, attrs, f)
+        if shard_problems:
+            problems += shard_problems
+            return  # the virtual datasets would read fill values: stop before reading data
+    n = features.shape[0]
+    report.rows = n
+    problems += _shape_problems(kind, tuple(features.shape[1:]))
+    declared = decode_str(attrs.get("dtype", ""))
+    if declared and declared not in FEATURE_DTYPES:
+        problems.append(f"dtype attribute {declared!r} is not one of {', '.join(FEATURE_DTYPES)}")
+    if declared and str(features.dtype) != declared:
+        problems.append(f"dtype attribute says {declared}, features are {features.dtype}")
+    ids = [decode_str(v) for v in f["ids"][:]]
+    if len(ids) != n:
+        problems.append(f"{len(ids)} ids for {n} feature rows")
+    if "num_rows" in attrs and _int(attrs["num_rows"]) != n:
+        problems.append(f"num_rows attribute says {attrs['num_rows']}, features have {n} rows")
+    empty = sum(1 for i in ids if not i)
+    if empty:
+        problems.append(f"{empty} empty ids")
+    seen, duplicates = set(), []
+    for image_id in ids:
+        if image_id in seen:
+            duplicates.append(image_id)
+        seen.add(image_id)
+    if duplicates:
+        problems.append(f"{len(duplicates)} duplicate ids, e.g. {duplicates[0]!r}")
+    for name, other in f.items():
+        if name in ("ids", "errors"):
+            continue
+        if not isinstance(other, h5py.Dataset) or other.ndim == 0:
+            problems.append(f"{name!r} is not a per-row dataset")
+        elif other.shape[0] != n:
+            problems.append(f"dataset {name!r} has {other.shape[0]} rows, features have {n}")
+    if kind == "regions":
+        problems += _region_problems(f, tuple(features.shape[1:]))
+    if "errors" in f:
+        errors = f["errors"]
+        if errors.ndim != 2 or errors.shape[1] != 2:
+            problems.append(f"errors has shape {errors.shape}, expected [E, 2] (id, reason)")
+        else:
+            both = sorted({decode_str(v) for v in errors[:, 0]} & seen) if len(errors) else []
+            if both:
+                problems.append(f"{len(both)} ids are both rows and errors, e.g. {both[0]!r}")
+    if problems or n == 0:
+        return
+    rows = None
+    if sample is not None:
+        rng = np.random.default_rng(seed)
+        rows = np.unique(np.concatenate([[0, n - 1], rng.choice(n, size=min(sample, n), replace=False)]))
+    if shards is None:
+        _check_rows(f, RowNames(path.name, 0, None), rows, checksum, chunk_bytes, report)
+        return
+    offset, without_sums = 0, []
+    for shard in shards:
+        count = int(shard["rows"])
+        source = path.resolve().parent / shard["file"]
+        mine = None if rows is None else rows[(rows >= offset) & (rows < offset + count)] - offset
+        with h5py.File(source, "r") as s:
+            problems += _compare_ids(s, shard["file"], ids[offset:offset + count], offset)
+            if checksum and CHECKSUMS not in s:
+                without_sums.append(shard["file"])
+            _check_rows(s, RowNames(path.name, offset, shard["file"]), mine, checksum, chunk_bytes, report,
+                        note_missing=False)
+        offset += count
+    if "errors" in f and not problems:
+        problems += _compare_errors(f, path, shards)
+    if without_sums:
+        report.notes.append(f"no checksums in {len(without_sums)} of {len(shards)} shards (e.g. {without_sums[0]}; "
+                            f"written before retr stored them): their rows were checked for finite values only")
+
+
+@dataclass(frozen=True)
+class RowNames:
+    """How a problem names a row: its row in the set (``offset`` + row in the file), and the shard if any."""
+
+    set_name: str
+    offset: int
+    shard: str | None
+
+    def __call__(self, row: int, image_id: str) -> str:
+        where = f"row {self.offset + row} (id {image_id!r}"
+        return where + (f", row {row} of {self.shard})" if self.shard else ")")
+
+
+def _check_rows(f: h5py.File, names: RowNames, rows: np.ndarray | None, checksum: bool, chunk_bytes: int,
+                report: VerifyReport, note_missing: bool = True) -> None:
+    """Read the rows of one file (every row, or ``rows`` [R] sorted) block by block: floats finite, checksums equal.
+
+    Per-row datasets are ``features`` then the others in name order — the order the checksums cover.
+    """
+    n = f["features"].shape[0]
+    datasets = ["features"] + sorted(name for name in f if name not in NOT_ROW_DATA and name != "features")
+    ids_ds = f["ids"]
+    sums = f[CHECKSUMS] if checksum and CHECKSUMS in f else None
+    if sums is not None and sums.shape != (n,):
+        report.problems.append(f"{names.shard or names.set_name}: checksums have shape {sums.shape}, expected ({n},)")
+        sums = None
+    if checksum and CHECKSUMS not in f and note_missing:
+        report.notes.append(f"no checksums in {names.shard or names.set_name} (written before retr stored them): "
+                            f"rows were checked for finite values only")
+    row_bytes = sum(f[name].dtype.itemsize * int(np.prod(f[name].shape[1:])) for name in datasets)
+    per_block = max(1, chunk_bytes // max(1, row_bytes))
+    wanted = np.arange(n) if rows is None else np.asarray(rows, dtype=np.int64)
+    bad_values: dict[str, list] = {}   # dataset → [rows not finite, the first one named]
+    mismatched: list = [0, None]        # [rows whose checksum differs, the first one named]
+    for first in range(0, len(wanted), per_block):
+        block_rows = wanted[first:first + per_block]
+        if rows is None:  # contiguous: slice reads
+            lo, hi = int(block_rows[0]), int(block_rows[-1]) + 1
+            data = {name: f[name][lo:hi] for name in datasets}
+            block_ids = [decode_str(v) for v in ids_ds[lo:hi]]
+            stored = sums[lo:hi] if sums is not None else None
+        else:  # a sample: one slice per row (h5py's point selection is far slower on one-row chunks)
+            data = {name: np.concatenate([f[name][r:r + 1] for r in block_rows]) for name in datasets}
+            block_ids = [decode_str(ids_ds[r]) for r in block_rows]
+            stored = np.array([sums[r] for r in block_rows], dtype=np.uint32) if sums is not None else None
+        for name in datasets:
+            bad = non_finite_rows(data[name])
+            if bad.any():
+                found = bad_values.setdefault(name, [0, None])
+                found[0] += int(bad.sum())
+                if found[1] is None:
+                    k = int(np.argmax(bad))
+                    found[1] = names(int(block_rows[k]), block_ids[k])
+        if stored is not None:
+            differ = row_checksums(block_ids, [data[name] for name in datasets]) != stored
+            if differ.any():
+                if mismatched[1] is None:
+                    k = int(np.argmax(differ))
+                    mismatched[1] = names(int(block_rows[k]), block_ids[k])
+                mismatched[0] += int(differ.sum())
+    checked = len(wanted)
+    report.rows_read += checked
+    if sums is not None:
+        report.rows_checksummed += checked
+    what = names.shard or names.set_name
+    for name, (count, example) in bad_values.items():
+        report.problems.append(f"{count} of {checked} checked rows of {name!r} in {what} are not finite "
+                               f"(NaN or inf), e.g. {example}")
+    if mismatched[0]:
+        report.problems.append(f"{mismatched[0]} of {checked} checked rows in {what} do not match the checksum stored "
+                               f"when they were written (changed since, or their id was), e.g. {mismatched[1]}")
+
+
+def _compare_ids(shard: h5py.File, shard_file: str, index_ids: list[str], offset: int) -> list[str]:
+    """The index's copy of ``ids`` against the shard's own, row by row."""
+    own = [decode_str(v) for v in shard["ids"][:]]
+    if len(own) != len(index_ids):
+        return [f"shard {shard_file} has {len(own)} ids, the index lists {len(index_ids)} for it"]
+    differ = [r for r, (a, b) in enumerate(zip(index_ids, own)) if a != b]
+    if not differ:
+        return []
+    r = differ[0]
+    return [f"{len(differ)} ids of shard {shard_file} differ from the index's copy, e.g. index row {offset + r} is "
+            f"{index_ids[r]!r}, row {r} of the shard is {own[r]!r} (re-write the index with `retr-pipeline index`, "
+            f"or find out which file was changed)"]
+
+
+def _compare_errors(f: h5py.File, path: Path, shards: list[dict]) -> list[str]:
+    """The index's copy of ``errors`` against the concatenation of its shards' own."""
+    index_errors = [tuple(decode_str(v) for v in row) for row in f["errors"][:]]
+    shard_errors = []
+    for shard in shards:
+        with h5py.File(path.resolve().parent / shard["file"], "r") as s:
+            if "errors" in s:
+                shard_errors += [tuple(decode_str(v) for v in row) for row in s["errors"][:]]
+    if index_errors != shard_errors:
+        return [f"the index's errors ({len(index_errors)} rows) differ from its shards' ({len(shard_errors)} rows)"]
+    return []
+
+
+def _int(value) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _shard_problems(path: Path, attrs: dict, index: h5py.File) -> tuple[list[dict], list[str]]:
+    """The shards an index lists, and what is wrong with them (missing, incomplete, other rows/attrs/shapes)."""
     problems = []
     try:
         shards = json.loads(decode_str(attrs["shards"]))
-    except (json.JSONDecodeError, TypeError):
-        return ["the 'shards' attribute is not a JSON list"]
-    if "num_shards" in attrs and int(attrs["num_shards"]) != len(shards):
+        shards = [{"file": str(s["file"]), "rows": int(s["rows"])} for s in shards]
+    except (json.JSONDecodeError, TypeError, KeyError, ValueError):
+        return [], ["the 'shards' attribute is not a JSON list of {file, rows}"]
+    if "num_shards" in attrs and _int(attrs["num_shards"]) != len(shards):
         problems.append(f"num_shards says {attrs['num_shards']}, the index lists {len(shards)}")
+    shapes = {name: tuple(d.shape[1:]) for name, d in index.items()
+              if name not in NOT_ROW_DATA and isinstance(d, h5py.Dataset) and d.ndim}
     total = 0
     for shard in shards:
         source = path.resolve().parent / shard["file"]
-        total += int(shard["rows"])
+        total += shard["rows"]
         if not source.is_file():
             hint = " (a writer was interrupted: re-run the stage)" if Path(str(source) + PARTIAL_SUFFIX).exists() else ""
             problems.append(f"shard {shard['file']} is missing{hint}")
@@ -139,13 +339,22 @@ def _shard_problems(path: Path, attrs: dict) -> list[str]:
             problems.append(f"shard {shard['file']} is incomplete")
             continue
         with h5py.File(source, "r") as s:
-            rows = s["features"].shape[0]
-            if rows != int(shard["rows"]):
+            if not isinstance(s.get("features"), h5py.Dataset) or not isinstance(s.get("ids"), h5py.Dataset):
+                problems.append(f"shard {shard['file']} has no 'ids' or no 'features' dataset")
+                continue
+            rows = s["features"].shape[0] if s["features"].ndim else -1
+            if rows != shard["rows"]:
                 problems.append(f"shard {shard['file']} has {rows} rows, the index expects {shard['rows']}")
             for key in SHARED_ATTRS:
                 if key in attrs and key in s.attrs and not _same(s.attrs[key], attrs[key]):
                     problems.append(f"shard {shard['file']} has {key} = {s.attrs[key]!r}, the index {attrs[key]!r}")
-    return problems
+            for name, shape in shapes.items():
+                have = tuple(s[name].shape[1:]) if isinstance(s.get(name), h5py.Dataset) else None
+                if have != shape:
+                    problems.append(f"shard {shard['file']} has {name!r} rows of shape {have}, the index {shape}")
+    if "features" in index and index["features"].ndim and index["features"].shape[0] != total:
+        problems.append(f"the index has {index['features'].shape[0]} rows, its shards list {total}")
+    return shards, problems
 
 
 def _same(a, b) -> bool:
@@ -186,16 +395,36 @@ def _human_bytes(size: float) -> str:
 def summarize_feature_set(path: str | os.PathLike) -> list[str]:
     """Lines describing a feature set: kind, extractor, weights, N, K×D, dtype, size on disk, errors."""
     path = Path(path)
-    with h5py.File(path, "r") as f:
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise UserError(f"{path} is not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
+    with f:
+        if not isinstance(f.get("features"), h5py.Dataset) or f["features"].ndim != 3:
+            raise UserError(f"{path} is not a feature set (no 'features' dataset [N, K, D]); "
+                            f"`retr-pipeline verify {path}` says more")
         attrs = {k: f.attrs[k] for k in f.attrs}
         n, k, d = f["features"].shape
         size = path.stat().st_size
-        shards = json.loads(decode_str(attrs["shards"])) if "shards" in attrs else []
-        for shard in shards:
-            source = path.resolve().parent / shard["file"]
+        try:
+            shards = json.loads(decode_str(attrs["shards"])) if "shards" in attrs else []
+            files = [str(shard["file"]) for shard in shards]
+        except (json.JSONDecodeError, TypeError, KeyError) as exc:
+            raise UserError(f"{path}: the 'shards' attribute is not a JSON list of shards ({exc})") from None
+        for name in files:
+            source = path.resolve().parent / name
             size += source.stat().st_size if source.is_file() else 0
-        errors = [tuple(decode_str(v) for v in row) for row in f["errors"][:]] if "errors" in f else []
-        others = [name for name in f if name not in ("ids", "features", "errors")]
+        errors = ([tuple(decode_str(v) for v in row) for row in f["errors"][:]]
+                  if isinstance(f.get("errors"), h5py.Dataset) and f["errors"].ndim == 2 else [])
+        others = [name for name in f if name not in NOT_ROW_DATA and name != "features"]
+        with_sums = int(CHECKSUMS in f)
+        if files:
+            with_sums = 0
+            for name in files:
+                source = path.resolve().parent / name
+                if is_complete(source):
+                    with h5py.File(source, "r") as s:
+                        with_sums += CHECKSUMS in s
     get = lambda key: decode_str(attrs[key]) if key in attrs else "?"  # noqa: E731
     lines = [
         f"{path}",
@@ -209,6 +438,10 @@ def summarize_feature_set(path: str | os.PathLike) -> list[str]:
     ]
     if others:
         lines.append(f"  also       {', '.join(others)}")
+    if files:
+        lines.append(f"  checksums  per row in {with_sums} of {len(files)} shards")
+    else:
+        lines.append(f"  checksums  {'per row' if with_sums else 'none (written before retr stored them)'}")
     lines.append(f"  errors     {len(errors)}")
     for image_id, reason in errors[:10]:
         lines.append(f"    {image_id}: {reason}")

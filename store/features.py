@@ -7,12 +7,20 @@ any HDF5 reader opens a single file. Layout of every file::
     /features     [N, K, D]  float16|float32 one sample per chunk
     /errors       [E, 2]     utf-8 strings   (id, reason) of images that could not be used
     /boxes …      [N, …]     extra per-row datasets (regions: boxes, num_boxes, image_hw, object_ids, …)
+    /checksums    [N]        uint32          shards only: one CRC-32 per row (:func:`row_checksums`)
 
 Root attributes: see :data:`ROOT_ATTRS`, plus per file ``complete`` (set last, just before the rename),
 ``num_rows``, ``shard_index``/``num_shards`` (shards) or ``shards`` (index: JSON list of ``{"file", "rows"}``).
 
 Atomicity: a writer works on ``<name>.partial`` and renames it to ``<name>`` only after everything (including
 ``complete = True``) is flushed and closed, so a killed writer never leaves a file that looks finished.
+
+Integrity: the writer refuses non-finite values (NaN, ±inf) in any float dataset, whatever the dtype, and
+stores in every shard a CRC-32 per row computed from the bytes it wrote: the row's id (UTF-8, then a NUL byte),
+its ``features``, then every other per-row dataset in name order, each as little-endian bytes. So a row zeroed,
+altered or moved to another id afterwards no longer matches (``retr-pipeline verify`` recomputes them). The
+index does not copy ``checksums`` (they stay in the shards, next to the bytes they cover); shards written before
+checksums existed have none and still read and verify.
 
 Reading: :class:`FeatureSet` opens the file lazily in each process (h5py handles must not cross ``fork``), so
 it can be handed to DataLoader workers; batches of rows are read in sorted order and put back in the order
@@ -23,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -58,7 +67,55 @@ FEATURE_DTYPES = ("float16", "float32")
 TENCROP_ORDER = ("top-left", "top-right", "bottom-left", "bottom-right", "centre",
                  "flipped top-left", "flipped top-right", "flipped bottom-left", "flipped bottom-right", "flipped centre")
 
+#: The per-row checksum dataset of a shard, and its algorithm (the dataset's ``algorithm`` attribute).
+CHECKSUMS = "checksums"
+CHECKSUM_ALGORITHM = "crc32(id utf-8 + NUL, features, other per-row datasets in name order; little-endian)"
+#: Datasets that are not per-row data: the index copies ``ids``/``errors`` and leaves ``checksums`` in the shards.
+NOT_ROW_DATA = ("ids", "errors", CHECKSUMS)
+
 _STR = h5py.string_dtype("utf-8")
+
+
+class NonFiniteError(ValueError):
+    """Rows handed to :meth:`ShardWriter.append` hold NaN or ±inf (refused in every dtype).
+
+    ``image_id``: the first such row's id; ``dataset``: ``features`` or the extra dataset's name; ``count``: how
+    many rows of the batch are affected.
+    """
+
+    def __init__(self, image_id: str, dataset: str, count: int, file_name: str):
+        self.image_id, self.dataset, self.count = image_id, dataset, count
+        more = f" ({count} rows of this batch)" if count > 1 else ""
+        super().__init__(f"{dataset} of id {image_id!r}{more} hold NaN or infinite values, which {file_name} "
+                         f"does not store in any dtype")
+
+
+def row_checksums(ids: Sequence[str], arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The CRC-32 of each row: ``ids`` [B] and ``arrays`` (each [B, …], ``features`` first, then the other
+    per-row datasets in name order, already in their on-disk dtypes) → ``[B]`` uint32.
+
+    Each row's bytes are taken little-endian and C-ordered, so the value does not depend on the machine.
+    """
+    little = [np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")) for a in map(np.asarray, arrays)]
+    out = np.empty(len(ids), dtype=np.uint32)
+    for row, image_id in enumerate(ids):
+        crc = zlib.crc32(str(image_id).encode("utf-8") + b"\0")
+        for array in little:
+            crc = zlib.crc32(memoryview(array[row]).cast("B"), crc)
+        out[row] = crc
+    return out
+
+
+def non_finite_rows(array: np.ndarray) -> np.ndarray:
+    """``[B]`` bool: which rows of ``array`` [B, …] hold a NaN or ±inf (float16 tested on its bits: 2× faster)."""
+    array = np.asarray(array)
+    if array.dtype.kind != "f":
+        return np.zeros(len(array), dtype=bool)
+    flat = array.reshape(len(array), -1)
+    if array.dtype == np.float16:
+        bits = flat.view(np.uint16)
+        return ((bits & 0x7C00) == 0x7C00).any(axis=1)  # exponent all ones: inf or NaN
+    return ~np.isfinite(flat).all(axis=1)
 
 
 def shard_name(index: int, count: int) -> str:
@@ -129,16 +186,26 @@ class ShardWriter:
         f.create_dataset("features", shape=(0, k, d), maxshape=(None, k, d), dtype=self.dtype,
                          chunks=(1, k, d), compression=compression)
         for name, (shape, extra_dtype) in self.extras.items():
+            if name in NOT_ROW_DATA or name == "features":
+                self._discard()
+                raise ValueError(f"{name!r} is a reserved dataset name, not an extra")
             shape = tuple(shape)
             f.create_dataset(name, shape=(0, *shape), maxshape=(None, *shape), dtype=np.dtype(extra_dtype),
                              chunks=(min(256, 1 << 20 // max(1, int(np.prod(shape or (1,))))), *shape))
+        sums = f.create_dataset(CHECKSUMS, shape=(0,), maxshape=(None,), dtype=np.uint32, chunks=(4096,))
+        sums.attrs["algorithm"] = CHECKSUM_ALGORITHM
 
     @property
     def num_rows(self) -> int:
         return self._rows
 
     def append(self, ids: Sequence[str], features: np.ndarray, **extras: np.ndarray) -> None:
-        """Add ``B`` rows: ``ids`` [B], ``features`` [B, K, D] (cast to the file dtype), each extra [B, …]."""
+        """Add ``B`` rows: ``ids`` [B], ``features`` [B, K, D] (cast to the file dtype), each extra [B, …].
+
+        Raises ``ValueError`` for a wrong shape, an unknown extra, an id written before, values beyond float16's
+        range (the message says to write float32), and :class:`NonFiniteError` for NaN/±inf in any float
+        dataset; nothing of the batch is written then.
+        """
         ids = [str(i) for i in ids]
         features = np.asarray(features)
         batch = len(ids)
@@ -146,22 +213,32 @@ class ShardWriter:
             raise ValueError(f"features have shape {features.shape}, expected {(batch, *self.feature_shape)}")
         if set(extras) != set(self.extras):
             raise ValueError(f"extras {sorted(extras)} differ from the declared {sorted(self.extras)}")
+        batch_ids: set[str] = set()
         for image_id in ids:
-            if image_id in self._ids:
+            if image_id in self._ids or image_id in batch_ids:
                 raise ValueError(f"id {image_id!r} written twice to {self.path.name}")
-            self._ids.add(image_id)
+            batch_ids.add(image_id)
+        f = self._file
+        arrays = {"features": features}
+        arrays.update({name: np.asarray(extras[name], dtype=f[name].dtype) for name in sorted(self.extras)})
+        for name, values in arrays.items():
+            bad = non_finite_rows(values)
+            if bad.any():
+                raise NonFiniteError(ids[int(np.argmax(bad))], name, int(bad.sum()), self.path.name)
         if self.dtype == np.float16:
-            peak = float(np.abs(features).max(initial=0.0)) if np.isfinite(features).all() else np.inf
+            peak = float(np.abs(features).max(initial=0.0))
             if peak > float(np.finfo(np.float16).max):
                 raise ValueError(f"features reach {peak:.3g}, beyond float16's range; write with dtype float32")
+        arrays["features"] = features.astype(self.dtype, copy=False)
+        sums = row_checksums(ids, list(arrays.values()))
+        self._ids |= batch_ids
         start, stop = self._rows, self._rows + batch
-        f = self._file
-        for name in ("ids", "features", *self.extras):
+        for name in ("ids", CHECKSUMS, *arrays):
             f[name].resize(stop, axis=0)
         f["ids"][start:stop] = ids
-        f["features"][start:stop] = features.astype(self.dtype, copy=False)
-        for name, values in extras.items():
-            f[name][start:stop] = np.asarray(values, dtype=f[name].dtype)
+        f[CHECKSUMS][start:stop] = sums
+        for name, values in arrays.items():
+            f[name][start:stop] = values
         self._rows = stop
 
     def add_error(self, image_id: str, reason: str) -> None:
@@ -216,7 +293,8 @@ def write_index(index_path: str | os.PathLike, shard_paths: Sequence[str | os.Pa
     """Join complete shards into one index file with HDF5 virtual datasets (written atomically).
 
     Shards are taken in the order given (normally shard order). ``ids`` and ``errors`` are copied (small);
-    ``features`` and every other per-row dataset are virtual. Source paths are stored relative to the index's
+    ``features`` and every other per-row dataset are virtual; ``checksums`` stay in the shards (so shards written
+    with and without them can be joined). Source paths are stored relative to the index's
     folder, so the whole folder can be moved.
     """
     index_path = Path(index_path)
@@ -232,7 +310,7 @@ def write_index(index_path: str | os.PathLike, shard_paths: Sequence[str | os.Pa
                 "attrs": {k: f.attrs[k] for k in f.attrs},
                 "rows": int(f["features"].shape[0]),
                 "datasets": {name: (f[name].shape[1:], f[name].dtype) for name in f
-                             if name not in ("ids", "errors")},
+                             if name not in NOT_ROW_DATA},
                 "ids": [decode_str(v) for v in f["ids"][:]],
                 "errors": [tuple(decode_str(v) for v in row) for row in f["errors"][:]],
             })
@@ -309,7 +387,7 @@ class FeatureSet:
             self.feature_shape = tuple(f["features"].shape[1:])
             self.dtype = f["features"].dtype
             self.datasets = {name: (tuple(f[name].shape[1:]), f[name].dtype) for name in f
-                             if name not in ("ids", "errors")}
+                             if name not in NOT_ROW_DATA}
             self.errors = [tuple(decode_str(v) for v in row) for row in f["errors"][:]] if "errors" in f else []
         self._check_shards()
         self._row_of = {image_id: row for row, image_id in enumerate(self.ids)}

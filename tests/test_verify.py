@@ -24,7 +24,7 @@ def test_sound_set_passes(make_feature_set):
     assert verify_feature_set(index) == []
     result = cli("verify", index)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().endswith(": ok")
+    assert result.stdout.strip().endswith(": ok (all 12 rows read, 12 matched their checksums)")
 
 
 def test_missing_shard_is_reported(make_feature_set, tmp_path):
@@ -54,8 +54,10 @@ def test_nan_row_is_reported(tmp_path):
         w.append(["a", "b", "c"], np.zeros((3, 49, 2048)))
     with h5py.File(path, "r+") as f:
         f["features"][1, 3, 7] = np.nan
-    problems = verify_feature_set(path)
+    problems = verify_feature_set(path, checksum=False)
     assert len(problems) == 1 and "not finite" in problems[0] and "'b'" in problems[0]
+    problems = verify_feature_set(path)  # the NaN was written after the checksum: both are reported
+    assert "not finite" in problems[0] and "do not match the checksum" in problems[1] and "'b'" in problems[1]
 
 
 def test_shape_kind_attrs_and_completeness(tmp_path):
