@@ -37,9 +37,11 @@ import numpy as np
 
 from retr.common.errors import UserError
 from retr.manifests.schema import ManifestRecord, manifest_sha256, write_manifest
-from retr.store.features import REGION_DATASETS, REGION_IMAGE_DATASETS, ShardWriter
+from retr.store.features import REGION_DATASETS, REGION_IMAGE_DATASETS, NonFiniteError, ShardWriter
 
 FEATURE_DIM = 2048
+#: Images read from a SCAN ``{split}_ims.npy`` at a time (one block: 64 × 36 × 2048 float32 = 19 MB).
+SCAN_BLOCK_IMAGES = 64
 CAPTIONS_PER_IMAGE = 5
 #: SCAN split file name → manifest split
 SCAN_SPLITS = {"train": "train", "dev": "val", "test": "test", "testall": "test"}
@@ -80,6 +82,12 @@ class RegionRow:
     object_conf: np.ndarray | None = None
     attr_ids: np.ndarray | None = None
     attr_conf: np.ndarray | None = None
+    source: str = ""                     # where it was read, for errors: "x.tsv line 3", "train_ims.npy row 5"
+
+
+#: What to do about non-finite input values: no dtype stores them, so the advice is never "use float32".
+NON_FINITE_ADVICE = ("retr stores no NaN or infinite values in any dtype (--dtype float32 would not help): that "
+                     "row of the input is damaged; re-export it, or leave the image out of the input")
 
 
 def region_extras(k: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -109,6 +117,12 @@ class RegionSetWriter:
         n = len(row.features)
         if row.features.ndim != 2 or row.features.shape[1] != FEATURE_DIM:
             raise UserError(f"{row.image_id}: features have shape {row.features.shape}, expected [n, {FEATURE_DIM}]")
+        for name in ("features", "boxes", "object_conf", "attr_conf"):
+            value = getattr(row, name)
+            if value is not None and np.asarray(value).dtype.kind == "f" and not np.isfinite(value).all():
+                where = f"{row.source}: " if row.source else ""
+                raise UserError(f"{where}{name} of id {row.image_id!r} hold NaN or infinite values; "
+                                f"{NON_FINITE_ADVICE}")
         if n > self.k:
             raise UserError(f"{row.image_id}: {n} boxes, more than the {self.k} this feature set holds "
                             f"(give --max-boxes {n} or more)")
@@ -139,6 +153,8 @@ class RegionSetWriter:
                     out[name][i, :n] = value
         try:
             self.writer.append([row.image_id for row in self._pending], features, **out)
+        except NonFiniteError as exc:
+            raise UserError(f"{exc}; {NON_FINITE_ADVICE}") from None
         except ValueError as exc:  # duplicate id, or values beyond float16
             raise UserError(str(exc)) from None
         self.rows += b
@@ -167,15 +183,58 @@ def _check_out(out: Path, name: str) -> Path:
 
 
 # -- SCAN -------------------------------------------------------------------------------------------------
+class NpyRows:
+    """The rows of a ``.npy`` array ``[N, K, D]``, read a block at a time with plain file reads.
+
+    Why not slice a memory map: every page of a map that was read stays in the process's resident set until the
+    map is closed, so importing a 3 GB ``{split}_ims.npy`` through one grew the importer to the file's size.
+    Reads into a fresh block keep memory at one block (the page cache, which the kernel frees at will, holds
+    the rest). The header (shape, dtype, data offset) comes from ``np.load(mmap_mode="r")``, which reads only
+    the header. Fortran-order files (rare: ``np.save`` of a transposed array) have no contiguous rows; they are
+    read through the memory map as before.
+
+    Attributes: ``shape`` ``(N, K, D)``, ``dtype`` (the file's).
+    """
+
+    def __init__(self, path: Path, mapped: np.ndarray):
+        self.path = path
+        self.shape, self.dtype = tuple(mapped.shape), mapped.dtype
+        self._offset = int(getattr(mapped, "offset", 0))
+        self._row_bytes = int(np.prod(self.shape[1:])) * self.dtype.itemsize
+        self._mapped = mapped if not mapped.flags.c_contiguous else None  # kept only for Fortran order
+
+    def read(self, start: int, stop: int, step: int = 1) -> np.ndarray:
+        """Rows ``start:stop:step`` as a new ``[B, K, D]`` float32 array."""
+        rows = range(start, min(stop, self.shape[0]), step)
+        if self._mapped is not None:
+            return np.array(self._mapped[start:stop:step], dtype=np.float32)
+        out = np.empty((len(rows), *self.shape[1:]), dtype=self.dtype)
+        with open(self.path, "rb") as handle:
+            if step == 1:
+                self._read_into(handle, start, out)
+            else:
+                for i, row in enumerate(rows):
+                    self._read_into(handle, row, out[i:i + 1])
+        return out.astype(np.float32, copy=False)
+
+    def _read_into(self, handle, row: int, out: np.ndarray) -> None:
+        handle.seek(self._offset + row * self._row_bytes)
+        got = handle.readinto(memoryview(out).cast("B"))
+        if got != out.nbytes:
+            raise UserError(f"{self.path} ends inside row {row + got // max(1, self._row_bytes)} (the header says "
+                            f"{self.shape[0]} rows); the file is cut short — download it again")
+
+
 @dataclass
 class ScanSplit:
     """One SCAN split's files and what they hold."""
 
     name: str
-    features: np.ndarray         # [rows, 36, 2048] memory-mapped
+    features: NpyRows            # [rows, 36, 2048], read in blocks
     captions: list[str]
     ids: list[str]
     rows_per_image: int          # 1, or 5 when the file repeats each image once per caption
+    ims_path: Path | None = None
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -193,11 +252,14 @@ def read_scan_split(data_dir: Path, split: str, id_prefix: str = "") -> ScanSpli
         if not path.is_file():
             raise UserError(f"{path} does not exist (SCAN data folders hold {{split}}_ims.npy and {{split}}_caps.txt)")
     try:
-        features = np.load(ims_path, mmap_mode="r", allow_pickle=False)
-    except ValueError as exc:
-        raise UserError(f"{ims_path} is not a plain .npy array ({exc})") from None
-    if features.ndim != 3 or features.shape[2] != FEATURE_DIM:
-        raise UserError(f"{ims_path} has shape {features.shape}, expected [N, K, {FEATURE_DIM}]")
+        mapped = np.load(ims_path, mmap_mode="r", allow_pickle=False)  # reads the header only
+    except (ValueError, OSError, EOFError) as exc:
+        raise UserError(f"{ims_path} is not a plain .npy array ({str(exc).splitlines()[0]})") from None
+    if not isinstance(mapped, np.ndarray) or mapped.ndim != 3 or mapped.shape[2] != FEATURE_DIM:
+        raise UserError(f"{ims_path} has shape {getattr(mapped, 'shape', '?')}, expected [N, K, {FEATURE_DIM}]")
+    if mapped.dtype.kind not in "fiu":
+        raise UserError(f"{ims_path} holds {mapped.dtype} values, expected float32")
+    features = NpyRows(ims_path, mapped)
     captions = _read_lines(caps_path)
     for line_no, caption in enumerate(captions, start=1):
         if not caption.strip():
@@ -230,7 +292,7 @@ def read_scan_split(data_dir: Path, split: str, id_prefix: str = "") -> ScanSpli
         ids = [f"{id_prefix}{i}" for i in raw_ids]
     else:
         ids = [f"{id_prefix}{split}_{row}" for row in range(num_images)]
-    return ScanSplit(split, features, captions, ids, rows_per_image)
+    return ScanSplit(split, features, captions, ids, rows_per_image, ims_path)
 
 
 def default_scan_splits(data_dir: Path) -> list[str]:
@@ -243,7 +305,11 @@ def default_scan_splits(data_dir: Path) -> list[str]:
 
 def import_scan(data_dir: str | Path, out: str | Path, splits: Sequence[str] | None = None,
                 dtype: str = "float16", id_prefix: str = "", progress: Progress = _no_progress) -> ImportSummary:
-    """SCAN ``{split}_ims.npy`` + ``{split}_caps.txt`` → ``out/manifest.jsonl`` + ``out/regions.h5``."""
+    """SCAN ``{split}_ims.npy`` + ``{split}_caps.txt`` → ``out/manifest.jsonl`` + ``out/regions.h5``.
+
+    The arrays are streamed :data:`SCAN_BLOCK_IMAGES` images at a time (:class:`NpyRows`): memory stays near
+    one block (``64 × 36 × 2048`` float32, 19 MB) whatever the file's size.
+    """
     data_dir, out = Path(data_dir), Path(out)
     if not data_dir.is_dir():
         raise UserError(f"SCAN data folder {data_dir} does not exist")
@@ -281,11 +347,13 @@ def import_scan(data_dir: str | Path, out: str | Path, splits: Sequence[str] | N
         bar = progress(total=total, desc="import-scan", unit="img")
         for split in opened:
             step = split.rows_per_image
-            for start in range(0, len(split.ids), 256):
-                stop = min(start + 256, len(split.ids))
-                block = np.asarray(split.features[start * step:stop * step:step], dtype=np.float32)
+            name = split.ims_path.name if split.ims_path is not None else f"{split.name}_ims.npy"
+            for start in range(0, len(split.ids), SCAN_BLOCK_IMAGES):
+                stop = min(start + SCAN_BLOCK_IMAGES, len(split.ids))
+                block = split.features.read(start * step, stop * step, step)   # [stop - start, K, 2048]
                 for offset, image_id in enumerate(split.ids[start:stop]):
-                    writer.add(RegionRow(image_id, block[offset]))
+                    row = (start + offset) * step
+                    writer.add(RegionRow(image_id, block[offset], source=f"{name} row {row}"))
                 if bar is not None:
                     bar.update(stop - start)
             counts[SCAN_SPLITS[split.name]] = counts.get(SCAN_SPLITS[split.name], 0) + len(split.ids)
@@ -329,7 +397,7 @@ def parse_tsv_line(line: str, where: str, id_prefix: str = "") -> RegionRow:
     if not image_id:
         raise UserError(f"{where}: empty image id")
     row = RegionRow(image_id, _b64_array(values["features"], "float32", (n, -1), f"{where}: features"),
-                    _b64_array(values["boxes"], "float32", (n, 4), f"{where}: boxes"), hw)
+                    _b64_array(values["boxes"], "float32", (n, 4), f"{where}: boxes"), hw, source=where)
     if len(fields) == 10:
         row.object_ids = _b64_array(values["objects_id"], "int64", (n,), f"{where}: objects_id").astype(np.int32)
         row.object_conf = _b64_array(values["objects_conf"], "float32", (n,), f"{where}: objects_conf")
@@ -423,7 +491,7 @@ def read_milvlg_npz(path: Path, id_prefix: str = "") -> RegionRow:
     if "num_bbox" in arrays and int(arrays["num_bbox"]) != n:
         raise UserError(f"{path}: num_bbox is {int(arrays['num_bbox'])} but x has {n} rows")
     row = RegionRow(id_prefix + path.stem, features, np.asarray(arrays["bbox"], np.float32).reshape(n, 4),
-                    (int(arrays["image_h"]), int(arrays["image_w"])))
+                    (int(arrays["image_h"]), int(arrays["image_w"])), source=str(path))
     info = arrays.get("info")
     if info is not None:
         info = info.item() if isinstance(info, np.ndarray) and info.dtype.hasobject and info.ndim == 0 else info

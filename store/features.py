@@ -226,7 +226,7 @@ class ShardWriter:
             if bad.any():
                 raise NonFiniteError(ids[int(np.argmax(bad))], name, int(bad.sum()), self.path.name)
         if self.dtype == np.float16:
-            peak = float(np.abs(features).max(initial=0.0))
+            peak = max(abs(float(features.max(initial=0.0))), abs(float(features.min(initial=0.0))))  # no copy
             if peak > float(np.finfo(np.float16).max):
                 raise ValueError(f"features reach {peak:.3g}, beyond float16's range; write with dtype float32")
         arrays["features"] = features.astype(self.dtype, copy=False)
