@@ -6,9 +6,10 @@ from pathlib import Path
 
 import click
 
+from retr.common.errors import UserError
 from retr.manifests.karpathy import read_karpathy
 from retr.manifests.presets import PRESET_NAMES, get_preset
-from retr.manifests.schema import SPLITS, read_manifest, write_manifest
+from retr.manifests.schema import SPLITS, outside_root_reason, read_manifest, write_manifest
 
 
 @click.group("manifest")
@@ -53,22 +54,41 @@ def karpathy_command(karpathy_file: Path, out: Path, max_captions: int) -> None:
 @click.argument("manifest", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--image-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also check that every image file exists under this folder.")
-def check_command(manifest: Path, image_root: Path | None) -> None:
+@click.option("--allow-outside-root", is_flag=True,
+              help="Accept image paths that leave the image root (absolute, or '..' above it).")
+def check_command(manifest: Path, image_root: Path | None, allow_outside_root: bool) -> None:
     """Validate a manifest and print how many images and captions each split has.
+
+    Image paths must stay inside the image root: an absolute path or one whose '..' climb above the root is an
+    error unless --allow-outside-root. With --image-root every image file must exist.
 
     \b
     Example:
       retr-pipeline manifest check data/synthetic/manifest.jsonl --image-root data/synthetic
     """
     records = read_manifest(manifest)
+    if not records:
+        raise UserError(f"{manifest} holds no images (a manifest has one JSON object per line)")
     click.echo(f"{manifest}: {_split_summary(records)}")
+    outside = [(r, reason) for r in records if (reason := outside_root_reason(r.path)) is not None]
+    errors = []
+    if outside and not allow_outside_root:
+        shown = ", ".join(f"{r.id} ({r.path}: {reason})" for r, reason in outside[:3])
+        errors.append(f"{len(outside)} image path{'s' if len(outside) > 1 else ''} leave the image root: {shown}"
+                      + (" …" if len(outside) > 3 else "") + " (--allow-outside-root accepts them)")
+    elif outside:
+        click.echo(f"note: {len(outside)} image paths leave the image root (accepted: --allow-outside-root)")
     if image_root is not None:
-        missing = [r for r in records if not (image_root / r.path).is_file()]
+        refused = set() if allow_outside_root else {r.id for r, _ in outside}
+        missing = [r for r in records if r.id not in refused and not (image_root / r.path).is_file()]
         if missing:
             shown = ", ".join(f"{r.id} ({r.path})" for r in missing[:5])
-            raise click.ClickException(f"{len(missing)} image files missing under {image_root}: {shown}"
-                                       + (" …" if len(missing) > 5 else ""))
-        click.echo(f"all {len(records)} image files present under {image_root}")
+            errors.append(f"{len(missing)} image files missing under {image_root}: {shown}"
+                          + (" …" if len(missing) > 5 else ""))
+        else:
+            click.echo(f"all {len(records) - len(refused)} image files present under {image_root}")
+    if errors:
+        raise click.ClickException("; ".join(errors))
 
 
 @manifest_group.command("preset")

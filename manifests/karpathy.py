@@ -38,6 +38,8 @@ def read_karpathy(path: str | os.PathLike, max_captions: int | None = 5) -> list
         raise UserError(f"Karpathy split file {path} does not exist") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a UTF-8 text file (a Karpathy split file is JSON)") from None
     if not isinstance(data, dict) or not isinstance(data.get("images"), list):
         raise UserError(f"{path}: not a Karpathy split file (no 'images' list)")
     dataset = str(data.get("dataset", "")).lower()

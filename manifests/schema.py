@@ -5,7 +5,10 @@
 
 * ``id`` — unique, non-empty string; the join key of every feature set, tree file and run.
 * ``path`` — relative to an image root (``--image-root``, else the dataset preset's, else the folder that
-  holds the manifest file).
+  holds the manifest file), and inside it: an absolute path, or one whose ``..`` climb above the root, is
+  refused where images are opened (``manifest check``, extraction) unless ``allow_outside_root`` is given
+  (:func:`outside_root_reason`; the check reads the path's text, so a symlink inside the root is the
+  dataset's own business).
 * ``split`` — one of :data:`SPLITS` (the Karpathy names; COCO's ``restval`` stays its own split).
 * ``captions`` — a non-empty list of non-empty strings, in the order the source gives them; caption ``k`` of
   image ``id`` is known everywhere as ``"<id>#<k>"``.
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Iterable, Iterator, Sequence
 
 from retr.common.errors import ParameterError, UserError
@@ -87,11 +90,18 @@ def iter_manifest(path: str | os.PathLike) -> Iterator[ManifestRecord]:
     if not path.is_file():
         raise ManifestError(f"manifest {path} does not exist")
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            where = f"{path} line {line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                kind = "binary data (is this an HDF5 or other non-text file?)" if b"\0" in raw else "not UTF-8 text"
+                raise ManifestError(f"{where}: {kind} (byte {exc.start + 1} is 0x{raw[exc.start]:02x}); a "
+                                    f"manifest is JSON Lines in UTF-8 — re-encode it (e.g. iconv -f latin1 "
+                                    f"-t utf-8)") from None
             if not line.strip():
                 continue
-            where = f"{path} line {line_no}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -140,6 +150,25 @@ def write_manifest(path: str | os.PathLike, records: Iterable[ManifestRecord]) -
 def manifest_sha256(path: str | os.PathLike) -> str:
     """SHA-256 of the manifest file's bytes, recorded in every feature set made from it."""
     return sha256_file(path)
+
+
+def outside_root_reason(path: str) -> str | None:
+    """Why the manifest ``path`` would be read from outside its image root, or ``None`` when it stays inside.
+
+    Outside: an absolute path (``/x``, ``C:\\x``, ``\\\\server\\x``) or one whose ``..`` climb above the root
+    (``../x``, ``a/../../x``); ``a/../b`` stays inside. Only the text is read (nothing is resolved on disk).
+    """
+    if PurePosixPath(path).is_absolute() or PureWindowsPath(path).is_absolute() or PureWindowsPath(path).drive:
+        return "absolute path"
+    depth = 0
+    for part in path.replace("\\", "/").split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                return "'..' climbs above the image root"
+        elif part not in ("", "."):
+            depth += 1
+    return None
 
 
 def resolve_image_root(manifest_path: str | os.PathLike, image_root: str | os.PathLike | None = None,

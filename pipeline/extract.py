@@ -14,6 +14,17 @@ complete shard is skipped by any later run, after checking it was made by the sa
 options and manifest (otherwise the run stops and says so rather than mixing feature sets). An interrupted
 shard is started again from its first row.
 
+Exclusive shards. Once its network is built, a process takes an exclusive ``fcntl.flock`` on
+``NAME/.shard-RRRRR-of-WWWWW.h5.lock`` for every shard it is about to write, and writes its pid, host and start
+time into it. A second extraction into the same folder that needs one of those shards stops with one line
+naming that pid and host — at once, before building its network, when the lock file is already there (it would otherwise collide in HDF5's own file lock on the ``.partial`` file). The
+OS drops the lock when the holder exits or dies, so a killed run never leaves a stale lock; ranks of one
+torchrun job lock disjoint shards.
+
+Image paths. A manifest path that leaves the image root (absolute, or ``..`` above it) is not opened: it becomes
+an ``errors`` row like an unreadable image, unless ``allow_outside_root`` (then the feature set records
+``images_outside_root = "read"``).
+
 Index. After its shards, every process takes an exclusive lock (``fcntl.flock`` on ``NAME/.index.lock``, so
 concurrent ranks never write it together) and, if all W shards are complete and the index is missing or
 older than a shard, writes it. Hence the last rank to finish — or any re-run — writes it; no
@@ -24,11 +35,14 @@ becomes one ``errors`` row ``(id, reason)`` and the run goes on.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import multiprocessing as mp
 import os
+import socket
 import time
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -42,8 +56,8 @@ from retr.common.cli import progress
 from retr.common.errors import ParameterError, UserError
 from retr.common.torchrun import TorchrunEnv
 from retr.extractors.base import Extractor, ImageError, build_extractor
-from retr.manifests.schema import ManifestRecord, manifest_sha256, read_manifest
-from retr.store.features import (ShardWriter, decode_str, index_path_for, is_complete,
+from retr.manifests.schema import ManifestRecord, manifest_sha256, outside_root_reason, read_manifest
+from retr.store.features import (NonFiniteError, ShardWriter, decode_str, index_path_for, is_complete,
                                  shard_name, shard_status, write_index)
 
 #: Attributes the shard writer adds that change with the run, not with what the features are; a complete
@@ -87,16 +101,23 @@ def plan_shards(num_shards: int | None, shard_index: int | None,
 
 
 class ImageFiles(Dataset):
-    """Rows of one shard for a DataLoader: item ``i`` → ``(i, sample or None, error reason or None)``."""
+    """Rows of one shard for a DataLoader: item ``i`` → ``(i, sample or None, error reason or None)``.
 
-    def __init__(self, paths: Sequence[str], preprocess: Callable[[str], Any]):
+    ``refused``: positions not to open at all, with the reason recorded instead (paths outside the image root).
+    """
+
+    def __init__(self, paths: Sequence[str], preprocess: Callable[[str], Any],
+                 refused: dict[int, str] | None = None):
         self.paths = list(paths)
         self.preprocess = preprocess
+        self.refused = dict(refused or {})
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, i: int) -> tuple[int, Any, str | None]:
+        if i in self.refused:
+            return i, None, self.refused[i]
         try:
             return i, self.preprocess(self.paths[i]), None
         except ImageError as exc:
@@ -231,13 +252,28 @@ def _worker_context() -> mp.context.BaseContext:
     return mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
 
 
+def outside_root_refusals(records: Sequence[ManifestRecord]) -> dict[int, str]:
+    """Positions of ``records`` whose path leaves the image root → the reason recorded in ``errors``."""
+    refused = {}
+    for i, record in enumerate(records):
+        reason = outside_root_reason(record.path)
+        if reason is not None:
+            refused[i] = (f"path {record.path!r} leaves the image root ({reason}); not read "
+                          f"(--allow-outside-root reads it)")
+    return refused
+
+
 def run_shard(extractor: Extractor, records: Sequence[ManifestRecord], image_root: Path, path: Path,
               attrs: dict[str, Any], dtype: str, shard_index: int, num_shards: int, batch_size: int,
-              workers: int, pin_memory: bool, bar) -> ShardResult:
-    """Extract ``records`` into the shard file ``path`` (atomically); update ``bar`` per batch."""
+              workers: int, pin_memory: bool, bar, allow_outside_root: bool = False) -> ShardResult:
+    """Extract ``records`` into the shard file ``path`` (atomically); update ``bar`` per batch.
+
+    Paths outside ``image_root`` become ``errors`` rows without being opened unless ``allow_outside_root``.
+    """
     start = time.perf_counter()
     paths = [str(image_root / record.path) for record in records]
-    loader = DataLoader(ImageFiles(paths, extractor.preprocessor()), batch_size=batch_size, shuffle=False,
+    refused = {} if allow_outside_root else outside_root_refusals(records)
+    loader = DataLoader(ImageFiles(paths, extractor.preprocessor(), refused), batch_size=batch_size, shuffle=False,
                         num_workers=workers, collate_fn=BatchCollator(extractor.collator()), pin_memory=pin_memory,
                         prefetch_factor=2 if workers > 0 else None,
                         multiprocessing_context=_worker_context() if workers > 0 else None)
@@ -254,6 +290,10 @@ def run_shard(extractor: Extractor, records: Sequence[ManifestRecord], image_roo
                 extras = {name: out[name] for name in extractor.extras}
                 try:
                     writer.append(ids, out["features"], **extras)
+                except NonFiniteError as exc:
+                    raise UserError(f"{path.name}: the network's {exc.dataset} for image {exc.image_id!r} hold NaN "
+                                    f"or infinite values, which no dtype stores; check the weights (a damaged or "
+                                    f"mismatched file?) and try without half precision") from None
                 except ValueError as exc:  # e.g. values beyond float16's range: the writer says what to do
                     raise UserError(f"{path.name}: {exc}") from None
                 rows += len(ids)
@@ -266,6 +306,54 @@ def _existing_shard_result(path: Path, shard_index: int) -> ShardResult:
     with h5py.File(path, "r") as f:
         rows, errors = int(f["features"].shape[0]), int(f["errors"].shape[0])
     return ShardResult(shard_index, rows + errors, rows, errors, skipped=True)
+
+
+def shard_lock_path(folder: Path, shard_index: int, num_shards: int) -> Path:
+    """``NAME/.shard-RRRRR-of-WWWWW.h5.lock``: the lock file of one shard."""
+    return folder / f".{shard_name(shard_index, num_shards)}.lock"
+
+
+def lock_shards(folder: Path, shards: Sequence[int], num_shards: int, stack: contextlib.ExitStack | None) -> None:
+    """Take the exclusive lock of every shard in ``shards`` (released when ``stack`` closes, or the process dies).
+
+    Raises :class:`UserError` naming the holder (pid, host, start time) if another process holds one. With
+    ``stack=None`` only look: lock files that exist are tried and let go at once, nothing is created (so a run
+    that is refused, or fails before writing, leaves no folder behind).
+    """
+    if stack is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+    for r in shards:
+        path = shard_lock_path(folder, r, num_shards)
+        if stack is None and not path.is_file():
+            continue
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = _lock_holder(handle.read())
+            handle.close()
+            raise UserError(f"another extraction ({holder}) is writing {folder / shard_name(r, num_shards)}; "
+                            f"wait for it to finish (its finished shards are then reused), or give another out "
+                            f"folder") from None
+        if stack is None:
+            handle.close()
+            continue
+        stack.callback(handle.close)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}) + "\n")
+        handle.flush()
+
+
+def _lock_holder(text: str) -> str:
+    """``pid 123 on host h since …`` from a lock file's contents (written just after the lock was taken)."""
+    try:
+        info = json.loads(text)
+        return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return "pid unknown: it has only just started"
 
 
 def write_index_when_complete(folder: Path) -> tuple[Path | None, bool, int]:
@@ -295,7 +383,7 @@ def extract_features(manifest: str | os.PathLike, extractor: str, out: str | os.
                      image_root: str | os.PathLike | None = None, options: dict[str, Any] | None = None,
                      batch_size: int = 8, workers: int = 2, num_shards: int | None = None,
                      shard_index: int | None = None, dtype: str = "float16", quiet: bool = False,
-                     env: DistributedEnv | None = None,
+                     env: DistributedEnv | None = None, allow_outside_root: bool = False,
                      build: Callable[..., Extractor] = build_extractor) -> ExtractionSummary:
     """Run extractor ``extractor`` over the manifest into ``out/<extractor>/`` and index it when complete.
 
@@ -308,6 +396,11 @@ def extract_features(manifest: str | os.PathLike, extractor: str, out: str | os.
         batch_size: images per network call; workers: DataLoader decoding processes (0 = in this process).
         num_shards / shard_index / env: see the module docstring.
         dtype: ``float16`` (default) or ``float32`` on disk.
+        allow_outside_root: read manifest paths that leave ``image_root`` (absolute, ``..``) instead of
+            recording them as errors.
+
+    Raises :class:`UserError` when another process is writing one of this run's shards (see the module
+    docstring), before the network is built.
     """
     started = time.perf_counter()
     if batch_size < 1:
@@ -329,35 +422,42 @@ def extract_features(manifest: str | os.PathLike, extractor: str, out: str | os.
         raise UserError(f"{folder} holds shards of a {existing_count}-shard run; use num_shards {existing_count} "
                         f"to resume it, or delete the folder to start over", parameters=["num_shards"])
 
-    options = dict(options or {})
-    device = str(options.get("device", "cpu"))
-    if env.world_size > 1 and device == "cuda":
-        options["device"] = f"cuda:{env.local_rank}"
-    model = build(extractor, **options)
-    attrs = dict(model.attrs())
-    attrs["manifest_sha256"] = manifest_sha256(manifest)
-    ranges = shard_ranges(len(records), count)
+    unfinished = [r for r in mine if r not in complete]
+    lock_shards(folder, unfinished, count, None)  # refuse at once, before the network is built, if one is held
+    with contextlib.ExitStack() as locks:  # this run's shard locks, held until it returns
+        options = dict(options or {})
+        device = str(options.get("device", "cpu"))
+        if env.world_size > 1 and device == "cuda":
+            options["device"] = f"cuda:{env.local_rank}"
+        model = build(extractor, **options)
+        lock_shards(folder, unfinished, count, locks)
+        attrs = dict(model.attrs())
+        attrs["manifest_sha256"] = manifest_sha256(manifest)
+        if allow_outside_root and any(outside_root_reason(record.path) for record in records):
+            attrs["images_outside_root"] = "read"
+        ranges = shard_ranges(len(records), count)
 
-    summary = ExtractionSummary(extractor, folder, count)
-    todo = []
-    for r in mine:
-        start, stop = ranges[r]
-        path = folder / shard_name(r, count)
-        if r in complete:
-            check_existing_shard(path, attrs, dtype, [rec.id for rec in records[start:stop]])
-            summary.shards.append(_existing_shard_result(path, r))
-        else:
-            todo.append(r)
-    total = sum(ranges[r][1] - ranges[r][0] for r in todo)
-    pin = str(options.get("device", "cpu")).startswith("cuda")
-    rank_note = f" [rank {env.rank}/{env.world_size}]" if env.world_size > 1 else ""
-    with progress(total=total, desc=f"{extractor}{rank_note}", unit="img", quiet=quiet) as bar:
-        for r in todo:
+        summary = ExtractionSummary(extractor, folder, count)
+        todo = []
+        for r in mine:
             start, stop = ranges[r]
-            summary.shards.append(run_shard(model, records[start:stop], root, folder / shard_name(r, count), attrs,
-                                            dtype, r, count, batch_size, workers, pin, bar))
-    summary.shards.sort(key=lambda s: s.index)
-    del model
-    summary.index_path, summary.index_written, summary.missing_shards = write_index_when_complete(folder)
+            path = folder / shard_name(r, count)
+            if r in complete or is_complete(path):  # (finished by another run since the folder was listed)
+                check_existing_shard(path, attrs, dtype, [rec.id for rec in records[start:stop]])
+                summary.shards.append(_existing_shard_result(path, r))
+            else:
+                todo.append(r)
+        total = sum(ranges[r][1] - ranges[r][0] for r in todo)
+        pin = str(options.get("device", "cpu")).startswith("cuda")
+        rank_note = f" [rank {env.rank}/{env.world_size}]" if env.world_size > 1 else ""
+        with progress(total=total, desc=f"{extractor}{rank_note}", unit="img", quiet=quiet) as bar:
+            for r in todo:
+                start, stop = ranges[r]
+                summary.shards.append(run_shard(model, records[start:stop], root, folder / shard_name(r, count),
+                                                attrs, dtype, r, count, batch_size, workers, pin, bar,
+                                                allow_outside_root))
+        summary.shards.sort(key=lambda s: s.index)
+        del model
+        summary.index_path, summary.index_written, summary.missing_shards = write_index_when_complete(folder)
     summary.seconds = time.perf_counter() - started
     return summary

@@ -9,6 +9,7 @@ import click
 from retr.common.cli import LazyChoice, error_message, quiet_option
 from retr.common.errors import ParameterError, RetrError, UserError
 from retr.extractors.base import available_extractors
+from retr.manifests.schema import read_manifest
 from retr.pipeline.butd_options import butd_options
 from retr.pipeline.extract import extract_features
 
@@ -31,6 +32,9 @@ def _run_options(f):
                           "size unless given."),
         click.option("--image-root", type=click.Path(file_okay=False, path_type=Path), default=None,
                      help="Folder the manifest's image paths are relative to."),
+        click.option("--allow-outside-root", is_flag=True,
+                     help="Read manifest paths that leave the image root (absolute, or '..' above it); by "
+                          "default they are recorded in errors, unread."),
         quiet_option,
     ]
     for option in reversed(options):
@@ -69,7 +73,7 @@ def _builder_options(weights: str | None, device: str, half: bool, **specific: A
 def extract_command(manifest: Path, name: str, out: Path, shard_index: int | None, image_size: int | None,
                     grid_size: int | None, exif_orientation: bool, weights: str | None, batch_size: int,
                     workers: int, device: str, half: bool, dtype: str, num_shards: int | None,
-                    image_root: Path | None, quiet: bool, **butd: Any) -> None:
+                    image_root: Path | None, allow_outside_root: bool, quiet: bool, **butd: Any) -> None:
     """Extract one feature set from the images of a manifest (sharded, resumable).
 
     Writes OUT/NAME/shard-RRRRR-of-WWWWW.h5 (each renamed into place when complete) and, once every shard
@@ -87,7 +91,7 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
                                exif_orientation=exif_orientation, **butd)
     summary = extract_features(manifest, name, out, image_root=image_root, options=options, batch_size=batch_size,
                                workers=workers, num_shards=num_shards, shard_index=shard_index, dtype=dtype,
-                               quiet=quiet)
+                               quiet=quiet, allow_outside_root=allow_outside_root)
     click.echo(summary.line())
 
 
@@ -101,7 +105,8 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
 @_run_options
 def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None, only: tuple[str, ...],
                            weights: str | None, batch_size: int, workers: int, device: str, half: bool, dtype: str,
-                           num_shards: int | None, image_root: Path | None, quiet: bool) -> None:
+                           num_shards: int | None, image_root: Path | None, allow_outside_root: bool,
+                           quiet: bool) -> None:
     """Run every extractor of a dataset preset (coco, f30k, synthetic) into its features folder, in turn.
 
     An extractor that is not available in this installation is reported and skipped; one that fails
@@ -116,6 +121,7 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
     from retr.manifests.presets import get_preset
 
     preset = get_preset(dataset, images=image_root, manifest=manifest, features=out)
+    read_manifest(preset.manifest)  # a bad manifest is one error here, not one per extractor
     names = list(only) if only else list(preset.extractors)
     registered = available_extractors()
     unknown = [n for n in only if n not in preset.extractors and n not in registered]
@@ -131,7 +137,8 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
         try:
             summary = extract_features(preset.manifest, name, preset.features, image_root=preset.images,
                                        options=options, batch_size=batch_size, workers=workers,
-                                       num_shards=num_shards, dtype=dtype, quiet=quiet)
+                                       num_shards=num_shards, dtype=dtype, quiet=quiet,
+                                       allow_outside_root=allow_outside_root)
         except (RetrError, ParameterError) as exc:
             failed.append(name)
             click.echo(f"{name}: error: {error_message(exc)}", err=True)

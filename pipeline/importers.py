@@ -238,7 +238,14 @@ class ScanSplit:
 
 
 def _read_lines(path: Path) -> list[str]:
-    text = path.read_text(encoding="utf-8")
+    """The lines of a UTF-8 text file (a non-UTF-8 line is one error naming the file and line)."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line_no = raw.count(b"\n", 0, exc.start) + 1
+        raise UserError(f"{path} line {line_no}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); re-encode the file "
+                        f"as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

@@ -258,6 +258,10 @@ def test_extractor_is_a_choice_of_the_registered_ones(tmp_path, capsys):
     assert shown.exit_code == 0 and "--extractor [" + "|".join(names) + "]" in shown.output
 
 
+def write_one_image_manifest(path: Path) -> None:
+    path.write_text(json.dumps({"id": "a", "path": "a.jpg", "split": "train", "captions": ["a cat"]}) + "\n")
+
+
 def test_extract_preset_runs_every_available_extractor(tmp_path, monkeypatch):
     calls = []
 
@@ -274,6 +278,7 @@ def test_extract_preset_runs_every_available_extractor(tmp_path, monkeypatch):
 
     import retr.pipeline.extract_command as command
     monkeypatch.setattr(command, "extract_features", fake_extract)
+    write_one_image_manifest(tmp_path / "m.jsonl")  # read once up front: a bad one is one error, not one each
     monkeypatch.setattr(command, "available_extractors",
                         lambda: ["resnet152-grid", "tencrop-resnet152", "tencrop-vgg19", "vgg16-maps"])
     result = CliRunner().invoke(cli, ["extract-preset", "synthetic", "--manifest", str(tmp_path / "m.jsonl"),
@@ -295,6 +300,7 @@ def test_extract_preset_reports_each_failure_in_flags(tmp_path, monkeypatch):
                              "half", "device")
 
     monkeypatch.setattr(command, "extract_features", refuse)
+    write_one_image_manifest(tmp_path / "m.jsonl")
     monkeypatch.setattr(command, "available_extractors", lambda: ["vgg16-maps", "tencrop-vgg19"])
     result = CliRunner().invoke(cli, ["extract-preset", "synthetic", "--manifest", str(tmp_path / "m.jsonl"),
                                       "--out", str(tmp_path / "f"), "--half", "--only", "vgg16-maps",
