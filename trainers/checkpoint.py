@@ -9,10 +9,12 @@ Run directory (``--out``)::
     best.pt              the checkpoint with the best validation rSum
     metrics.jsonl        one JSON line per logged step and per epoch (validation numbers)
     eval.json            results of ``retr-train eval`` (every protocol, single model or ensemble)
+    run.lock             held (an OS lock) by the training process while it runs
 
 A checkpoint holds ``model`` (state dict), ``optimizer``, ``scheduler``, ``scaler`` (AMP), ``vocab``
 (``Vocabulary.to_json()``), ``epoch`` (finished epochs, 0-based index of the last one), ``best_rsum``,
-``rng`` (python, numpy, torch CPU and CUDA states) and ``config`` — everything a resume needs.
+``rng`` (python, numpy, torch CPU and CUDA states), ``config`` and ``collapse_monitor`` — everything a resume
+needs (a resume also cuts ``metrics.jsonl`` back to the checkpoint's step).
 
 Trust: a checkpoint holds tensors, numbers, strings, lists, tuples and dicts only (the RNG states are stored as
 such), so it is read with ``torch.load(weights_only=True)``: no pickled object can run code. Runs written
@@ -37,6 +39,7 @@ from retr.common.errors import UserError
 from retr.store.vocab import Vocabulary
 
 CONFIG, VOCAB, BEST, METRICS, EVAL = "config.json", "vocab.json", "best.pt", "metrics.jsonl", "eval.json"
+LOCK = "run.lock"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
 
 

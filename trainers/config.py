@@ -13,7 +13,9 @@ Field metadata understood by the command builder:
 * ``help`` — the option's help text;
 * ``flag`` — the option's spelling when it is not ``--field-name``: ``"--max-violation/--sum-violation"`` (an
   on/off pair), ``"--no-imgnorm"`` (a single flag that sets ``True``), ``"--train-split"`` (another name);
-* ``cli=False`` — not an option (filled by the loop or the command, e.g. the model name).
+* ``cli=False`` — not an option (filled by the loop or the command, e.g. the model name);
+* ``resume_applies=True`` — a ``TrainConfig`` setting that ``--resume`` may change (applied and recorded in
+  ``config.json``: more epochs, another device); any other setting given on resume must equal the run's.
 
 Types: ``int``, ``float``, ``str``, ``bool``, ``Literal[...]`` (a choice), ``X | None`` (None: unset or
 "choose for me"), ``tuple[str, ...]`` (an option given several times).
@@ -31,9 +33,9 @@ from retr.store.vocab import DEFAULT_THRESHOLD
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, cli: bool = True,
-            default_factory: Any = dataclasses.MISSING) -> Any:
+            default_factory: Any = dataclasses.MISSING, resume_applies: bool = False) -> Any:
     """A dataclass field that is a user-facing setting (see the module docstring for the metadata)."""
-    metadata = {"help": help, "flag": flag, "cli": cli}
+    metadata = {"help": help, "flag": flag, "cli": cli, "resume_applies": resume_applies}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -55,7 +57,7 @@ class TrainConfig:
     manifest: str = setting("", "Manifest (.jsonl).")
     out: str = setting("", "Run directory.")
     preset: str | None = setting(None, "Published settings to start from (explicit options override them).")
-    epochs: int = setting(30, "Training epochs.")
+    epochs: int = setting(30, "Training epochs.", resume_applies=True)
     batch_size: int = setting(128, "Global batch (split over DDP ranks).")
     lr: float = setting(2e-4, "Learning rate.")
     lr_update: int = setting(15, "Multiply the lr by 0.1 every N epochs.")
@@ -63,12 +65,12 @@ class TrainConfig:
     warmup_epochs: int = setting(0, "Train the first N epochs on the sum of violations, then on the model's "
                                     "configured loss (VSE∞'s warm-up against the hardest-negative collapse; the "
                                     "papers used none).")
-    early_stop: int = setting(0, "Stop after N epochs without a better validation rSum (0 = never).")
+    early_stop: int = setting(0, "Stop after N epochs without a better validation rSum (0 = never).", resume_applies=True)
     seed: int = setting(0, "Seed of every random number generator.")
-    device: str = setting("auto", "cpu, cuda, cuda:1 … (auto: cuda if any).")
-    workers: int = setting(0, "DataLoader worker processes.")
+    device: str = setting("auto", "cpu, cuda, cuda:1 … (auto: cuda if any).", resume_applies=True)
+    workers: int = setting(0, "DataLoader worker processes.", resume_applies=True)
     preload: bool | None = setting(None, "Hold the features in memory (default: only when they take < 2 GiB).",
-                                   flag="--preload/--no-preload")
+                                   flag="--preload/--no-preload", resume_applies=True)
     amp: bool = setting(False, "Mixed precision (CUDA only).", flag="--amp")
     train_splits: tuple[str, ...] = setting(("train", "restval"), "Training split (repeat the option for several).",
                                             flag="--train-split")
@@ -76,12 +78,15 @@ class TrainConfig:
     val_images: int = setting(1000, "Validate on the first N validation images (0 = all).")
     vocab: str | None = setting(None, "Use this vocabulary (SCAN's {name}_vocab.json) instead of building one.")
     vocab_threshold: int = setting(DEFAULT_THRESHOLD, "Keep words seen at least N times in training.")
-    log_every: int = setting(10, "Steps between metrics lines.")
-    keep_checkpoints: int = setting(2, "Epoch checkpoints kept (best.pt is kept besides).")
+    log_every: int = setting(10, "Steps between metrics lines.", resume_applies=True)
+    keep_checkpoints: int = setting(2, "Epoch checkpoints kept (best.pt is kept besides).", resume_applies=True)
 
     def __post_init__(self) -> None:
         self.train_splits = tuple(self.train_splits)
 
+
+#: the settings ``--resume`` applies (the fields marked ``resume_applies``)
+RESUME_APPLIES = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("resume_applies"))
 
 #: the schedule settings a model's preset may set besides the model's own
 SCHEDULE_KEYS = ("epochs", "batch_size", "lr", "lr_update", "grad_clip", "early_stop", "warmup_epochs")

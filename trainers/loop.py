@@ -19,24 +19,33 @@ elsewhere). DDP: see :mod:`retr.trainers.distributed`.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import math
 import random
+import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 
+from retr.common.atomic import atomic_text
 from retr.common.cli import progress
 from retr.common.devices import resolve_device
 from retr.common.errors import UserError
+from retr.common.hashing import sha256_file
+from retr.common.locks import exclusive_lock
 from retr.common.version import __version__
 from retr.store.features import FeatureSet
 from retr.trainers import checkpoint as ckpt
 from retr.trainers.collapse import (CollapseMonitor, StepRanking, collapse_message, recall_at_chance,
                                     val_at_chance_message)
-from retr.trainers.config import TrainConfig
+from retr.trainers.config import RESUME_APPLIES, TrainConfig
 from retr.trainers.data import CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData, load_split
 from retr.trainers.distributed import DistInfo, barrier, cleanup, gather_embeddings, init_from_env
 from retr.trainers.evaluation import retrieval_metrics
@@ -66,25 +75,46 @@ def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False, log=print
         device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)
     try:
-        run = build_run(cfg, resume, device, info, log, trust_checkpoint)
-        last_val: dict = {}
-        epoch = run.start_epoch - 1
-        for epoch in range(run.start_epoch, run.cfg.epochs):
-            started = time.time()
-            losses = train_one_epoch(run, epoch, quiet, log)
-            if info.is_main:
-                last_val = validate(run)
-                is_best = run.record_epoch(epoch, losses, last_val)
-                save_epoch(run, epoch, is_best, losses, last_val, time.time() - started, log)
-            else:
-                run.scheduler.step()
-            if should_stop(run, epoch, log):
-                break
-        if info.is_main and last_val:
-            report_val_at_chance(run, last_val, epoch, log)
-        return last_val
+        with run_lock(cfg.out, info):
+            run = build_run(cfg, resume, device, info, log, trust_checkpoint)
+            last_val: dict = {}
+            epoch = run.start_epoch - 1
+            for epoch in range(run.start_epoch, run.cfg.epochs):
+                started = time.time()
+                losses = train_one_epoch(run, epoch, quiet, log)
+                if info.is_main:
+                    last_val = validate(run)
+                    is_best = run.record_epoch(epoch, losses, last_val)
+                    if epoch == run.cfg.epochs - 1 or run.early_stop_due(epoch):
+                        report_val_at_chance(run, last_val, epoch, log)   # logged before the last checkpoint
+                    save_epoch(run, epoch, is_best, losses, last_val, time.time() - started, log)
+                else:
+                    run.scheduler.step()
+                if should_stop(run, epoch, log):
+                    break
+            return last_val
     finally:
         cleanup(info)
+
+
+@contextmanager
+def run_lock(out: str, info: DistInfo) -> Iterator[None]:
+    """Rank 0 holds ``OUT/run.lock`` (an OS lock, dropped when the process dies) for the run's lifetime: a
+    second ``retr-train`` on the same ``--out`` stops in one line naming the holder. A folder this call created
+    and nothing but the lock went into is removed again when the run fails to start."""
+    if not info.is_main:
+        yield
+        return
+    folder = Path(out)
+    created = not folder.exists()
+    try:
+        with exclusive_lock(folder / ckpt.LOCK, f"run {folder}",
+                            "wait for it to finish, or choose another --out"):
+            yield
+    except BaseException:
+        if created and folder.is_dir() and {p.name for p in folder.iterdir()} <= {ckpt.LOCK}:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 # ------------------------------------------------------------------------------------------------ build
@@ -114,6 +144,10 @@ class Run:
     best_epoch: int = -1
     monitor: CollapseMonitor = field(default_factory=CollapseMonitor)
 
+    def early_stop_due(self, epoch: int) -> bool:
+        """True when ``early_stop`` epochs have passed without a better validation rSum."""
+        return bool(self.cfg.early_stop) and epoch - self.best_epoch >= self.cfg.early_stop
+
     def record_epoch(self, epoch: int, losses: list[float], val: dict) -> bool:
         """Update the best validation rSum; True when this epoch is the best so far."""
         is_best = val["rsum"] > self.best_rsum
@@ -125,10 +159,17 @@ class Run:
 def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistInfo, log,
               trust_checkpoint: bool = False) -> Run:
     """Open (or resume) the run directory, load the data, build the model, optimiser and data loader."""
-    folder, state = _open_run_folder(cfg, resume, info, trust_checkpoint)
+    folder, state = _open_run_folder(cfg, resume, info, log, trust_checkpoint)
     features = FeatureSet(cfg.features)
+    check_feature_contract(features)
+    identity = data_identity(features, cfg.manifest)
+    if resume:
+        saved = state["config"] if state is not None else ckpt.read_config(folder)
+        cfg = _resumed_config(cfg, saved, folder)
+        check_same_data(folder, identity)
+        if state is not None:
+            check_feature_contract(features, cfg.model_args.get("img_dim"))
     if state is not None:
-        cfg = _resumed_config(cfg, state, folder)
         vocab = Vocabulary.from_json(state["vocab"])
     elif cfg.vocab:
         vocab = Vocabulary.load(cfg.vocab)
@@ -175,10 +216,13 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
         _restore(run, state)
     elif info.is_main:
         vocab.save(folder / ckpt.VOCAB)
+    if info.is_main:
+        # written at every start: a resume records the settings it changed (more epochs, another device)
         ckpt.write_json(folder / ckpt.CONFIG, {**asdict(cfg), "retr_version": __version__,
                                                "feature_attrs": features.attrs, "vocab_size": len(vocab),
                                                "train_images": train_data.num_images,
-                                               "val_images_used": val_data.num_images})
+                                               "val_images_used": val_data.num_images,
+                                               "data_identity": identity})
     if info.is_main and run.start_epoch < cfg.epochs:
         log(f"training {cfg.model} on {train_data.num_images} images / {train_data.num_captions} captions "
             f"({'preloaded' if train_feats.preloaded else 'read per batch'}), device {device}, "
@@ -191,37 +235,96 @@ def _config_names(spec) -> set[str]:
     return {f.name for f in fields(spec.config_class)}
 
 
-def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo,
+def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo, log=print,
                      trust_checkpoint: bool = False) -> tuple[Path, dict | None]:
-    """The run directory and, with ``resume``, its newest checkpoint's state."""
+    """The run directory and, with ``resume``, its newest checkpoint's state (None: start from the beginning).
+
+    ``resume`` on a run that stopped before its first checkpoint starts it again from the beginning (its
+    settings are still checked against its ``config.json``); what the stopped start had logged is discarded."""
     folder = Path(cfg.out)
     existing = ckpt.list_checkpoints(folder) if folder.is_dir() else []
     if resume:
-        if not existing:
-            raise UserError(f"nothing to resume in {folder} (no checkpoint-*.pt); start without --resume")
-        return folder, ckpt.load_checkpoint(existing[-1][1], trust=trust_checkpoint)
-    if existing or (folder / ckpt.METRICS).exists():
+        if existing:
+            return folder, ckpt.load_checkpoint(existing[-1][1], trust=trust_checkpoint)
+        if not (folder / ckpt.CONFIG).is_file():
+            raise UserError(f"nothing to resume in {folder} (no run there); start without --resume")
+        if info.is_main:
+            log(f"note: {folder} stopped before its first checkpoint; starting it again from the beginning")
+            for name in (ckpt.METRICS, ckpt.BEST):
+                (folder / name).unlink(missing_ok=True)
+        return folder, None
+    if existing or (folder / ckpt.METRICS).exists() or (folder / ckpt.CONFIG).exists():
         raise UserError(f"{folder} already holds a run; pass --resume to continue it or choose another --out")
     if info.is_main:
         folder.mkdir(parents=True, exist_ok=True)
     return folder, None
 
 
-def _resumed_config(cfg: TrainConfig, state: dict, folder: Path) -> TrainConfig:
-    """The run's own config, with today's epochs/device/workers/preload; refuses other model settings."""
-    saved = ckpt.upgrade_config(state["config"])
+def _resumed_config(cfg: TrainConfig, saved: dict, folder: Path) -> TrainConfig:
+    """The run's own config with the settings that may change on resume taken from ``cfg``
+    (:data:`~retr.trainers.config.RESUME_APPLIES`: epochs, device, workers …); any other difference is refused
+    in one line that names each setting."""
+    saved = ckpt.upgrade_config(saved)
     spec = get_spec(saved["model"])
     names = _config_names(spec)
+    if saved["model"] != cfg.model:
+        raise UserError(f"{folder} is a {saved['model']} run; continue it with `retr-train {saved['model']} "
+                        f"--resume --out {folder}`")
+    old_model = asdict(spec.make_config({k: v for k, v in saved["model_args"].items() if k in names}))
+    new_model = asdict(spec.make_config({k: v for k, v in cfg.model_args.items() if k in names}))
+    known = {f.name for f in fields(TrainConfig)}
+    old = TrainConfig(**{k: v for k, v in saved.items() if k in known})
+    differences = [f"{k} {new_model[k]!r} (run: {old_model[k]!r})" for k in old_model if old_model[k] != new_model[k]]
+    differences += [f"{k} {getattr(cfg, k)!r} (run: {getattr(old, k)!r})" for k in sorted(known)
+                    if k not in RESUME_APPLIES and k not in ("model", "model_args", "features", "manifest", "out")
+                    and getattr(cfg, k) != getattr(old, k)]
+    if differences:
+        raise UserError(f"{folder} cannot change on resume: {'; '.join(differences)}; resume with the run's "
+                        "settings (leave those options out) or choose another --out")
+    applied = {k: getattr(cfg, k) for k in (*RESUME_APPLIES, "features", "manifest", "out")}
+    return dataclasses.replace(old, model_args=saved["model_args"], **applied)
 
-    def own(config: dict) -> tuple[dict, dict]:
-        args = {k: v for k, v in config["model_args"].items() if k in names}
-        return asdict(spec.make_config(args)), dict(config.get("inputs") or {})
-    if saved["model"] != cfg.model or own(saved) != own(ckpt.upgrade_config(asdict(cfg))):
-        raise UserError(f"{folder} was trained as {saved['model']} with other settings; resume with the same "
-                        "options (or choose another --out)")
-    known = {f for f in TrainConfig.__dataclass_fields__}
-    return TrainConfig(**{**{k: v for k, v in saved.items() if k in known}, "epochs": cfg.epochs,
-                          "device": cfg.device, "workers": cfg.workers, "preload": cfg.preload})
+
+def check_feature_contract(features: FeatureSet, img_dim: int | None = None) -> None:
+    """Refuse in one line a feature set the trainer cannot read as ``[N, K, D]`` floats (or whose ``D`` is not
+    the model's ``img_dim``, when one is given)."""
+    if len(features.feature_shape) != 2:
+        shape = "×".join(map(str, (len(features), *features.feature_shape)))
+        raise UserError(f"{features.path}: features are [{shape}]; the trainer reads [N, K, D] (a global vector "
+                        "is K = 1); run `retr-pipeline verify` on it")
+    if not np.issubdtype(features.dtype, np.floating):
+        raise UserError(f"{features.path}: features are {features.dtype}; the trainer reads float16 or float32 "
+                        "features (re-extract, or import them as floats)")
+    if img_dim is not None and features.feature_shape[1] != img_dim:
+        raise UserError(f"{features.path}: features have D = {features.feature_shape[1]}, the model takes "
+                        f"D = {img_dim}; give the feature set it was trained on")
+
+
+def data_identity(features: FeatureSet, manifest: str) -> dict:
+    """What a resume must find again: the feature set's ids digest, shape, dtype and extraction attributes
+    (cheap: no feature value is read; shards written with checksums add their digest) and the manifest's
+    SHA-256."""
+    attrs = {k: v for k, v in features.attrs.items()
+             if k in ("kind", "extractor", "backbone", "weights", "image_size", "manifest_sha256")}
+    return {"features_ids_sha256": hashlib.sha256("\n".join(features.ids).encode("utf-8")).hexdigest(),
+            "features_shape": [len(features), *map(int, features.feature_shape)],
+            "features_dtype": str(features.dtype), "features_attrs": json.loads(json.dumps(attrs, default=str)),
+            "manifest_sha256": sha256_file(manifest)}
+
+
+def check_same_data(folder: Path, identity: dict) -> None:
+    """Refuse to resume on other data than the run started with (runs from before identities were recorded
+    are not checked)."""
+    config_path = folder / ckpt.CONFIG
+    recorded = json.loads(config_path.read_text(encoding="utf-8")).get("data_identity") if config_path.is_file() \
+        else None
+    if not recorded:
+        return
+    changed = [key for key in recorded if recorded[key] != identity.get(key)]
+    if changed:
+        what = ", ".join(f"{k} {str(identity.get(k))[:16]}… (run: {str(recorded[k])[:16]}…)" for k in changed)
+        raise UserError(f"{folder} was trained on other data: {what}; resume with the run's features and manifest "
+                        "or choose another --out")
 
 
 def _restore(run: Run, state: dict) -> None:
@@ -235,9 +338,36 @@ def _restore(run: Run, state: dict) -> None:
     run.best_epoch = state.get("best_epoch", state["epoch"])
     if state.get("collapse_monitor"):
         run.monitor.load_state_dict(state["collapse_monitor"])
-    if run.cfg.early_stop and state["epoch"] - run.best_epoch >= run.cfg.early_stop:
+    if run.early_stop_due(state["epoch"]):
         run.start_epoch = run.cfg.epochs           # the run had already stopped early: nothing left to do
+    if run.info.is_main:
+        truncate_metrics(run.folder, state, continuing=run.start_epoch < run.cfg.epochs)
     ckpt.set_rng_state(state["rng"])
+
+
+def truncate_metrics(folder: Path, state: dict, continuing: bool = True) -> None:
+    """Cut ``metrics.jsonl`` back to what it held when ``state`` was saved, so a resumed run's log equals an
+    uninterrupted run's line for line: a killed run leaves the lines of its unfinished epoch, perhaps half a
+    line. Kept: the lines up to the first one past the checkpoint's step and epoch (the file is append-only, so
+    everything after that is from the lost stretch), less the end-of-training ``val_at_chance`` event when the
+    run is ``continuing`` past that end. Rewritten atomically."""
+    path = folder / ckpt.METRICS
+    if not path.is_file():
+        return
+    text = path.read_text(encoding="utf-8", errors="replace")
+    kept = []
+    for line in text.splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            break
+        if not line.endswith("\n") or record.get("step", 0) > state["step"] or record.get("epoch", -1) > state["epoch"]:
+            break
+        if not (continuing and record.get("event") == "val_at_chance"):   # said at an end this resume goes past
+            kept.append(line)
+    if len(kept) < len(text.splitlines(keepends=True)) or not text.endswith("\n") and text:
+        with atomic_text(path) as handle:
+            handle.write("".join(kept))
 
 
 # ------------------------------------------------------------------------------------------------ one epoch
@@ -283,6 +413,8 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]
         run.model.batch_ranking = None
         loss = train_step(run.net, batch, run.optimizer, run.scaler, cfg.grad_clip, run.device, info,
                           run.scaler.is_enabled())
+        if not math.isfinite(loss):
+            raise UserError(non_finite_message(run, batch, epoch, loss))
         losses.append(loss)
         run.step += 1
         if not info.is_main:
@@ -300,6 +432,20 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]
         if hasattr(bar, "set_postfix"):           # a tqdm bar (not the plain iterator of --quiet)
             bar.set_postfix(loss=f"{loss:.3f}")
     return losses
+
+
+def non_finite_message(run: Run, batch: dict, epoch: int, loss: float) -> str:
+    """One line for a step whose loss is not finite: the images whose features are not finite, else the
+    batch's first images and what to try. The run on disk stays at its last checkpoint."""
+    ids = [run.train_data.image_ids[i] for i in batch["image_index"].tolist()]
+    bad = ~torch.isfinite(batch["features"].float()).flatten(1).all(1)
+    where = f"step {run.step + 1} (epoch {epoch + 1})"
+    if bool(bad.any()):
+        named = sorted({ids[i] for i in torch.nonzero(bad).view(-1).tolist()})
+        return (f"the features of image(s) {', '.join(named[:5])}{' …' if len(named) > 5 else ''} are not finite "
+                f"(loss {loss} at {where}); run `retr-pipeline verify {run.cfg.features}` and re-extract them")
+    return (f"the loss became {loss} at {where} (batch images {', '.join(ids[:3])} …); try a lower --lr or "
+            "--grad-clip; the run stays at its last checkpoint (--resume continues from there)")
 
 
 def validate(run: Run) -> dict:
@@ -327,9 +473,10 @@ def save_epoch(run: Run, epoch: int, is_best: bool, losses: list[float], val: di
              "vocab": run.vocab.to_json(), "epoch": epoch, "step": run.step, "best_rsum": run.best_rsum,
              "best_epoch": run.best_epoch, "rng": ckpt.rng_state(), "config": asdict(run.cfg),
              "collapse_monitor": run.monitor.state_dict()}
-    path = ckpt.save_checkpoint(ckpt.checkpoint_path(run.folder, epoch), state)
+    # best.pt before the epoch checkpoint: a run killed between the two redoes the epoch and rewrites both
     if is_best:
         ckpt.save_checkpoint(run.folder / ckpt.BEST, state)
+    path = ckpt.save_checkpoint(ckpt.checkpoint_path(run.folder, epoch), state)
     ckpt.prune_checkpoints(run.folder, run.cfg.keep_checkpoints)
     log(f"epoch {epoch + 1}/{run.cfg.epochs}: loss {np.mean(losses):.4f}, val rsum {val['rsum']:.1f} "
         f"(i2t R@1 {val['i2t']['r1']:.1f}, t2i R@1 {val['t2i']['r1']:.1f}){' best' if is_best else ''} "
@@ -348,7 +495,7 @@ def report_val_at_chance(run: Run, val: dict, epoch: int, log) -> None:
 def should_stop(run: Run, epoch: int, log) -> bool:
     """Early stop (``early_stop`` epochs without a better validation rSum), decided by rank 0 for all ranks."""
     cfg, info = run.cfg, run.info
-    stop = bool(cfg.early_stop) and info.is_main and epoch - run.best_epoch >= cfg.early_stop
+    stop = info.is_main and run.early_stop_due(epoch)
     if info.enabled:
         flag = torch.tensor([int(stop)], device=run.device)
         torch.distributed.broadcast(flag, src=0)

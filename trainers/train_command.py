@@ -17,6 +17,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import click
@@ -24,7 +25,8 @@ from click.core import ParameterSource
 
 from retr.common.cli import quiet_option
 from retr.common.errors import UserError
-from retr.trainers.config import (TrainConfig, choices_of, field_types, read_settings_file, setting_fields)
+from retr.trainers.config import (RESUME_APPLIES, TrainConfig, choices_of, field_types, read_settings_file,
+                                   setting_fields)
 from retr.trainers.models.registry import DATA_SIZES, ModelSpec
 
 #: keys of a run's config.json that are records of the run, not settings
@@ -145,6 +147,56 @@ def gather_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> tuple[
     return cfg, inputs
 
 
+def resume_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> TrainConfig:
+    """``--resume``: the run's own settings (its ``config.json``; ``--out`` is all it needs), with the options
+    given now applied where a resume may change them (``resume_applies`` settings, and ``--features`` /
+    ``--manifest`` that the loop checks hold the same data). Any other option given must equal the run's, else
+    one line names each difference."""
+    out = values.get("out")
+    if not out:
+        raise UserError("--resume needs --out (the run to continue)")
+    if values.get("config"):
+        raise UserError("--resume continues from the run's own config.json; leave out --config")
+    from retr.trainers import checkpoint as ckpt
+
+    if not (Path(out) / ckpt.CONFIG).is_file():
+        raise UserError(f"nothing to resume in {out} (no run there); start without --resume")
+    saved = ckpt.read_config(out)
+    if saved.get("model") != spec.name:
+        raise UserError(f"{out} is a {saved.get('model')} run; continue it with `retr-train {saved.get('model')} "
+                        f"--resume --out {out}`")
+    train_names = {f.name for f in setting_fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(TrainConfig)}})
+    flags = _flag_names(spec)
+    model_names = {f.name for f in setting_fields(spec.config_class)}
+    given = {k: values[k] for k in explicit if k in model_names}
+    for flag, (_, overrides) in spec.shortcuts.items():
+        if _shortcut_name(flag) in explicit and values[_shortcut_name(flag)]:
+            given.update(overrides)
+    differences = [f"{flags.get(k, k)} {v!r} (run: {cfg.model_args.get(k)!r})" for k, v in sorted(given.items())
+                   if cfg.model_args.get(k) != v]
+    differences += [f"{flags.get(i.name, i.name)} {values[i.name]} (run: {cfg.inputs.get(i.name)})"
+                    for i in spec.inputs if i.name in explicit and not _same_path(values[i.name], cfg.inputs.get(i.name))]
+    changes: dict[str, Any] = {"out": out}          # the run's folder is where it is now, wherever it started
+    for name in sorted(explicit & train_names - {"out"}):
+        new = tuple(values[name]) if isinstance(getattr(cfg, name), tuple) else values[name]
+        old = getattr(cfg, name)
+        if name in ("features", "manifest"):
+            changes[name] = new          # the loop refuses other data than the run's
+        elif name in RESUME_APPLIES:
+            changes[name] = new
+        elif new != old:
+            differences.append(f"{flags.get(name, name)} {new!r} (run: {old!r})")
+    if differences:
+        raise UserError(f"{out} cannot change on resume: {'; '.join(differences)}; resume with the run's settings "
+                        "(leave those options out) or choose another --out")
+    return dataclasses.replace(cfg, **changes)
+
+
+def _same_path(a: str | None, b: str | None) -> bool:
+    return bool(a) and bool(b) and Path(a).resolve() == Path(b).resolve()
+
+
 def _data_size_names(spec: ModelSpec) -> set[str]:
     """Constructor arguments that follow from the data (sizes), besides ``vocab_size``/``img_dim``."""
     import inspect
@@ -186,7 +238,10 @@ def training_command(spec: ModelSpec) -> click.Command:
                for flag, (help_text, _) in spec.shortcuts.items()]
     params += [click.Option(["--config"], type=click.Path(dir_okay=False), default=None,
                             help="Settings from a JSON/YAML file or a run's config.json (options override it)."),
-               click.Option(["--resume"], is_flag=True, help="Continue the run in --out from its newest checkpoint."),
+               click.Option(["--resume"], is_flag=True,
+                            help="Continue the run in --out from its newest checkpoint, with its own settings "
+                                 "(--out is enough; --epochs, --device, --workers … may change, other options "
+                                 "must equal the run's)."),
                click.Option(["--trust-checkpoint"], is_flag=True,
                             help="With --resume: read a checkpoint that holds Python objects besides tensors (they "
                                  "can run code: only for files you trust).")]
@@ -197,7 +252,10 @@ def training_command(spec: ModelSpec) -> click.Command:
 
         ctx = click.get_current_context()
         explicit = {name for name in values if ctx.get_parameter_source(name) in _EXPLICIT}
-        cfg, _ = gather_settings(spec, values, explicit)
+        if values["resume"]:
+            cfg = resume_settings(spec, values, explicit)
+        else:
+            cfg, _ = gather_settings(spec, values, explicit)
         log = lambda message: click.echo(message, err=True)  # noqa: E731
         train(cfg, resume=values["resume"], quiet=values["quiet"], log=log, trust_checkpoint=values["trust_checkpoint"])
         if spec.after_training is not None:

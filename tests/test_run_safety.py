@@ -1,0 +1,282 @@
+"""Issue 16, the trainer: one process per run, resume from anything a kill leaves, the same data and settings on
+resume, non-finite values and wrong-kind features stopped in one line."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from retr.common.errors import UserError
+from retr.common.locks import exclusive_lock
+from retr.trainers import checkpoint as ckpt
+from retr.trainers.cli import cli
+from trainer_synthetic import make_synthetic, write_uninformative_regions
+
+TINY = ["--embed-size", "16", "--word-dim", "8", "--batch-size", "16", "--quiet", "--log-every", "1",
+        "--val-images", "10", "--device", "cpu"]
+RETR_TRAIN = [sys.executable, "-c", "from retr.trainers.cli import main; main()"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("safety")
+    manifest, features = make_synthetic(folder, images=60)          # 48 training images, 240 captions: 15 steps an epoch
+    return folder, str(manifest), str(features)
+
+
+def _train(data, out, epochs, *extra, model="vsepp"):
+    _, manifest, features = data
+    return CliRunner().invoke(cli, [model, "--features", features, "--manifest", manifest, "--out", str(out),
+                                    "--epochs", str(epochs), *TINY, *extra])
+
+
+def _lines(run: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock field (the one thing two identical runs do not share)."""
+    lines = [json.loads(line) for line in (run / ckpt.METRICS).read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k != "seconds"} for line in lines]
+
+
+def _error_line(result) -> str:
+    lines = [line for line in result.output.strip().splitlines() if line]
+    assert result.exit_code != 0 and isinstance(result.exception, UserError), result.output
+    return str(result.exception)
+
+
+@pytest.fixture(scope="module")
+def straight(data, tmp_path_factory):
+    """An uninterrupted 3-epoch run: what every interrupted one must end up equal to."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    assert _train(data, out, 3).exit_code == 0
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ lock
+
+def test_a_second_process_on_the_same_out_is_refused_naming_the_holder(data, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from retr.common.locks import exclusive_lock\n"
+                               f"with exclusive_lock({str(out / ckpt.LOCK)!r}, 'x'):\n"
+                               "    print('locked', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        result = _train(data, out, 1)
+        message = _error_line(result)
+        assert f"PID {holder.pid} on host" in message and "is in use" in message
+        assert not (out / ckpt.METRICS).exists() and not (out / ckpt.CONFIG).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _train(data, out, 1).exit_code == 0           # the lock died with its holder
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_leave_one_run(data, tmp_path):
+    _, manifest, features = data
+    out = tmp_path / "run"
+    args = [*RETR_TRAIN, "vsepp", "--features", features, "--manifest", manifest, "--out", str(out), "--epochs",
+            "2", *TINY]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert sorted(code for code, _ in results) == [0, 1], results
+    err = next(err for code, err in results if code == 1)
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert "is in use by PID" in err or "already holds a run" in err
+    keys = [(line["epoch"], line["step"], "val" in line) for line in _lines(out) if "event" not in line]
+    assert len(keys) == len(set(keys)) == 2 * 15 + 2
+
+
+def test_lock_helper_refuses_then_releases(tmp_path):
+    with exclusive_lock(tmp_path / "l", "thing"):
+        pid = os.fork()
+        if pid == 0:                                       # a child process: the lock is the parent's
+            try:
+                with exclusive_lock(tmp_path / "l", "thing"):
+                    os._exit(3)
+            except UserError as exc:
+                os._exit(0 if f"PID {os.getppid()}" in str(exc) else 4)
+        assert os.waitpid(pid, 0)[1] >> 8 == 0
+    with exclusive_lock(tmp_path / "l", "thing"):
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+def test_resume_without_a_checkpoint_starts_again_and_matches(data, straight, tmp_path):
+    out = tmp_path / "run"
+    assert _train(data, out, 1).exit_code == 0
+    for path in (*out.glob("checkpoint-*.pt"), out / ckpt.BEST):   # as if killed before the first checkpoint
+        path.unlink()
+    with open(out / ckpt.METRICS, "a") as handle:
+        handle.write('{"epoch": 0, "step": 2, "lo')
+    result = CliRunner().invoke(cli, ["vsepp", "--out", str(out), "--resume", "--epochs", "3", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "starting it again from the beginning" in result.output
+    assert _lines(out) == _lines(straight)
+    assert json.loads((out / ckpt.CONFIG).read_text())["epochs"] == 3
+
+
+def test_resume_cuts_the_log_back_to_the_checkpoint(data, straight, tmp_path):
+    out = tmp_path / "run"
+    assert _train(data, out, 1).exit_code == 0
+    with open(out / ckpt.METRICS, "a") as handle:          # the unfinished epoch 2 of a killed process
+        handle.write('{"epoch": 1, "step": 4, "loss": 1.0, "lr": 0.0002}\n{"epoch": 1, "st')
+    assert CliRunner().invoke(cli, ["vsepp", "--out", str(out), "--resume", "--epochs", "3"]).exit_code == 0
+    assert _lines(out) == _lines(straight)
+    final = ckpt.load_checkpoint(ckpt.checkpoint_path(out, 2))
+    expected = ckpt.load_checkpoint(ckpt.checkpoint_path(straight, 2))
+    for key in ("model", "optimizer"):
+        assert _tensors(final[key]) == _tensors(expected[key])
+
+
+def _tensors(state) -> list:
+    """A nested state's leaves, tensors as bytes (bitwise comparison)."""
+    if isinstance(state, dict):
+        return [(k, _tensors(v)) for k, v in sorted(state.items(), key=lambda kv: str(kv[0]))]
+    if isinstance(state, (list, tuple)):
+        return [_tensors(v) for v in state]
+    if isinstance(state, torch.Tensor):
+        return [str(state.dtype), list(state.shape), state.numpy().tobytes()]
+    return state
+
+
+def test_resume_refuses_changed_settings_by_name_and_applies_safe_ones(data, tmp_path):
+    out = tmp_path / "run"
+    assert _train(data, out, 1).exit_code == 0
+    result = CliRunner().invoke(cli, ["vsepp", "--out", str(out), "--resume", "--lr", "1e-2", "--batch-size", "8",
+                                      "--embed-size", "32"])
+    message = _error_line(result)
+    assert "--lr 0.01 (run: 0.0002)" in message and "--batch-size 8 (run: 16)" in message \
+        and "--embed-size 32 (run: 16)" in message
+    result = CliRunner().invoke(cli, ["scan", "--out", str(out), "--resume"])
+    assert "is a vsepp run" in _error_line(result)
+    assert CliRunner().invoke(cli, ["vsepp", "--out", str(out), "--resume", "--epochs", "2", "--lr", "2e-4",
+                                    "--quiet"]).exit_code == 0        # the run's own value may be repeated
+    assert json.loads((out / ckpt.CONFIG).read_text())["epochs"] == 2
+    assert len(ckpt.list_checkpoints(out)) == 2
+
+
+def test_resume_refuses_other_data_and_follows_moved_data(data, tmp_path):
+    folder, manifest, features = data
+    out = tmp_path / "run"
+    assert _train(data, out, 1).exit_code == 0
+    other = write_uninformative_regions(folder, name=f"other-{tmp_path.name}")
+    result = CliRunner().invoke(cli, ["vsepp", "--out", str(out), "--resume", "--epochs", "2",
+                                      "--features", str(other)])
+    assert "was trained on other data" in _error_line(result) and "features_attrs" in str(result.exception)
+    edited = tmp_path / "manifest.jsonl"
+    edited.write_text(Path(manifest).read_text().replace("a ", "the ", 1))
+    result = CliRunner().invoke(cli, ["vsepp", "--out", str(out), "--resume", "--epochs", "2",
+                                      "--manifest", str(edited)])
+    assert "manifest_sha256" in _error_line(result)
+    moved = tmp_path / "moved"
+    shutil.copytree(Path(features).parent, moved)             # the index and its shard folder, elsewhere
+    result = CliRunner().invoke(cli, ["vsepp", "--out", str(out), "--resume", "--epochs", "2", "--quiet",
+                                      "--features", str(moved / Path(features).name)])
+    assert result.exit_code == 0, result.output
+
+
+# ------------------------------------------------------------------------------------------------ kill -9
+
+def _spawn(args) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_kill_at_random_moments_then_resume_gives_the_uninterrupted_run(data, straight, tmp_path):
+    """kill -9 once the log has reached a random line (0: as soon as the loop starts; before the first checkpoint;
+    later), then ``--resume`` with ``--out`` alone: the log line for line and the last and best checkpoints'
+    tensors bit for bit equal the uninterrupted run's."""
+    _, manifest, features = data
+    rng = random.Random(16)
+    lines_per_epoch = 16                                    # 15 step lines and the epoch line
+    first = [*RETR_TRAIN, "vsepp", "--features", features, "--manifest", manifest, "--epochs", "3", *TINY]
+    targets = [0, rng.randrange(1, lines_per_epoch), rng.randrange(lines_per_epoch + 1, 3 * lines_per_epoch)]
+    for trial, target in enumerate(targets):
+        out = tmp_path / f"trial{trial}"
+        proc = _spawn([*first, "--out", str(out)])
+        line = proc.stderr.readline()                       # "training vsepp on …": the loop has started
+        assert line.startswith("training"), line + proc.stderr.read()
+        while target and proc.poll() is None and _count_lines(out / ckpt.METRICS) < target:
+            time.sleep(0.002)
+        assert proc.poll() is None, f"trial {trial}: the run ended before line {target}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        resumed = subprocess.run([*RETR_TRAIN, "vsepp", "--out", str(out), "--resume", "--quiet"],
+                                 capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr
+        assert _lines(out) == _lines(straight), f"trial {trial} (killed at line {target})"
+        for name in (ckpt.checkpoint_path(out, 2).name, ckpt.BEST):
+            a, b = ckpt.load_checkpoint(out / name), ckpt.load_checkpoint(straight / name)
+            assert _tensors(a["model"]) == _tensors(b["model"]) and a["epoch"] == b["epoch"]
+            assert _tensors(a["optimizer"]) == _tensors(b["optimizer"])
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+# ------------------------------------------------------------------------------------------------ bad values
+
+def _poison(features: Path, tmp_path: Path, image_id: str) -> Path:
+    """A copy of the feature set whose row ``image_id`` holds NaN (written past the store's own checks)."""
+    copy = tmp_path / "poisoned"
+    shutil.copytree(features.parent, copy)
+    for shard in sorted((copy / features.stem).glob("*.h5")):
+        with h5py.File(shard, "r+") as f:
+            ids = [i.decode() if isinstance(i, bytes) else i for i in f["ids"][:]]
+            if image_id in ids:
+                row = ids.index(image_id)
+                f["features"][row] = np.full(f["features"].shape[1:], np.nan, dtype=f["features"].dtype)
+    return copy / features.name
+
+
+def test_a_nan_feature_row_stops_training_at_its_batch_naming_the_image(data, tmp_path):
+    folder, manifest, features = data
+    train_ids = [json.loads(line)["id"] for line in Path(manifest).read_text().splitlines()
+                 if json.loads(line)["split"] == "train"]
+    poisoned = _poison(Path(features), tmp_path, train_ids[7])
+    out = tmp_path / "run"
+    result = CliRunner().invoke(cli, ["vsepp", "--features", str(poisoned), "--manifest", manifest, "--out",
+                                      str(out), "--epochs", "2", *TINY])
+    message = _error_line(result)
+    assert train_ids[7] in message and "not finite" in message and "retr-pipeline verify" in message
+    assert not list(out.glob("checkpoint-*.pt"))
+    assert all(np.isfinite(line["loss"]) for line in _lines(out) if "loss" in line)
+
+
+def _feature_file(path: Path, features: np.ndarray, ids: list[str]) -> Path:
+    with h5py.File(path, "w") as f:
+        f.create_dataset("features", data=features)
+        f.create_dataset("ids", data=np.array(ids, dtype=h5py.string_dtype()))
+        f.attrs.update(kind="regions", extractor="hand-made", complete=True)
+    return path
+
+
+@pytest.mark.parametrize("shape,dtype,words", [((60, 16), np.float32, "[N, K, D]"),
+                                               ((60,), np.float32, "[N, K, D]"),
+                                               ((60, 4, 16), np.int8, "int8")])
+def test_features_the_trainer_cannot_read_are_refused_in_one_line(data, tmp_path, shape, dtype, words):
+    folder, manifest, _ = data
+    ids = [json.loads(line)["id"] for line in Path(manifest).read_text().splitlines()]
+    path = _feature_file(tmp_path / "f.h5", np.ones(shape, dtype=dtype), ids)
+    result = CliRunner().invoke(cli, ["vsepp", "--features", str(path), "--manifest", manifest, "--out",
+                                      str(tmp_path / "run"), "--epochs", "1", *TINY])
+    assert words in _error_line(result)
+    assert not (tmp_path / "run").exists()                 # nothing left behind by a run that never started
