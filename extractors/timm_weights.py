@@ -33,7 +33,7 @@ from torch import nn
 
 from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.common.hashing import sha256_file
-from retr.extractors.weights import RANDOM_SEED, LoadedWeights, load_checked, read_state_dict
+from retr.extractors.weights import RANDOM_SEED, LoadedWeights, first_line, load_checked, read_state_dict
 
 #: The tag ``--weights imagenet`` means (timm's default for ``inception_resnet_v2``).
 TIMM_DEFAULT_TAG = "tf_in1k"
@@ -91,7 +91,7 @@ def read_weights_file(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path} as a safetensors file ({str(exc).splitlines()[0]})") from None
+        raise UserError(f"cannot read {path} as a safetensors file ({first_line(exc)})") from None
 
 
 def cached_hub_file(repo_id: str) -> Path | None:

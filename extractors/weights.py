@@ -17,6 +17,8 @@
 from __future__ import annotations
 
 import os
+import pickle
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -149,12 +151,57 @@ def check_hub_hash(path: Path, url: str) -> None:
                         f"says {match.group(1)}…); delete it and download {url} again")
 
 
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's text, or its type's name when it has none."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def load_torch_file(path: str | os.PathLike, what: str = "a PyTorch state dict", weights_only: bool = True,
+                    trust_parameter: str | None = None):
+    """``torch.load(path)`` onto the CPU with every failure one :class:`UserError` and torch's warnings kept off
+    the terminal (e.g. the two-line note about a pickle protocol it did not expect: the outcome is what counts).
+
+    With ``weights_only`` (the default) nothing in the file is executed; a file it refuses is either a
+    ``torch.save`` file holding other Python objects, or no ``torch.save`` file at all (a plain ``pickle.dump``).
+    The message says which, and what to do: re-save it as tensors, or — where the caller offers it
+    (``trust_parameter``, e.g. ``trust_checkpoint``) — trust the file.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+    except OSError as exc:
+        raise UserError(f"cannot read {path} ({exc.strerror or exc})") from None
+    if not head:
+        raise UserError(f"{path} is empty (0 bytes), not {what}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return torch.load(path, map_location="cpu", weights_only=weights_only)
+        except pickle.UnpicklingError as exc:
+            if not weights_only:
+                raise UserError(f"cannot read {path} as {what} ({first_line(exc)})") from None
+            detail = str(exc).split("WeightsUnpickler error:", 1)[-1] if "WeightsUnpickler error:" in str(exc) else ""
+            detail = first_line(Exception(detail)) if detail.strip() else "objects beyond tensors"
+            if head == b"PK\x03\x04":
+                what_it_is = f"{path} holds Python objects beyond tensors ({detail[:120]})"
+            elif not head.startswith(b"\x80"):  # not a pickle of protocol 2 or later either
+                raise UserError(f"cannot read {path} as {what} (neither a torch.save file nor a pickle)") from None
+            else:
+                what_it_is = (f"{path} is not a torch.save file but another pickle (e.g. pickle.dump), which is "
+                              f"read only as tensors and plain values ({detail[:120]})")
+            if trust_parameter:
+                raise UserError(f"{what_it_is}; if you trust the file, set {trust_parameter}",
+                                parameters=[trust_parameter]) from None
+            raise UserError(f"{what_it_is}; where you trust it, re-save it with torch.save(state_dict, PATH)") from None
+        except Exception as exc:  # noqa: BLE001 - zip errors, truncation, unsupported formats…
+            raise UserError(f"cannot read {path} as {what} ({type(exc).__name__}: {first_line(exc)})") from None
+
+
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """A state dict from a ``torch.save`` file (tensors only: ``weights_only=True``, nothing executed)."""
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle errors, zip errors, unsupported globals…
-        raise UserError(f"cannot read {path} as a PyTorch state dict ({str(exc).splitlines()[0]})") from None
+    obj = load_torch_file(path, "a PyTorch state dict")
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]

@@ -249,17 +249,29 @@ class ConlluBackend(ParserBackend):
                 outcomes[i].sentence = sentence
         return outcomes
 
+    def _sentence(self, handle, block: _Block) -> Any:
+        """The one sentence of ``block``; a block that is not CoNLL-U is one :class:`UserError` naming it."""
+        try:
+            found = _conll_to_sentences(self._read(handle, block))
+        except Exception as exc:  # noqa: BLE001 - stanza's reader raises many types on malformed text
+            text = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise UserError(f"{self.path}: the sentence at byte {block.offset} is not readable CoNLL-U "
+                            f"({type(exc).__name__}: {text[:120]})") from None
+        if len(found) != 1:
+            raise UserError(f"{self.path}: the block at byte {block.offset} holds {len(found)} CoNLL-U sentences, "
+                            f"not one")
+        return found[0]
+
     def find_text(self, text: str) -> Any | None:
         """The first sentence whose text matches ``text`` (after :func:`normalize_caption`), or ``None``."""
         wanted = normalize_caption(text)
         with open(self.path, "rb") as handle:
             for block in self.blocks:
-                raw = self._read(handle, block)
                 if block.text is not None:
                     if normalize_caption(block.text) == wanted:
-                        return _conll_to_sentences(raw)[0]
+                        return self._sentence(handle, block)
                     continue
-                sentence = _conll_to_sentences(raw)[0]
+                sentence = self._sentence(handle, block)
                 if normalize_caption(" ".join(w.text for w in sentence.words)) == wanted:
                     return sentence
         return None
@@ -269,7 +281,7 @@ class ConlluBackend(ParserBackend):
         if i is None:
             return None
         with open(self.path, "rb") as handle:
-            return _conll_to_sentences(self._read(handle, self.blocks[i]))[0]
+            return self._sentence(handle, self.blocks[i])
 
 
 # ---------------------------------------------------------------------------------------------------------

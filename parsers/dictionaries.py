@@ -145,6 +145,9 @@ def load_dictionaries(path: str | os.PathLike) -> Dictionaries:
         try:
             body = json.loads(path.read_text(encoding="utf-8"))
             entities, relations = body["entities"], body["relations"]
+        except UnicodeDecodeError:
+            raise UserError(f"{path} is not UTF-8 text (a dictionaries file is a trees.h5 or a JSON file with "
+                            f"'entities' and 'relations')") from None
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise UserError(f"{path} is not a dictionaries JSON file with 'entities' and 'relations' "
                             f"({exc.__class__.__name__}: {exc})") from None

@@ -291,7 +291,6 @@ def build_concepts_command(manifest: Path, out: Path, conllu: Path | None, nouns
                         "--select frequency for the POS-free fallback")
     if select == "frequency":
         conllu = None
-        click.echo("note: --select frequency: concepts are the most frequent words, not CVSE's POS split", err=True)
     splits = tuple(s.strip() for s in train_splits.split(",") if s.strip())
     data = build_concepts_file(manifest, out, conllu, nouns, adjectives, verbs, splits)
     parts = Counter(data.pos)
@@ -300,3 +299,5 @@ def build_concepts_command(manifest: Path, out: Path, conllu: Path | None, nouns
                + ", ".join(f"{n} {p}" for p, n in parts.items())
                + f"; POS from {data.attrs['pos_source']}), {edges} graph edges, labels for "
                f"{len(data.caption_keys)} captions / {len(data.image_ids)} images")
+    if select == "frequency":  # said once the inputs were read: a bad input is then one error line, alone
+        click.echo("note: --select frequency: concepts are the most frequent words, not CVSE's POS split", err=True)

@@ -121,7 +121,8 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
     from retr.manifests.presets import get_preset
 
     preset = get_preset(dataset, images=image_root, manifest=manifest, features=out)
-    read_manifest(preset.manifest)  # a bad manifest is one error here, not one per extractor
+    if not read_manifest(preset.manifest):  # a bad manifest is one error here, not one per extractor
+        raise UserError(f"manifest {preset.manifest} has no images")
     names = list(only) if only else list(preset.extractors)
     registered = available_extractors()
     unknown = [n for n in only if n not in preset.extractors and n not in registered]

@@ -31,6 +31,7 @@ from torch import nn
 
 from retr.common.errors import MissingResourceError, UserError
 from retr.extractors.butd.heads import NUM_ATTRIBUTE_CLASSES, NUM_OBJECT_CLASSES
+from retr.extractors.weights import load_torch_file
 
 #: keys of the MILVLG/detectron2 files that carry nothing this model learns (ignored, reported)
 IGNORED_KEYS = re.compile(r"^(pixel_mean|pixel_std|proposal_generator\.anchor_generator\.cell_anchors\.\d+)$")
@@ -99,14 +100,8 @@ def read_airsplay_pickle(path: str | Path, trust_checkpoint: bool = False) -> di
 
 def read_pth(path: str | Path, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
     """The state dict of a ``.pth`` file (bare, or under ``"model"``/``"state_dict"``)."""
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=not trust_checkpoint)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsupported object"
-        raise UserError(f"{path} holds Python objects beyond tensors ({first[:120]}); if you trust the file, "
-                        f"set trust_checkpoint", parameters=["trust_checkpoint"]) from None
-    except Exception as exc:  # noqa: BLE001
-        raise UserError(f"{path} is not a readable PyTorch checkpoint ({type(exc).__name__}: {exc})") from None
+    obj = load_torch_file(path, "a PyTorch checkpoint", weights_only=not trust_checkpoint,
+                          trust_parameter="trust_checkpoint")
     for key in ("model", "state_dict"):
         if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
             obj = obj[key]
