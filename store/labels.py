@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 
 from retr.common.atomic import atomic_text
 from retr.common.errors import ParameterError, UserError
+from retr.common.textfiles import read_utf8
 from retr.common.version import __version__
 
 #: The key of a label file's attributes (not an image id: ids never contain ``#``).
@@ -32,9 +33,7 @@ FORMAT_VERSION = 1
 
 def _entries(path: Path) -> tuple[list[tuple[Any, Any]], dict]:
     """``(image id, labels)`` pairs as written, and the attributes (``{}`` when the file has none)."""
-    if not path.is_file():
-        raise UserError(f"label file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path, "a label file (JSON or JSON Lines)")
     attrs: dict = {}
     if path.suffix != ".jsonl":
         try:

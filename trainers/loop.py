@@ -160,6 +160,9 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
               trust_checkpoint: bool = False) -> Run:
     """Open (or resume) the run directory, load the data, build the model, optimiser and data loader."""
     folder, state = _open_run_folder(cfg, resume, info, log, trust_checkpoint)
+    if not Path(cfg.manifest).is_file():
+        raise UserError(f"manifest {cfg.manifest} {'is a folder' if Path(cfg.manifest).is_dir() else 'does not exist'}"
+                        " (expected a JSON Lines file)")
     features = FeatureSet(cfg.features)
     check_feature_contract(features)
     identity = data_identity(features, cfg.manifest)

@@ -133,6 +133,7 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
     from retr.trainers.eval_commands import evaluate_runs
 
     _check_overrides(recipe, overrides)
+    _check_data(data)
     out.mkdir(parents=True, exist_ok=True)
     runs = [train_member(m, out, data, overrides, quiet, log) for m in recipe.members]
     eval_args = dict(split=split, features=data["features"], manifest=data["manifest"], device=device,
@@ -152,6 +153,17 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
               "evaluated": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     ckpt.write_json(out / f"reproduce-{recipe.name}.json", report)
     return report
+
+
+def _check_data(data: dict) -> None:
+    """Open the feature set and read the manifest before the first member starts (one error line, nothing
+    trained, when either is the wrong kind of file)."""
+    from retr.manifests.schema import read_manifest
+    from retr.store.features import FeatureSet
+
+    FeatureSet(data["features"])
+    if not read_manifest(data["manifest"]):
+        raise UserError(f"{data['manifest']} holds no images")
 
 
 def _fmt(value) -> str:

@@ -1,0 +1,107 @@
+"""Every ``retr-train`` command, given a file of the wrong kind where it expects another — an empty file, a folder,
+HDF5 where text is expected and text where HDF5 is, non-UTF-8 text — answers with one ``error:`` line and a
+non-zero exit status, never a traceback (issue 16, point 8; the pipeline's side is
+``tests/test_pipeline_wrong_inputs.py``)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from retr.trainers.cli import cli
+from test_pipeline_wrong_inputs import KINDS, assert_one_error_line
+from trainer_synthetic import make_synthetic
+
+TINY = ["--embed-size", "16", "--word-dim", "8", "--batch-size", "16", "--quiet", "--val-images", "10",
+        "--device", "cpu", "--epochs", "1"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """One file of each wrong kind, plus a small dataset and a trained run for the slots a case does not test."""
+    root = tmp_path_factory.mktemp("train_wrong_inputs")
+    manifest, features = make_synthetic(root, images=40)
+    run = root / "run"
+    result = CliRunner().invoke(cli, ["vsepp", "--features", str(features), "--manifest", str(manifest), "--out",
+                                      str(run), *TINY])
+    assert result.exit_code == 0, result.output
+    paths = {"empty": root / "empty.txt", "folder": root / "a_folder", "jsonl": root / "manifest.jsonl",
+             "latin1": root / "latin1.jsonl", "hdf5": Path(features)}
+    paths["empty"].write_bytes(b"")
+    paths["folder"].mkdir()
+    first = Path(manifest).read_text().splitlines()[0]
+    paths["latin1"].write_bytes(first.encode() + b"\n" + first.replace("synth_", "other_").encode()
+                                .replace(b'captions": ["', b'captions": ["caf\xe9 ') + b"\n")
+    good = {"manifest": Path(manifest), "features": Path(features), "run": run, "root": root}
+    return paths, good
+
+
+def _slots(good=None):
+    """``name → (function of the wrong input → argv, the kind the slot expects)``."""
+    good = good or {k: Path(k) for k in ("manifest", "features", "run", "root")}
+    m, f, run, out = good["manifest"], good["features"], good["run"], good["root"] / "out"
+    train = lambda model, **inputs: [model, "--features", inputs.pop("features", f), "--manifest",   # noqa: E731
+                                     inputs.pop("manifest", m), "--out", inputs.pop("out", out / model), *TINY,
+                                     *[x for k, v in inputs.items() for x in (f"--{k}", v)]]
+    return {
+        "vsepp --features": (lambda x: train("vsepp", features=x), "hdf5"),
+        "vsepp --manifest": (lambda x: train("vsepp", manifest=x), "jsonl"),
+        "vsepp --vocab": (lambda x: train("vsepp", vocab=x), None),
+        "vsepp --config": (lambda x: ["vsepp", "--config", x, "--out", out / "c"], None),
+        "scan --features": (lambda x: train("scan", features=x), "hdf5"),
+        "smfea --trees": (lambda x: train("smfea", trees=x), "hdf5"),
+        "smfea --concepts": (lambda x: train("smfea", trees=f, concepts=x), "hdf5"),
+        "jgcar --labels": (lambda x: train("jgcar", labels=x), None),
+        "sman --features": (lambda x: train("sman", features=x), "hdf5"),
+        "seam --manifest": (lambda x: train("seam", manifest=x), "jsonl"),
+        "vsepp --resume --out": (lambda x: ["vsepp", "--resume", "--out", x], "folder"),
+        "eval RUNS": (lambda x: ["eval", x, "--protocol", "f30k-1k", "--allow-size-mismatch", "--quiet"], "folder"),
+        "eval --features": (lambda x: ["eval", run, "--features", x, "--protocol", "f30k-1k",
+                                       "--allow-size-mismatch", "--quiet"], "hdf5"),
+        "eval --manifest": (lambda x: ["eval", run, "--manifest", x, "--protocol", "f30k-1k",
+                                       "--allow-size-mismatch", "--quiet"], "jsonl"),
+        "table RUNS": (lambda x: ["table", x], "folder"),
+        "import-scan-checkpoint CHECKPOINT": (lambda x: ["import-scan-checkpoint", x, "--vocab", good["run"] /
+                                                         "vocab.json", "--out", out / "i"], None),
+        "import-scan-checkpoint --vocab": (lambda x: ["import-scan-checkpoint", good["run"] / "best.pt",
+                                                      "--vocab", x, "--out", out / "i"], None),
+        "import-vsepp-checkpoint CHECKPOINT": (lambda x: ["import-vsepp-checkpoint", x, "--vocab", good["run"] /
+                                                          "vocab.json", "--out", out / "j"], None),
+        "reproduce --features": (lambda x: ["reproduce", "vsepp-f30k-fixed-resnet-1crop", "--features", x, "--manifest", m,
+                                            "--out", out / "r", "--quiet"], "hdf5"),
+        "reproduce --manifest": (lambda x: ["reproduce", "vsepp-f30k-fixed-resnet-1crop", "--features", f, "--manifest", x,
+                                            "--out", out / "r", "--quiet"], "jsonl"),
+    }
+
+
+CASES = [(slot, kind) for slot, (_argv, expected) in _slots().items() for kind in KINDS if kind != expected]
+
+
+@pytest.mark.parametrize("slot, kind", CASES)
+def test_a_wrong_kind_of_input_is_one_error_line(files, run_cli, slot, kind):
+    paths, good = files
+    argv, _expected = _slots(good)[slot]
+    code, stdout, stderr = run_cli.as_user("train", *argv(paths[kind]))
+    assert_one_error_line(code, stdout, stderr)
+
+
+def test_every_command_is_covered():
+    commands = set(cli.commands) - {"recipes"}          # recipes takes no file
+    assert commands - {slot.split()[0] for slot in _slots()} == set()
+
+
+def test_a_latin1_caption_in_training_names_the_line(files, run_cli):
+    paths, good = files
+    code, _out, err = run_cli.as_user("train", *_slots(good)["vsepp --manifest"][0](paths["latin1"]))
+    assert code == 1 and f"{paths['latin1']} line 2: not UTF-8" in err
+
+
+def test_a_run_config_json_still_starts_a_new_run(files):
+    """config.json now also records the data's identity, which ``--config`` must not take for a setting."""
+    _paths, good = files
+    assert "data_identity" in json.loads((good["run"] / "config.json").read_text())
+    result = CliRunner().invoke(cli, ["vsepp", "--config", str(good["run"] / "config.json"), "--out",
+                                      str(good["root"] / "again"), "--quiet"])
+    assert result.exit_code == 0, result.output
