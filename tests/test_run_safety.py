@@ -282,3 +282,12 @@ def test_features_the_trainer_cannot_read_are_refused_in_one_line(data, tmp_path
                                       str(tmp_path / "run"), "--epochs", "1", *TINY])
     assert words in _error_line(result)
     assert not (tmp_path / "run").exists()                 # nothing left behind by a run that never started
+
+
+def test_eval_refuses_features_of_another_width_than_the_model(data, straight, tmp_path):
+    folder, manifest, _ = data
+    ids = [json.loads(line)["id"] for line in Path(manifest).read_text().splitlines()]
+    wide = _feature_file(tmp_path / "wide.h5", np.ones((len(ids), 4, 100), dtype=np.float16), ids)
+    result = CliRunner().invoke(cli, ["eval", str(straight), "--features", str(wide), "--protocol", "f30k-1k",
+                                      "--allow-size-mismatch", "--quiet"])
+    assert "D = 100, the model takes D = 16" in _error_line(result)

@@ -186,3 +186,18 @@ class EpochBatchSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return len(self.global_batches())
+
+
+def check_feature_contract(features: FeatureSet, img_dim: int | None = None) -> None:
+    """Refuse in one line a feature set the trainer cannot read as ``[N, K, D]`` floats (or whose ``D`` is not
+    the model's ``img_dim``, when one is given)."""
+    if len(features.feature_shape) != 2:
+        shape = "×".join(map(str, (len(features), *features.feature_shape)))
+        raise UserError(f"{features.path}: features are [{shape}]; the trainer reads [N, K, D] (a global vector "
+                        "is K = 1); run `retr-pipeline verify` on it")
+    if not np.issubdtype(features.dtype, np.floating):
+        raise UserError(f"{features.path}: features are {features.dtype}; the trainer reads float16 or float32 "
+                        "features (re-extract, or import them as floats)")
+    if img_dim is not None and features.feature_shape[1] != img_dim:
+        raise UserError(f"{features.path}: features have D = {features.feature_shape[1]}, the model takes "
+                        f"D = {img_dim}; give the feature set it was trained on")

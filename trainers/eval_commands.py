@@ -13,7 +13,7 @@ from retr.common.cli import quiet_option
 from retr.common.errors import UserError
 from retr.store.features import FeatureSet
 from retr.trainers import checkpoint as ckpt
-from retr.trainers.data import ImageFeatures, load_split
+from retr.trainers.data import ImageFeatures, check_feature_contract, load_split
 from retr.trainers.evaluation import PROTOCOLS, TIE_RULES, protocol_metrics
 from retr.trainers.similarity import DEFAULT_PRECISION, PRECISIONS, Scorer, SplitEmbeddings, combined_matrix
 from retr.common.devices import resolve_device
@@ -38,6 +38,7 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
             raise UserError(f"{run} does not record its features/manifest (imported run?); "
                             "pass --features and --manifest")
         feature_set = FeatureSet(feats_path)
+        check_feature_contract(feature_set, config["model_args"].get("img_dim"))
         data, _ = load_split(manifest_path, [split], vocab, feature_set, missing="error")
         key = (data.image_ids, data.captions)
         if reference is not None and key != reference:

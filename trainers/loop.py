@@ -46,7 +46,8 @@ from retr.trainers import checkpoint as ckpt
 from retr.trainers.collapse import (CollapseMonitor, StepRanking, collapse_message, recall_at_chance,
                                     val_at_chance_message)
 from retr.trainers.config import RESUME_APPLIES, TrainConfig
-from retr.trainers.data import CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData, load_split
+from retr.trainers.data import (CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData,
+                                check_feature_contract, load_split)
 from retr.trainers.distributed import DistInfo, barrier, cleanup, gather_embeddings, init_from_env
 from retr.trainers.evaluation import retrieval_metrics
 from retr.trainers.models import ModelInputs, create_model, get_spec
@@ -286,21 +287,6 @@ def _resumed_config(cfg: TrainConfig, saved: dict, folder: Path) -> TrainConfig:
                         "settings (leave those options out) or choose another --out")
     applied = {k: getattr(cfg, k) for k in (*RESUME_APPLIES, "features", "manifest", "out")}
     return dataclasses.replace(old, model_args=saved["model_args"], **applied)
-
-
-def check_feature_contract(features: FeatureSet, img_dim: int | None = None) -> None:
-    """Refuse in one line a feature set the trainer cannot read as ``[N, K, D]`` floats (or whose ``D`` is not
-    the model's ``img_dim``, when one is given)."""
-    if len(features.feature_shape) != 2:
-        shape = "×".join(map(str, (len(features), *features.feature_shape)))
-        raise UserError(f"{features.path}: features are [{shape}]; the trainer reads [N, K, D] (a global vector "
-                        "is K = 1); run `retr-pipeline verify` on it")
-    if not np.issubdtype(features.dtype, np.floating):
-        raise UserError(f"{features.path}: features are {features.dtype}; the trainer reads float16 or float32 "
-                        "features (re-extract, or import them as floats)")
-    if img_dim is not None and features.feature_shape[1] != img_dim:
-        raise UserError(f"{features.path}: features have D = {features.feature_shape[1]}, the model takes "
-                        f"D = {img_dim}; give the feature set it was trained on")
 
 
 def data_identity(features: FeatureSet, manifest: str) -> dict:
