@@ -21,7 +21,9 @@ A model is an ``nn.Module``; the loop and the evaluator call only the methods an
   shortlist by (JGCAR, SMAN; default: False, and ``global_score`` raises); ``pair_score(images, captions,
   img_idx [P] long, cap_idx [P] long, dtype=None) -> [P]`` — ``score`` of the listed pairs only (default: through
   ``score``, block by block);
-* ``predict_nodes(...) -> [B, 7]`` — referral-tree node ids (SMFEA; the default raises ``NotImplementedError``).
+* ``predict_nodes(...) -> [B, 7]`` — referral-tree node ids (SMFEA; the default raises ``NotImplementedError``);
+* ``explains`` / ``explain(images, captions) -> {name: tensor}`` — the attention maps ``score`` computes for one
+  pair (default: none, and ``explain`` raises).
 """
 from __future__ import annotations
 
@@ -160,6 +162,19 @@ class MatchingModel(nn.Module):
         if out is None:                                                        # no pairs listed
             out = torch.empty(0, dtype=dtype or torch.get_default_dtype(), device=img_idx.device)
         return out
+
+    #: the names of the maps :meth:`explain` returns (empty: the model has no attention to show, e.g. VSE++)
+    explains: tuple[str, ...] = ()
+
+    def explain(self, images: Embeddings, captions: Embeddings) -> dict[str, torch.Tensor]:
+        """The attention behind :meth:`score` for one image and one caption.
+
+        ``images`` and ``captions`` are :meth:`encode_images` / :meth:`encode_captions` outputs of batch 1
+        (eval mode); the result maps each name of :attr:`explains` to a float tensor whose shape and meaning the
+        model documents (e.g. SCAN t-i: each word's weights over the regions ``[L, K]``). The maps are the ones
+        ``score`` computes for that pair, not a re-derivation: each model gets them from the same code path.
+        Default: raises (the model has no attention)."""
+        raise NotImplementedError(f"model {self.name or type(self).__name__} has no attention maps to explain")
 
     def predict_nodes(self, *args, **kwargs) -> torch.Tensor:
         """Referral-tree node ids ``[B, 7]`` (SMFEA only)."""
