@@ -63,6 +63,9 @@ def _slots(good=None):
         "eval --manifest": (lambda x: ["eval", run, "--manifest", x, "--protocol", "f30k-1k",
                                        "--allow-size-mismatch", "--quiet"], "jsonl"),
         "table RUNS": (lambda x: ["table", x], "folder"),
+        "search RUN": (lambda x: ["search", x, "--query", "a cat"], "folder"),
+        "search --features": (lambda x: ["search", run, "--features", x, "--query", "a cat"], "hdf5"),
+        "search --manifest": (lambda x: ["search", run, "--manifest", x, "--query", "a cat"], "jsonl"),
         "import-scan-checkpoint CHECKPOINT": (lambda x: ["import-scan-checkpoint", x, "--vocab", good["run"] /
                                                          "vocab.json", "--out", out / "i"], None),
         "import-scan-checkpoint --vocab": (lambda x: ["import-scan-checkpoint", good["run"] / "best.pt",

@@ -14,6 +14,8 @@
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from retr.common.errors import UserError
+from retr.common.hashing import sha256_file
 from retr.manifests.schema import ManifestRecord, read_manifest
 from retr.store.features import FeatureSet
 from retr.store.vocab import PAD_ID, Vocabulary
@@ -201,3 +204,15 @@ def check_feature_contract(features: FeatureSet, img_dim: int | None = None) -> 
     if img_dim is not None and features.feature_shape[1] != img_dim:
         raise UserError(f"{features.path}: features have D = {features.feature_shape[1]}, the model takes "
                         f"D = {img_dim}; give the feature set it was trained on")
+
+
+def data_identity(features: FeatureSet, manifest: str) -> dict:
+    """What a resume must find again: the feature set's ids digest, shape, dtype and extraction attributes
+    (cheap: no feature value is read; shards written with checksums add their digest) and the manifest's
+    SHA-256."""
+    attrs = {k: v for k, v in features.attrs.items()
+             if k in ("kind", "extractor", "backbone", "weights", "image_size", "manifest_sha256")}
+    return {"features_ids_sha256": hashlib.sha256("\n".join(features.ids).encode("utf-8")).hexdigest(),
+            "features_shape": [len(features), *map(int, features.feature_shape)],
+            "features_dtype": str(features.dtype), "features_attrs": json.loads(json.dumps(attrs, default=str)),
+            "manifest_sha256": sha256_file(manifest)}

@@ -20,7 +20,6 @@ elsewhere). DDP: see :mod:`retr.trainers.distributed`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import random
@@ -38,7 +37,6 @@ from retr.common.atomic import atomic_text
 from retr.common.cli import progress
 from retr.common.devices import resolve_device
 from retr.common.errors import UserError
-from retr.common.hashing import sha256_file
 from retr.common.locks import exclusive_lock
 from retr.common.version import __version__
 from retr.store.features import FeatureSet
@@ -47,7 +45,7 @@ from retr.trainers.collapse import (CollapseMonitor, StepRanking, collapse_messa
                                     val_at_chance_message)
 from retr.trainers.config import RESUME_APPLIES, TrainConfig
 from retr.trainers.data import (CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData,
-                                check_feature_contract, load_split)
+                                check_feature_contract, data_identity, load_split)
 from retr.trainers.distributed import DistInfo, barrier, cleanup, gather_embeddings, init_from_env
 from retr.trainers.evaluation import retrieval_metrics
 from retr.trainers.models import ModelInputs, create_model, get_spec
@@ -287,18 +285,6 @@ def _resumed_config(cfg: TrainConfig, saved: dict, folder: Path) -> TrainConfig:
                         "settings (leave those options out) or choose another --out")
     applied = {k: getattr(cfg, k) for k in (*RESUME_APPLIES, "features", "manifest", "out")}
     return dataclasses.replace(old, model_args=saved["model_args"], **applied)
-
-
-def data_identity(features: FeatureSet, manifest: str) -> dict:
-    """What a resume must find again: the feature set's ids digest, shape, dtype and extraction attributes
-    (cheap: no feature value is read; shards written with checksums add their digest) and the manifest's
-    SHA-256."""
-    attrs = {k: v for k, v in features.attrs.items()
-             if k in ("kind", "extractor", "backbone", "weights", "image_size", "manifest_sha256")}
-    return {"features_ids_sha256": hashlib.sha256("\n".join(features.ids).encode("utf-8")).hexdigest(),
-            "features_shape": [len(features), *map(int, features.feature_shape)],
-            "features_dtype": str(features.dtype), "features_attrs": json.loads(json.dumps(attrs, default=str)),
-            "manifest_sha256": sha256_file(manifest)}
 
 
 def check_same_data(folder: Path, identity: dict) -> None:

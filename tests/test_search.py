@@ -1,0 +1,135 @@
+"""Issue 14, search: ``Retriever`` and ``retr-train search`` return eval's scores for the same pairs, report
+unknown words, and cache the gallery per checkpoint and data."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from retr.trainers import checkpoint as ckpt
+from retr.trainers.cli import cli
+from retr.trainers.data import ImageFeatures, load_split
+from retr.trainers.retrieval import CACHE_DIR, Retriever
+from retr.trainers.two_step import encode_all, rerank_matrices
+from retr.store.features import FeatureSet
+from trainer_synthetic import make_synthetic
+
+TINY = ["--embed-size", "16", "--word-dim", "8", "--batch-size", "16", "--quiet", "--val-images", "10",
+        "--device", "cpu", "--epochs", "2", "--lr", "2e-3"]
+RUNS = {"vsepp": [], "scan": ["--direction", "t2i"],
+        "jgcar": ["--hidden-size", "8", "--num-negatives", "3", "--optimizer", "adam", "--shortlist", "4",
+                  "--global-similarity", "cosine", "--num-regions", "4"]}
+
+
+def _invoke(args):
+    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("search")
+    manifest, features = make_synthetic(folder, images=60)
+    out = {}
+    for model, extra in RUNS.items():
+        out[model] = folder / model
+        _invoke([model, "--features", features, "--manifest", manifest, "--out", out[model], *TINY, *extra])
+    return folder, manifest, features, out
+
+
+def _eval_sims(run, folder):
+    path = folder / f"{run.name}-sims.npy"
+    _invoke(["eval", run, "--protocol", "f30k-1k", "--allow-size-mismatch", "--precision", "float64",
+             "--save-sims", path, "--quiet"])
+    return np.load(path)
+
+
+@pytest.mark.parametrize("model", ["vsepp", "scan"])
+def test_scores_equal_evals_float64_matrix(runs, model):
+    folder, manifest, features, run = runs
+    sims = _eval_sims(run[model], folder)                          # [images, captions] of the test split
+    r = Retriever.from_run(run[model], device="cpu")
+    data = r.data
+    for image_row in (0, 5):
+        [result] = r.image_to_texts([data.image_ids[image_row]], k=7)
+        cols = [h.caption_index for h in result.hits]
+        assert np.allclose([h.score for h in result.hits], sims[image_row, cols], rtol=0, atol=1e-9)
+        assert [h.score for h in result.hits] == sorted((h.score for h in result.hits), reverse=True)
+        assert sorted(sims[image_row], reverse=True)[6] == pytest.approx(result.hits[-1].score, abs=1e-9)
+        assert all(data.captions[c] == h.caption for c, h in zip(cols, result.hits))
+    for caption in (0, 13):
+        [result] = r.text_to_images([data.captions[caption]], k=5)
+        rows = [data.image_ids.index(h.image_id) for h in result.hits]
+        # the query is encoded on its own, not padded in a block of the split: equal to float rounding
+        assert np.allclose([h.score for h in result.hits], sims[rows, caption], rtol=0, atol=1e-6)
+        assert rows == list(np.argsort(-sims[:, caption], kind="stable")[:5])
+
+
+def test_two_step_model_ranks_and_scores_as_evals_two_step(runs):
+    folder, manifest, features, run = runs
+    r = Retriever.from_run(run["jgcar"], device="cpu")
+    assert r.two_step and r.model.shortlist == 4
+    data = r.data
+    feats = ImageFeatures(FeatureSet(features), data.image_ids)
+    images, captions = encode_all(r.model, data, feats, torch.device("cpu"), dtype=torch.float64)
+    with torch.no_grad():
+        g = r.model.global_score(images, captions, dtype=torch.float64)
+        i2t, t2i = rerank_matrices(g, lambda ii, cc: r.model.pair_score(images, captions, ii, cc,
+                                                                       dtype=torch.float64), 4)
+    i2t, t2i = i2t.numpy(), t2i.numpy()
+    [result] = r.image_to_texts([data.image_ids[3]], k=4)
+    cols = [h.caption_index for h in result.hits]
+    assert np.allclose([h.score for h in result.hits], i2t[3, cols], rtol=0, atol=1e-9)
+    assert set(cols) == set(np.argsort(-i2t[3])[:4])
+    [result] = r.text_to_images([data.captions[8]], k=4)
+    rows = [data.image_ids.index(h.image_id) for h in result.hits]
+    assert np.allclose([h.score for h in result.hits], t2i[rows, 8], rtol=0, atol=1e-6)
+
+
+def test_unknown_words_are_reported_and_read_as_unk(runs):
+    folder, manifest, features, run = runs
+    r = Retriever.from_run(run["vsepp"], device="cpu")
+    [result] = r.text_to_images(["a zyzzyva red circle"], k=3)
+    assert result.unknown_words == ["zyzzyva"] and len(result.hits) == 3
+    [known] = r.text_to_images(["a red circle"], k=3)
+    assert known.unknown_words == []
+
+
+def test_gallery_is_cached_per_checkpoint_and_reused(runs, monkeypatch):
+    folder, manifest, features, run = runs
+    cache = run["vsepp"] / CACHE_DIR
+    Retriever.from_run(run["vsepp"], device="cpu")
+    made = sorted(cache.glob("*.pt"))
+    assert len(made) == 1
+    import retr.trainers.retrieval as retrieval
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("the gallery should come from the cache")
+    monkeypatch.setattr(retrieval, "_encode_gallery", no_encoding)
+    cached = Retriever.from_run(run["vsepp"], device="cpu")
+    monkeypatch.undo()
+    fresh = Retriever.from_run(run["vsepp"], device="cpu", cache=False)
+    q = ["a small blue square"]
+    assert [vars(h) for h in cached.text_to_images(q, 5)[0].hits] == [vars(h) for h in fresh.text_to_images(q, 5)[0].hits]
+    Retriever.from_run(run["vsepp"], device="cpu", checkpoint=ckpt.list_checkpoints(run["vsepp"])[0][1].name)
+    assert len(sorted(cache.glob("*.pt"))) == 2                   # another checkpoint, another gallery
+    torch.save({"not": "a gallery"}, made[0])                     # a damaged cache is re-made
+    assert Retriever.from_run(run["vsepp"], device="cpu").text_to_images(q, 5)[0].hits
+
+
+def test_search_command_prints_and_writes_json(runs):
+    folder, manifest, features, run = runs
+    r = Retriever.from_run(run["scan"], device="cpu")
+    image = r.data.image_ids[2]
+    text = _invoke(["search", run["scan"], "--query", "a big green triangle", "--image", image, "--top", "3",
+                    "--device", "cpu"])
+    assert text.splitlines()[0] == "a big green triangle" and "  1  " in text and image in text
+    lines = [json.loads(line) for line in _invoke(["search", run["scan"], "--query", "a qwxz circle", "--top",
+                                                   "2", "--json", "--device", "cpu"]).splitlines()]
+    assert lines[0]["unknown_words"] == ["qwxz"] and [h["rank"] for h in lines[0]["hits"]] == [1, 2]
+    result = CliRunner().invoke(cli, ["search", str(run["scan"]), "--image", "nope"])
+    assert result.exit_code != 0 and "not in the gallery" in str(result.exception)

@@ -1,0 +1,57 @@
+"""``retr-train search``: the command over :class:`retr.trainers.retrieval.Retriever`."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from retr.common.cli import quiet_option
+from retr.common.errors import UserError
+
+
+@click.command("search")
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--query", "queries", multiple=True, help="A sentence: find the images it describes (repeatable).")
+@click.option("--image", "images", multiple=True, help="An image id of the split: find its captions (repeatable).")
+@click.option("--top", default=10, show_default=True, help="Results per query.")
+@click.option("--split", default="test", show_default=True, help="The gallery: this split of the run's data.")
+@click.option("--features", type=click.Path(dir_okay=False), help="Override the run's feature set.")
+@click.option("--manifest", type=click.Path(dir_okay=False), help="Override the run's manifest.")
+@click.option("--checkpoint", default="best", show_default=True, help="best, last, or a file in the run.")
+@click.option("--device", default="auto", show_default=True)
+@click.option("--no-cache", is_flag=True, help="Encode the gallery anew instead of using RUN/search-cache/.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per query.")
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Read a checkpoint that holds Python objects besides tensors (only for files you trust).")
+@quiet_option
+def search_command(run, queries, images, top, split, features, manifest, checkpoint, device, no_cache, as_json,
+                   trust_checkpoint, quiet):
+    """Search the split's gallery with a trained run: a sentence → images, an image → captions.
+
+    The gallery is encoded once and cached in the run; the scores are the ones `eval` gives the same pairs.
+    Words outside the run's vocabulary are reported.
+
+    \b
+    Example:
+      retr-train search runs/scan-f30k --query "a dog jumps into a lake" --top 5
+      retr-train search runs/scan-f30k --image 1000092795 --json
+    """
+    from retr.trainers.retrieval import Retriever
+
+    if not queries and not images:
+        raise UserError("give --query TEXT or --image ID (or several)")
+    if top < 1:
+        raise UserError("--top must be ≥ 1")
+    retriever = Retriever.from_run(run, features, manifest, split, checkpoint, device, cache=not no_cache,
+                                   trust_checkpoint=trust_checkpoint, quiet=quiet)
+    results = retriever.text_to_images(queries, top) + retriever.image_to_texts(images, top)
+    for result in results:
+        if as_json:
+            click.echo(json.dumps(result.to_json()))
+            continue
+        click.echo(f"{result.query}")
+        if result.unknown_words:
+            click.echo(f"  note: not in the run's vocabulary (read as <unk>): {', '.join(result.unknown_words)}")
+        for hit in result.hits:
+            what = f"{hit.image_id}  {hit.caption}" if hit.caption is not None else hit.image_id
+            click.echo(f"  {hit.rank:>3}  {hit.score:+.6f}  {what}")
