@@ -46,13 +46,13 @@ def parameter_flags(ctx: click.Context | None) -> dict[str, str]:
 def with_flags(message: str, parameters: Iterable[str], flags: Mapping[str, str]) -> str:
     """``message`` with each whole-word occurrence of a name in ``parameters`` replaced by ``flags[name]``.
 
-    Whole word: not part of a longer identifier, flag or dotted name (``half`` in ``half-precision`` or
-    ``self.half`` stays). Names the command has no flag for stay as they are.
+    Whole word: not part of a longer identifier, flag, dotted name or path (``half`` in ``half-precision``,
+    ``self.half`` or ``/data/half/x`` stays). Names the command has no flag for stay as they are.
     """
     known = sorted((name for name in parameters if name in flags), key=len, reverse=True)
     if not known:
         return message
-    pattern = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, known)) + r")(?![\w-])")
+    pattern = re.compile(r"(?<![\w./\\-])(" + "|".join(map(re.escape, known)) + r")(?![\w/\\-])")
     return pattern.sub(lambda match: flags[match.group(1)], message)
 
 

@@ -119,3 +119,10 @@ def test_lazy_choice_looks_names_up_only_when_needed():
     assert bad.exit_code == 2 and "'c' is not one of 'b', 'a'" in bad.output
     assert "[b|a]" in CliRunner().invoke(pick, ["--help"]).output
     assert calls == [1]
+
+
+def test_a_parameter_name_inside_a_path_stays():
+    flags = {"out": "--out"}
+    assert with_flags("/data/out/x.h5 exists; choose another out", ["out"], flags) == \
+        "/data/out/x.h5 exists; choose another --out"
+    assert with_flags(r"C:\out\x exists", ["out"], flags) == r"C:\out\x exists"
