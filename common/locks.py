@@ -1,52 +1,77 @@
-"""One writer per folder: an exclusive OS file lock, released when its holder exits or dies.
+"""One writer per file or folder: exclusive OS file locks, released when their holder exits or dies.
 
 ``fcntl.flock`` locks belong to the open file: the kernel drops them when the process ends, however it ends
-(``kill -9`` included), so a lock can never be left stale. The lock file holds a line naming the holder (PID,
-host, start time) for the message the next process gets; the file itself stays in place (deleting it would let
-a third process lock a new file while the second still holds the old one).
+(``kill -9`` included), so a lock is never left stale. Right after taking a lock its holder writes one JSON line
+into the lock file (pid, host, start time) for the message the next process gets; the file itself stays in place
+(deleting it would let a third process lock a new file while the second still holds the old one). Used by a
+training run (``RUN/run.lock``) and by extraction (one lock per shard).
 
 POSIX only (Linux and macOS), as the rest of retr's tooling.
 """
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import socket
-import time
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
 from retr.common.errors import UserError
 
 
-def holder_line() -> str:
-    """``"PID 1234 on host gpu07 since 2026-11-24 15:40:01"`` for this process."""
-    return f"PID {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+class LockHeldError(UserError):
+    """Another process holds the lock; ``holder`` says who (``pid 12 on host h, started …``)."""
+
+    def __init__(self, path: Path, holder: str):
+        super().__init__(f"{path} is locked by {holder}")
+        self.path, self.holder = path, holder
+
+
+def describe_holder(text: str) -> str:
+    """``pid 123 on host h, started 2026-11-24T15:40:01+00:00`` from a lock file's contents."""
+    try:
+        info = json.loads(text)
+        return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return "pid unknown: it has only just started"
+
+
+def acquire_lock(path: str | os.PathLike, create: bool = True) -> int | None:
+    """Take the exclusive lock on the file ``path`` and record this process in it; returns the open descriptor
+    (closing it releases the lock). With ``create=False`` a lock file that does not exist is not made and None
+    is returned. Raises :class:`LockHeldError` when another process holds the lock."""
+    path = Path(path)
+    if not create and not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = describe_holder(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+        os.close(fd)
+        raise LockHeldError(path, holder) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                               "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}) + "\n").encode(), 0)
+    return fd
 
 
 @contextmanager
-def exclusive_lock(path: str | os.PathLike, what: str, advice: str = "wait for it to finish or choose another "
-                   "--out") -> Iterator[Path]:
-    """Hold an exclusive lock on the file ``path`` (created if absent) for the ``with`` block.
-
-    When another process holds it, raise :class:`UserError` in one line: ``{what} is in use by PID … on host …
-    since …; {advice}``. Yields the lock file's path.
-    """
+def exclusive_lock(path: str | os.PathLike, what: str,
+                   advice: str = "wait for it to finish or choose another --out") -> Iterator[Path]:
+    """Hold the lock on ``path`` (created with its folder if absent) for the ``with`` block; when another
+    process holds it, :class:`UserError` in one line: ``{what} is in use by pid … on host …, started …;
+    {advice}``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
-            raise UserError(f"{what} is in use by {holder}; {advice}") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (holder_line() + "\n").encode("utf-8"), 0)
-        try:
-            yield path
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        fd = acquire_lock(path)
+    except LockHeldError as exc:
+        raise UserError(f"{what} is in use by {exc.holder}; {advice}") from None
+    try:
+        yield path
     finally:
         os.close(fd)

@@ -40,9 +40,7 @@ import fcntl
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
-from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -54,6 +52,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from retr.common.cli import progress
 from retr.common.errors import ParameterError, UserError
+from retr.common.locks import LockHeldError, acquire_lock
 from retr.common.torchrun import TorchrunEnv
 from retr.extractors.base import Extractor, ImageError, build_extractor
 from retr.manifests.schema import ManifestRecord, manifest_sha256, outside_root_reason, read_manifest
@@ -314,7 +313,8 @@ def shard_lock_path(folder: Path, shard_index: int, num_shards: int) -> Path:
 
 
 def lock_shards(folder: Path, shards: Sequence[int], num_shards: int, stack: contextlib.ExitStack | None) -> None:
-    """Take the exclusive lock of every shard in ``shards`` (released when ``stack`` closes, or the process dies).
+    """Take the exclusive lock of every shard in ``shards`` (:func:`retr.common.locks.acquire_lock`; released when
+    ``stack`` closes, or the process dies).
 
     Raises :class:`UserError` naming the holder (pid, host, start time) if another process holds one. With
     ``stack=None`` only look: lock files that exist are tried and let go at once, nothing is created (so a run
@@ -323,37 +323,17 @@ def lock_shards(folder: Path, shards: Sequence[int], num_shards: int, stack: con
     if stack is not None:
         folder.mkdir(parents=True, exist_ok=True)
     for r in shards:
-        path = shard_lock_path(folder, r, num_shards)
-        if stack is None and not path.is_file():
-            continue
-        handle = open(path, "a+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = _lock_holder(handle.read())
-            handle.close()
-            raise UserError(f"another extraction ({holder}) is writing {folder / shard_name(r, num_shards)}; "
+            fd = acquire_lock(shard_lock_path(folder, r, num_shards), create=stack is not None)
+        except LockHeldError as exc:
+            raise UserError(f"another extraction ({exc.holder}) is writing {folder / shard_name(r, num_shards)}; "
                             f"wait for it to finish (its finished shards are then reused), or give another out "
                             f"folder") from None
-        if stack is None:
-            handle.close()
-            continue
-        stack.callback(handle.close)
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}) + "\n")
-        handle.flush()
-
-
-def _lock_holder(text: str) -> str:
-    """``pid 123 on host h since …`` from a lock file's contents (written just after the lock was taken)."""
-    try:
-        info = json.loads(text)
-        return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return "pid unknown: it has only just started"
+        if fd is not None:
+            if stack is None:
+                os.close(fd)
+            else:
+                stack.callback(os.close, fd)
 
 
 def write_index_when_complete(folder: Path) -> tuple[Path | None, bool, int]:

@@ -75,7 +75,7 @@ def test_a_second_process_on_the_same_out_is_refused_naming_the_holder(data, tmp
         assert holder.stdout.readline().strip() == "locked"
         result = _train(data, out, 1)
         message = _error_line(result)
-        assert f"PID {holder.pid} on host" in message and "is in use" in message
+        assert f"pid {holder.pid} on host" in message and "is in use" in message
         assert not (out / ckpt.METRICS).exists() and not (out / ckpt.CONFIG).exists()
     finally:
         holder.kill()
@@ -94,7 +94,7 @@ def test_two_runs_started_together_leave_one_run(data, tmp_path):
     assert sorted(code for code, _ in results) == [0, 1], results
     err = next(err for code, err in results if code == 1)
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
-    assert "is in use by PID" in err or "already holds a run" in err
+    assert "is in use by pid" in err or "already holds a run" in err
     keys = [(line["epoch"], line["step"], "val" in line) for line in _lines(out) if "event" not in line]
     assert len(keys) == len(set(keys)) == 2 * 15 + 2
 
@@ -107,7 +107,7 @@ def test_lock_helper_refuses_then_releases(tmp_path):
                 with exclusive_lock(tmp_path / "l", "thing"):
                     os._exit(3)
             except UserError as exc:
-                os._exit(0 if f"PID {os.getppid()}" in str(exc) else 4)
+                os._exit(0 if f"pid {os.getppid()}" in str(exc) else 4)
         assert os.waitpid(pid, 0)[1] >> 8 == 0
     with exclusive_lock(tmp_path / "l", "thing"):
         pass
