@@ -163,6 +163,13 @@ class MatchingModel(nn.Module):
             out = torch.empty(0, dtype=dtype or torch.get_default_dtype(), device=img_idx.device)
         return out
 
+    def index_vectors(self, embeddings: Embeddings, side: str) -> torch.Tensor | None:
+        """Vectors ``[n, d]`` whose inner products are the model's pair-independent score — :meth:`score` for a
+        one-step model, :meth:`global_score` for a two-step one — for ``side`` ``"image"`` or ``"caption"``
+        (search builds an exact inner-product index from them). Default None: the score is no inner product
+        (cross attention, SEAM's order violation)."""
+        return None
+
     #: the names of the maps :meth:`explain` returns (empty: the model has no attention to show, e.g. VSE++)
     explains: tuple[str, ...] = ()
 

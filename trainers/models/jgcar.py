@@ -387,6 +387,10 @@ class JGCAR(MatchingModel):
         g = masked_mean(words, mask)
         return {"words": words, "mask": mask, "global": l2norm(g) if self.global_similarity == "cosine" else g}
 
+    def index_vectors(self, embeddings: Embeddings, side: str) -> torch.Tensor:
+        """The global vector ``[n, d]`` (``global_score``, the stage that shortlists, is their inner product)."""
+        return embeddings["global"]
+
     def global_score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Ω = V̂ Ŝᵀ ``[n_img, n_cap]``: the first step of retrieval and J1's scores."""
         dtype = dtype or images["regions"].dtype

@@ -258,6 +258,10 @@ class SMFEA(MatchingModel):
         labels = concept_labels if concept_labels is not None else self.caption_concept_labels(tokens, lengths)
         return self._branches(instance, self.txt_tree if self.use_trees else None, self.txt_concept_attn, labels)
 
+    def index_vectors(self, embeddings: Embeddings, side: str) -> torch.Tensor:
+        """The fused vector ``[n, d]`` (``score`` is the inner product of the fused vectors)."""
+        return embeddings["fused"]
+
     def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Cosine of the fused vectors ``[n_img, n_cap]``."""
         dtype = dtype or images["fused"].dtype

@@ -53,6 +53,10 @@ class VSEPP(MatchingModel):
         """``tokens`` [B, L], ``lengths`` [B] → ``{"vector": [B, d]}``."""
         return {"vector": self.txt_enc(tokens, lengths)}
 
+    def index_vectors(self, embeddings: Embeddings, side: str) -> torch.Tensor:
+        """The l2-normalised embedding ``[n, d]`` (``score`` is their inner product)."""
+        return embeddings["vector"]
+
     def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dot products ``[n_img, n_cap]``."""
         dtype = dtype or images["vector"].dtype
