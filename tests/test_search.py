@@ -133,3 +133,55 @@ def test_search_command_prints_and_writes_json(runs):
     assert lines[0]["unknown_words"] == ["qwxz"] and [h["rank"] for h in lines[0]["hits"]] == [1, 2]
     result = CliRunner().invoke(cli, ["search", str(run["scan"]), "--image", "nope"])
     assert result.exit_code != 0 and "not in the gallery" in str(result.exception)
+
+
+def _faiss_installed() -> bool:
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("use_faiss", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not _faiss_installed(), reason="faiss-cpu is not installed (pip install faiss-cpu)"))])
+def test_inner_product_index_holds_the_exact_top_k(use_faiss):
+    from retr.trainers.retrieval import InnerProductIndex
+
+    gen = torch.Generator().manual_seed(0)
+    vectors = torch.nn.functional.normalize(torch.randn(3000, 24, generator=gen), dim=1)
+    vectors[1500] = vectors[7]                                         # an exact tie
+    index = InnerProductIndex(vectors, use_faiss=use_faiss, block=512)
+    assert index.backend == ("faiss" if use_faiss else "matmul")
+    for q in range(5):
+        query = torch.randn(24, generator=gen)
+        exact = (vectors.double() @ query.double()).numpy()
+        top = set(np.argsort(-exact, kind="stable")[:10])
+        found = index.candidates(query, 10)
+        assert top <= set(found.tolist()) and len(found) < 60
+    ids = np.arange(3000) * 2
+    assert set(InnerProductIndex(vectors, ids, use_faiss).candidates(vectors[7], 2).tolist()) >= {14, 3000}
+
+
+@pytest.mark.parametrize("model", ["vsepp", "jgcar"])
+def test_index_and_blockwise_searches_agree(runs, model):
+    folder, manifest, features, run = runs
+    plain = Retriever.from_run(run[model], device="cpu", use_faiss=False)
+    assert plain.image_index is not None and plain.image_index.backend == "matmul"
+    queries = [plain.data.captions[3], "a big red circle"]
+    results = plain.text_to_images(queries, 6) + plain.image_to_texts(plain.data.image_ids[:3], 6)
+    if _faiss_installed():
+        fast = Retriever.from_run(run[model], device="cpu", use_faiss=True)
+        again = fast.text_to_images(queries, 6) + fast.image_to_texts(plain.data.image_ids[:3], 6)
+        assert [r.to_json() for r in again] == [r.to_json() for r in results]
+    # and without any index: the model's score over the whole gallery
+    plain.image_index = plain.caption_index = None
+    blockwise = plain.text_to_images(queries, 6) + plain.image_to_texts(plain.data.image_ids[:3], 6)
+    for a, b in zip(results, blockwise):
+        assert [h.image_id for h in a.hits] == [h.image_id for h in b.hits]
+        assert np.allclose([h.score for h in a.hits], [h.score for h in b.hits], rtol=0, atol=1e-12)
+
+
+def test_cross_attention_models_have_no_index(runs):
+    folder, manifest, features, run = runs
+    assert Retriever.from_run(run["scan"], device="cpu").image_index is None

@@ -13,13 +13,17 @@ cache holds tensors only (read with ``weights_only``) and is written through a t
 
 **Scores are eval's.** Every returned score is the one ``retr-train eval`` gives that pair:
 
-* one-step models (VSE++, SCAN, SEAM, SMFEA): a float32 pass over the whole gallery, block by block with the
-  model's own ``score`` (for pair-independent models that is the blockwise matrix product of their vectors;
-  cross-attention models attend to every gallery item), then every candidate within :data:`RESCORE_MARGIN` of the
-  k-th float32 score is rescored in float64 — the scores of eval's float64 matrix, and the top k in float64
-  order;
+* one-step models: a float32 first pass finds every candidate within :data:`RESCORE_MARGIN` of the k-th best,
+  which is rescored in float64 — the scores of eval's float64 matrix, and the top k in float64 order. The first
+  pass is an exact inner-product index (:class:`InnerProductIndex`: faiss's ``IndexFlatIP`` where faiss-cpu is
+  installed, else blockwise matrix products) for models whose score is an inner product of pair-independent
+  vectors (``MatchingModel.index_vectors``: VSE++, SMFEA's fused vector), and the model's own ``score`` over the
+  whole gallery, block by block, for the others (SCAN's cross attention; SEAM, whose order-violation score is
+  no inner product);
 * two-step models (a ``shortlist`` and a global stage: SMAN, JGCAR): eval's two-step rule — the global score
-  shortlists ``shortlist`` candidates, ``pair_score`` re-ranks them, both in float64 as eval's default.
+  shortlists ``shortlist`` candidates, ``pair_score`` re-ranks them, both in float64 as eval's default. JGCAR's
+  global stage is an inner product, so its shortlist comes from the index (every float32 candidate near the
+  boundary rescored in float64); SMAN's (a sum of per-level cosines) is scored over the gallery.
 
 A text query is tokenised and encoded with the run's vocabulary; words outside it are read as ``<unk>`` (as in
 training) and reported in ``unknown_words``, never dropped silently.
@@ -90,18 +94,30 @@ def _cast(embeddings: Embeddings, dtype: torch.dtype) -> Embeddings:
 class Retriever:
     """A trained model over one split's gallery; see the module docstring."""
 
-    def __init__(self, model, vocab: Vocabulary, data: SplitData, gallery: dict, device: torch.device):
+    def __init__(self, model, vocab: Vocabulary, data: SplitData, gallery: dict, device: torch.device,
+                 use_faiss: bool | None = None):
         self.model, self.vocab, self.data, self.device = model, vocab, data, device
         self.gallery = gallery
         self._wide = None
+        with torch.no_grad():
+            images = model.index_vectors(gallery["images"], "image")
+            if "captions" in gallery:                       # two-step: every caption, manifest order
+                captions, caption_ids = model.index_vectors(gallery["captions"], "caption"), None
+            else:                                           # one-step: each source caption once
+                captions, caption_ids = _caption_vectors(model, gallery)
+        #: exact inner-product indexes over the gallery (None: the model's score is no inner product)
+        self.image_index = InnerProductIndex(images, use_faiss=use_faiss) if images is not None else None
+        self.caption_index = (InnerProductIndex(captions, caption_ids, use_faiss) if captions is not None
+                              else None)
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
     def from_run(cls, run: str | os.PathLike, features: str | None = None, manifest: str | None = None,
                  split: str = "test", checkpoint: str = "best", device: str = "auto", cache: bool = True,
-                 trust_checkpoint: bool = False, quiet: bool = True) -> "Retriever":
+                 trust_checkpoint: bool = False, quiet: bool = True, use_faiss: bool | None = None) -> "Retriever":
         """The run's model (``checkpoint``: best, last or a file) over ``split`` of its feature set and
-        manifest (or the ones given); the gallery's embeddings come from the run's cache when it matches."""
+        manifest (or the ones given); the gallery's embeddings come from the run's cache when it matches.
+        ``use_faiss``: None uses faiss when installed, False never, True requires it."""
         dev = resolve_device(device)
         run = Path(run)
         model, vocab, config = ckpt.load_run_model(run, checkpoint, dev, trust=trust_checkpoint)
@@ -122,7 +138,7 @@ class Retriever:
             gallery = _encode_gallery(model, data, ImageFeatures(feature_set, data.image_ids), dev, quiet)
             if cache:
                 _write_cache(path, gallery)
-        return cls(model, vocab, data, gallery, dev)
+        return cls(model, vocab, data, gallery, dev, use_faiss)
 
     @property
     def two_step(self) -> bool:
@@ -147,12 +163,16 @@ class Retriever:
         results = []
         for q, text in enumerate(texts):
             caption = _slice(queries, slice(q, q + 1))
+            vector = self.model.index_vectors(caption, "caption") if self.image_index is not None else None
             if self.two_step:
-                rows, scores = self._two_step(images, caption, n, image_side=False)
+                rows, scores = self._two_step(images, caption, n, image_side=False, index=self.image_index,
+                                              query=vector)
             else:
-                first = score_blocks(lambda im, cap: self.model.score(im, cap), images,
-                                     [(np.array([0]), caption)], n, 1)[:, 0]
-                rows = _candidates(first, k)
+                if vector is not None:
+                    rows = self.image_index.candidates(vector, k)
+                else:
+                    rows = _candidates(score_blocks(lambda im, cap: self.model.score(im, cap), images,
+                                                    [(np.array([0]), caption)], n, 1)[:, 0], k)
                 scores = self._score64(_slice(images, torch.from_numpy(rows).to(self.device)), caption)[:, 0]
             order = _best(scores, rows, k)
             results.append(SearchResult(text, [Hit(r + 1, float(scores[i]), self.data.image_ids[rows[i]])
@@ -169,12 +189,16 @@ class Retriever:
                 raise UserError(f"image {image_id!r} is not in the gallery (split of {self.data.num_images} images)")
             row = row_of[image_id]
             image = _slice(self.gallery["images"], slice(row, row + 1))
+            vector = self.model.index_vectors(image, "image") if self.caption_index is not None else None
             if self.two_step:
                 cols, scores = self._two_step(image, self.gallery["captions"], self.data.num_captions,
-                                              image_side=True)
+                                              image_side=True, index=self.caption_index, query=vector)
             else:
-                first = self._caption_pass(image)
-                cols = _candidates(first, k)
+                if vector is not None:      # the index holds each source caption once: expand to its copies
+                    source = self.gallery["caption_source"]
+                    cols = np.flatnonzero(np.isin(source, self.caption_index.candidates(vector, k)))
+                else:
+                    cols = _candidates(self._caption_pass(image), k)
                 scores = self._score64(image, self._captions(cols))[0]
             order = _best(scores, cols, k)
             results.append(SearchResult(image_id, [
@@ -208,17 +232,104 @@ class Retriever:
         wide = _cast(images, torch.float64), _cast(captions, torch.float64)
         return self._model64().score(*wide, dtype=torch.float64).double().cpu().numpy()
 
-    def _two_step(self, images: Embeddings, captions: Embeddings, n: int, image_side: bool):
-        """Eval's two-step rule for one query: shortlist by ``global_score``, re-rank with ``pair_score``
-        (float64, eval's default). Returns (candidate rows, their scores)."""
+    def _two_step(self, images: Embeddings, captions: Embeddings, n: int, image_side: bool,
+                  index: "InnerProductIndex | None" = None, query: torch.Tensor | None = None):
+        """Eval's two-step rule for one query: shortlist by ``global_score`` (float64; with an ``index``, among
+        the float32 index's candidates, which hold every item the float64 shortlist can), re-rank with
+        ``pair_score`` (float64, eval's default). Returns (candidate rows, their scores)."""
         images64, captions64 = _cast(images, torch.float64), _cast(captions, torch.float64)
-        g = self.model.global_score(images64, captions64, dtype=torch.float64)
-        g = g[0] if image_side else g[:, 0]
-        cands = g.topk(min(self.model.shortlist, n)).indices
+        shortlist = min(self.model.shortlist, n)
+        pool = torch.arange(n, device=self.device)
+        if index is not None and query is not None:
+            pool = torch.from_numpy(index.candidates(query, shortlist)).to(self.device)
+        if image_side:
+            g = self.model.global_score(images64, _slice(captions64, pool), dtype=torch.float64)[0]
+        else:
+            g = self.model.global_score(_slice(images64, pool), captions64, dtype=torch.float64)[:, 0]
+        cands = pool[_top_stable(g, shortlist)]
         zeros = torch.zeros_like(cands)
         img_idx, cap_idx = (zeros, cands) if image_side else (cands, zeros)
         scores = self.model.pair_score(images64, captions64, img_idx, cap_idx, dtype=torch.float64)
         return cands.cpu().numpy(), scores.double().cpu().numpy()
+
+
+def _top_stable(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` highest ``scores``, ties to the lower position (as ``topk`` over the whole row)."""
+    order = np.lexsort((np.arange(scores.numel()), -scores.double().cpu().numpy()))[:k]
+    return torch.from_numpy(order).to(scores.device)
+
+
+class InnerProductIndex:
+    """Exact maximum-inner-product search over gallery vectors ``[n, d]``: faiss's ``IndexFlatIP`` where faiss
+    is installed (``pip install faiss-cpu``), else blockwise float32 matrix products with ``torch.topk``.
+
+    :meth:`candidates` returns the ids (``ids[row]``; default the row) of every row whose float32 inner product
+    is within :data:`RESCORE_MARGIN` of the k-th best: a superset of the exact top k, which the caller rescores
+    in float64.
+    """
+
+    def __init__(self, vectors: torch.Tensor, ids: np.ndarray | None = None, use_faiss: bool | None = None,
+                 block: int = 1 << 16):
+        self.vectors = np.ascontiguousarray(vectors.detach().float().cpu().numpy())
+        self.ids = np.arange(self.vectors.shape[0]) if ids is None else np.asarray(ids)
+        self.block = block
+        faiss = None
+        if use_faiss is not False:
+            try:
+                import faiss
+            except ImportError:
+                if use_faiss:
+                    raise UserError("faiss is not installed (pip install faiss-cpu)") from None
+        self.backend = "faiss" if faiss is not None else "matmul"
+        if faiss is not None:
+            self.index = faiss.IndexFlatIP(self.vectors.shape[1])
+            self.index.add(self.vectors)
+
+    def __len__(self) -> int:
+        return self.vectors.shape[0]
+
+    def search(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores ``[k]``, rows ``[k]``) of the ``k`` largest inner products with ``query`` ``[d]``."""
+        query = np.ascontiguousarray(query, dtype=np.float32).reshape(1, -1)
+        if self.backend == "faiss":
+            scores, rows = self.index.search(query, k)
+            return scores[0], rows[0]
+        q = torch.from_numpy(query[0])
+        best_scores, best_rows = torch.empty(0), torch.empty(0, dtype=torch.long)
+        for start in range(0, len(self), self.block):
+            part = torch.from_numpy(self.vectors[start:start + self.block]) @ q
+            scores = torch.cat([best_scores, part])
+            rows = torch.cat([best_rows, torch.arange(start, start + part.numel())])
+            top = scores.topk(min(k, scores.numel()))
+            best_scores, best_rows = top.values, rows[top.indices]
+        return best_scores.numpy(), best_rows.numpy()
+
+    def candidates(self, query: torch.Tensor, k: int) -> np.ndarray:
+        """Rows within :data:`RESCORE_MARGIN` of the k-th best inner product with ``query`` ``[1, d]`` or ``[d]``."""
+        query = query.detach().float().cpu().numpy().reshape(-1)
+        k = min(k, len(self))
+        wanted = min(len(self), k + 16)
+        while True:
+            scores, rows = self.search(query, wanted)
+            kth = scores[k - 1]
+            if wanted == len(self) or scores[-1] < kth - RESCORE_MARGIN:
+                return np.sort(self.ids[rows[scores >= kth - RESCORE_MARGIN]])
+            wanted = min(len(self), 4 * wanted)
+
+
+def _caption_vectors(model, gallery: dict) -> tuple[torch.Tensor | None, np.ndarray | None]:
+    """``index_vectors`` of the gallery's source captions ``[S, d]`` and their caption ids ``[S]`` (None, None:
+    the model has no such vectors)."""
+    ids, parts = [], []
+    for idx, emb in gallery["caption_blocks"]:
+        vectors = model.index_vectors(emb, "caption")
+        if vectors is None:
+            return None, None
+        ids.append(np.asarray(idx))
+        parts.append(vectors)
+    if not parts:
+        return None, None
+    return torch.cat(parts), np.concatenate(ids)
 
 
 def _candidates(first: np.ndarray, k: int) -> np.ndarray:
