@@ -210,8 +210,10 @@ def test_kill_at_random_moments_then_resume_gives_the_uninterrupted_run(data, tm
     for trial, target in enumerate(targets):
         out = tmp_path / f"trial{trial}"
         proc = _spawn([*first, "--out", str(out)])
-        line = proc.stderr.readline()                       # "training vsepp on …": the loop has started
-        assert line.startswith("training"), line + proc.stderr.read()
+        line = proc.stderr.readline()
+        while line.startswith("note:"):                    # e.g. which preset the run starts from
+            line = proc.stderr.readline()
+        assert line.startswith("training"), line + proc.stderr.read()   # "training vsepp …": the loop has started
         while target and proc.poll() is None and _count_lines(out / ckpt.METRICS) < target:
             time.sleep(0.002)
         assert proc.poll() is None, f"trial {trial}: the run ended before line {target}"
@@ -291,3 +293,28 @@ def test_eval_refuses_features_of_another_width_than_the_model(data, straight, t
     result = CliRunner().invoke(cli, ["eval", str(straight), "--features", str(wide), "--protocol", "f30k-1k",
                                       "--allow-size-mismatch", "--quiet"])
     assert "D = 100, the model takes D = 16" in _error_line(result)
+
+
+def test_a_run_records_where_and_how_it_started_and_eval_which_checkpoint(data, straight, tmp_path):
+    config = json.loads((straight / ckpt.CONFIG).read_text())
+    env = config["environment"]
+    assert env["torch"] == torch.__version__ and env["host"] and env["python"] and env["retr"]
+    assert isinstance(env["command"], list)
+    assert config["preset"] == "f30k"
+    sims_path = tmp_path / "sims"                              # np.save adds .npy; the ids file follows it
+    result = CliRunner().invoke(cli, ["eval", str(straight), "--protocol", "f30k-1k", "--allow-size-mismatch",
+                                      "--save-sims", str(sims_path), "--json", "--checkpoint", "last", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["models"][0]["checkpoint"] == ckpt.list_checkpoints(straight)[-1][1].name
+    sims = np.load(tmp_path / "sims.npy")
+    ids = json.loads((tmp_path / "sims.npy.ids.json").read_text())
+    assert sims.shape == (len(ids["image_ids"]), len(ids["caption_keys"]))
+    assert ids["caption_keys"][0] == ids["image_ids"][0] + "#0"
+
+
+def test_the_default_preset_is_named_when_the_run_starts(data, tmp_path):
+    result = _train(data, tmp_path / "run", 1)
+    lines = result.output.splitlines()
+    note = next(i for i, line in enumerate(lines) if line.startswith("note: no --preset given"))
+    assert "f30k" in lines[note] and lines[note + 1].startswith("training vsepp (preset f30k)")
+    assert "no --preset" not in _train(data, tmp_path / "run2", 1, "--preset", "coco").output

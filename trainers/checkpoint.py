@@ -148,6 +148,22 @@ def prune_checkpoints(run: str | os.PathLike, keep: int) -> None:
         path.unlink(missing_ok=True)
 
 
+def resolve_checkpoint(run: str | os.PathLike, which: str = "best") -> Path:
+    """The file ``which`` names in ``run``: ``best`` (``best.pt``, else the newest epoch checkpoint), ``last``
+    (the newest epoch checkpoint) or a file name."""
+    run = Path(run)
+    if which == "best":
+        path = run / BEST
+        if not path.is_file() and list_checkpoints(run):
+            path = list_checkpoints(run)[-1][1]
+        return path
+    if which == "last":
+        if not list_checkpoints(run):
+            raise UserError(f"{run} has no epoch checkpoints")
+        return list_checkpoints(run)[-1][1]
+    return run / which
+
+
 def load_run_model(run: str | os.PathLike, which: str = "best", device: torch.device | str = "cpu",
                    trust: bool = False):
     """(model in eval mode, vocabulary, config) of a run; ``which`` is ``best``, ``last`` or a file name;
@@ -156,16 +172,7 @@ def load_run_model(run: str | os.PathLike, which: str = "best", device: torch.de
 
     run = Path(run)
     config = read_config(run)
-    if which == "best":
-        path = run / BEST
-        if not path.is_file() and list_checkpoints(run):
-            path = list_checkpoints(run)[-1][1]
-    elif which == "last":
-        if not list_checkpoints(run):
-            raise UserError(f"{run} has no epoch checkpoints")
-        path = list_checkpoints(run)[-1][1]
-    else:
-        path = run / which
+    path = resolve_checkpoint(run, which)
     state = load_checkpoint(path, trust=trust)
     vocab = Vocabulary.from_json(state["vocab"], str(path)) if "vocab" in state else Vocabulary.load(run / VOCAB)
     model = create_model(config["model"], **config["model_args"])

@@ -54,12 +54,14 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
             result.update({k: result["two_step"][k] for k in ("i2t", "t2i", "rsum")}, protocol=protocol,
                           split=split, ensemble=False, runs=[str(run)], precision=precision,
                           models=[{"run": str(run), "model": config["model"], "direction": None,
-                                   "features": str(feats_path)}],
+                                   "features": str(feats_path),
+                                   "checkpoint": ckpt.resolve_checkpoint(run, which).name}],
                           evaluated=datetime.now(timezone.utc).isoformat(timespec="seconds"))
             return result, None
         scorers.append(Scorer(model, SplitEmbeddings.encode(model, data, image_features, dev, quiet=quiet)))
         models.append({"run": str(run), "model": config["model"],
-                       "direction": config["model_args"].get("direction"), "features": str(feats_path)})
+                       "direction": config["model_args"].get("direction"), "features": str(feats_path),
+                       "checkpoint": ckpt.resolve_checkpoint(run, which).name})
     stats: dict = {}
     sims = combined_matrix(scorers, precision, data.caption_image, quiet=quiet, stats=stats)
     result = protocol_metrics(sims, data, protocol, allow_size_mismatch, ties)
@@ -67,6 +69,22 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
                   models=models, precision=precision, **({"refinement": stats} if stats else {}),
                   evaluated=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     return result, sims
+
+
+def _save_sims(path: str, sims: np.ndarray, result: dict, manifest: str, split: str) -> None:
+    """``path`` (``.npy``): the float64 similarities ``[images, captions]`` in manifest order, and beside it
+    ``path.ids.json``: the image ids (rows) and caption keys ``<image id>#<n>`` (columns) they belong to."""
+    from retr.manifests.schema import read_manifest
+
+    records = read_manifest(manifest, splits=[split])
+    ids = {"image_ids": [r.id for r in records],
+           "caption_keys": [f"{r.id}#{n}" for r in records for n in range(len(r.captions))],
+           "protocol": result["protocol"], "split": split, "runs": result["runs"]}
+    if (len(ids["image_ids"]), len(ids["caption_keys"])) != sims.shape:
+        raise UserError(f"--save-sims: the manifest's {split} split no longer matches the evaluated matrix")
+    path = path if str(path).endswith(".npy") else f"{path}.npy"       # np.save's own rule
+    np.save(path, sims.astype(np.float64))
+    ckpt.write_json(f"{path}.ids.json", ids)
 
 
 def _record(run: str, result: dict) -> None:
@@ -99,7 +117,8 @@ def _line(side: str, m: dict) -> str:
 @click.option("--preload/--no-preload", default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number.")
 @click.option("--save-sims", type=click.Path(dir_okay=False), default=None,
-              help="Write the images × captions similarities (float64 .npy, manifest order).")
+              help="Write the images × captions similarities (float64 .npy, manifest order) and FILE.ids.json "
+                   "(the image ids of the rows, the caption keys of the columns).")
 @click.option("--ties", type=click.Choice(TIE_RULES), default="pessimistic", show_default=True,
               help="pessimistic: a tie counts against the query; official: the authors' argsort order (gives an "
                    "imported official checkpoint its official numbers when identical captions tie).")
@@ -127,7 +146,7 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
     if save_sims and sims is None:
         raise UserError("--save-sims: a two-step run has no single similarity matrix (one per direction)")
     if save_sims:
-        np.save(save_sims, sims.astype(np.float64))
+        _save_sims(save_sims, sims, result, manifest or ckpt.read_config(runs[0]).get("manifest"), split)
     for run in runs:
         _record(run, result)
     if as_json:

@@ -224,12 +224,33 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
                                                "feature_attrs": features.attrs, "vocab_size": len(vocab),
                                                "train_images": train_data.num_images,
                                                "val_images_used": val_data.num_images,
-                                               "data_identity": identity})
+                                               "data_identity": identity, "environment": environment()})
     if info.is_main and run.start_epoch < cfg.epochs:
-        log(f"training {cfg.model} on {train_data.num_images} images / {train_data.num_captions} captions "
+        log(f"training {cfg.model}{f' (preset {cfg.preset})' if cfg.preset else ''} on {train_data.num_images} "
+            f"images / {train_data.num_captions} captions "
             f"({'preloaded' if train_feats.preloaded else 'read per batch'}), device {device}, "
             f"epochs {run.start_epoch + 1}..{cfg.epochs}")
     return run
+
+
+def environment() -> dict:
+    """Where and with what a run (re)started: versions (retr, its git commit when run from a checkout, torch,
+    CUDA, Python), the host and the command line — recorded in ``config.json`` at every start."""
+    import platform
+    import socket
+    import subprocess
+    import sys
+
+    commit = None
+    try:
+        found = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, text=True,
+                               capture_output=True, timeout=10)
+        commit = found.stdout.strip() if found.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"retr": __version__, "git_commit": commit, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "host": socket.gethostname(), "command": sys.argv,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def _config_names(spec) -> set[str]:

@@ -130,7 +130,7 @@ class Retriever:
         check_feature_contract(feature_set, config["model_args"].get("img_dim"))
         data, _ = load_split(manifest, [split], vocab, feature_set, missing="error")
         key = hashlib.sha256(json.dumps({
-            "checkpoint": sha256_file(_checkpoint_path(run, checkpoint)), "split": split,
+            "checkpoint": sha256_file(ckpt.resolve_checkpoint(run, checkpoint)), "split": split,
             "data": data_identity(feature_set, manifest)}, sort_keys=True).encode()).hexdigest()[:20]
         path = run / CACHE_DIR / f"{split}-{key}.pt"
         gallery = _read_cache(path, dev) if cache else None
@@ -342,17 +342,6 @@ def _candidates(first: np.ndarray, k: int) -> np.ndarray:
 def _best(scores: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
     """Indices into ``scores`` of the ``k`` best, highest first; ties in gallery order."""
     return np.lexsort((rows, -scores))[:k]
-
-
-def _checkpoint_path(run: Path, which: str) -> Path:
-    if which == "best" and (run / ckpt.BEST).is_file():
-        return run / ckpt.BEST
-    if which in ("best", "last"):
-        found = ckpt.list_checkpoints(run)
-        if not found:
-            raise UserError(f"{run} has no checkpoint")
-        return found[-1][1]
-    return run / which
 
 
 # ------------------------------------------------------------------------------------------------ gallery

@@ -31,7 +31,7 @@ from retr.trainers.models.registry import DATA_SIZES, ModelSpec
 
 #: keys of a run's config.json that are records of the run, not settings
 RUN_RECORDS = ("retr_version", "feature_attrs", "vocab_size", "train_images", "val_images_used", "model",
-               "model_args", "inputs", "data_identity")
+               "model_args", "inputs", "data_identity", "environment")
 _EXPLICIT = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT, ParameterSource.PROMPT)
 
 
@@ -256,7 +256,15 @@ def training_command(spec: ModelSpec) -> click.Command:
             cfg = resume_settings(spec, values, explicit)
         else:
             cfg, _ = gather_settings(spec, values, explicit)
-        log = lambda message: click.echo(message, err=True)  # noqa: E731
+        pending = []
+        if not values["resume"] and "preset" not in explicit and not values.get("config") and cfg.preset:
+            pending.append(f"note: no --preset given: starting from {cfg.preset}'s published settings "
+                           f"(presets: {', '.join(spec.presets)}); options given override them")
+
+        def log(message: str) -> None:
+            if pending and message.startswith("training "):     # once the run has started, not before an error
+                click.echo(pending.pop(), err=True)
+            click.echo(message, err=True)
         train(cfg, resume=values["resume"], quiet=values["quiet"], log=log, trust_checkpoint=values["trust_checkpoint"])
         if spec.after_training is not None:
             spec.after_training(cfg.out, cfg, log)
