@@ -126,3 +126,24 @@ def test_a_parameter_name_inside_a_path_stays():
     assert with_flags("/data/out/x.h5 exists; choose another out", ["out"], flags) == \
         "/data/out/x.h5 exists; choose another --out"
     assert with_flags(r"C:\out\x exists", ["out"], flags) == r"C:\out\x exists"
+
+
+def test_progress_off_a_terminal_is_a_line_every_few_seconds(monkeypatch, capsys):
+    import time
+
+    from retr.common.cli import progress
+
+    monkeypatch.setenv("RETR_PROGRESS_SECONDS", "0.05")
+    for _ in progress(range(8), desc="stage", unit="img"):
+        time.sleep(0.03)
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and len(lines) >= 2 and all(line.startswith("stage:") for line in lines)
+    assert "8/8" in lines[-1] and "img/s" in lines[-1]
+    monkeypatch.setenv("RETR_PROGRESS_SECONDS", "30")
+    for _ in progress(range(3), desc="short"):                 # a short stage prints nothing
+        pass
+    assert capsys.readouterr().err == ""
+    for _ in progress(range(3), desc="quiet", quiet=True):
+        time.sleep(0.01)
+    assert capsys.readouterr().err == ""
