@@ -92,3 +92,29 @@ def test_early_stop_ends_the_run_and_resume_respects_it(synthetic):
     assert result.exit_code == 0, result.output
     epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in epochs if "val" in e] == [0, 1]
+
+
+def test_table_tells_seeds_apart_in_every_format(synthetic, tmp_path):
+    folder, manifest, features = synthetic
+    runs = []
+    for seed in (0, 1):
+        run = tmp_path / f"vsepp-s{seed}"
+        _invoke(["vsepp", "--features", features, "--manifest", manifest, "--out", str(run), "--embed-size", "16",
+                 "--word-dim", "8", "--batch-size", "64", "--epochs", "1", "--seed", str(seed), "--quiet"])
+        _invoke(["eval", str(run), "--protocol", "f30k-1k", "--allow-size-mismatch", "--quiet"])
+        runs.append(str(run))
+    text = _invoke(["table", *runs])
+    lines = text.splitlines()
+    assert lines[0].split()[:7] == ["run", "model", "preset", "seed", "protocol", "split", "kind"]
+    rows = [line.split() for line in lines[2:]]
+    assert [r[:7] for r in rows] == [["vsepp-s0", "vsepp", "f30k", "0", "f30k-1k", "test", "single"],
+                                     ["vsepp-s1", "vsepp", "f30k", "1", "f30k-1k", "test", "single"]]
+    import csv
+    import io
+
+    table = list(csv.reader(io.StringIO(_invoke(["table", *runs, "--format", "csv"]))))
+    stored = json.loads((tmp_path / "vsepp-s1" / "eval.json").read_text())["results"][0]
+    assert table[2][0] == "vsepp-s1" and float(table[2][-1]) == stored["rsum"]      # csv: full precision
+    markdown = _invoke(["table", *runs, "--format", "markdown"])
+    assert markdown.splitlines()[0].startswith("| run") and markdown.splitlines()[1].startswith("|---")
+    assert "\\begin{tabular}" in _invoke(["table", *runs, "--format", "latex"])

@@ -178,15 +178,13 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
                    f"seconds: one-step {sec['one_step']:.2f}, two-step {sec['two_step']:.2f}")
 
 
-@click.command("table")
-@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
-def table_command(runs) -> None:
-    """Print one table of every result stored in the runs' eval.json.
+TABLE_FORMATS = {"text": "simple", "markdown": "github", "latex": "latex_booktabs", "csv": None}
+METRIC_COLUMNS = [("i2t", "r1"), ("i2t", "r5"), ("i2t", "r10"), ("t2i", "r1"), ("t2i", "r5"), ("t2i", "r10")]
 
-    \b
-    Example:
-      retr-train table runs/scan-f30k runs/vsepp-f30k
-    """
+
+def table_rows(runs) -> tuple[list[str], list[list]]:
+    """(header, rows) of every result stored in the runs' ``eval.json``, one row per (protocol, split, run set):
+    run name(s), model(s), preset, seed, protocol, split, single/ensemble, the six recalls and rSum (floats)."""
     rows, seen = [], set()
     for run in runs:
         path = Path(run) / ckpt.EVAL
@@ -197,11 +195,47 @@ def table_command(runs) -> None:
             if key in seen:
                 continue
             seen.add(key)
-            names = "+".join(m["model"] + (f"({m['direction']})" if m.get("direction") else "") for m in r["models"])
-            rows.append([names, r["protocol"], *(f"{r[s][k]:.1f}" for s in ("i2t", "t2i") for k in ("r1", "r5", "r10")),
-                         f"{r['rsum']:.1f}", f"ensemble of {len(r['runs'])}" if r["ensemble"] else "single"])
-    header = ["model", "protocol", "i2t R@1", "R@5", "R@10", "t2i R@1", "R@5", "R@10", "rSum", "kind"]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    for row in [header, *rows]:
-        click.echo("  ".join(str(x).ljust(w) if i < 2 else str(x).rjust(w)
-                             for i, (x, w) in enumerate(zip(row, widths))).rstrip())
+            configs = [_config_or_empty(m["run"]) for m in r["models"]]
+            models = "+".join(m["model"] + (f"({m['direction']})" if m.get("direction") else "") for m in r["models"])
+            rows.append(["+".join(Path(m["run"]).name for m in r["models"]), models,
+                         "+".join(sorted({str(c.get("preset") or "-") for c in configs})),
+                         "+".join(sorted({str(c.get("seed", "-")) for c in configs})),
+                         r["protocol"], r["split"], f"ensemble of {len(r['runs'])}" if r["ensemble"] else "single",
+                         *(float(r[d][k]) for d, k in METRIC_COLUMNS), float(r["rsum"])])
+    header = ["run", "model", "preset", "seed", "protocol", "split", "kind",
+              "i2t R@1", "i2t R@5", "i2t R@10", "t2i R@1", "t2i R@5", "t2i R@10", "rSum"]
+    return header, rows
+
+
+def _config_or_empty(run: str) -> dict:
+    try:
+        return ckpt.read_config(run)
+    except UserError:            # an ensemble member moved away since: the row still prints
+        return {}
+
+
+@click.command("table")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("--format", "fmt", type=click.Choice(list(TABLE_FORMATS)), default="text", show_default=True,
+              help="text: aligned columns; markdown: a GitHub table; latex: a booktabs tabular; csv: full precision.")
+def table_command(runs, fmt) -> None:
+    """Print one table of every result stored in the runs' eval.json: which run (name, model, preset, seed),
+    which protocol and split, single or ensemble, R@1/5/10 both ways and rSum.
+
+    \b
+    Example:
+      retr-train table runs/scan-f30k runs/vsepp-f30k
+      retr-train table runs/vsepp-s* --format markdown
+    """
+    from tabulate import tabulate
+
+    header, rows = table_rows(runs)
+    if fmt == "csv":
+        import csv
+        import io
+
+        buffer = io.StringIO()
+        csv.writer(buffer, lineterminator="\n").writerows([header, *rows])
+        click.echo(buffer.getvalue(), nl=False)
+        return
+    click.echo(tabulate(rows, headers=header, tablefmt=TABLE_FORMATS[fmt], floatfmt=".1f"))
