@@ -318,3 +318,29 @@ def test_the_default_preset_is_named_when_the_run_starts(data, tmp_path):
     note = next(i for i, line in enumerate(lines) if line.startswith("note: no --preset given"))
     assert "f30k" in lines[note] and lines[note + 1].startswith("training vsepp (preset f30k)")
     assert "no --preset" not in _train(data, tmp_path / "run2", 1, "--preset", "coco").output
+
+
+def test_runs_read_their_data_from_anywhere_and_after_moving_with_it(data, tmp_path, monkeypatch):
+    """Issue 18: a run trained with relative paths evaluates from another folder, and a project folder (runs and
+    data) moved elsewhere still finds its data through the run-relative paths."""
+    folder, manifest, features = data
+    project = tmp_path / "project"
+    shutil.copytree(folder, project / "data", ignore=shutil.ignore_patterns("*.partial"))
+    monkeypatch.chdir(project)
+    assert _train(("data", "data/manifest.jsonl", "data/scene-regions.h5"), "runs/a", 1).exit_code == 0
+    config = json.loads((project / "runs/a" / ckpt.CONFIG).read_text())
+    assert Path(config["features"]).is_absolute()
+    assert config["paths_from_run"]["features"] == "../../data/scene-regions.h5"
+    monkeypatch.chdir(tmp_path)                                           # elsewhere
+    evaluate = ["eval", "--protocol", "f30k-1k", "--allow-size-mismatch", "--quiet", "--json"]
+    result = CliRunner().invoke(cli, [evaluate[0], str(project / "runs/a"), *evaluate[1:]])
+    assert result.exit_code == 0, result.output
+    shutil.move(project, tmp_path / "moved")                              # runs and data move together
+    moved = CliRunner().invoke(cli, [evaluate[0], str(tmp_path / "moved/runs/a"), *evaluate[1:]])
+    assert moved.exit_code == 0, moved.output
+    assert json.loads(moved.output)["rsum"] == json.loads(result.output)["rsum"]
+    resumed = CliRunner().invoke(cli, ["vsepp", "--out", str(tmp_path / "moved/runs/a"), "--resume", "--epochs", "2",
+                                       "--quiet"])
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads((tmp_path / "moved/runs/a" / ckpt.CONFIG).read_text())["features"].startswith(
+        str(tmp_path / "moved"))

@@ -53,11 +53,49 @@ def write_json(path: str | os.PathLike, data) -> Path:
 
 
 def read_config(run: str | os.PathLike) -> dict:
-    """The run's ``config.json``, upgraded to today's form (:func:`upgrade_config`)."""
+    """The run's ``config.json``, upgraded to today's form (:func:`upgrade_config`), with its data paths
+    resolved (:func:`resolve_paths`)."""
     path = Path(run) / CONFIG
     if not path.is_file():
         raise UserError(f"{run} is not a run directory (no {CONFIG})")
-    return upgrade_config(json.loads(path.read_text(encoding="utf-8")))
+    return resolve_paths(run, upgrade_config(json.loads(path.read_text(encoding="utf-8"))))
+
+
+def absolute_paths(cfg):
+    """``cfg`` (a ``TrainConfig``) with its features, manifest and side files as absolute paths."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, features=str(Path(cfg.features).resolve()),
+                               manifest=str(Path(cfg.manifest).resolve()),
+                               inputs={k: str(Path(v).resolve()) for k, v in (cfg.inputs or {}).items()})
+
+
+def paths_from_run(cfg, run: str | os.PathLike) -> dict:
+    """The data paths of ``cfg`` relative to the run directory (``{"features": "../data/x.h5", "inputs":
+    {…}}``): what finds the data again when the run and its data move together."""
+    run = Path(run).resolve()
+    rel = lambda p: os.path.relpath(Path(p).resolve(), run)   # noqa: E731
+    return {"features": rel(cfg.features), "manifest": rel(cfg.manifest),
+            "inputs": {k: rel(v) for k, v in (cfg.inputs or {}).items()}}
+
+
+def resolve_paths(run: str | os.PathLike, config: dict) -> dict:
+    """``config`` with each data path (features, manifest, side files) taken, in order, as recorded when that
+    file exists (absolute in runs written since portable paths; relative to the working directory before), else
+    relative to the run directory (``paths_from_run``) when that exists; otherwise it stays as recorded, and the
+    reader's error names it."""
+    from_run = config.get("paths_from_run") or {}
+
+    def pick(recorded: str | None, relative: str | None) -> str | None:
+        if not recorded or Path(recorded).exists() or not relative:
+            return recorded
+        moved = Path(run) / relative
+        return str(moved) if moved.exists() else recorded
+    config = dict(config)
+    for key in ("features", "manifest"):
+        config[key] = pick(config.get(key), from_run.get(key))
+    config["inputs"] = {k: pick(v, (from_run.get("inputs") or {}).get(k)) for k, v in (config.get("inputs") or {}).items()}
+    return config
 
 
 def rng_state() -> dict:

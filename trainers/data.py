@@ -206,13 +206,38 @@ def check_feature_contract(features: FeatureSet, img_dim: int | None = None) -> 
                         f"D = {img_dim}; give the feature set it was trained on")
 
 
-def data_identity(features: FeatureSet, manifest: str) -> dict:
-    """What a resume must find again: the feature set's ids digest, shape, dtype and extraction attributes
-    (cheap: no feature value is read; shards written with checksums add their digest) and the manifest's
-    SHA-256."""
+def data_identity(features: FeatureSet, manifest: str, inputs: dict | None = None) -> dict:
+    """What a resume must find again: the feature set's ids digest, shape, dtype and extraction attributes, the
+    digest of its shards' per-row checksums (None for shards written before checksums; no feature value is read),
+    the manifest's SHA-256 and each side file's SHA-256 (``inputs``: ``{name: path}``)."""
     attrs = {k: v for k, v in features.attrs.items()
              if k in ("kind", "extractor", "backbone", "weights", "image_size", "manifest_sha256")}
-    return {"features_ids_sha256": hashlib.sha256("\n".join(features.ids).encode("utf-8")).hexdigest(),
-            "features_shape": [len(features), *map(int, features.feature_shape)],
-            "features_dtype": str(features.dtype), "features_attrs": json.loads(json.dumps(attrs, default=str)),
-            "manifest_sha256": sha256_file(manifest)}
+    identity = {"features_ids_sha256": hashlib.sha256("\n".join(features.ids).encode("utf-8")).hexdigest(),
+                "features_shape": [len(features), *map(int, features.feature_shape)],
+                "features_dtype": str(features.dtype),
+                "features_attrs": json.loads(json.dumps(attrs, default=str)),
+                "features_rows_crc_sha256": _rows_digest(features),
+                "manifest_sha256": sha256_file(manifest)}
+    if inputs:
+        # a missing side file is left to the model's reader, whose error says what the file is and how to get it
+        identity["inputs_sha256"] = {name: sha256_file(path) if os.path.isfile(path) else None
+                                     for name, path in sorted(inputs.items())}
+    return identity
+
+
+def _rows_digest(features: FeatureSet) -> str | None:
+    """SHA-256 over the per-row CRC-32s every shard stores (``store.features.CHECKSUMS``): a fingerprint of the
+    values at 4 bytes a row; None when a shard has none."""
+    import h5py
+
+    from retr.store.features import CHECKSUMS
+
+    shards = features.attrs.get("shards")
+    paths = [features.path.resolve().parent / s["file"] for s in shards] if shards else [features.path]
+    digest = hashlib.sha256()
+    for path in paths:
+        with h5py.File(path, "r") as f:
+            if CHECKSUMS not in f:
+                return None
+            digest.update(np.asarray(f[CHECKSUMS][:], dtype="<u4").tobytes())
+    return digest.hexdigest()

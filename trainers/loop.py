@@ -164,7 +164,7 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
                         " (expected a JSON Lines file)")
     features = FeatureSet(cfg.features)
     check_feature_contract(features)
-    identity = data_identity(features, cfg.manifest)
+    identity = data_identity(features, cfg.manifest, cfg.inputs)
     if resume:
         saved = state["config"] if state is not None else ckpt.read_config(folder)
         cfg = _resumed_config(cfg, saved, folder)
@@ -219,8 +219,12 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     elif info.is_main:
         vocab.save(folder / ckpt.VOCAB)
     if info.is_main:
-        # written at every start: a resume records the settings it changed (more epochs, another device)
-        ckpt.write_json(folder / ckpt.CONFIG, {**asdict(cfg), "retr_version": __version__,
+        # written at every start: a resume records the settings it changed (more epochs, another device); data
+        # paths are stored absolute and relative to the run, so the run reads them from anywhere
+        # (checkpoint.read_config resolves them)
+        cfg = ckpt.absolute_paths(cfg)
+        ckpt.write_json(folder / ckpt.CONFIG, {**asdict(cfg), "paths_from_run": ckpt.paths_from_run(cfg, folder),
+                                               "retr_version": __version__,
                                                "feature_attrs": features.attrs, "vocab_size": len(vocab),
                                                "train_images": train_data.num_images,
                                                "val_images_used": val_data.num_images,
@@ -299,12 +303,13 @@ def _resumed_config(cfg: TrainConfig, saved: dict, folder: Path) -> TrainConfig:
     old = TrainConfig(**{k: v for k, v in saved.items() if k in known})
     differences = [f"{k} {new_model[k]!r} (run: {old_model[k]!r})" for k in old_model if old_model[k] != new_model[k]]
     differences += [f"{k} {getattr(cfg, k)!r} (run: {getattr(old, k)!r})" for k in sorted(known)
-                    if k not in RESUME_APPLIES and k not in ("model", "model_args", "features", "manifest", "out")
+                    if k not in RESUME_APPLIES and k not in ("model", "model_args", "features", "manifest", "inputs",
+                                                             "out")
                     and getattr(cfg, k) != getattr(old, k)]
     if differences:
         raise UserError(f"{folder} cannot change on resume: {'; '.join(differences)}; resume with the run's "
                         "settings (leave those options out) or choose another --out")
-    applied = {k: getattr(cfg, k) for k in (*RESUME_APPLIES, "features", "manifest", "out")}
+    applied = {k: getattr(cfg, k) for k in (*RESUME_APPLIES, "features", "manifest", "inputs", "out")}
     return dataclasses.replace(old, model_args=saved["model_args"], **applied)
 
 

@@ -31,7 +31,7 @@ from retr.trainers.models.registry import DATA_SIZES, ModelSpec
 
 #: keys of a run's config.json that are records of the run, not settings
 RUN_RECORDS = ("retr_version", "feature_attrs", "vocab_size", "train_images", "val_images_used", "model",
-               "model_args", "inputs", "data_identity", "environment")
+               "model_args", "inputs", "data_identity", "environment", "paths_from_run")
 _EXPLICIT = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT, ParameterSource.PROMPT)
 
 
