@@ -224,6 +224,8 @@ def upgrade_config(config: dict) -> dict:
     from retr.trainers.models import get_spec
 
     config = dict(config)
+    if isinstance(config.get("amp"), bool):           # before --amp fp16|bf16: a flag meaning fp16 on CUDA
+        config["amp"] = "fp16" if config["amp"] else "off"
     model_args, inputs = get_spec(config["model"]).upgrade(config.get("model_args") or {}, config.get("inputs"))
     config["model_args"], config["inputs"] = model_args, inputs
     return config

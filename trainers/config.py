@@ -14,6 +14,7 @@ Field metadata understood by the command builder:
 * ``flag`` — the option's spelling when it is not ``--field-name``: ``"--max-violation/--sum-violation"`` (an
   on/off pair), ``"--no-imgnorm"`` (a single flag that sets ``True``), ``"--train-split"`` (another name);
 * ``cli=False`` — not an option (filled by the loop or the command, e.g. the model name);
+* ``flag_value`` — the value of the option given without one (``--amp`` alone is ``--amp fp16``);
 * ``resume_applies=True`` — a ``TrainConfig`` setting that ``--resume`` may change (applied and recorded in
   ``config.json``: more epochs, another device); any other setting given on resume must equal the run's.
 
@@ -33,9 +34,10 @@ from retr.store.vocab import DEFAULT_THRESHOLD
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, cli: bool = True,
-            default_factory: Any = dataclasses.MISSING, resume_applies: bool = False) -> Any:
+            default_factory: Any = dataclasses.MISSING, resume_applies: bool = False,
+            flag_value: Any = None) -> Any:
     """A dataclass field that is a user-facing setting (see the module docstring for the metadata)."""
-    metadata = {"help": help, "flag": flag, "cli": cli, "resume_applies": resume_applies}
+    metadata = {"help": help, "flag": flag, "cli": cli, "resume_applies": resume_applies, "flag_value": flag_value}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -71,7 +73,11 @@ class TrainConfig:
     workers: int = setting(0, "DataLoader worker processes.", resume_applies=True)
     preload: bool | None = setting(None, "Hold the features in memory (default: only when they take < 2 GiB).",
                                    flag="--preload/--no-preload", resume_applies=True)
-    amp: bool = setting(False, "Mixed precision (CUDA only).", flag="--amp")
+    amp: Literal["off", "fp16", "bf16"] = setting(
+        "off", "Mixed precision: bf16 autocast (CPU and CUDA), fp16 autocast with a gradient scaler (CUDA only); "
+        "--amp alone is fp16.", flag_value="fp16")
+    accum_steps: int = setting(1, "Split each batch into N micro-batches, one backward each, one optimiser step "
+                                  "(a negative is then another pair of the same micro-batch: B/N−1 of them).")
     train_splits: tuple[str, ...] = setting(("train", "restval"), "Training split (repeat the option for several).",
                                             flag="--train-split")
     val_split: str = setting("val", "Validation split.")

@@ -13,19 +13,20 @@ newest checkpoint with the same model, optimizer, scheduler, AMP scaler and RNG 
 of an uninterrupted run.
 
 Models that need side files (SMFEA's trees and concepts, JGCAR's labels) get them through their spec's
-``load_inputs`` (tensors, handed to ``prepare_training``). Mixed precision (``amp``) runs the forward pass
-under ``torch.autocast`` in float16 with a gradient scaler on CUDA only (``GradScaler(enabled=False)``
-elsewhere). DDP: see :mod:`retr.trainers.distributed`.
+``load_inputs`` (tensors, handed to ``prepare_training``). Mixed precision (``--amp``) runs the forward pass
+under ``torch.autocast``: ``bf16`` on CPU and CUDA, ``fp16`` with a gradient scaler on CUDA only
+(``GradScaler(enabled=False)`` elsewhere). ``--accum-steps N`` backpropagates N micro-batches per optimiser
+step (:func:`train_step`). DDP: see :mod:`retr.trainers.distributed`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import random
 import shutil
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterator
@@ -96,7 +97,7 @@ def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False, log=print
         cleanup(info)
 
 
-@contextmanager
+@contextlib.contextmanager
 def run_lock(out: str, info: DistInfo) -> Iterator[None]:
     """Rank 0 holds ``OUT/run.lock`` (an OS lock, dropped when the process dies) for the run's lifetime: a
     second ``retr-train`` on the same ``--out`` stops in one line naming the holder. A folder this call created
@@ -204,7 +205,11 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     model.prepare_training(inputs.tensors)
     optimizer = model.configure_optimizer(cfg.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, cfg.lr_update), gamma=0.1)
-    scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp and device.type == "cuda")
+    if cfg.amp == "fp16" and device.type != "cuda" and info.is_main:
+        log("note: --amp fp16 needs CUDA; training in float32 on " + str(device) + " (--amp bf16 runs on CPU)")
+    if cfg.accum_steps < 1 or cfg.batch_size % cfg.accum_steps:
+        raise UserError(f"--accum-steps {cfg.accum_steps} must divide --batch-size {cfg.batch_size}")
+    scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16" and device.type == "cuda")
     net = model
     if info.enabled:
         net = torch.nn.parallel.DistributedDataParallel(
@@ -373,27 +378,53 @@ def truncate_metrics(folder: Path, state: dict, continuing: bool = True) -> None
 
 # ------------------------------------------------------------------------------------------------ one epoch
 
+def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of ``--amp`` on ``device`` (None: no autocast): bf16 anywhere, fp16 on CUDA only."""
+    if amp == "bf16":
+        return torch.bfloat16
+    if amp == "fp16" and device.type == "cuda":
+        return torch.float16
+    return None
+
+
 def train_step(model, batch: dict, optimizer, scaler: torch.amp.GradScaler | None, grad_clip: float,
-               device: torch.device, dist_info: DistInfo = DistInfo(), amp: bool = False) -> float:
+               device: torch.device, dist_info: DistInfo = DistInfo(), amp: str = "off",
+               accum_steps: int = 1) -> float:
     """One optimisation step on ``batch``; returns the (global-batch) loss. ``model`` may be DDP-wrapped;
-    ``scaler`` (None: no mixed precision) scales the loss for float16 autocast."""
+    ``amp`` (``off``, ``fp16``, ``bf16``) is the autocast of the forward pass, ``scaler`` (None: none) scales the
+    loss for fp16.
+
+    ``accum_steps`` N cuts the batch into N micro-batches (in order), each scored and backpropagated on its own,
+    and steps the optimiser once: the gradients add up to those of the N micro-batch losses, and the returned
+    loss is their sum. A negative is another pair of the same micro-batch (hardest negatives among B/N − 1).
+    """
     scaler = scaler if scaler is not None else torch.amp.GradScaler("cuda", enabled=False)
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    tensors = [batch[k].to(device, non_blocking=True) for k in ("features", "mask", "tokens", "lengths")]
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    extras = {k: batch[k].to(device) for k in inner.batch_extras}
+    keys = ("features", "mask", "tokens", "lengths", *inner.batch_extras)
+    size = batch["features"].shape[0]
+    cuts = np.array_split(np.arange(size), max(1, min(accum_steps, size)))
     gather = gather_embeddings if dist_info.enabled else None
-    with torch.autocast(device_type=device.type, dtype=torch.float16, enabled=amp and device.type == "cuda"):
-        loss = model(*tensors, gather=gather, **extras)
-    scaled = loss * dist_info.world_size          # DDP averages gradients; the global loss needs their sum
-    scaler.scale(scaled).backward()
+    dtype = autocast_dtype(amp, device)
+    total = 0.0
+    for n, rows in enumerate(cuts):
+        part = {k: batch[k][torch.from_numpy(rows)] if len(cuts) > 1 else batch[k] for k in keys}
+        tensors = [part[k].to(device, non_blocking=True) for k in ("features", "mask", "tokens", "lengths")]
+        extras = {k: part[k].to(device) for k in inner.batch_extras}
+        sync = n == len(cuts) - 1 or not dist_info.enabled       # DDP all-reduces on the last micro-batch only
+        context = model.no_sync() if not sync else contextlib.nullcontext()
+        with context:
+            with torch.autocast(device_type=device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = model(*tensors, gather=gather, **extras)
+            scaler.scale(loss * dist_info.world_size).backward()   # DDP averages gradients; the loss is a sum
+        total += float(loss.detach())
     scaler.unscale_(optimizer)
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     scaler.step(optimizer)
     scaler.update()
-    return float(loss.detach())
+    return total
 
 
 def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]:
@@ -412,8 +443,8 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]
                    quiet=quiet or not info.is_main)
     for batch in bar:
         run.model.batch_ranking = None
-        loss = train_step(run.net, batch, run.optimizer, run.scaler, cfg.grad_clip, run.device, info,
-                          run.scaler.is_enabled())
+        loss = train_step(run.net, batch, run.optimizer, run.scaler, cfg.grad_clip, run.device, info, cfg.amp,
+                          cfg.accum_steps)
         if not math.isfinite(loss):
             raise UserError(non_finite_message(run, batch, epoch, loss))
         losses.append(loss)

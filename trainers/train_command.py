@@ -66,6 +66,9 @@ def option_for(field: dataclasses.Field, annotation: Any, shown: dict | None = N
     if typing.get_origin(base) is tuple:
         return click.Option([flag, field.name], multiple=True, default=default, show_default=True, help=help_text)
     kind = click.Choice([str(c) for c in choices]) if choices else {int: int, float: float}.get(base, str)
+    if field.metadata.get("flag_value") is not None:        # an option whose value may be left out
+        return click.Option([flag, field.name], type=kind, default=default, show_default=default is not None,
+                            help=help_text, is_flag=False, flag_value=field.metadata["flag_value"])
     return click.Option([flag, field.name], type=kind, default=default, show_default=default is not None,
                         help=help_text)
 
