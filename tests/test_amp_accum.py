@@ -104,3 +104,31 @@ def test_amp_and_accum_from_the_command_line(tmp_path):
 def test_runs_from_before_amp_modes_read_as_fp16_or_off():
     assert ckpt.upgrade_config({"model": "vsepp", "amp": True, "model_args": {}})["amp"] == "fp16"
     assert ckpt.upgrade_config({"model": "vsepp", "amp": False, "model_args": {}})["amp"] == "off"
+
+
+@pytest.mark.slow
+def test_ema_checkpoint_follows_the_weights_resumes_and_evaluates(tmp_path):
+    from retr.trainers.checkpoint import load_checkpoint
+
+    manifest, features = make_synthetic(tmp_path, images=40)
+    common = ["vsepp", "--features", str(features), "--manifest", str(manifest), "--embed-size", "16",
+              "--word-dim", "8", "--batch-size", "16", "--quiet", "--device", "cpu", "--val-images", "10"]
+
+    def train(out, epochs, *extra):
+        result = CliRunner().invoke(cli, [*common, "--out", str(tmp_path / out), "--epochs", str(epochs), *extra])
+        assert result.exit_code == 0, result.output
+        return tmp_path / out
+    near_zero = train("fast", 2, "--ema", "1e-12")             # decay ≈ 0: the average is the latest weights
+    ema, last = load_checkpoint(near_zero / "ema.pt"), load_checkpoint(ckpt.list_checkpoints(near_zero)[-1][1])
+    for k, v in last["model"].items():
+        assert torch.allclose(ema["model"][k].float(), v.float(), atol=1e-6), k
+    straight = train("straight", 2, "--ema", "0.9")
+    split = train("split", 1, "--ema", "0.9")
+    CliRunner().invoke(cli, ["vsepp", "--out", str(split), "--resume", "--epochs", "2", "--quiet"])
+    a, b = load_checkpoint(straight / "ema.pt")["model"], load_checkpoint(split / "ema.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    weights = load_checkpoint(ckpt.list_checkpoints(straight)[-1][1])["model"]
+    assert any(not torch.allclose(a[k].float(), weights[k].float()) for k in a if a[k].is_floating_point())
+    result = CliRunner().invoke(cli, ["eval", str(straight), "--checkpoint", "ema.pt", "--protocol", "f30k-1k",
+                                      "--allow-size-mismatch", "--json", "--quiet"])
+    assert result.exit_code == 0 and json.loads(result.output)["models"][0]["checkpoint"] == "ema.pt"

@@ -7,6 +7,7 @@ Run directory (``--out``)::
     vocab.json           the caption vocabulary (SCAN's format)
     checkpoint-NNN.pt    after epoch NNN (the last ``keep`` are kept)
     best.pt              the checkpoint with the best validation rSum
+    ema.pt               with --ema: the latest checkpoint with the moving average of the weights as its model
     metrics.jsonl        one JSON line per logged step and per epoch (validation numbers)
     eval.json            results of ``retr-train eval`` (every protocol, single model or ensemble)
     run.lock             held (an OS lock) by the training process while it runs
@@ -40,6 +41,7 @@ from retr.store.vocab import Vocabulary
 
 CONFIG, VOCAB, BEST, METRICS, EVAL = "config.json", "vocab.json", "best.pt", "metrics.jsonl", "eval.json"
 LOCK = "run.lock"
+EMA = "ema.pt"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
 
 

@@ -76,6 +76,8 @@ class TrainConfig:
     amp: Literal["off", "fp16", "bf16"] = setting(
         "off", "Mixed precision: bf16 autocast (CPU and CUDA), fp16 autocast with a gradient scaler (CUDA only); "
         "--amp alone is fp16.", flag_value="fp16")
+    ema: float = setting(0.0, "Keep an exponential moving average of the weights with this decay (e.g. 0.999), "
+                              "saved as ema.pt (eval --checkpoint ema.pt); 0 = off.")
     accum_steps: int = setting(1, "Split each batch into N micro-batches, one backward each, one optimiser step "
                                   "(a negative is then another pair of the same micro-batch: B/N−1 of them).")
     train_splits: tuple[str, ...] = setting(("train", "restval"), "Training split (repeat the option for several).",

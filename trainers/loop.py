@@ -143,6 +143,7 @@ class Run:
     best_rsum: float = -1.0
     best_epoch: int = -1
     monitor: CollapseMonitor = field(default_factory=CollapseMonitor)
+    ema: torch.optim.swa_utils.AveragedModel | None = None   # --ema: the moving average of the weights
 
     def early_stop_due(self, epoch: int) -> bool:
         """True when ``early_stop`` epochs have passed without a better validation rSum."""
@@ -217,8 +218,13 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     sampler = EpochBatchSampler(train_data.num_captions, cfg.batch_size, cfg.seed, info.rank, info.world_size)
     loader = torch.utils.data.DataLoader(CaptionBatches(train_data, train_feats), sampler=sampler, batch_size=None,
                                          num_workers=cfg.workers, pin_memory=device.type == "cuda")
+    if not 0.0 <= cfg.ema < 1.0:
+        raise UserError(f"--ema must be in [0, 1), not {cfg.ema}")
     run = Run(cfg, folder, device, info, vocab, train_data, val_data, val_feats, model, net, optimizer, scheduler,
               scaler, sampler, loader)
+    if cfg.ema:
+        run.ema = torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
     if state is not None:
         _restore(run, state)
     elif info.is_main:
@@ -342,6 +348,8 @@ def _restore(run: Run, state: dict) -> None:
         run.scaler.load_state_dict(state["scaler"])
     run.start_epoch, run.best_rsum, run.step = state["epoch"] + 1, state["best_rsum"], state["step"]
     run.best_epoch = state.get("best_epoch", state["epoch"])
+    if run.ema is not None and state.get("ema"):
+        run.ema.load_state_dict(state["ema"])
     if state.get("collapse_monitor"):
         run.monitor.load_state_dict(state["collapse_monitor"])
     if run.early_stop_due(state["epoch"]):
@@ -447,6 +455,8 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]
                           cfg.accum_steps)
         if not math.isfinite(loss):
             raise UserError(non_finite_message(run, batch, epoch, loss))
+        if run.ema is not None:
+            run.ema.update_parameters(run.model)
         losses.append(loss)
         run.step += 1
         if not info.is_main:
@@ -504,10 +514,13 @@ def save_epoch(run: Run, epoch: int, is_best: bool, losses: list[float], val: di
              "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
              "vocab": run.vocab.to_json(), "epoch": epoch, "step": run.step, "best_rsum": run.best_rsum,
              "best_epoch": run.best_epoch, "rng": ckpt.rng_state(), "config": asdict(run.cfg),
-             "collapse_monitor": run.monitor.state_dict()}
+             "collapse_monitor": run.monitor.state_dict(),
+             **({"ema": run.ema.state_dict()} if run.ema is not None else {})}
     # best.pt before the epoch checkpoint: a run killed between the two redoes the epoch and rewrites both
     if is_best:
         ckpt.save_checkpoint(run.folder / ckpt.BEST, state)
+    if run.ema is not None:         # the averaged weights as a checkpoint of their own (eval --checkpoint ema.pt)
+        ckpt.save_checkpoint(run.folder / ckpt.EMA, {**state, "model": run.ema.module.state_dict()})
     path = ckpt.save_checkpoint(ckpt.checkpoint_path(run.folder, epoch), state)
     ckpt.prune_checkpoints(run.folder, run.cfg.keep_checkpoints)
     log(f"epoch {epoch + 1}/{run.cfg.epochs}: loss {np.mean(losses):.4f}, val rsum {val['rsum']:.1f} "
