@@ -64,6 +64,7 @@ def _slots(good=None):
                                        "--allow-size-mismatch", "--quiet"], "jsonl"),
         "table RUNS": (lambda x: ["table", x], "folder"),
         "search RUN": (lambda x: ["search", x, "--query", "a cat"], "folder"),
+        "plot RUNS": (lambda x: ["plot", x, "--out", out / "p.png"], "folder"),
         "search --features": (lambda x: ["search", run, "--features", x, "--query", "a cat"], "hdf5"),
         "search --manifest": (lambda x: ["search", run, "--manifest", x, "--query", "a cat"], "jsonl"),
         "import-scan-checkpoint CHECKPOINT": (lambda x: ["import-scan-checkpoint", x, "--vocab", good["run"] /

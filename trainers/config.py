@@ -87,6 +87,8 @@ class TrainConfig:
     vocab: str | None = setting(None, "Use this vocabulary (SCAN's {name}_vocab.json) instead of building one.")
     vocab_threshold: int = setting(DEFAULT_THRESHOLD, "Keep words seen at least N times in training.")
     log_every: int = setting(10, "Steps between metrics lines.", resume_applies=True)
+    log: tuple[str, ...] = setting((), "Also log to: tensorboard (RUN/tensorboard/; repeatable).",
+                                   resume_applies=True)
     keep_checkpoints: int = setting(2, "Epoch checkpoints kept (best.pt is kept besides).", resume_applies=True)
 
     def __post_init__(self) -> None:

@@ -45,6 +45,7 @@ from retr.trainers import checkpoint as ckpt
 from retr.trainers.collapse import (CollapseMonitor, StepRanking, collapse_message, recall_at_chance,
                                     val_at_chance_message)
 from retr.trainers.config import RESUME_APPLIES, TrainConfig
+from retr.trainers.run_log import RunLog
 from retr.trainers.data import (CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData,
                                 check_feature_contract, data_identity, load_split)
 from retr.trainers.distributed import DistInfo, barrier, cleanup, gather_embeddings, init_from_env
@@ -92,6 +93,8 @@ def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False, log=print
                     run.scheduler.step()
                 if should_stop(run, epoch, log):
                     break
+            if run.log is not None:
+                run.log.close()
             return last_val
     finally:
         cleanup(info)
@@ -144,6 +147,8 @@ class Run:
     best_epoch: int = -1
     monitor: CollapseMonitor = field(default_factory=CollapseMonitor)
     ema: torch.optim.swa_utils.AveragedModel | None = None   # --ema: the moving average of the weights
+    log: RunLog | None = None                                   # metrics.jsonl (+ TensorBoard), rank 0 only
+    epoch_pairs: list[int] = field(default_factory=list)        # pairs of each step of the current epoch
 
     def early_stop_due(self, epoch: int) -> bool:
         """True when ``early_stop`` epochs have passed without a better validation rSum."""
@@ -230,10 +235,11 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     elif info.is_main:
         vocab.save(folder / ckpt.VOCAB)
     if info.is_main:
+        run.log = RunLog(folder, tuple(cfg.log), purge_step=run.step + 1 if state is not None else None)
         # written at every start: a resume records the settings it changed (more epochs, another device); data
         # paths are stored absolute and relative to the run, so the run reads them from anywhere
         # (checkpoint.read_config resolves them)
-        cfg = ckpt.absolute_paths(cfg)
+        cfg = run.cfg = ckpt.absolute_paths(cfg)
         ckpt.write_json(folder / ckpt.CONFIG, {**asdict(cfg), "paths_from_run": ckpt.paths_from_run(cfg, folder),
                                                "retr_version": __version__,
                                                "feature_attrs": features.attrs, "vocab_size": len(vocab),
@@ -447,6 +453,7 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]
         log(f"epoch {epoch + 1}: warm-up over ({cfg.warmup_epochs} epoch(s) on the sum of violations), "
             "training on hardest negatives")
     losses = []
+    run.epoch_pairs = []
     bar = progress(run.loader, total=len(run.sampler), desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch",
                    quiet=quiet or not info.is_main)
     for batch in bar:
@@ -458,18 +465,18 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]
         if run.ema is not None:
             run.ema.update_parameters(run.model)
         losses.append(loss)
+        run.epoch_pairs.append(int(batch["features"].shape[0]) * info.world_size)
         run.step += 1
         if not info.is_main:
             continue
         ranking = StepRanking.of(run.model.batch_ranking) if run.model.batch_ranking is not None else None
         if cfg.log_every and run.step % cfg.log_every == 0:
-            record = {"epoch": epoch, "step": run.step, "loss": loss, "lr": run.optimizer.param_groups[0]["lr"]}
-            if ranking is not None and ranking.trials:
-                record["in_batch_top1"] = ranking.hits / ranking.trials
-            _append_metrics(run.folder, record)
+            run.log.step(epoch, run.step, loss, int(batch["features"].shape[0]) * info.world_size,
+                         run.optimizer.param_groups[0]["lr"],
+                         ranking.hits / ranking.trials if ranking is not None and ranking.trials else None)
         event = run.monitor.observe(run.step, ranking)
         if event is not None:
-            _append_metrics(run.folder, {**event, "epoch": epoch})
+            run.log.event({**event, "epoch": epoch})
             log(collapse_message(event, epoch))
         if hasattr(bar, "set_postfix"):           # a tqdm bar (not the plain iterator of --quiet)
             bar.set_postfix(loss=f"{loss:.3f}")
@@ -504,10 +511,8 @@ def validate(run: Run) -> dict:
 
 def save_epoch(run: Run, epoch: int, is_best: bool, losses: list[float], val: dict, seconds: float, log) -> None:
     """Metrics line, scheduler step, ``checkpoint-NNN.pt`` (and ``best.pt``), pruning, one log line."""
-    _append_metrics(run.folder, {"epoch": epoch, "step": run.step,
-                                 "train_loss": float(np.mean(losses)) if losses else None,
-                                 "lr": run.optimizer.param_groups[0]["lr"], "val": val, "best": is_best,
-                                 "seconds": round(seconds, 3)})
+    run.log.epoch(epoch, run.step, losses, run.epoch_pairs, run.optimizer.param_groups[0]["lr"], val, is_best,
+                  seconds)
     run.scheduler.step()
     state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
              "scheduler": run.scheduler.state_dict(),
@@ -533,7 +538,7 @@ def report_val_at_chance(run: Run, val: dict, epoch: int, log) -> None:
     is no better than a random ordering of the validation split."""
     event = recall_at_chance(val, run.val_data.caption_image)
     if event is not None:
-        _append_metrics(run.folder, {**event, "epoch": epoch, "step": run.step})
+        run.log.event({**event, "epoch": epoch, "step": run.step})
         log(val_at_chance_message(event, epoch + 1))
 
 
@@ -550,8 +555,3 @@ def should_stop(run: Run, epoch: int, log) -> bool:
         log(f"early stop: no better validation rSum for {cfg.early_stop} epochs "
             f"(best {run.best_rsum:.1f} at epoch {run.best_epoch + 1})")
     return stop
-
-
-def _append_metrics(folder: Path, record: dict) -> None:
-    with open(folder / ckpt.METRICS, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record) + "\n")

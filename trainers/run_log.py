@@ -1,0 +1,111 @@
+"""A run's log: ``metrics.jsonl`` (always) and TensorBoard event files (``--log tensorboard``).
+
+``metrics.jsonl`` holds typed JSON lines, appended as training goes:
+
+* ``{"type": "step", "epoch", "step", "loss", "loss_mean", "lr", "in_batch_top1"}`` every ``--log-every`` steps —
+  ``loss`` is the objective as the papers define it (a sum over the batch's pairs), ``loss_mean`` the same per
+  pair;
+* ``{"type": "epoch", "epoch", "step", "train_loss", "train_loss_mean", "lr", "val", "best", "seconds"}`` after
+  each epoch;
+* ``{"type": "event", "event": "collapse" | "val_at_chance", …}`` (:mod:`retr.trainers.collapse`).
+
+``epoch`` counts from 0 in these records (the checkpoint files' numbering, ``checkpoint-000.pt`` after the
+first epoch); the console counts from 1. Runs written before the ``type`` field are read by
+:func:`record_type`.
+
+TensorBoard (``torch.utils.tensorboard``; ``pip install tensorboard``) gets the same numbers under
+``RUN/tensorboard/``: ``train/loss``, ``train/loss_mean``, ``train/lr``, ``train/in_batch_top1`` per step and
+``val/rsum``, ``val/i2t_r1`` … per epoch, at the global step. A resumed run opens its writer with
+``purge_step`` = the checkpoint's step, so TensorBoard drops what the interrupted run logged after it, as
+``metrics.jsonl`` is cut back.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from retr.common.errors import UserError
+from retr.trainers.checkpoint import METRICS
+
+TENSORBOARD = "tensorboard"
+LOG_TARGETS = ("tensorboard",)
+
+
+def record_type(record: dict) -> str:
+    """``step``, ``epoch`` or ``event`` (also for lines written before records carried their type)."""
+    if "type" in record:
+        return record["type"]
+    return "event" if "event" in record else "epoch" if "val" in record else "step"
+
+
+def read_metrics(run: str | Path) -> list[dict]:
+    """Every record of ``RUN/metrics.jsonl``, each with its ``type``."""
+    path = Path(run) / METRICS
+    if not path.is_file():
+        raise UserError(f"{run} has no {METRICS} (not a training run?)")
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:          # a half-written last line of a killed run
+            continue
+        records.append({**record, "type": record_type(record)})
+    return records
+
+
+class RunLog:
+    """Appends typed records to ``metrics.jsonl`` and mirrors them to TensorBoard when asked."""
+
+    def __init__(self, folder: Path, targets: tuple[str, ...] = (), purge_step: int | None = None):
+        self.folder = Path(folder)
+        self.writer = None
+        unknown = sorted(set(targets) - set(LOG_TARGETS))
+        if unknown:
+            raise UserError(f"--log {unknown[0]}: choose among {', '.join(LOG_TARGETS)}")
+        if "tensorboard" in targets:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise UserError("--log tensorboard needs the tensorboard package (pip install tensorboard, or "
+                                "pip install -e '.[tensorboard]')") from None
+            self.writer = SummaryWriter(str(self.folder / TENSORBOARD), purge_step=purge_step)
+
+    def _append(self, record: dict) -> None:
+        with open(self.folder / METRICS, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def step(self, epoch: int, step: int, loss: float, pairs: int, lr: float,
+             in_batch_top1: float | None = None) -> None:
+        record = {"type": "step", "epoch": epoch, "step": step, "loss": loss, "loss_mean": loss / max(1, pairs),
+                  "lr": lr}
+        if in_batch_top1 is not None:
+            record["in_batch_top1"] = in_batch_top1
+        self._append(record)
+        if self.writer is not None:
+            for name in ("loss", "loss_mean", "lr", "in_batch_top1"):
+                if name in record:
+                    self.writer.add_scalar(f"train/{name}", record[name], step)
+
+    def epoch(self, epoch: int, step: int, losses: list[float], pairs: list[int], lr: float, val: dict,
+              best: bool, seconds: float) -> None:
+        train_loss = sum(losses) / len(losses) if losses else None
+        mean = sum(losses) / max(1, sum(pairs)) if losses else None
+        self._append({"type": "epoch", "epoch": epoch, "step": step, "train_loss": train_loss,
+                      "train_loss_mean": mean, "lr": lr, "val": val, "best": best, "seconds": round(seconds, 3)})
+        if self.writer is not None:
+            self.writer.add_scalar("val/rsum", val["rsum"], step)
+            for direction in ("i2t", "t2i"):
+                for k in ("r1", "r5", "r10"):
+                    self.writer.add_scalar(f"val/{direction}_{k}", val[direction][k], step)
+            if mean is not None:
+                self.writer.add_scalar("train/epoch_loss_mean", mean, step)
+            self.writer.flush()
+
+    def event(self, record: dict) -> None:
+        self._append({"type": "event", **record})
+        if self.writer is not None:
+            self.writer.add_text(f"events/{record.get('event')}", json.dumps(record), record.get("step", 0))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
