@@ -201,6 +201,23 @@ def progress(iterable: Iterable[T] | None = None, *, total: int | None = None, d
                 maxinterval=max(every, 1.0), delay=every, ascii=True, ncols=100, smoothing=0.05, **kwargs)
 
 
+def split_list(values: Iterable[str] | str | None) -> tuple[str, ...]:
+    """Split names given repeated (``--split a --split b``), comma-separated (``--split a,b``) or both."""
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        values = [values]
+    return tuple(part.strip() for value in values for part in str(value).split(",") if part.strip())
+
+
+def splits_option(*names: str, default: tuple[str, ...] | None = None, help: str = ""):
+    """A split option spelled the same in every command: repeatable, commas accepted (``--train-split
+    train,restval`` = ``--train-split train --train-split restval``); extra ``names`` keep old spellings."""
+    return click.option(*names, multiple=True, default=default or (), show_default=bool(default),
+                        callback=lambda _ctx, _param, value: split_list(value),
+                        help=help + " Repeat the option or give a comma-separated list.")
+
+
 def quiet_option(f):
     """The ``--quiet`` flag every long-running command takes."""
     return click.option("--quiet", is_flag=True, help="No progress bar, only the final summary.")(f)

@@ -256,6 +256,8 @@ def build_concepts_file(manifest: str | os.PathLike, out: str | os.PathLike, con
 
 import click  # noqa: E402  (kept next to the command it serves)
 
+from retr.common.cli import quiet_option, splits_option  # noqa: E402
+
 
 @click.command("build-concepts")
 @click.option("--manifest", "manifest", required=True, type=click.Path(dir_okay=False, path_type=Path),
@@ -267,13 +269,14 @@ import click  # noqa: E402  (kept next to the command it serves)
 @click.option("--nouns", type=click.IntRange(min=0), default=DEFAULT_NOUNS, show_default=True)
 @click.option("--adjectives", type=click.IntRange(min=0), default=DEFAULT_ADJECTIVES, show_default=True)
 @click.option("--verbs", type=click.IntRange(min=0), default=DEFAULT_VERBS, show_default=True)
-@click.option("--train-splits", default="train,restval", show_default=True,
-              help="Splits whose captions define the vocabulary and the graph.")
+@splits_option("--train-split", "--train-splits", "train_splits", default=("train", "restval"),
+               help="Splits whose captions define the vocabulary and the graph.")
 @click.option("--select", type=click.Choice(["pos", "frequency"]), default="pos", show_default=True,
               help="pos: CVSE's nouns/adjectives/verbs from --conllu (the reading that reproduces CVSE/SMFEA); "
                    "frequency: the most frequent non-function words, without part-of-speech tags or lemmas.")
+@quiet_option
 def build_concepts_command(manifest: Path, out: Path, conllu: Path | None, nouns: int, adjectives: int,
-                           verbs: int, train_splits: str, select: str) -> None:
+                           verbs: int, train_splits: tuple[str, ...], select: str, quiet: bool) -> None:
     """Build SMFEA/CVSE concept data: vocabulary, caption/image multi-hot labels, co-occurrence graph.
 
     The vocabulary is the most frequent training nouns, adjectives and verbs (CVSE: 210/60/30); the graph is
@@ -291,7 +294,7 @@ def build_concepts_command(manifest: Path, out: Path, conllu: Path | None, nouns
                         "--select frequency for the POS-free fallback")
     if select == "frequency":
         conllu = None
-    splits = tuple(s.strip() for s in train_splits.split(",") if s.strip())
+    splits = train_splits
     data = build_concepts_file(manifest, out, conllu, nouns, adjectives, verbs, splits)
     parts = Counter(data.pos)
     edges = int(((data.adjacency > 0) & ~np.eye(len(data.concepts), dtype=bool)).sum())

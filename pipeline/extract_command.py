@@ -35,7 +35,7 @@ def _run_options(f):
         click.option("--batch-size", type=int, default=8, show_default=True, help="Images per network call."),
         click.option("--workers", type=int, default=2, show_default=True,
                      help="DataLoader processes decoding images while the network runs (0: decode in-process)."),
-        click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
+        click.option("--device", default="auto", show_default=True, help="auto (cuda if any), cpu, cuda or cuda:N."),
         click.option("--half", is_flag=True, help="Run the network in float16 (CUDA only)."),
         click.option("--dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True,
                      help="On-disk type of the features."),
@@ -56,7 +56,9 @@ def _run_options(f):
 
 def _builder_options(weights: str | None, device: str, half: bool, **specific: Any) -> dict[str, Any]:
     """Options for the extractor builder: only what the user set, so each builder keeps its own defaults."""
-    options: dict[str, Any] = {"device": device}
+    from retr.common.devices import resolve_device
+
+    options: dict[str, Any] = {"device": str(resolve_device(device))}     # "auto": cuda when there is one
     if weights is not None:
         options["weights"] = weights
     if half:

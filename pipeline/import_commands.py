@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from retr.common.cli import progress, quiet_option
+from retr.common.cli import progress, quiet_option, splits_option
 from retr.pipeline.importers import SCAN_SPLITS, ImportSummary, import_npz, import_scan, import_tsv
 from retr.store.features import FEATURE_DTYPES
 
@@ -34,12 +34,12 @@ def _report(summary: ImportSummary) -> None:
 @click.option("--data-dir", type=click.Path(path_type=Path), required=True,
               help="SCAN data folder with {split}_ims.npy and {split}_caps.txt (e.g. data/f30k_precomp).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Writes OUT/manifest.jsonl and OUT/regions.h5.")
-@click.option("--splits", default=None, help=f"Comma-separated SCAN splits ({', '.join(SCAN_SPLITS)}); default: "
-                                             "all present, testall instead of test when both exist.")
+@splits_option("--split", "--splits", "splits", help=f"SCAN splits ({', '.join(SCAN_SPLITS)}); default: all present, "
+                                                      "testall instead of test when both exist.")
 @_prefix
 @_dtype
 @quiet_option
-def import_scan_command(data_dir: Path, out: Path, splits: str | None, id_prefix: str, dtype: str,
+def import_scan_command(data_dir: Path, out: Path, splits: tuple[str, ...], id_prefix: str, dtype: str,
                         quiet: bool) -> None:
     """Import SCAN's precomputed features and captions as a regions feature set and a manifest.
 
@@ -51,7 +51,7 @@ def import_scan_command(data_dir: Path, out: Path, splits: str | None, id_prefix
       retr-pipeline import-scan --data-dir data/f30k_precomp --out data/f30k/scan
       retr-train scan --features data/f30k/scan/regions.h5 --manifest data/f30k/scan/manifest.jsonl
     """
-    chosen = [s.strip() for s in splits.split(",") if s.strip()] if splits else None
+    chosen = list(splits) or None
     _report(import_scan(data_dir, out, chosen, dtype=dtype, id_prefix=id_prefix, progress=_bar(quiet)))
 
 

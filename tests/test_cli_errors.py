@@ -147,3 +147,17 @@ def test_progress_off_a_terminal_is_a_line_every_few_seconds(monkeypatch, capsys
     for _ in progress(range(3), desc="quiet", quiet=True):
         time.sleep(0.01)
     assert capsys.readouterr().err == ""
+
+
+def test_split_options_take_repeats_and_commas_alike(tmp_path):
+    from retr.common.cli import split_list
+    from retr.trainers.config import TrainConfig
+
+    assert split_list(["train,restval", "val"]) == ("train", "restval", "val") and split_list(None) == ()
+    assert TrainConfig(train_splits=("train,restval",)).train_splits == ("train", "restval")
+    from retr.pipeline.cli import cli as pipeline_cli
+
+    for command, flag in (("build-concepts", "--train-split"), ("import-scan", "--split")):
+        params = {p.name: p for p in pipeline_cli.commands[command].params}
+        option = next(p for p in params.values() if flag in p.opts)
+        assert option.multiple and option.process_value(click.Context(pipeline_cli), ("a,b", "c")) == ("a", "b", "c")

@@ -80,7 +80,8 @@ class TrainConfig:
                               "saved as ema.pt (eval --checkpoint ema.pt); 0 = off.")
     accum_steps: int = setting(1, "Split each batch into N micro-batches, one backward each, one optimiser step "
                                   "(a negative is then another pair of the same micro-batch: B/N−1 of them).")
-    train_splits: tuple[str, ...] = setting(("train", "restval"), "Training split (repeat the option for several).",
+    train_splits: tuple[str, ...] = setting(("train", "restval"),
+                                            "Training split (repeat the option, or give a comma-separated list).",
                                             flag="--train-split")
     val_split: str = setting("val", "Validation split.")
     val_images: int = setting(1000, "Validate on the first N validation images (0 = all).")
@@ -92,7 +93,8 @@ class TrainConfig:
     keep_checkpoints: int = setting(2, "Epoch checkpoints kept (best.pt is kept besides).", resume_applies=True)
 
     def __post_init__(self) -> None:
-        self.train_splits = tuple(self.train_splits)
+        # --train-split repeated or comma-separated (as every command's split option)
+        self.train_splits = tuple(p.strip() for s in self.train_splits for p in str(s).split(",") if p.strip())
 
 
 #: the settings ``--resume`` applies (the fields marked ``resume_applies``)
