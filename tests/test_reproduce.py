@@ -116,7 +116,7 @@ def test_reproduce_runs_an_ensemble_and_a_single_recipe_end_to_end(tmp_path, run
     resumed = run_cli("train", "reproduce", "scan-f30k-t2i-avg", *longer)
     assert "resuming" in resumed.output
     metrics = [json.loads(line) for line in (out / "scan-f30k-t2i-avg" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["epoch"] for m in metrics if "val" in m] == [0, 1]
+    assert [m["epoch"] for m in metrics if "val" in m] == [1, 2]
 
 
 def test_reproduce_refuses_settings_no_member_has(tmp_path, run_cli):

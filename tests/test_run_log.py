@@ -84,3 +84,15 @@ def test_plot_draws_several_runs(data, tmp_path):
     assert image.shape == (400, 1100) and image.std() > 5            # drawn, not blank
     missing = CliRunner().invoke(cli, ["plot", str(tmp_path), "--out", str(out)])
     assert missing.exit_code != 0 and "no metrics.jsonl" in str(missing.exception)
+
+
+def test_epochs_count_from_one_as_the_console_and_old_logs_are_read_so(data, tmp_path):
+    run = _train(data, tmp_path / "run", 2)
+    records = read_metrics(run)
+    assert [r["epoch"] for r in records if r["type"] == "epoch"] == [1, 2]
+    assert {r["epoch"] for r in records if r["type"] == "step"} == {1, 2}
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "metrics.jsonl").write_text('{"epoch": 0, "step": 1, "loss": 3.0}\n'
+                                       '{"epoch": 0, "step": 1, "train_loss": 3.0, "val": {}}\n{"epoch": 1, "st')
+    assert [(r["type"], r["epoch"]) for r in read_metrics(old)] == [("step", 1), ("epoch", 1)]

@@ -133,7 +133,7 @@ def test_resume_cuts_the_log_back_to_the_checkpoint(data, straight, tmp_path):
     out = tmp_path / "run"
     assert _train(data, out, 1).exit_code == 0
     with open(out / ckpt.METRICS, "a") as handle:          # the unfinished epoch 2 of a killed process
-        handle.write('{"epoch": 1, "step": 4, "loss": 1.0, "lr": 0.0002}\n{"epoch": 1, "st')
+        handle.write('{"type": "step", "epoch": 2, "step": 16, "loss": 1.0, "lr": 0.0002}\n{"type": "st')
     assert CliRunner().invoke(cli, ["vsepp", "--out", str(out), "--resume", "--epochs", "3"]).exit_code == 0
     assert _lines(out) == _lines(straight)
     final = ckpt.load_checkpoint(ckpt.checkpoint_path(out, 2))

@@ -86,12 +86,12 @@ def test_early_stop_ends_the_run_and_resume_respects_it(synthetic):
     assert result.exit_code == 0, result.output
     assert "early stop: no better validation rSum for 1 epochs (best" in result.output
     epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [e["epoch"] for e in epochs if "val" in e] == [0, 1]
+    assert [e["epoch"] for e in epochs if "val" in e] == [1, 2]
     assert json.loads((run / "config.json").read_text())["early_stop"] == 1
     result = CliRunner().invoke(cli, args + ["--resume"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [e["epoch"] for e in epochs if "val" in e] == [0, 1]
+    assert [e["epoch"] for e in epochs if "val" in e] == [1, 2]
 
 
 def test_table_tells_seeds_apart_in_every_format(synthetic, tmp_path):

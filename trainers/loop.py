@@ -45,7 +45,7 @@ from retr.trainers import checkpoint as ckpt
 from retr.trainers.collapse import (CollapseMonitor, StepRanking, collapse_message, recall_at_chance,
                                     val_at_chance_message)
 from retr.trainers.config import RESUME_APPLIES, TrainConfig
-from retr.trainers.run_log import RunLog
+from retr.trainers.run_log import RunLog, epoch_index
 from retr.trainers.data import (CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData,
                                 check_feature_contract, data_identity, load_split)
 from retr.trainers.distributed import DistInfo, barrier, cleanup, gather_embeddings, init_from_env
@@ -381,7 +381,7 @@ def truncate_metrics(folder: Path, state: dict, continuing: bool = True) -> None
             record = json.loads(line)
         except ValueError:
             break
-        if not line.endswith("\n") or record.get("step", 0) > state["step"] or record.get("epoch", -1) > state["epoch"]:
+        if not line.endswith("\n") or record.get("step", 0) > state["step"] or epoch_index(record) > state["epoch"]:
             break
         if not (continuing and record.get("event") == "val_at_chance"):   # said at an end this resume goes past
             kept.append(line)
@@ -476,7 +476,7 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]
                          ranking.hits / ranking.trials if ranking is not None and ranking.trials else None)
         event = run.monitor.observe(run.step, ranking)
         if event is not None:
-            run.log.event({**event, "epoch": epoch})
+            run.log.event(event, epoch)
             log(collapse_message(event, epoch))
         if hasattr(bar, "set_postfix"):           # a tqdm bar (not the plain iterator of --quiet)
             bar.set_postfix(loss=f"{loss:.3f}")
@@ -538,7 +538,7 @@ def report_val_at_chance(run: Run, val: dict, epoch: int, log) -> None:
     is no better than a random ordering of the validation split."""
     event = recall_at_chance(val, run.val_data.caption_image)
     if event is not None:
-        run.log.event({**event, "epoch": epoch, "step": run.step})
+        run.log.event({**event, "step": run.step}, epoch)
         log(val_at_chance_message(event, epoch + 1))
 
 

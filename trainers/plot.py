@@ -35,7 +35,7 @@ def plot_runs(runs: list[str], out: str | Path) -> Path:
         line, = loss_ax.plot([r["step"] for r in steps], [r[key] for r in steps], label=name, linewidth=1)
         for event in (r for r in records if r.get("event") == "collapse"):
             loss_ax.axvline(event["step"], color=line.get_color(), linestyle=":", linewidth=1)
-        xs = [r["epoch"] + 1 for r in epochs]
+        xs = [r["epoch"] for r in epochs]
         val_ax.plot(xs, [r["val"]["rsum"] for r in epochs], marker="o", color=line.get_color(), label=f"{name} rSum")
         r1 = [(r["val"]["i2t"]["r1"] + r["val"]["t2i"]["r1"]) / 2 for r in epochs]
         val_ax.plot(xs, r1, linestyle="--", marker=".", color=line.get_color(), label=f"{name} mean R@1")

@@ -9,9 +9,9 @@
   each epoch;
 * ``{"type": "event", "event": "collapse" | "val_at_chance", …}`` (:mod:`retr.trainers.collapse`).
 
-``epoch`` counts from 0 in these records (the checkpoint files' numbering, ``checkpoint-000.pt`` after the
-first epoch); the console counts from 1. Runs written before the ``type`` field are read by
-:func:`record_type`.
+``epoch`` counts from 1, as the console does (the checkpoint files keep their 0-based names:
+``checkpoint-000.pt`` is written after epoch 1). Lines written before records carried their ``type`` counted
+epochs from 0; :func:`read_metrics` gives every record its type and a 1-based epoch.
 
 TensorBoard (``torch.utils.tensorboard``; ``pip install tensorboard``) gets the same numbers under
 ``RUN/tensorboard/``: ``train/loss``, ``train/loss_mean``, ``train/lr``, ``train/in_batch_top1`` per step and
@@ -38,8 +38,13 @@ def record_type(record: dict) -> str:
     return "event" if "event" in record else "epoch" if "val" in record else "step"
 
 
+def epoch_index(record: dict) -> int:
+    """The 0-based epoch of a stored record (1-based in typed records, 0-based in older ones)."""
+    return int(record.get("epoch", 0)) - (1 if "type" in record else 0)
+
+
 def read_metrics(run: str | Path) -> list[dict]:
-    """Every record of ``RUN/metrics.jsonl``, each with its ``type``."""
+    """Every record of ``RUN/metrics.jsonl``, each with its ``type`` and a 1-based ``epoch``."""
     path = Path(run) / METRICS
     if not path.is_file():
         raise UserError(f"{run} has no {METRICS} (not a training run?)")
@@ -49,12 +54,15 @@ def read_metrics(run: str | Path) -> list[dict]:
             record = json.loads(line)
         except ValueError:          # a half-written last line of a killed run
             continue
+        if "epoch" in record:
+            record["epoch"] = epoch_index(record) + 1
         records.append({**record, "type": record_type(record)})
     return records
 
 
 class RunLog:
-    """Appends typed records to ``metrics.jsonl`` and mirrors them to TensorBoard when asked."""
+    """Appends typed records to ``metrics.jsonl`` and mirrors them to TensorBoard when asked. Methods take the
+    loop's 0-based epoch index and write it 1-based."""
 
     def __init__(self, folder: Path, targets: tuple[str, ...] = (), purge_step: int | None = None):
         self.folder = Path(folder)
@@ -76,7 +84,7 @@ class RunLog:
 
     def step(self, epoch: int, step: int, loss: float, pairs: int, lr: float,
              in_batch_top1: float | None = None) -> None:
-        record = {"type": "step", "epoch": epoch, "step": step, "loss": loss, "loss_mean": loss / max(1, pairs),
+        record = {"type": "step", "epoch": epoch + 1, "step": step, "loss": loss, "loss_mean": loss / max(1, pairs),
                   "lr": lr}
         if in_batch_top1 is not None:
             record["in_batch_top1"] = in_batch_top1
@@ -90,7 +98,7 @@ class RunLog:
               best: bool, seconds: float) -> None:
         train_loss = sum(losses) / len(losses) if losses else None
         mean = sum(losses) / max(1, sum(pairs)) if losses else None
-        self._append({"type": "epoch", "epoch": epoch, "step": step, "train_loss": train_loss,
+        self._append({"type": "epoch", "epoch": epoch + 1, "step": step, "train_loss": train_loss,
                       "train_loss_mean": mean, "lr": lr, "val": val, "best": best, "seconds": round(seconds, 3)})
         if self.writer is not None:
             self.writer.add_scalar("val/rsum", val["rsum"], step)
@@ -101,8 +109,8 @@ class RunLog:
                 self.writer.add_scalar("train/epoch_loss_mean", mean, step)
             self.writer.flush()
 
-    def event(self, record: dict) -> None:
-        self._append({"type": "event", **record})
+    def event(self, record: dict, epoch: int) -> None:
+        self._append({"type": "event", **record, "epoch": epoch + 1})
         if self.writer is not None:
             self.writer.add_text(f"events/{record.get('event')}", json.dumps(record), record.get("step", 0))
 
