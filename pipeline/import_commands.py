@@ -31,15 +31,17 @@ def _report(summary: ImportSummary) -> None:
 
 
 @click.command("import-scan")
-@click.option("--data-dir", type=click.Path(path_type=Path), required=True,
-              help="SCAN data folder with {split}_ims.npy and {split}_caps.txt (e.g. data/f30k_precomp).")
+@click.argument("data_dir_arg", metavar="DATA_DIR", required=False, type=click.Path(path_type=Path))
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None,
+              help="The same as DATA_DIR (the older spelling): SCAN's folder with {split}_ims.npy and "
+                   "{split}_caps.txt, e.g. data/f30k_precomp.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Writes OUT/manifest.jsonl and OUT/regions.h5.")
 @splits_option("--split", "--splits", "splits", help=f"SCAN splits ({', '.join(SCAN_SPLITS)}); default: all present, "
                                                       "testall instead of test when both exist.")
 @_prefix
 @_dtype
 @quiet_option
-def import_scan_command(data_dir: Path, out: Path, splits: tuple[str, ...], id_prefix: str, dtype: str,
+def import_scan_command(data_dir_arg: Path | None, data_dir: Path | None, out: Path, splits: tuple[str, ...], id_prefix: str, dtype: str,
                         quiet: bool) -> None:
     """Import SCAN's precomputed features and captions as a regions feature set and a manifest.
 
@@ -48,9 +50,12 @@ def import_scan_command(data_dir: Path, out: Path, splits: tuple[str, ...], id_p
 
     \b
     Example:
-      retr-pipeline import-scan --data-dir data/f30k_precomp --out data/f30k/scan
+      retr-pipeline import-scan data/f30k_precomp --out data/f30k/scan
       retr-train scan --features data/f30k/scan/regions.h5 --manifest data/f30k/scan/manifest.jsonl
     """
+    if (data_dir_arg is None) == (data_dir is None):
+        raise click.UsageError("give SCAN's data folder once: import-scan DATA_DIR (or --data-dir DATA_DIR)")
+    data_dir = data_dir_arg or data_dir
     chosen = list(splits) or None
     _report(import_scan(data_dir, out, chosen, dtype=dtype, id_prefix=id_prefix, progress=_bar(quiet)))
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import click
 
 from retr.store.features import index_shard_folder
@@ -15,7 +17,9 @@ from retr.pipeline.verify import summarize_feature_set, verify_report
               help="Quick mode: read only N random rows (plus the first and last) instead of every row.")
 @click.option("--no-checksum", "no_checksum", is_flag=True,
               help="Quick mode: do not compare rows with the checksums stored when they were written.")
-def verify_command(paths: tuple[Path, ...], sample: int | None, no_checksum: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per feature set (path, ok, problems, "
+                                                       "notes, rows, rows_read, rows_checksummed).")
+def verify_command(paths: tuple[Path, ...], sample: int | None, no_checksum: bool, as_json: bool) -> None:
     """Check feature sets; exit non-zero with a list of problems unless every one is sound.
 
     Checks attributes, shapes for the kind, unique ids, every shard present and complete with the ids the
@@ -30,6 +34,12 @@ def verify_command(paths: tuple[Path, ...], sample: int | None, no_checksum: boo
     failed = 0
     for path in paths:
         report = verify_report(path, sample=sample, checksum=not no_checksum)
+        if as_json:
+            failed += bool(report.problems)
+            click.echo(json.dumps({"path": str(path), "ok": not report.problems, "problems": report.problems,
+                                   "notes": report.notes, "rows": report.rows, "rows_read": report.rows_read,
+                                   "rows_checksummed": report.rows_checksummed}))
+            continue
         if report.problems:
             failed += 1
             click.echo(f"{path}: {len(report.problems)} problem{'s' if len(report.problems) > 1 else ''}")

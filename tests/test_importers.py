@@ -192,3 +192,23 @@ def test_import_npz_refuses_pickled_objects(tmp_path):
              image_h=4, image_w=4, info={"objects_id": UserError("not an array")})
     with pytest.raises(UserError, match="beyond arrays"):
         import_npz(folder, tmp_path / "out")
+
+
+def test_import_scan_takes_its_folder_as_an_argument_like_the_other_importers(tmp_path):
+    import click
+    from click.testing import CliRunner
+
+    from retr.pipeline.cli import cli as pipeline_cli
+
+    data = tmp_path / "precomp"
+    data.mkdir()
+    write_scan(data, "train", 2, np.random.default_rng(0))
+    result = run_cli("import-scan", str(data), "--out", str(tmp_path / "out"), "--quiet")
+    assert result.exit_code == 0, result.output
+    assert len(read_manifest(tmp_path / "out" / "manifest.jsonl")) == 2
+
+    command = pipeline_cli.commands["import-scan"]
+    assert [p.name for p in command.params if isinstance(p, click.Argument)] == ["data_dir_arg"]
+    both = CliRunner().invoke(pipeline_cli, ["import-scan", str(tmp_path), "--data-dir", str(tmp_path),
+                                             "--out", str(tmp_path / "o")])
+    assert both.exit_code == 2 and "give SCAN's data folder once" in both.output

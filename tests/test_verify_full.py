@@ -185,3 +185,17 @@ def test_inspect_on_a_garbage_file_is_one_line(tmp_path, run_cli):
     code, out, err = run_cli.as_user("pipeline", "inspect", garbage)
     assert code == 1 and out == "" and err.count("\n") == 1
     assert err.startswith(f"error: {garbage} is not a readable HDF5 file (")
+
+
+def test_verify_json_is_one_object_per_feature_set(tmp_path, make_feature_set):
+    import json
+
+    from click.testing import CliRunner
+
+    from retr.pipeline.cli import cli as pipeline_cli
+
+    path, _ = make_feature_set(num_shards=2, rows_per_shard=2)
+    result = CliRunner().invoke(pipeline_cli, ["verify", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    [report] = [json.loads(line) for line in result.output.splitlines()]
+    assert report["ok"] is True and report["problems"] == [] and report["rows"] == report["rows_read"] > 0
