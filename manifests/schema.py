@@ -25,6 +25,7 @@ from typing import Iterable, Iterator, Sequence
 
 from retr.common.errors import ParameterError, UserError
 from retr.common.hashing import sha256_file
+from retr.common.textfiles import binary_kind
 
 SPLITS = ("train", "restval", "val", "test")
 REQUIRED_FIELDS = ("id", "path", "split", "captions")
@@ -96,7 +97,7 @@ def iter_manifest(path: str | os.PathLike) -> Iterator[ManifestRecord]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                binary = _binary_kind(raw) if line_no == 1 else None
+                binary = binary_kind(raw) if line_no == 1 else None
                 if binary is not None:
                     raise ManifestError(f"{path} is {binary}, not a manifest (JSON Lines in UTF-8)") from None
                 raise ManifestError(f"{where}: not UTF-8 text (byte {exc.start + 1} is 0x{raw[exc.start]:02x}); a "
@@ -113,19 +114,6 @@ def iter_manifest(path: str | os.PathLike) -> Iterator[ManifestRecord]:
                 raise ManifestError(f"{where}: duplicate id {record.id!r} (first on line {seen[record.id]})")
             seen[record.id] = line_no
             yield record
-
-
-#: Leading bytes of files a manifest argument may be given by mistake.
-_BINARY_SIGNATURES = {b"\x89HDF": "an HDF5 file", b"PK\x03\x04": "a zip file (.npz, .pth, …)",
-                      b"\x93NUMPY": "a NumPy .npy file", b"\x80": "a pickle"}
-
-
-def _binary_kind(head: bytes) -> str | None:
-    """What a file starting with ``head`` is, when it is a binary format rather than text (else ``None``)."""
-    for signature, kind in _BINARY_SIGNATURES.items():
-        if head.startswith(signature):
-            return kind
-    return "binary data" if b"\0" in head else None
 
 
 def read_manifest(path: str | os.PathLike, splits: Sequence[str] | None = None) -> list[ManifestRecord]:

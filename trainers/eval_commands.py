@@ -11,9 +11,8 @@ import torch
 
 from retr.common.cli import quiet_option
 from retr.common.errors import UserError
-from retr.store.features import FeatureSet
 from retr.trainers import checkpoint as ckpt
-from retr.trainers.data import ImageFeatures, check_feature_contract, load_split
+from retr.trainers.data import ImageFeatures, open_run_split
 from retr.trainers.evaluation import PROTOCOLS, TIE_RULES, protocol_metrics
 from retr.trainers.similarity import DEFAULT_PRECISION, PRECISIONS, Scorer, SplitEmbeddings, combined_matrix
 from retr.common.devices import resolve_device
@@ -31,15 +30,9 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
     dev = resolve_device(device)
     reference, models, scorers = None, [], []
     for run in runs:
-        model, vocab, config = ckpt.load_run_model(run, which, dev, trust=trust_checkpoint)
-        feats_path = features or config.get("features")
-        manifest_path = manifest or config.get("manifest")
-        if not feats_path or not manifest_path:
-            raise UserError(f"{run} does not record its features/manifest (imported run?); "
-                            "pass --features and --manifest")
-        feature_set = FeatureSet(feats_path)
-        check_feature_contract(feature_set, config["model_args"].get("img_dim"))
-        data, _ = load_split(manifest_path, [split], vocab, feature_set, missing="error")
+        opened = open_run_split(run, split, features, manifest, which, dev, trust_checkpoint)
+        model, config, feature_set, data = opened.model, opened.config, opened.features, opened.data
+        feats_path = opened.features_path
         key = (data.image_ids, data.captions)
         if reference is not None and key != reference:
             raise UserError(f"{run} sees other images/captions than {runs[0]}; an ensemble needs the same split")

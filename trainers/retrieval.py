@@ -44,11 +44,9 @@ import torch
 from retr.common.devices import resolve_device
 from retr.common.errors import UserError
 from retr.common.hashing import sha256_file
-from retr.store.features import FeatureSet
 from retr.store.vocab import Vocabulary, tokenize
 from retr.trainers import checkpoint as ckpt
-from retr.trainers.data import (ImageFeatures, SplitData, check_feature_contract, data_identity, load_split,
-                                pad_tokens)
+from retr.trainers.data import ImageFeatures, SplitData, data_identity, open_run_split, pad_tokens
 from retr.trainers.similarity import SplitEmbeddings, _concat, score_blocks
 from retr.trainers.two_step import encode_all
 
@@ -120,18 +118,11 @@ class Retriever:
         ``use_faiss``: None uses faiss when installed, False never, True requires it."""
         dev = resolve_device(device)
         run = Path(run)
-        model, vocab, config = ckpt.load_run_model(run, checkpoint, dev, trust=trust_checkpoint)
-        features = features or config.get("features")
-        manifest = manifest or config.get("manifest")
-        if not features or not manifest:
-            raise UserError(f"{run} does not record its features/manifest (imported run?); pass --features and "
-                            "--manifest")
-        feature_set = FeatureSet(features)
-        check_feature_contract(feature_set, config["model_args"].get("img_dim"))
-        data, _ = load_split(manifest, [split], vocab, feature_set, missing="error")
+        opened = open_run_split(run, split, features, manifest, checkpoint, dev, trust_checkpoint)
+        model, vocab, feature_set, data = opened.model, opened.vocab, opened.features, opened.data
         key = hashlib.sha256(json.dumps({
             "checkpoint": sha256_file(ckpt.resolve_checkpoint(run, checkpoint)), "split": split,
-            "data": data_identity(feature_set, manifest)}, sort_keys=True).encode()).hexdigest()[:20]
+            "data": data_identity(feature_set, opened.manifest_path)}, sort_keys=True).encode()).hexdigest()[:20]
         path = run / CACHE_DIR / f"{split}-{key}.pt"
         gallery = _read_cache(path, dev) if cache else None
         if gallery is None:
