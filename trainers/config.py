@@ -70,7 +70,9 @@ class TrainConfig:
     early_stop: int = setting(0, "Stop after N epochs without a better validation rSum (0 = never).", resume_applies=True)
     seed: int = setting(0, "Seed of every random number generator.")
     device: str = setting("auto", "cpu, cuda, cuda:1 … (auto: cuda if any).", resume_applies=True)
-    workers: int = setting(0, "DataLoader worker processes.", resume_applies=True)
+    workers: int = setting(0, "DataLoader worker processes (0: batches are read in the training process, enough "
+                              "for cached features; extraction's default is 2, for decoding images).",
+                           resume_applies=True)
     preload: bool | None = setting(None, "Hold the features in memory (default: only when they take < 2 GiB).",
                                    flag="--preload/--no-preload", resume_applies=True)
     amp: Literal["off", "fp16", "bf16"] = setting(
