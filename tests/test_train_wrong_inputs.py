@@ -45,6 +45,7 @@ def _slots(good=None):
     train = lambda model, **inputs: [model, "--features", inputs.pop("features", f), "--manifest",   # noqa: E731
                                      inputs.pop("manifest", m), "--out", inputs.pop("out", out / model), *TINY,
                                      *[x for k, v in inputs.items() for x in (f"--{k}", v)]]
+    show = ["--protocol", "f30k-1k", "--allow-size-mismatch", "--quiet", "--out", out / "report"]
     return {
         "vsepp --features": (lambda x: train("vsepp", features=x), "hdf5"),
         "vsepp --manifest": (lambda x: train("vsepp", manifest=x), "jsonl"),
@@ -65,6 +66,11 @@ def _slots(good=None):
         "table RUNS": (lambda x: ["table", x], "folder"),
         "search RUN": (lambda x: ["search", x, "--query", "a cat"], "folder"),
         "plot RUNS": (lambda x: ["plot", x, "--out", out / "p.png"], "folder"),
+        "show RUNS": (lambda x: ["show", x, *show], "folder"),
+        "show --features": (lambda x: ["show", run, "--features", x, *show], "hdf5"),
+        "show --manifest": (lambda x: ["show", run, "--manifest", x, *show], "jsonl"),
+        "show --image-root": (lambda x: ["show", run, "--image-root", x, *show], "folder"),
+        "show --sims": (lambda x: ["show", run, "--sims", x, *show], None),
         "search --features": (lambda x: ["search", run, "--features", x, "--query", "a cat"], "hdf5"),
         "search --manifest": (lambda x: ["search", run, "--manifest", x, "--query", "a cat"], "jsonl"),
         "import-scan-checkpoint CHECKPOINT": (lambda x: ["import-scan-checkpoint", x, "--vocab", good["run"] /

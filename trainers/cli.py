@@ -28,6 +28,7 @@ def _register() -> None:
     from retr.trainers.eval_commands import eval_command, table_command
     from retr.trainers.models import get_spec, list_models
     from retr.trainers.plot import plot_command
+    from retr.trainers.report import show_command
     from retr.trainers.reproduce import recipes_command, reproduce_command
     from retr.trainers.scan_import import import_scan_command, import_vsepp_command
     from retr.trainers.search_command import search_command
@@ -36,7 +37,7 @@ def _register() -> None:
     for name in list_models():
         cli.add_command(training_command(get_spec(name)))
     for command in (eval_command, table_command, import_scan_command, import_vsepp_command, reproduce_command,
-                    recipes_command, search_command, plot_command):
+                    recipes_command, search_command, plot_command, show_command):
         cli.add_command(command)
     flags_in_errors(cli)  # library errors name parameters; print them with these commands' flags
 

@@ -1,0 +1,822 @@
+"""``retr-train show``: a self-contained static HTML report of one run or an ensemble.
+
+``write_report(runs, protocol, out)`` writes ``out/index.html`` and its images under ``out/assets/`` (JPEG and
+PNG, relative links only: no server, no external URL; the folder can be copied or zipped as is). Sections:
+
+1. **summary** — each member's model, preset, seed, features, checkpoint and best validation epoch; the
+   numbers of ``protocol`` on ``split`` computed for the report through ``eval_commands.evaluate_runs`` (the
+   same code as ``retr-train eval``), or read from a matrix ``eval --save-sims`` wrote (``sims=``); the results
+   already stored in the runs' ``eval.json``.
+2. **curves** — the training loss at every logged step and validation R@1 / rSum after every epoch, from each
+   member's ``metrics.jsonl`` (:func:`retr.trainers.report_draw.curves_png`).
+3. **queries** — text→image and image→text: ``samples`` queries drawn with ``seed`` and the ``samples`` worst
+   (the largest 0-based rank of the ground truth, ties by query order), each with its ``top`` retrieved items,
+   their scores, the ground truth framed/marked and its rank. Ranks are eval's (:mod:`retr.trainers.evaluation`:
+   ties against the query, i2t the best true caption) on the matrix eval ranks: the averaged matrix of an
+   ensemble; for a two-step run (JGCAR) each direction's re-ranked matrix (:func:`retr.trainers.two_step.
+   rerank_matrices`); within each 1K fold for ``coco-1k`` and in the first fold only for ``coco-1k-first``.
+4. **attention** — per member, the maps ``model.explain(image, caption)`` returns for the first ``attention``
+   sampled text→image queries, with their true image and, when the model ranked another image first, that one
+   too. Each map is drawn by its layout (:func:`map_layout`): over region boxes (SCAN, SMFEA), as a heatmap over
+   the grid cells (SMAN, JGCAR), as a word strip (SEAM's hops), as referral trees (SMFEA's node ids beside the
+   parsed tree); anything else as a labelled matrix. A model that implements no ``explain`` gets one line.
+
+Images are read from the manifest's paths under ``image_root`` (default: the manifest's folder); a path that
+leaves the root is not opened. Without image files the report still renders: thumbnails and region boxes are
+drawn on blank canvases of the stored ``image_hw`` (grids: square), with a one-line note.
+"""
+from __future__ import annotations
+
+import html
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+import click
+import numpy as np
+import torch
+
+from retr.common.cli import quiet_option
+from retr.common.errors import ParameterError, UserError
+from retr.common.version import __version__
+from retr.trainers import checkpoint as ckpt
+from retr.trainers import report_draw as draw
+from retr.trainers.evaluation import PROTOCOLS, coco_folds, i2t_ranks, t2i_ranks
+
+ASSETS = "assets"
+THUMB, QUERY_SIDE, PANEL_SIDE = 120, 180, 150     # longest side (pixels) of retrieved, query and attention images
+MAX_ROWS = 24                                     # rows of one map drawn as images (a caption's words)
+
+
+# ------------------------------------------------------------------------------------------ ranks and queries
+
+def galleries(protocol: str, num_images: int, caption_image: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    """The candidate sets ``protocol`` ranks within: ``[(image start, image stop, caption columns [m])]`` —
+    the whole split, the five 1K folds (``coco-1k``) or the first fold (``coco-1k-first``)."""
+    if protocol == "coco-1k":
+        parts = coco_folds(num_images)
+    elif protocol == "coco-1k-first":
+        parts = coco_folds(num_images)[:1]
+    else:
+        parts = [(0, num_images)]
+    return [(a, b, np.flatnonzero((caption_image >= a) & (caption_image < b))) for a, b in parts]
+
+
+@dataclass
+class Ranking:
+    """Ranks of every query the protocol evaluates: ``i2t`` ``[N_img]``, ``t2i`` ``[M]`` (0-based, eval's
+    definition; -1 for a query outside the protocol, e.g. folds 2–5 under ``coco-1k-first``)."""
+
+    i2t: np.ndarray
+    t2i: np.ndarray
+    gallery_of_image: np.ndarray      # [N_img] index into the galleries, -1 outside
+    gallery_of_caption: np.ndarray    # [M]
+
+
+def rank_all(i2t_sims: np.ndarray, t2i_sims: np.ndarray, caption_image: np.ndarray,
+             parts: list[tuple[int, int, np.ndarray]]) -> Ranking:
+    """Eval's ranks (:func:`~retr.trainers.evaluation.i2t_ranks` / ``t2i_ranks``) of every query, each within
+    its gallery: images ranked by ``t2i_sims``' columns, captions by ``i2t_sims``' rows (the same array for a
+    one-step model)."""
+    n_img, n_cap = i2t_sims.shape
+    ranking = Ranking(np.full(n_img, -1, np.int64), np.full(n_cap, -1, np.int64),
+                      np.full(n_img, -1, np.int64), np.full(n_cap, -1, np.int64))
+    for g, (a, b, cols) in enumerate(parts):
+        owners = caption_image[cols] - a
+        ranking.i2t[a:b] = i2t_ranks(i2t_sims[a:b][:, cols], owners)
+        ranking.t2i[cols] = t2i_ranks(t2i_sims[a:b][:, cols], owners)
+        ranking.gallery_of_image[a:b] = g
+        ranking.gallery_of_caption[cols] = g
+    return ranking
+
+
+def pick_queries(ranks: np.ndarray, samples: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(``samples`` queries drawn without replacement from ``rng``, the ``samples`` worst: largest rank first,
+    ties in query order) among the queries with a rank (≥ 0)."""
+    valid = np.flatnonzero(ranks >= 0)
+    count = min(samples, valid.size)
+    sampled = rng.choice(valid, size=count, replace=False) if count else valid[:0]
+    worst = valid[np.argsort(-ranks[valid], kind="stable")[:count]]
+    return np.asarray(sampled, dtype=np.int64), worst
+
+
+@dataclass
+class Query:
+    """One query of the report: ``index`` (a caption for t2i, an image for i2t), its 0-based ``rank``, the
+    ``top`` retrieved items ``[(item, score, is_true)]`` by decreasing score (stable), and the best-scored true
+    item with its score (``truth``, ``truth_score``: the true image, or the image's best true caption)."""
+
+    direction: str
+    index: int
+    rank: int
+    top: list[tuple[int, float, bool]]
+    truth: int
+    truth_score: float
+
+
+def build_query(direction: str, index: int, i2t_sims: np.ndarray, t2i_sims: np.ndarray,
+                caption_image: np.ndarray, ranking: Ranking, parts, top: int) -> Query:
+    """The :class:`Query` of caption ``index`` (t2i) or image ``index`` (i2t) within its gallery."""
+    if direction == "t2i":
+        a, b, _ = parts[ranking.gallery_of_caption[index]]
+        items = np.arange(a, b)
+        scores = t2i_sims[a:b, index]
+        true = items == caption_image[index]
+        rank = int(ranking.t2i[index])
+    else:
+        _, _, cols = parts[ranking.gallery_of_image[index]]
+        items = cols
+        scores = i2t_sims[index, cols]
+        true = caption_image[cols] == index
+        rank = int(ranking.i2t[index])
+    order = np.argsort(-scores, kind="stable")
+    best_true = int(np.flatnonzero(true)[np.argmax(scores[true])])
+    return Query(direction, int(index), rank,
+                 [(int(items[o]), float(scores[o]), bool(true[o])) for o in order[:top]],
+                 int(items[best_true]), float(scores[best_true]))
+
+
+# -------------------------------------------------------------------------------------------- images
+
+class ImageSource:
+    """The split's images read through the manifest paths under ``root`` (PIL), or blank canvases of the stored
+    size where a file is missing, unreadable or outside the root."""
+
+    def __init__(self, records, root: Path, image_hw: np.ndarray | None, exif: bool = False):
+        from retr.manifests.schema import outside_root_reason
+
+        self.records, self.root, self.image_hw, self.exif = records, Path(root), image_hw, exif
+        self._outside = outside_root_reason
+        self._cache: dict[int, object] = {}
+        self.missing: set[int] = set()
+
+    def image(self, i: int):
+        """The PIL image of split image ``i`` (RGB), or None."""
+        from PIL import Image, ImageOps
+
+        if i in self._cache:
+            return self._cache[i]
+        image = None
+        path = self.records[i].path
+        if self._outside(path) is None:
+            try:
+                with Image.open(self.root / path) as raw:
+                    raw.load()
+                    image = (ImageOps.exif_transpose(raw) if self.exif else raw).convert("RGB")
+            except (OSError, ValueError):
+                image = None
+        if image is None:
+            self.missing.add(i)
+        self._cache[i] = image
+        return image
+
+    def hw(self, i: int) -> tuple[int, int]:
+        """(height, width) the features' boxes refer to: the stored ``image_hw``, else the file's, else square."""
+        if self.image_hw is not None:
+            return int(self.image_hw[i][0]), int(self.image_hw[i][1])
+        image = self.image(i)
+        return (image.height, image.width) if image is not None else (224, 224)
+
+    def canvas(self, i: int, max_side: int):
+        """Image ``i`` fitted to ``max_side``, or a blank canvas of its stored size."""
+        image = self.image(i)
+        if image is not None:
+            return draw.fit_image(image, max_side)
+        return draw.blank_canvas(self.hw(i), max_side)
+
+
+class Assets:
+    """Files written under ``out/assets``; ``src`` values are relative to ``index.html``."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        (out / ASSETS).mkdir(parents=True, exist_ok=True)
+        self._thumbs: dict[tuple[int, int], str] = {}
+
+    def save(self, image, name: str) -> str:
+        draw.save_image(image, self.out / ASSETS / name)
+        return f"{ASSETS}/{name}"
+
+    def thumb(self, images: ImageSource, i: int, side: int = THUMB) -> str:
+        key = (i, side)
+        if key not in self._thumbs:
+            canvas = images.canvas(i, side)
+            if images.image(i) is None:
+                from PIL import ImageDraw
+
+                ImageDraw.Draw(canvas).text((4, canvas.height - 14), "no image file", fill=(110, 110, 110))
+            self._thumbs[key] = self.save(canvas, f"img-{i:05d}-{side}.jpg")
+        return self._thumbs[key]
+
+
+# ----------------------------------------------------------------------------------------------- members
+
+@dataclass
+class Member:
+    """One run of the report (an ensemble has several)."""
+
+    run: str
+    config: dict
+    model: object
+    vocab: object
+    checkpoint: Path
+    feature_set: object
+    records: list = field(default_factory=list)          # metrics.jsonl records (typed)
+
+    @property
+    def name(self) -> str:
+        return Path(self.run).resolve().name
+
+    @property
+    def kind(self) -> str:
+        return str(self.feature_set.attrs.get("kind", ""))
+
+
+def _read_metrics(run: str) -> list[dict]:
+    from retr.trainers.run_log import read_metrics
+
+    try:
+        return read_metrics(run)
+    except UserError:
+        return []
+
+
+def _load_members(runs: Sequence[str], which: str, device: torch.device, trust: bool,
+                  features: str | None) -> list[Member]:
+    from retr.store.features import FeatureSet
+
+    members = []
+    for run in runs:
+        model, vocab, config = ckpt.load_run_model(run, which, device, trust=trust)
+        path = features or config.get("features")
+        if not path:
+            raise UserError(f"{run} does not record its features (imported run?); pass --features")
+        members.append(Member(str(run), config, model, vocab, ckpt.resolve_checkpoint(run, which),
+                              FeatureSet(path), _read_metrics(str(run))))
+    return members
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+def map_layout(shape: Sequence[int], is_float: bool, num_positions: int, num_tokens: int, kind: str,
+               has_boxes: bool) -> str:
+    """How a map of ``shape`` is drawn: ``tree`` (7 integer node ids), ``boxes`` (last dim = the image's K
+    regions, with boxes), ``grid`` (last dim = K square grid cells of a ``grid``/``maps`` set), ``words``
+    (last dim = the caption's tokens, with or without ``<start>``/``<end>``), else ``matrix``."""
+    size = int(np.prod(shape)) if len(shape) else 1
+    last = int(shape[-1]) if len(shape) else 1
+    if not is_float:
+        return "tree" if size % 7 == 0 and last == 7 else "matrix"
+    if last == num_positions and kind == "regions" and has_boxes:
+        return "boxes"
+    if last == num_positions and kind in ("grid", "maps") and int(np.sqrt(last)) ** 2 == last:
+        return "grid"
+    if last in (num_tokens, num_tokens - 2):
+        return "words"
+    return "matrix"
+
+
+def _rows(array: np.ndarray) -> np.ndarray:
+    """A map as rows ``[R, last]``: leading size-1 dims dropped, others flattened."""
+    array = np.asarray(array)
+    if array.ndim == 0:
+        return array.reshape(1, 1)
+    return array.reshape(-1, array.shape[-1])
+
+
+def _row_labels(name: str, count: int, tokens: list[str]) -> list[str]:
+    if count == len(tokens):
+        return list(tokens)
+    if count == len(tokens) - 2:
+        return list(tokens[1:-1])
+    return [name] if count == 1 else [f"{name}[{r}]" for r in range(count)]
+
+
+@dataclass
+class Pair:
+    """An (image, caption) pair to explain: ``why`` says which (true image, or the model's top-1)."""
+
+    image: int
+    caption: int
+    why: str
+    rank_note: str
+
+
+class Explainer:
+    """Runs each member's ``explain`` on pairs and turns the maps into HTML and images."""
+
+    def __init__(self, member: Member, data_ids: list[str], captions: list[str], images: ImageSource,
+                 assets: Assets, device: torch.device, caption_keys: list[str]):
+        self.m, self.ids, self.captions, self.images, self.assets = member, data_ids, captions, images, assets
+        self.device, self.caption_keys = device, caption_keys
+        fs = member.feature_set
+        self.positions = int(fs.feature_shape[0])
+        self.has_boxes = "boxes" in fs.datasets
+        self._trees = None
+
+    @torch.no_grad()
+    def maps(self, pair: Pair) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """(explain's maps, the caption's token words) of ``pair``."""
+        from retr.trainers.data import ImageFeatures, pad_tokens
+
+        model, vocab = self.m.model, self.m.vocab
+        feats, mask = ImageFeatures(self.m.feature_set, [self.ids[pair.image]], preload=True).get([0])
+        ids = vocab.encode(self.captions[pair.caption])
+        tokens, lengths = pad_tokens([ids])
+        images = model.encode_images(feats.to(self.device), mask.to(self.device))
+        captions = model.encode_captions(tokens.to(self.device), lengths.to(self.device))
+        return model.explain(images, captions), vocab.decode(ids)
+
+    def trees(self):
+        if self._trees is None:
+            from retr.store.trees import TreeSet
+
+            path = (self.m.config.get("inputs") or {}).get("trees")
+            self._trees = TreeSet(path) if path and Path(path).is_file() else False
+        return self._trees or None
+
+    def section(self, pairs: list[Pair], tag: str) -> str:
+        model = self.m.model
+        head = f"<h3>{_e(self.m.name)} — {_e(self.m.config.get('model', '?'))}</h3>"
+        if not tuple(getattr(model, "explains", ())):
+            return head + (f"<p class='note'>no attention maps: {_e(self.m.config.get('model', '?'))} "
+                           "implements no <code>explain</code> (yet).</p>")
+        parts = [head, f"<p class='small'>maps: {_e(', '.join(model.explains))}</p>"]
+        for p, pair in enumerate(pairs):
+            try:
+                maps, tokens = self.maps(pair)
+            except NotImplementedError as exc:
+                return head + f"<p class='note'>no attention maps: {_e(str(exc))}</p>"
+            except Exception as exc:     # noqa: BLE001 - one model's failure must not lose the report
+                parts.append(f"<p class='note'>explain failed for this pair: {_e(type(exc).__name__)}: "
+                             f"{_e(str(exc))}</p>")
+                continue
+            parts.append("<div class='pair'>"
+                         f"<p><b>«{_e(self.captions[pair.caption])}»</b> with image "
+                         f"<code>{_e(self.ids[pair.image])}</code> ({_e(pair.why)}; {_e(pair.rank_note)})</p>")
+            for n, (name, tensor) in enumerate(maps.items()):
+                parts.append(self.draw_map(name, tensor, tokens, pair, f"{tag}-{p}-{n}"))
+            parts.append("</div>")
+        return "\n".join(parts)
+
+    def draw_map(self, name: str, tensor, tokens: list[str], pair: Pair, stem: str) -> str:
+        t = torch.as_tensor(tensor).detach().cpu()
+        is_float = t.is_floating_point()
+        array = t.double().numpy() if is_float else t.long().numpy()
+        while array.ndim > 1 and array.shape[0] == 1:
+            array = array[0]
+        layout = map_layout(array.shape, is_float, self.positions, len(tokens), self.m.kind, self.has_boxes)
+        title = f"<h4>{_e(name)} <span class='small'>[{'×'.join(map(str, t.shape))}] — {layout}</span></h4>"
+        if layout == "tree":
+            return title + self.draw_trees(array.reshape(-1, 7), pair)
+        rows = _rows(array)
+        labels = _row_labels(name, rows.shape[0], tokens)
+        if layout == "words":
+            words = tokens if rows.shape[1] == len(tokens) else tokens[1:-1]
+            return title + word_strip(rows, labels, words)
+        if layout in ("boxes", "grid"):
+            note = ""
+            if rows.shape[0] > MAX_ROWS:
+                note = f"<p class='small'>first {MAX_ROWS} of {rows.shape[0]} rows drawn</p>"
+                rows, labels = rows[:MAX_ROWS], labels[:MAX_ROWS]
+            draw_row = self.box_panel if layout == "boxes" else self.grid_panel
+            plain = self.assets.save(self.images.canvas(pair.image, PANEL_SIDE), f"att-{stem}-image.jpg")
+            figures = [f"<figure><img src='{plain}' alt='the image'><figcaption>the image<br><span class='small'>"
+                       f"{_e(self.ids[pair.image])}</span></figcaption></figure>"]
+            for r, (row, label) in enumerate(zip(rows, labels)):
+                src = self.assets.save(draw_row(pair.image, row), f"att-{stem}-{r:02d}.jpg")
+                figures.append(f"<figure><img src='{src}' alt='{_e(label)}'>"
+                               f"<figcaption>{_e(label)}<br><span class='small'>max {row.max():.3g}"
+                               "</span></figcaption></figure>")
+            legend = ("each panel: one row's weights, scaled by its largest (max below); regions tinted at "
+                      f"opacity {draw.BOX_ALPHA:g}·w/max, the most attended outlined" if layout == "boxes" else
+                      f"each panel: one row's weights over the grid cells, scaled by its largest, colour map "
+                      f"{draw.HEAT_CMAP} at opacity {draw.HEAT_ALPHA:g}")
+            return title + f"<p class='small'>{legend}</p>{note}<div class='panels'>{''.join(figures)}</div>"
+        cols = [str(c) for c in range(rows.shape[1])]
+        draw.matrix_png(self.assets.out / ASSETS / f"att-{stem}.png", rows, labels, cols,
+                        f"{name} (no place on the image for this shape)")
+        return title + f"<img class='matrix' src='{ASSETS}/att-{stem}.png' alt='{_e(name)}'>"
+
+    def box_panel(self, image: int, weights: np.ndarray):
+        fs = self.m.feature_set
+        row = fs.rows_of([self.ids[image]])
+        boxes = fs.read_rows(row, "boxes")[0]
+        count = int(fs.read_rows(row, "num_boxes").reshape(-1)[0]) if "num_boxes" in fs.datasets else len(boxes)
+        canvas = self.images.canvas(image, PANEL_SIDE)
+        scaled = draw.scale_boxes(boxes[:count], self.images.hw(image), canvas.size)
+        return draw.shade_boxes(canvas, scaled, draw.scale_unit(weights[:count]))
+
+    def grid_panel(self, image: int, weights: np.ndarray):
+        return draw.grid_heatmap(self.images.canvas(image, PANEL_SIDE), draw.scale_unit(weights))
+
+    def draw_trees(self, nodes: np.ndarray, pair: Pair) -> str:
+        trees = self.trees()
+        if trees is None:
+            return "<p class='note'>node ids given, but the run's trees.h5 is not available to name them</p>"
+        key = self.caption_keys[pair.caption]
+        parsed = trees.nodes_for([key], missing="null")[0]
+        blocks = [tree_html("parsed (trees.h5)", parsed, trees.entities, trees.relations)]
+        blocks += [tree_html(f"predicted{f' [{r}]' if len(nodes) > 1 else ''}", row, trees.entities, trees.relations)
+                   for r, row in enumerate(nodes)]
+        return f"<div class='trees'>{''.join(blocks)}</div>"
+
+
+def tree_html(title: str, nodes: Sequence[int], entities: list[str], relations: list[str]) -> str:
+    """A referral tree (slots ``[E1 R2 E3 R4 E5 R6 E7]``, in-order) as a three-level table: R4 on top, R2 and
+    R6 below it, the entities at the bottom."""
+    def name(slot: int) -> str:
+        table = entities if slot % 2 == 0 else relations
+        n = int(nodes[slot])
+        return table[n] if 0 <= n < len(table) else f"#{n}"
+
+    def cell(slot: int, span: int) -> str:
+        kind = "ent" if slot % 2 == 0 else "rel"
+        return f"<td colspan='{span}' class='{kind}'>{_e(name(slot))}</td>"
+    return (f"<table class='tree'><caption>{_e(title)}</caption>"
+            f"<tr>{cell(3, 4)}</tr><tr>{cell(1, 2)}{cell(5, 2)}</tr>"
+            f"<tr>{cell(0, 1)}{cell(2, 1)}{cell(4, 1)}{cell(6, 1)}</tr></table>")
+
+
+def word_strip(rows: np.ndarray, labels: Sequence[str], words: Sequence[str]) -> str:
+    """Weights over words ``[R, L]`` as a table: one line per row (a hop), each word's background
+    :data:`~retr.trainers.report_draw.HIGHLIGHT` at opacity w / the row's largest (the raw weight in its tooltip)."""
+    r, g, b = draw.HIGHLIGHT
+    lines = []
+    for label, row in zip(labels, rows):
+        unit = draw.scale_unit(row)
+        cells = "".join(f"<td style='background: rgba({r}, {g}, {b}, {a:.3f})' title='{w:.4g}'>{_e(word)}</td>"
+                        for word, w, a in zip(words, row, unit))
+        lines.append(f"<tr><th>{_e(label)}</th>{cells}</tr>")
+    return ("<p class='small'>each line: one row's weights over the words, scaled by its largest "
+            "(hover a word for its weight)</p>" f"<table class='strip'>{''.join(lines)}</table>")
+
+
+# ---------------------------------------------------------------------------------------------- the report
+
+def _e(text) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _metrics_table(result: dict) -> str:
+    head = ("<tr><th></th><th>R@1</th><th>R@5</th><th>R@10</th><th>medr</th><th>meanr</th></tr>")
+    rows = "".join(f"<tr><th>{side}</th>" + "".join(f"<td>{result[side][k]:.1f}</td>"
+                                                   for k in ("r1", "r5", "r10", "medr", "meanr")) + "</tr>"
+                   for side in ("i2t", "t2i"))
+    return f"<table class='metrics'>{head}{rows}<tr><th>rSum</th><td colspan='5'>{result['rsum']:.1f}</td></tr></table>"
+
+
+def _stored_results(runs: Sequence[str]) -> str:
+    from retr.trainers.eval_commands import table_rows
+
+    with_eval = [r for r in runs if (Path(r) / ckpt.EVAL).is_file()]
+    if not with_eval:
+        return "<p class='small'>no results stored in eval.json yet</p>"
+    header, rows = table_rows(with_eval)
+    cells = lambda v: f"{v:.1f}" if isinstance(v, float) else _e(v)   # noqa: E731
+    body = "".join("<tr>" + "".join(f"<td>{cells(v)}</td>" for v in row) + "</tr>" for row in rows)
+    return ("<table class='stored'><tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + f"</tr>{body}</table>")
+
+
+def _best_epoch(records: list[dict]) -> str:
+    epochs = [r for r in records if r["type"] == "epoch" and isinstance(r.get("val"), dict)]
+    if not epochs:
+        return "-"
+    best = max(epochs, key=lambda r: r["val"]["rsum"])
+    return f"epoch {int(best['epoch'])} of {len(epochs)} (val rSum {best['val']['rsum']:.1f})"
+
+
+def _member_rows(members: list[Member]) -> str:
+    head = "<tr><th>run</th><th>model</th><th>preset</th><th>seed</th><th>features</th><th>checkpoint</th>" \
+           "<th>best validation</th><th>parameters</th></tr>"
+    rows = []
+    for m in members:
+        c, fs = m.config, m.feature_set
+        model = c.get("model", "?") + (f" ({c['model_args']['direction']})" if (c.get("model_args") or {})
+                                       .get("direction") else "")
+        feats = (f"{_e(fs.path)}<br><span class='small'>{_e(fs.attrs.get('kind'))}, {_e(fs.attrs.get('extractor'))}, "
+                 f"K×D = {fs.feature_shape[0]}×{fs.feature_shape[1]}</span>")
+        params = sum(p.numel() for p in m.model.parameters())
+        rows.append(f"<tr><td>{_e(m.run)}</td><td>{_e(model)}</td><td>{_e(c.get('preset') or '-')}</td>"
+                    f"<td>{_e(c.get('seed', '-'))}</td><td>{feats}</td><td>{_e(m.checkpoint.name)}</td>"
+                    f"<td>{_e(_best_epoch(m.records))}</td><td>{params:,}</td></tr>")
+    return f"<table class='members'>{head}{''.join(rows)}</table>"
+
+
+CSS = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; max-width: 1400px; }
+h1 { font-size: 22px; } h2 { border-bottom: 1px solid #ccc; padding-bottom: 4px; margin-top: 32px; }
+table { border-collapse: collapse; margin: 8px 0; } td, th { border: 1px solid #ddd; padding: 3px 7px; }
+th { background: #f4f4f4; text-align: left; } .small { color: #666; font-size: 12px; }
+.note { background: #fff6e0; border-left: 4px solid #f0a000; padding: 4px 10px; }
+.query { border: 1px solid #ddd; border-radius: 6px; padding: 8px 12px; margin: 10px 0; }
+.results { display: flex; flex-wrap: wrap; gap: 8px; align-items: flex-start; }
+figure { margin: 0; text-align: center; font-size: 12px; } figure img { display: block; margin: auto; }
+.truth img { outline: 4px solid #1ea03c; } .truth figcaption, li.truth { color: #13782c; font-weight: 600; }
+.ellipsis { align-self: center; color: #888; font-size: 20px; }
+.panels { display: flex; flex-wrap: wrap; gap: 6px; } .pair { margin: 10px 0 24px; }
+.strip td { font-family: monospace; } .tree td { text-align: center; min-width: 80px; }
+.tree td.rel { color: #8a3b00; } .trees { display: flex; gap: 24px; } .tree caption { font-weight: 600; }
+ol { margin: 4px 0; } img.matrix { max-width: 100%; }
+"""
+
+
+def _t2i_html(q: Query, ids, captions, keys, images: ImageSource, assets: Assets) -> str:
+    figures = []
+    for n, (item, score, true) in enumerate(q.top):
+        figures.append(f"<figure class='{'truth' if true else ''}'><img src='{assets.thumb(images, item)}' "
+                       f"alt='{_e(ids[item])}'><figcaption>#{n + 1} {score:.4f}{' ✓' if true else ''}<br>"
+                       f"<span class='small'>{_e(ids[item])}</span></figcaption></figure>")
+    if not any(true for _, _, true in q.top):
+        figures.append("<span class='ellipsis'>…</span>")
+        figures.append(f"<figure class='truth'><img src='{assets.thumb(images, q.truth)}' alt='{_e(ids[q.truth])}'>"
+                       f"<figcaption>rank {q.rank + 1}: {q.truth_score:.4f} ✓<br><span class='small'>"
+                       f"{_e(ids[q.truth])}</span></figcaption></figure>")
+    return (f"<div class='query t2i'><p><b>«{_e(captions[q.index])}»</b> <span class='small'>{_e(keys[q.index])}"
+            f"</span> — true image ranked <b>{q.rank + 1}</b></p><div class='results'>{''.join(figures)}</div></div>")
+
+
+def _i2t_html(q: Query, ids, captions, keys, images: ImageSource, assets: Assets) -> str:
+    items = [f"<li class='{'truth' if true else ''}'>{score:.4f} «{_e(captions[item])}»"
+             f"{' ✓' if true else ''} <span class='small'>{_e(keys[item])}</span></li>"
+             for item, score, true in q.top]
+    extra = ""
+    if not any(true for _, _, true in q.top):
+        extra = (f"<p class='small'>…</p><ul><li class='truth'>rank {q.rank + 1}: {q.truth_score:.4f} "
+                 f"«{_e(captions[q.truth])}» ✓ <span class='small'>{_e(keys[q.truth])}</span></li></ul>")
+    src = assets.thumb(images, q.index, QUERY_SIDE)
+    return (f"<div class='query i2t'><div class='results'><figure><img src='{src}' alt='{_e(ids[q.index])}'>"
+            f"<figcaption>{_e(ids[q.index])}</figcaption></figure><div>"
+            f"<p>best true caption ranked <b>{q.rank + 1}</b></p><ol>{''.join(items)}</ol>{extra}</div></div></div>")
+
+
+def _two_step_matrices(member: Member, data, parts, device: torch.device, precision: str):
+    """(i2t matrix, t2i matrix) ``[N_img, M]`` of a two-step run, as eval builds them, per gallery."""
+    from retr.trainers.data import ImageFeatures
+    from retr.trainers.two_step import encode_all, rerank_matrices
+
+    model = member.model
+    dtype = torch.float32 if precision == "float32" else torch.float64
+    features = ImageFeatures(member.feature_set, data.image_ids)
+    images, captions = encode_all(model, data, features, device, dtype=dtype)
+    n_img, n_cap = data.num_images, data.num_captions
+    i2t, t2i = np.full((n_img, n_cap), np.nan), np.full((n_img, n_cap), np.nan)
+    with torch.no_grad():
+        for a, b, cols in parts:
+            idx = torch.from_numpy(cols).to(device)
+            im = {k: v[a:b] for k, v in images.items()}
+            cap = {k: v[idx] for k, v in captions.items()}
+            g = model.global_score(im, cap, dtype=dtype)
+            i, t = rerank_matrices(g, lambda ii, cc: model.pair_score(im, cap, ii, cc, dtype=dtype), model.shortlist)
+            i2t[a:b, cols] = i.double().cpu().numpy()
+            t2i[a:b, cols] = t.double().cpu().numpy()
+    return i2t, t2i
+
+
+def _load_sims(path: str, runs: Sequence[str], split: str, image_ids: list[str], caption_keys: list[str]):
+    path = path if str(path).endswith(".npy") else f"{path}.npy"
+    ids_path = Path(f"{path}.ids.json")
+    if not Path(path).is_file() or not ids_path.is_file():
+        raise ParameterError(f"sims {path} (with {ids_path.name} beside it, from `retr-train eval --save-sims`) "
+                             "does not exist", "sims")
+    try:
+        ids = json.loads(ids_path.read_text(encoding="utf-8"))
+        matrix = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise ParameterError(f"sims {path} is not a matrix from `retr-train eval --save-sims` ({exc})",
+                             "sims") from None
+    if not isinstance(ids, dict):
+        raise ParameterError(f"sims {ids_path} is not the ids file `retr-train eval --save-sims` writes", "sims")
+    same_runs = sorted(str(Path(r).resolve()) for r in ids.get("runs", [])) == sorted(str(Path(r).resolve())
+                                                                                      for r in runs)
+    if not same_runs or ids.get("split") != split:
+        raise ParameterError(f"sims {path} holds the {ids.get('split')} split of {', '.join(ids.get('runs', []))}, "
+                             f"not the {split} split of {', '.join(runs)}", "sims")
+    if ids.get("image_ids") != image_ids or ids.get("caption_keys") != caption_keys:
+        raise ParameterError(f"sims {path}: its rows/columns are not the manifest's {split} split any more", "sims")
+    if matrix.shape != (len(image_ids), len(caption_keys)) or not np.issubdtype(matrix.dtype, np.floating):
+        raise ParameterError(f"sims {path} holds a {matrix.dtype} array of shape {matrix.shape}, not the "
+                             f"{len(image_ids)} × {len(caption_keys)} similarities", "sims")
+    return matrix.astype(np.float64, copy=False)
+
+
+def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str = "test", samples: int = 5,
+                 top: int = 5, seed: int = 0, attention: int = 2, image_root: str | None = None,
+                 features: str | None = None, manifest: str | None = None, which: str = "best",
+                 device: str = "auto", precision: str = "refined", sims: str | None = None,
+                 allow_size_mismatch: bool = False, trust_checkpoint: bool = False, quiet: bool = False,
+                 log=print) -> Path:
+    """Write the report of ``runs`` (one run, or an ensemble) into the folder ``out``; returns ``out/index.html``.
+    Sections and options: module docstring."""
+    from retr.common.devices import resolve_device
+    from retr.manifests.schema import read_manifest, resolve_image_root
+    from retr.trainers.data import load_split
+    from retr.trainers.eval_commands import evaluate_runs
+    from retr.trainers.evaluation import protocol_metrics
+
+    for name, value, least in (("samples", samples, 0), ("top", top, 1), ("attention", attention, 0)):
+        if value < least:
+            raise ParameterError(f"{name} must be ≥ {least}, not {value}", name)
+    if protocol not in PROTOCOLS:
+        raise ParameterError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}", "protocol")
+    runs = [str(r) for r in runs]
+    t0 = time.perf_counter()
+    dev = resolve_device(device)
+    members = _load_members(runs, which, dev, trust_checkpoint, features)
+    manifest = manifest or members[0].config.get("manifest")
+    if not manifest:
+        raise UserError(f"{runs[0]} does not record its manifest (imported run?); pass --manifest")
+    data, _ = load_split(manifest, [split], members[0].vocab, members[0].feature_set, missing="error")
+    records = read_manifest(manifest, splits=[split])
+    caption_keys = [f"{r.id}#{n}" for r in records for n in range(len(r.captions))]
+    parts = galleries(protocol, data.num_images, data.caption_image)
+
+    # the matrix eval ranks, and eval's numbers
+    two_step = len(members) == 1 and members[0].model.shortlist > 0
+    if sims is not None:
+        if two_step:
+            raise ParameterError("sims: a two-step run has no single similarity matrix (one per direction)", "sims")
+        matrix = _load_sims(sims, runs, split, data.image_ids, caption_keys)
+        result = protocol_metrics(matrix, data, protocol, allow_size_mismatch)
+        result.update(protocol=protocol, split=split, source=str(sims))
+        i2t_sims = t2i_sims = matrix
+    else:
+        result, matrix = evaluate_runs(runs, protocol, split, features, manifest, device, precision, which,
+                                       quiet=quiet, trust_checkpoint=trust_checkpoint,
+                                       allow_size_mismatch=allow_size_mismatch)
+        if two_step:
+            i2t_sims, t2i_sims = _two_step_matrices(members[0], data, parts, dev, precision)
+        else:
+            i2t_sims = t2i_sims = matrix
+    t_eval = time.perf_counter()
+    ranking = rank_all(i2t_sims, t2i_sims, data.caption_image, parts)
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    assets = Assets(out)
+    region_set = next((m.feature_set for m in members if "image_hw" in m.feature_set.datasets), None)
+    image_hw = region_set.read_rows(region_set.rows_of(data.image_ids), "image_hw") if region_set is not None else None
+    exif = bool(members[0].feature_set.attrs.get("exif_orientation", False))
+    root = resolve_image_root(manifest, image_root)
+    images = ImageSource(records, root, image_hw, exif)
+
+    # queries
+    sections: dict[str, str] = {}
+    chosen: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for d, (direction, ranks) in enumerate((("t2i", ranking.t2i), ("i2t", ranking.i2t))):
+        chosen[direction] = pick_queries(ranks, samples, np.random.default_rng([seed, d]))
+    for direction, render in (("t2i", _t2i_html), ("i2t", _i2t_html)):
+        for kind, picked in zip(("sampled", "worst"), chosen[direction]):
+            blocks = [render(build_query(direction, int(q), i2t_sims, t2i_sims, data.caption_image, ranking, parts,
+                                         top), data.image_ids, data.captions, caption_keys, images, assets)
+                      for q in picked]
+            sections[f"{direction}-{kind}"] = "\n".join(blocks) or "<p class='small'>no queries</p>"
+
+    # attention
+    pairs: list[Pair] = []
+    for m in chosen["t2i"][0][:attention]:
+        q = build_query("t2i", int(m), i2t_sims, t2i_sims, data.caption_image, ranking, parts, 1)
+        pairs.append(Pair(q.truth, q.index, "true image", f"ranked {q.rank + 1}"))
+        if not q.top[0][2]:
+            pairs.append(Pair(q.top[0][0], q.index, "the model's top-1, not the true image",
+                              f"score {q.top[0][1]:.4f} vs the true image's {q.truth_score:.4f}"))
+    attention_html = "\n".join(Explainer(m, data.image_ids, data.captions, images, assets, dev, caption_keys)
+                               .section(pairs, f"m{n}") for n, m in enumerate(members))
+
+    # curves
+    series = [(m.name, m.records) for m in members if m.records]
+    if series:
+        draw.curves_png(out / ASSETS / "curves.png", series)
+        curves = f"<img src='{ASSETS}/curves.png' alt='training curves'>"
+    else:
+        curves = "<p class='note'>no metrics.jsonl in the run(s) (imported checkpoints): no training curves</p>"
+
+    t_done = time.perf_counter()
+    page = _page(runs, members, result, protocol, split, sections, attention_html, curves, images, root,
+                 two_step, samples, top, seed, sims)
+    index = out / "index.html"
+    tmp = index.with_name("index.html.partial")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(index)
+    if not quiet:
+        log(f"report: evaluation {t_eval - t0:.1f} s, queries/attention/curves {t_done - t_eval:.1f} s")
+    return index
+
+
+def _page(runs, members, result, protocol, split, sections, attention_html, curves, images: ImageSource, root,
+          two_step, samples, top, seed, sims) -> str:
+    title = " + ".join(m.name for m in members)
+    kind = f"ensemble of {len(members)} runs (averaged similarities)" if len(members) > 1 else "single run"
+    notes = []
+    if result.get("size_mismatch"):
+        mm = result["size_mismatch"]
+        notes.append(f"{protocol} expects {mm['expected']} images, this split has {mm['images']}: not the "
+                     "protocol's numbers")
+    if images.missing:
+        notes.append(f"{len(images.missing)} image file(s) not found under {root} (features only): images and "
+                     "region boxes are drawn on blank canvases of the stored image size")
+    if two_step:
+        notes.append(f"two-step run (shortlist {members[0].model.shortlist}): each direction ranks its own "
+                     "re-ranked matrix; scores outside a query's shortlist are global scores shifted below every "
+                     "re-ranked one")
+    if protocol == "coco-1k":
+        notes.append("coco-1k: numbers are the mean over the five 1K folds; every query ranks within its fold")
+    source = (f"matrix {sims} (retr-train eval --save-sims)" if sims else
+              "evaluated for this report (retr-train eval's code)")
+    note_html = "".join(f"<p class='note'>{_e(n)}</p>" for n in notes)
+    ensemble = ("<p>members: " + ", ".join(f"<code>{_e(m.run)}</code>" for m in members) + "</p>"
+                if len(members) > 1 else "")
+    nav = " · ".join(f"<a href='#{a}'>{t}</a>" for a, t in (
+        ("summary", "summary"), ("curves", "training curves"), ("t2i-sampled", "text→image"),
+        ("i2t-sampled", "image→text"), ("attention", "attention")))
+    generated = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>retr report — {_e(title)}</title>
+<style>{CSS}</style></head>
+<body>
+<h1>retr report — {_e(title)}</h1>
+<p class="small">{_e(kind)} · {_e(protocol)} on the {_e(split)} split · generated {generated} by retr {__version__} ·
+{nav}</p>
+{note_html}
+<section id="summary"><h2>Summary</h2>
+{ensemble}{_member_rows(members)}
+<h3>{_e(protocol)}, {_e(split)} split: {result.get('images', '?')} images, {result.get('captions', '?')} captions
+<span class="small">({_e(source)})</span></h3>
+{_metrics_table(result)}
+<h3>Results stored in eval.json</h3>
+{_stored_results(runs)}
+</section>
+<section id="curves"><h2>Training curves</h2>
+<p class="small">training loss at every logged step; validation R@1 and rSum after every epoch (metrics.jsonl)</p>
+{curves}
+</section>
+<section id="t2i"><h2>Text → image</h2>
+<p class="small">top {top} images per caption query, scores of the ranked matrix; the true image framed green
+(✓) and shown after the list when it ranked lower; ranks are eval's (1 = first; ties count against the query)</p>
+<h3 id="t2i-sampled">{samples} sampled queries (seed {seed})</h3>
+{sections['t2i-sampled']}
+<h3 id="t2i-worst">the {samples} worst queries (largest rank of the true image)</h3>
+{sections['t2i-worst']}
+</section>
+<section id="i2t"><h2>Image → text</h2>
+<p class="small">top {top} captions per image query; true captions ✓ (green); the rank is the best true caption's</p>
+<h3 id="i2t-sampled">{samples} sampled queries (seed {seed})</h3>
+{sections['i2t-sampled']}
+<h3 id="i2t-worst">the {samples} worst queries (largest rank of the best true caption)</h3>
+{sections['i2t-worst']}
+</section>
+<section id="attention"><h2>Attention</h2>
+<p class="small">the maps each model's score computes for a pair (<code>explain</code>), for the first sampled
+text→image queries: the caption with its true image, and with the model's top-1 image when that is another</p>
+{attention_html}
+</section>
+</body></html>
+"""
+
+
+# ----------------------------------------------------------------------------------------------- command
+
+@click.command("show")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("--protocol", type=click.Choice(PROTOCOLS), required=True, help="The protocol ranks and numbers follow.")
+@click.option("--out", default="report", show_default=True, type=click.Path(file_okay=False),
+              help="Folder to write index.html and assets/ into.")
+@click.option("--split", default="test", show_default=True)
+@click.option("--samples", default=5, show_default=True, type=int,
+              help="Queries drawn per direction, and as many worst queries.")
+@click.option("--top", default=5, show_default=True, type=int, help="Retrieved items shown per query.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampled queries.")
+@click.option("--attention", default=2, show_default=True, type=int,
+              help="Sampled text→image queries whose attention maps are drawn (per model).")
+@click.option("--image-root", type=click.Path(file_okay=False), default=None,
+              help="Folder the manifest's image paths are relative to (default: the manifest's folder).")
+@click.option("--features", type=click.Path(dir_okay=False), default=None, help="Override the run's feature set.")
+@click.option("--manifest", type=click.Path(dir_okay=False), default=None, help="Override the run's manifest.")
+@click.option("--sims", type=click.Path(dir_okay=False), default=None,
+              help="Rank this matrix from `retr-train eval --save-sims` instead of evaluating again.")
+@click.option("--checkpoint", "which", default="best", show_default=True, help="best, last, or a file in the run.")
+@click.option("--device", default="auto", show_default=True)
+@click.option("--allow-size-mismatch", is_flag=True,
+              help="Accept a split whose size is not the protocol's (e.g. the synthetic data); said in the report.")
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Read checkpoints that hold Python objects besides tensors (only for files you trust).")
+@quiet_option
+def show_command(runs, protocol, out, split, samples, top, seed, attention, image_root, features, manifest, sims,
+                 which, device, allow_size_mismatch, trust_checkpoint, quiet) -> None:
+    """Write a static HTML report of a run (or an ensemble): summary and numbers, training curves, sampled and
+    worst queries both ways with their top results, and each model's attention maps.
+
+    The folder holds index.html and assets/ (images only, relative links): open it in a browser, no server.
+
+    \b
+    Example:
+      retr-train show runs/scan-f30k --protocol f30k-1k --image-root data/f30k --out report/scan
+      retr-train show runs/scan-t2i runs/scan-i2t --protocol coco-1k --samples 10 --out report/ens
+    """
+    index = write_report(list(runs), protocol, out, split, samples, top, seed, attention, image_root, features,
+                         manifest, which, device, sims=sims, allow_size_mismatch=allow_size_mismatch,
+                         trust_checkpoint=trust_checkpoint, quiet=quiet, log=click.echo)
+    click.echo(f"report written to {index}")
