@@ -446,6 +446,8 @@ class FeatureSet:
         for run in np.split(np.arange(unique.size), breaks):
             first, last = int(unique[run[0]]), int(unique[run[-1]])
             block[run[0]:run[-1] + 1] = dataset[first:last + 1]
+        if unique.size == rows.size and np.array_equal(unique, rows):
+            return block            # already in order: no second copy (preloading a split reads ~all rows at once)
         return block[inverse]
 
     def read_ids(self, ids: Iterable[str], name: str = "features") -> np.ndarray:
