@@ -445,7 +445,9 @@ class FeatureSet:
         breaks = np.flatnonzero(np.diff(unique) != 1) + 1
         for run in np.split(np.arange(unique.size), breaks):
             first, last = int(unique[run[0]]), int(unique[run[-1]])
-            block[run[0]:run[-1] + 1] = dataset[first:last + 1]
+            # straight into the block: `block[...] = dataset[...]` would first build a temporary of the run,
+            # doubling the peak memory of a long run (preloading a split reads it as one run)
+            dataset.read_direct(block, np.s_[first:last + 1], np.s_[int(run[0]):int(run[-1]) + 1])
         if unique.size == rows.size and np.array_equal(unique, rows):
             return block            # already in order: no second copy (preloading a split reads ~all rows at once)
         return block[inverse]
