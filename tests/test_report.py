@@ -107,7 +107,13 @@ def test_tree_table_puts_each_slot_in_its_place():
 ])
 def test_map_layout(shape, is_float, kind, boxes, layout):
     positions = {"regions": 36, "grid": 49, "maps": 196, "tencrop": 10}[kind]
-    assert rp.map_layout(shape, is_float, positions, 12, kind, boxes) == layout
+    assert rp.map_layout(shape, is_float, (positions, positions), 12, kind, boxes) == layout
+
+
+def test_region_maps_without_padding_are_boxes():
+    assert rp.map_layout((12, 30), True, (36, 30), 12, "regions", True) == "boxes"    # 30 real of 36 regions
+    assert rp.map_layout((30, 12), True, (36, 30), 12, "regions", True) == "words"    # region → word (SCAN i2t)
+    assert rp.map_layout((12, 29), True, (36, 30), 12, "regions", True) == "matrix"
 
 
 # ---------------------------------------------------------------------------------------- ranks and queries
@@ -207,18 +213,23 @@ def _self_contained(index: Path) -> list[str]:
 
 
 def _explain_regions(self, images, captions):
-    """A stand-in explain for SCAN: each word's softmax over the image's regions ``[L, K]``."""
-    words, regions = captions["words"][0], images["regions"][0]
-    logits = (words @ regions.t()).masked_fill(~images["mask"][0], float("-inf"))
-    return {"t2i": torch.softmax(logits, dim=1)}
+    """A stand-in explain for SCAN while it has none: each word's softmax over the image's real regions
+    ``[L, K_real]``."""
+    words, regions = captions["words"][0], images["regions"][0][images["mask"][0]]
+    return {"word_to_region": torch.softmax(words @ regions.t(), dim=1)}
+
+
+def _scan_explains(monkeypatch) -> None:
+    from retr.trainers.models.scan import SCAN
+
+    if "explain" not in SCAN.__dict__:
+        monkeypatch.setattr(SCAN, "explains", ("word_to_region",), raising=False)
+        monkeypatch.setattr(SCAN, "explain", _explain_regions, raising=False)
 
 
 def test_report_is_complete_and_self_contained(tiny, monkeypatch, tmp_path):
-    from retr.trainers.models.scan import SCAN
-
     folder, manifest, scan, _ = tiny
-    monkeypatch.setattr(SCAN, "explains", ("t2i",), raising=False)
-    monkeypatch.setattr(SCAN, "explain", _explain_regions, raising=False)
+    _scan_explains(monkeypatch)
     index = rp.write_report([str(scan)], "f30k-1k", tmp_path / "report", samples=3, top=4, attention=1,
                             allow_size_mismatch=True, quiet=True)
     page = index.read_text(encoding="utf-8")
@@ -227,7 +238,7 @@ def test_report_is_complete_and_self_contained(tiny, monkeypatch, tmp_path):
         assert f"id=\"{section}\"" in page
     assert "assets/curves.png" in srcs and "not found under" not in page
     assert len(re.findall(r"class='query t2i'", page)) == 6 and len(re.findall(r"class='query i2t'", page)) == 6
-    words = int(re.search(r"<h4>t2i <span class='small'>\[(\d+)×4\] — boxes", page).group(1))
+    words = int(re.search(r"<h4>\w+ <span class='small'>\[(\d+)×[1-4]\] — boxes", page).group(1))
     panels = [s for s in srcs if s.startswith("assets/att-m0-0-0-") and not s.endswith("image.jpg")]
     assert len(panels) == words                                     # one panel per caption token
     # the numbers: the report's matrix is eval's, its rank list gives eval's R@1
@@ -238,11 +249,8 @@ def test_report_is_complete_and_self_contained(tiny, monkeypatch, tmp_path):
 
 
 def test_report_without_image_files_draws_blank_canvases_of_the_stored_size(tiny, monkeypatch, tmp_path):
-    from retr.trainers.models.scan import SCAN
-
     folder, manifest, scan, _ = tiny
-    monkeypatch.setattr(SCAN, "explains", ("t2i",), raising=False)
-    monkeypatch.setattr(SCAN, "explain", _explain_regions, raising=False)
+    _scan_explains(monkeypatch)
     (tmp_path / "empty").mkdir()
     index = rp.write_report([str(scan)], "f30k-1k", tmp_path / "report", samples=2, top=3, attention=1,
                             image_root=str(tmp_path / "empty"), allow_size_mismatch=True, quiet=True)
@@ -267,7 +275,9 @@ def test_models_without_explain_say_so_and_two_step_ranks_are_evals(tiny, tmp_pa
                             allow_size_mismatch=True, quiet=True)
     page = index.read_text(encoding="utf-8")
     _self_contained(index)
-    if not SMAN.explains:
+    if "explain" in SMAN.__dict__:
+        assert "— grid" in page and "— words" in page           # cells over the image, weights over words
+    else:
         assert "no attention maps" in page
     assert "two-step run (shortlist 3)" in page
     result, _ = evaluate_runs([str(sman)], "f30k-1k", allow_size_mismatch=True, quiet=True)

@@ -261,18 +261,19 @@ def _load_members(runs: Sequence[str], which: str, device: torch.device, trust: 
 
 # ------------------------------------------------------------------------------------------------ attention
 
-def map_layout(shape: Sequence[int], is_float: bool, num_positions: int, num_tokens: int, kind: str,
+def map_layout(shape: Sequence[int], is_float: bool, positions: Sequence[int], num_tokens: int, kind: str,
                has_boxes: bool) -> str:
-    """How a map of ``shape`` is drawn: ``tree`` (7 integer node ids), ``boxes`` (last dim = the image's K
-    regions, with boxes), ``grid`` (last dim = K square grid cells of a ``grid``/``maps`` set), ``words``
-    (last dim = the caption's tokens, with or without ``<start>``/``<end>``), else ``matrix``."""
+    """How a map of ``shape`` is drawn: ``tree`` (7 integer node ids), ``boxes`` (last dim = the image's
+    regions: ``positions`` holds K and the image's real count, since a model may drop the padding; with boxes),
+    ``grid`` (last dim = K square grid cells of a ``grid``/``maps`` set), ``words`` (last dim = the caption's
+    tokens, with or without ``<start>``/``<end>``), else ``matrix``."""
     size = int(np.prod(shape)) if len(shape) else 1
     last = int(shape[-1]) if len(shape) else 1
     if not is_float:
         return "tree" if size % 7 == 0 and last == 7 else "matrix"
-    if last == num_positions and kind == "regions" and has_boxes:
+    if last in positions and kind == "regions" and has_boxes:
         return "boxes"
-    if last == num_positions and kind in ("grid", "maps") and int(np.sqrt(last)) ** 2 == last:
+    if last in positions and kind in ("grid", "maps") and int(np.sqrt(last)) ** 2 == last:
         return "grid"
     if last in (num_tokens, num_tokens - 2):
         return "words"
@@ -318,8 +319,8 @@ class Explainer:
         self._trees = None
 
     @torch.no_grad()
-    def maps(self, pair: Pair) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """(explain's maps, the caption's token words) of ``pair``."""
+    def maps(self, pair: Pair) -> tuple[dict[str, torch.Tensor], list[str], int]:
+        """(explain's maps, the caption's token words, the image's real positions) of ``pair``."""
         from retr.trainers.data import ImageFeatures, pad_tokens
 
         model, vocab = self.m.model, self.m.vocab
@@ -328,7 +329,7 @@ class Explainer:
         tokens, lengths = pad_tokens([ids])
         images = model.encode_images(feats.to(self.device), mask.to(self.device))
         captions = model.encode_captions(tokens.to(self.device), lengths.to(self.device))
-        return model.explain(images, captions), vocab.decode(ids)
+        return model.explain(images, captions), vocab.decode(ids), int(mask.sum())
 
     def trees(self):
         if self._trees is None:
@@ -347,7 +348,7 @@ class Explainer:
         parts = [head, f"<p class='small'>maps: {_e(', '.join(model.explains))}</p>"]
         for p, pair in enumerate(pairs):
             try:
-                maps, tokens = self.maps(pair)
+                maps, tokens, real = self.maps(pair)
             except NotImplementedError as exc:
                 return head + f"<p class='note'>no attention maps: {_e(str(exc))}</p>"
             except Exception as exc:     # noqa: BLE001 - one model's failure must not lose the report
@@ -358,17 +359,18 @@ class Explainer:
                          f"<p><b>«{_e(self.captions[pair.caption])}»</b> with image "
                          f"<code>{_e(self.ids[pair.image])}</code> ({_e(pair.why)}; {_e(pair.rank_note)})</p>")
             for n, (name, tensor) in enumerate(maps.items()):
-                parts.append(self.draw_map(name, tensor, tokens, pair, f"{tag}-{p}-{n}"))
+                parts.append(self.draw_map(name, tensor, tokens, real, pair, f"{tag}-{p}-{n}"))
             parts.append("</div>")
         return "\n".join(parts)
 
-    def draw_map(self, name: str, tensor, tokens: list[str], pair: Pair, stem: str) -> str:
+    def draw_map(self, name: str, tensor, tokens: list[str], real: int, pair: Pair, stem: str) -> str:
         t = torch.as_tensor(tensor).detach().cpu()
         is_float = t.is_floating_point()
         array = t.double().numpy() if is_float else t.long().numpy()
         while array.ndim > 1 and array.shape[0] == 1:
             array = array[0]
-        layout = map_layout(array.shape, is_float, self.positions, len(tokens), self.m.kind, self.has_boxes)
+        layout = map_layout(array.shape, is_float, (self.positions, real), len(tokens), self.m.kind,
+                            self.has_boxes)
         title = f"<h4>{_e(name)} <span class='small'>[{'×'.join(map(str, t.shape))}] — {layout}</span></h4>"
         if layout == "tree":
             return title + self.draw_trees(array.reshape(-1, 7), pair)
@@ -388,9 +390,10 @@ class Explainer:
                        f"{_e(self.ids[pair.image])}</span></figcaption></figure>"]
             for r, (row, label) in enumerate(zip(rows, labels)):
                 src = self.assets.save(draw_row(pair.image, row), f"att-{stem}-{r:02d}.jpg")
+                uniform = 1 / max(1, min(row.size, real))          # every real position weighted alike
                 figures.append(f"<figure><img src='{src}' alt='{_e(label)}'>"
-                               f"<figcaption>{_e(label)}<br><span class='small'>max {row.max():.3g}"
-                               "</span></figcaption></figure>")
+                               f"<figcaption>{_e(label)}<br><span class='small'>max {row.max():.3g} · uniform "
+                               f"{uniform:.3g}</span></figcaption></figure>")
             legend = ("each panel: one row's weights, scaled by its largest (max below); regions tinted at "
                       f"opacity {draw.BOX_ALPHA:g}·w/max, the most attended outlined" if layout == "boxes" else
                       f"each panel: one row's weights over the grid cells, scaled by its largest, colour map "
@@ -450,9 +453,11 @@ def word_strip(rows: np.ndarray, labels: Sequence[str], words: Sequence[str]) ->
         unit = draw.scale_unit(row)
         cells = "".join(f"<td style='background: rgba({r}, {g}, {b}, {a:.3f})' title='{w:.4g}'>{_e(word)}</td>"
                         for word, w, a in zip(words, row, unit))
-        lines.append(f"<tr><th>{_e(label)}</th>{cells}</tr>")
+        lines.append(f"<tr><th>{_e(label)}</th>{cells}<td class='small'>max {row.max():.3g} · uniform "
+                     f"{1 / max(1, row.size):.3g}</td></tr>")
     return ("<p class='small'>each line: one row's weights over the words, scaled by its largest "
-            "(hover a word for its weight)</p>" f"<table class='strip'>{''.join(lines)}</table>")
+            "(hover a word for its weight; uniform = the weight of every word when nothing stands out)</p>"
+            f"<table class='strip'>{''.join(lines)}</table>")
 
 
 # ---------------------------------------------------------------------------------------------- the report
