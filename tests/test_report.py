@@ -323,3 +323,27 @@ def test_a_saved_matrix_is_ranked_instead_of_evaluating_again(tiny, tmp_path):
     with pytest.raises(ParameterError, match="not the test split of"):
         rp.write_report([str(scan), str(sman)], "f30k-1k", tmp_path / "other", sims=str(saved),
                         allow_size_mismatch=True, quiet=True)
+
+
+def test_predicted_trees_are_drawn_beside_the_parsed_one(tmp_path):
+    from types import SimpleNamespace
+
+    from retr.store.trees import write_trees
+
+    entities, relations = ["null", "unknown", "man", "horse", "field"], ["null", "unknown", "ride", "in"]
+    path = write_trees(tmp_path / "trees.h5", ["a#0"], np.array([[2, 0, 0, 2, 3, 3, 4]]), ["(ride man horse)"],
+                       ["ride"], [], SimpleNamespace(entities=entities, relations=relations), {})
+    fs = SimpleNamespace(feature_shape=(36, 8), datasets={}, attrs={"kind": "regions"})
+    member = SimpleNamespace(feature_set=fs, config={"inputs": {"trees": str(path)}})
+    explainer = rp.Explainer(member, ["a"], ["a man rides a horse"], None, None, torch.device("cpu"), ["a#0"])
+    html = explainer.draw_trees([("image_tree_nodes", np.array([3, 0, 0, 2, 2, 0, 4])),
+                                 ("text_tree_nodes", np.array([2, 0, 0, 2, 3, 3, 4]))], rp.Pair(0, 0, "", ""))
+    captions = re.findall(r"<caption>([^<]*)</caption>", html)
+    assert captions == ["parsed (trees.h5)", "predicted: image_tree_nodes", "predicted: text_tree_nodes"]
+    tables = html.split("<table")[1:]
+    names = [re.findall(r"class='(?:ent|rel)'>([^<]*)<", t) for t in tables]
+    assert names[0] == names[2] == ["ride", "null", "in", "man", "null", "horse", "field"]   # R4 R2 R6 E1 E3 E5 E7
+    assert names[1] == ["ride", "null", "null", "horse", "null", "man", "field"]
+    missing = rp.Explainer(SimpleNamespace(feature_set=fs, config={"inputs": {}}), ["a"], ["x"], None, None,
+                           torch.device("cpu"), ["a#0"])
+    assert "not available" in missing.draw_trees([("nodes", np.arange(7))], rp.Pair(0, 0, "", ""))

@@ -358,12 +358,18 @@ class Explainer:
             parts.append("<div class='pair'>"
                          f"<p><b>«{_e(self.captions[pair.caption])}»</b> with image "
                          f"<code>{_e(self.ids[pair.image])}</code> ({_e(pair.why)}; {_e(pair.rank_note)})</p>")
+            trees: list[tuple[str, np.ndarray]] = []          # node-id maps: drawn together, beside the parse
             for n, (name, tensor) in enumerate(maps.items()):
-                parts.append(self.draw_map(name, tensor, tokens, real, pair, f"{tag}-{p}-{n}"))
+                parts.append(self.draw_map(name, tensor, tokens, real, pair, f"{tag}-{p}-{n}", trees))
+            if trees:
+                parts.append("<h4>referral trees <span class='small'>(" + ", ".join(_e(n) for n, _ in trees) +
+                             ")</span></h4>" + self.draw_trees(trees, pair))
             parts.append("</div>")
         return "\n".join(parts)
 
-    def draw_map(self, name: str, tensor, tokens: list[str], real: int, pair: Pair, stem: str) -> str:
+    def draw_map(self, name: str, tensor, tokens: list[str], real: int, pair: Pair, stem: str,
+                 trees: list[tuple[str, np.ndarray]]) -> str:
+        """HTML (and assets) of one map; node-id maps are appended to ``trees`` instead (drawn by the caller)."""
         t = torch.as_tensor(tensor).detach().cpu()
         is_float = t.is_floating_point()
         array = t.double().numpy() if is_float else t.long().numpy()
@@ -373,7 +379,9 @@ class Explainer:
                             self.has_boxes)
         title = f"<h4>{_e(name)} <span class='small'>[{'×'.join(map(str, t.shape))}] — {layout}</span></h4>"
         if layout == "tree":
-            return title + self.draw_trees(array.reshape(-1, 7), pair)
+            rows7 = array.reshape(-1, 7)
+            trees.extend((name if len(rows7) == 1 else f"{name}[{r}]", row) for r, row in enumerate(rows7))
+            return ""
         rows = _rows(array)
         labels = _row_labels(name, rows.shape[0], tokens)
         if layout == "words":
@@ -416,15 +424,19 @@ class Explainer:
     def grid_panel(self, image: int, weights: np.ndarray):
         return draw.grid_heatmap(self.images.canvas(image, PANEL_SIDE), draw.scale_unit(weights))
 
-    def draw_trees(self, nodes: np.ndarray, pair: Pair) -> str:
+    def draw_trees(self, predicted: list[tuple[str, np.ndarray]], pair: Pair) -> str:
+        """The caption's parsed referral tree (the run's trees.h5) beside each predicted one, named from the
+        trees file's dictionaries."""
         trees = self.trees()
         if trees is None:
-            return "<p class='note'>node ids given, but the run's trees.h5 is not available to name them</p>"
+            ids = "; ".join(f"{_e(name)}: {' '.join(map(str, row))}" for name, row in predicted)
+            return ("<p class='note'>node ids given, but the run's trees.h5 is not available to name them</p>"
+                    f"<p class='small'>{ids}</p>")
         key = self.caption_keys[pair.caption]
         parsed = trees.nodes_for([key], missing="null")[0]
-        blocks = [tree_html("parsed (trees.h5)", parsed, trees.entities, trees.relations)]
-        blocks += [tree_html(f"predicted{f' [{r}]' if len(nodes) > 1 else ''}", row, trees.entities, trees.relations)
-                   for r, row in enumerate(nodes)]
+        blocks = [tree_html(f"parsed ({'trees.h5' if key in trees else 'no tree in trees.h5'})", parsed,
+                            trees.entities, trees.relations)]
+        blocks += [tree_html(f"predicted: {name}", row, trees.entities, trees.relations) for name, row in predicted]
         return f"<div class='trees'>{''.join(blocks)}</div>"
 
 
