@@ -225,6 +225,8 @@ class Member:
     checkpoint: Path
     feature_set: object
     records: list = field(default_factory=list)          # metrics.jsonl records (typed)
+    data: object = None                                   # the split (SplitData) through the run's vocabulary
+    manifest: str = ""
 
     @property
     def name(self) -> str:
@@ -244,18 +246,17 @@ def _read_metrics(run: str) -> list[dict]:
         return []
 
 
-def _load_members(runs: Sequence[str], which: str, device: torch.device, trust: bool,
-                  features: str | None) -> list[Member]:
-    from retr.store.features import FeatureSet
+def _load_members(runs: Sequence[str], split: str, which: str, device: torch.device, trust: bool,
+                  features: str | None, manifest: str | None) -> list[Member]:
+    """Each run opened on ``split`` as eval opens it (:func:`retr.trainers.data.open_run_split`)."""
+    from retr.trainers.data import open_run_split
 
     members = []
     for run in runs:
-        model, vocab, config = ckpt.load_run_model(run, which, device, trust=trust)
-        path = features or config.get("features")
-        if not path:
-            raise UserError(f"{run} does not record its features (imported run?); pass --features")
-        members.append(Member(str(run), config, model, vocab, ckpt.resolve_checkpoint(run, which),
-                              FeatureSet(path), _read_metrics(str(run))))
+        opened = open_run_split(run, split, features, manifest, which, device, trust)
+        members.append(Member(str(run), opened.config, opened.model, opened.vocab,
+                              ckpt.resolve_checkpoint(run, which), opened.features, _read_metrics(str(run)),
+                              opened.data, opened.manifest_path))
     return members
 
 
@@ -630,7 +631,6 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
     Sections and options: module docstring."""
     from retr.common.devices import resolve_device
     from retr.manifests.schema import read_manifest, resolve_image_root
-    from retr.trainers.data import load_split
     from retr.trainers.eval_commands import evaluate_runs
     from retr.trainers.evaluation import protocol_metrics
 
@@ -642,12 +642,10 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
     runs = [str(r) for r in runs]
     t0 = time.perf_counter()
     dev = resolve_device(device)
-    members = _load_members(runs, which, dev, trust_checkpoint, features)
-    manifest = manifest or members[0].config.get("manifest")
-    if not manifest:
-        raise UserError(f"{runs[0]} does not record its manifest (imported run?); pass --manifest")
-    data, _ = load_split(manifest, [split], members[0].vocab, members[0].feature_set, missing="error")
-    records = read_manifest(manifest, splits=[split])
+    members = _load_members(runs, split, which, dev, trust_checkpoint, features, manifest)
+    data, manifest_path = members[0].data, members[0].manifest
+    by_id = {r.id: r for r in read_manifest(manifest_path, splits=[split])}
+    records = [by_id[i] for i in data.image_ids]                      # the split's rows, as eval sees them
     caption_keys = [f"{r.id}#{n}" for r in records for n in range(len(r.captions))]
     parts = galleries(protocol, data.num_images, data.caption_image)
 
@@ -677,7 +675,7 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
     region_set = next((m.feature_set for m in members if "image_hw" in m.feature_set.datasets), None)
     image_hw = region_set.read_rows(region_set.rows_of(data.image_ids), "image_hw") if region_set is not None else None
     exif = bool(members[0].feature_set.attrs.get("exif_orientation", False))
-    root = resolve_image_root(manifest, image_root)
+    root = resolve_image_root(manifest_path, image_root)
     images = ImageSource(records, root, image_hw, exif)
 
     # queries
