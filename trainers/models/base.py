@@ -38,6 +38,15 @@ from retr.trainers.losses import BatchRanking, hinge_triplet_loss, in_batch_rank
 Embeddings = dict[str, torch.Tensor]
 
 
+def check_one_pair(images: Embeddings, captions: Embeddings) -> None:
+    """Raise ``ValueError`` unless ``images`` and ``captions`` (encoder outputs) each hold exactly one row: what
+    :meth:`MatchingModel.explain` takes."""
+    for side, embeddings in (("images", images), ("captions", captions)):
+        rows = {int(v.shape[0]) for v in embeddings.values()}
+        if rows != {1}:
+            raise ValueError(f"explain takes one image and one caption (batch 1); {side} has {sorted(rows)} rows")
+
+
 class MatchingModel(nn.Module):
     """Base class: subclasses implement ``encode_images``, ``encode_captions`` and ``score``; everything else
     the loop and the evaluator call is declared here with its default (shapes: module docstring).

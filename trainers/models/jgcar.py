@@ -95,7 +95,7 @@ from retr.trainers.config import embed_size_setting, margin_setting, setting, vi
 from retr.trainers.distributed import world_size
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.optim import PerGroupOptimizer
-from retr.trainers.models.base import Embeddings, MatchingModel
+from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean, masked_softmax
 
 GLOBAL_SIMILARITIES = ("dot", "cosine")
@@ -233,7 +233,13 @@ class CoAttention(nn.Module):
         return torch.cat(out) if out else images["regions"].new_zeros(0)
 
     def _block(self, v, vmask, x, r, s, smask, z, q) -> torch.Tensor:
-        """Scores ``[I, C]`` of every pair of ``I`` images × ``C`` captions, without gathering per pair.
+        """Scores ``[I, C]`` of every pair of ``I`` images × ``C`` captions (:meth:`_block_attention`'s scores)."""
+        return self._block_attention(v, vmask, x, r, s, smask, z, q)[0]
+
+    def _block_attention(self, v, vmask, x, r, s, smask, z, q) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scores ``[I, C]`` of every pair of ``I`` images × ``C`` captions, without gathering per pair, and the
+        co-attention they were computed with: ``a^v`` ``[I, N, C]`` (softmax over the N regions) and ``a^s``
+        ``[C, T, I]`` (softmax over the T words); padded positions have weight 0.
 
         ``V_i Q_j`` for all pairs is one product ``[I, N, d] × [d, C·l]``; ``S_j R_i`` one ``[C·T, d] × [d, I·l]``.
         """
@@ -249,7 +255,7 @@ class CoAttention(nn.Module):
         as_ = masked_softmax(logit_s, smask.unsqueeze(2), dim=1)                                      # [C, T, I]
         v_bar = torch.einsum("inc,ind->icd", av, v)                                                   # [I, C, d]
         s_bar = torch.einsum("cti,ctd->icd", as_, s)                                                  # [I, C, d]
-        return F.cosine_similarity(v_bar, s_bar, dim=-1, eps=1e-8)
+        return F.cosine_similarity(v_bar, s_bar, dim=-1, eps=1e-8), av, as_
 
     def block_scores(self, images: Embeddings, captions: Embeddings, chunk: int = 256,
                      recompute: bool = False) -> torch.Tensor:
@@ -335,9 +341,23 @@ def mine_negatives(sims: torch.Tensor, valid: torch.Tensor, count: int, mode: st
 
 class JGCAR(MatchingModel):
     """JGCAR on VGG-16 14×14 maps (see the module docstring for every equation and choice); settings:
-    :class:`JGCARConfig`."""
+    :class:`JGCARConfig`.
+
+    Attention maps (:meth:`explain`): the parallel co-attention of the pair (Eq. 13), as the paper's Figs. 2–4
+    draw it — the visual map over the cells and the words' weights (whose top 3 the figures name):
+
+    * ``"visual_attention"`` ``[1, N]``: ``a^v`` over the image's real cells (N = 196 for 14×14 maps, raster
+      order), the weights of ``v̄ = Σ a^v V``;
+    * ``"textual_attention"`` ``[1, T]``: ``a^s`` over the caption's real tokens (``<start>``/``<end>`` included,
+      at most ``max_words``: captions are cut there), the weights of ``s̄ = Σ a^s S``.
+
+    Both are softmaxes (sum to 1) and come out of :meth:`CoAttention._block_attention`, the function ``score``
+    computes α = cos(v̄, s̄) with.
+    """
 
     has_global_stage = True
+    #: the attention maps :meth:`explain` returns (class docstring)
+    explains = ("visual_attention", "textual_attention")
 
     def __init__(self, vocab_size: int, img_dim: int = 512, config: "JGCARConfig | None" = None, **settings):
         cfg = self.config = self.settings(JGCARConfig, config, settings)
@@ -408,6 +428,15 @@ class JGCAR(MatchingModel):
         """Co-attentive α of every pair of the block ``[n_img, n_cap]`` (Eq. 11–15): the re-rank score."""
         img, cap = self._sides(images, captions, dtype or images["regions"].dtype)
         return self.coattn.block_scores(img, cap, self.pair_chunk)
+
+    def explain(self, images: Embeddings, captions: Embeddings) -> dict[str, torch.Tensor]:
+        """The co-attention behind ``score`` for one pair, padding dropped (class docstring: names and shapes)."""
+        check_one_pair(images, captions)
+        img, cap = self._sides(images, captions, images["regions"].dtype)
+        _, av, as_ = self.coattn._block_attention(img["regions"], img["mask"], img["X"], img["R"],
+                                                   cap["words"], cap["mask"], cap["Z"], cap["Q"])
+        return {"visual_attention": av[0, :, 0][img["mask"][0]].unsqueeze(0),
+                "textual_attention": as_[0, :, 0][cap["mask"][0]].unsqueeze(0)}
 
     def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor,
                    cap_idx: torch.Tensor, dtype: torch.dtype | None = None, image_block: int = 128) -> torch.Tensor:

@@ -25,10 +25,10 @@ from torch import nn
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
-from retr.trainers.models.base import Embeddings, MatchingModel
+from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import lengths_mask, l2norm
 from retr.trainers.models.text import GRUWordEncoder
-from retr.trainers.models.xattn import AGGREGATIONS, DIRECTIONS, NORMS, xattn_scores
+from retr.trainers.models.xattn import AGGREGATIONS, DIRECTIONS, NORMS, xattn_block
 
 ENCODER_TYPES = ("basic", "weight_norm")
 
@@ -57,7 +57,18 @@ class RegionEncoder(nn.Module):
 
 
 class SCAN(MatchingModel):
-    """SCAN with either formulation (``t2i``: text–image, ``i2t``: image–text); settings: :class:`SCANConfig`."""
+    """SCAN with either formulation (``t2i``: text–image, ``i2t``: image–text); settings: :class:`SCANConfig`.
+
+    Attention maps (:meth:`explain`, one map, the model's direction's; ``L`` = the caption's real tokens,
+    ``<start>``/``<end>`` included, ``K`` = the image's real regions, padding dropped):
+
+    * ``t2i`` → ``"word_to_region"`` ``[L, K]``: row j is word j's attention over the regions, the softmax
+      ``α_j`` whose weighted sum of region vectors is the attended image vector ``a_j`` (rows sum to 1; the
+      paper's Fig. 4);
+    * ``i2t`` → ``"region_to_word"`` ``[K, L]``: row i is region i's attention over the words (rows sum to 1).
+
+    Both come out of :func:`~retr.trainers.models.xattn.xattn_block`, the function ``score`` computes with.
+    """
 
     def __init__(self, vocab_size: int, img_dim: int = 2048, config: "SCANConfig | None" = None, **settings):
         cfg = self.config = self.settings(SCANConfig, config, settings)
@@ -80,9 +91,29 @@ class SCAN(MatchingModel):
     def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Cross-attention similarities ``[n_img, n_cap]``; with ``dtype`` the arithmetic runs in it and the
         aggregation in float64 (the evaluator's exact scoring)."""
-        return xattn_scores(images["regions"], images["mask"].bool(), captions["words"], captions["mask"].bool(),
-                            self.direction, self.norm, self.agg, self.lambda_softmax, self.lambda_lse,
-                            dtype=dtype, agg_dtype=torch.float64 if dtype else None)
+        return self._cross_attention(images, captions, dtype, keep_attention=False)[0]
+
+    def _cross_attention(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None,
+                         keep_attention: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scores ``[n_img, n_cap]``, attention ``[n_img, K, n_cap, L]`` or None): ``score`` and ``explain``."""
+        return xattn_block(images["regions"], images["mask"].bool(), captions["words"], captions["mask"].bool(),
+                           self.direction, self.norm, self.agg, self.lambda_softmax, self.lambda_lse,
+                           dtype=dtype, agg_dtype=torch.float64 if dtype else None, keep_attention=keep_attention)
+
+    @property
+    def explains(self) -> tuple[str, ...]:
+        """``("word_to_region",)`` for t2i, ``("region_to_word",)`` for i2t (class docstring)."""
+        return ("word_to_region",) if self.direction == "t2i" else ("region_to_word",)
+
+    def explain(self, images: Embeddings, captions: Embeddings) -> dict[str, torch.Tensor]:
+        """The attention ``score`` computes for one pair, padding dropped (class docstring: names and shapes)."""
+        check_one_pair(images, captions)
+        _, attention = self._cross_attention(images, captions, None, keep_attention=True)
+        regions, words = images["mask"][0].bool(), captions["mask"][0].bool()
+        weights = attention[0, :, 0][regions][:, words]                          # [K, L]
+        if self.direction == "t2i":
+            return {"word_to_region": weights.t().contiguous()}
+        return {"region_to_word": weights}
 
 
 @dataclass

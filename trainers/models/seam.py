@@ -68,12 +68,14 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
-from retr.trainers.models.base import Embeddings, MatchingModel
+from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean
 from retr.store.vocab import PAD_ID
 
 TEXT_ENCODERS = ("e", "c", "g")
 DEFAULT_HOPS = {"e": 30, "c": 10, "g": 30}
+#: per text encoder, the name of each attention module's map (:meth:`SEAM.explain`), in the modules' order
+ATTENTION_MAPS = {"e": ("hops",), "c": ("bigram_hops", "trigram_hops", "word_hops"), "g": ("hops",)}
 CROP_MODES = ("mean", "random")
 PENALTY_NORMS = ("squared", "plain")
 PADDINGS = ("masked", "authors")
@@ -128,7 +130,9 @@ class MaskedBatchNorm1d(nn.BatchNorm1d):
 
 
 class SEAMTextEncoder(nn.Module):
-    """Caption ``[B, T]`` → ``(vector [B, d] before normalisation, [attention [B, hops, T] per module])``."""
+    """Caption ``[B, T]`` → ``(vector [B, d] before normalisation, [attention [B, hops, T'] per module],
+    mask [B, T'])``: the mask of the positions the modules attend over (T' = T, or T + 1 for SEAM-C's
+    ``padding="authors"`` in evaluation, whose extra ``<pad>`` column is never a real word)."""
 
     def __init__(self, vocab_size: int, kind: str, embed_size: int = 1024, word_dim: int = 300,
                  hops: int | None = None, attention_hidden: int = 300, conv_filters: int = 100,
@@ -158,7 +162,15 @@ class SEAMTextEncoder(nn.Module):
         self.attention = nn.ModuleList(SelfAttention(w, hops, attention_hidden) for w in widths)
         self.fc = _xavier(nn.Linear(sum(widths) * hops, embed_size), zero_bias)
 
-    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                                            torch.Tensor]:
+        views, mask = self.views(tokens, lengths)
+        pooled, attentions = zip(*(attend(v, mask) for attend, v in zip(self.attention, views)))
+        return self.fc(torch.cat(pooled, dim=1)), list(attentions), mask
+
+    def views(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """What the attention modules attend over: one ``[B, T', z]`` per module (E: the word embeddings; C: the
+        bigram and trigram features and the embeddings; G: the GRU outputs), and their mask ``[B, T']``."""
         length = int(lengths.max())
         tokens = tokens[:, :length]
         mask = lengths_mask(lengths.to(tokens.device), length)
@@ -176,8 +188,7 @@ class SEAMTextEncoder(nn.Module):
             packed = pack_padded_sequence(words, lengths.cpu(), batch_first=True, enforce_sorted=False)
             out, _ = self.rnn(packed)
             views = [pad_packed_sequence(out, batch_first=True, total_length=length)[0]]
-        pooled, attentions = zip(*(attend(v, mask) for attend, v in zip(self.attention, views)))
-        return self.fc(torch.cat(pooled, dim=1)), list(attentions)
+        return views, mask
 
     def _authors_conv_views(self, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """SEAM-C's three views with the public code's padding (``padding="authors"``, module docstring).
@@ -199,7 +210,20 @@ class SEAMTextEncoder(nn.Module):
 
 class SEAM(MatchingModel):
     """SEAM-E/C/G on 10-crop features ``[B, 10, D_in]`` (module docstring: equations and decisions); settings:
-    :class:`SEAMConfig`."""
+    :class:`SEAMConfig`.
+
+    Attention maps (:meth:`explain`): the self-attention ``A`` of each attention module over the caption's real
+    tokens (``L``, ``<start>``/``<end>`` included), one row per hop — the matrix whose rows pool the caption's
+    features into ``M = A·H`` (rows sum to 1). The image side has no attention (10-crop vectors).
+
+    * SEAM-E and SEAM-G: ``"hops"`` ``[hops, L]`` (over the word embeddings / the GRU outputs; hops 30);
+    * SEAM-C: ``"bigram_hops"``, ``"trigram_hops"``, ``"word_hops"`` ``[hops, L]`` each (hops 10): the modules
+      over the k=2 convolution (position t: words t−1, t), the k=3 convolution (words t−1 … t+1) and the word
+      embeddings, in the order their outputs are concatenated.
+
+    ``encode_captions`` keeps the weights it pools with (``"attention"``, the modules' hops stacked), so the
+    maps are the ones behind the caption vector ``score`` compares.
+    """
 
     def __init__(self, vocab_size: int, img_dim: int = 4096, config: "SEAMConfig | None" = None, **settings):
         cfg = self.config = self.settings(SEAMConfig, config, settings)
@@ -235,10 +259,26 @@ class SEAM(MatchingModel):
         return {"vector": l2norm(self.img_fc(pooled)).abs()}
 
     def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
-        """``tokens`` [B, T], ``lengths`` [B] → ``{"vector": [B, d], "penalty": [B]}`` (penalty summed over modules)."""
-        vector, attentions = self.txt_enc(tokens, lengths)
+        """``tokens`` [B, T], ``lengths`` [B] → ``{"vector": [B, d], "penalty": [B]}`` (penalty summed over modules),
+        ``"attention"`` [B, modules·hops, T'] (each module's ``A``, stacked in module order) and ``"mask"``
+        [B, T'] (the positions attended over; T' = T, or T + 1 for SEAM-C's authors padding in evaluation)."""
+        vector, attentions, mask = self.txt_enc(tokens, lengths)
         penalty = sum(attention_penalty(a, self.penalty_squared) for a in attentions)
-        return {"vector": l2norm(vector).abs(), "penalty": penalty}
+        return {"vector": l2norm(vector).abs(), "penalty": penalty, "attention": torch.cat(attentions, dim=1),
+                "mask": mask}
+
+    @property
+    def explains(self) -> tuple[str, ...]:
+        """One map per attention module (class docstring)."""
+        return ATTENTION_MAPS[self.text_encoder]
+
+    def explain(self, images: Embeddings, captions: Embeddings) -> dict[str, torch.Tensor]:
+        """The self-attention behind the caption's vector, padding dropped (class docstring: names and shapes)."""
+        check_one_pair(images, captions)
+        words = captions["mask"][0].bool()
+        hops = [a.hops for a in self.txt_enc.attention]
+        rows = captions["attention"][0, :sum(hops)].split(hops, dim=0)
+        return {name: a[:, words] for name, a in zip(self.explains, rows)}
 
     def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Order-violation similarity ``[n_img, n_cap]``: ``−‖max(0, c − i)‖₂`` (squared with ``order_squared``)."""

@@ -72,7 +72,7 @@ from retr.trainers.distributed import scale_grad, world_size
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
-from retr.trainers.models.base import Embeddings, MatchingModel
+from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import EPS, lengths_mask, masked_mean, masked_softmax, cosine
 
 INTRA_PAIR_LEVELS = ("each", "sum")
@@ -137,7 +137,24 @@ class WordEncoder(nn.Module):
 
 
 class SMAN(MatchingModel):
-    """SMAN on grid features ``[B, M, D_in]`` (module docstring: equations and decisions)."""
+    """SMAN on grid features ``[B, M, D_in]`` (module docstring: equations and decisions).
+
+    Attention maps (:meth:`explain`; ``K`` = the image's real grid cells, 49 for a 7×7 grid, raster order;
+    ``L`` = the caption's real tokens, ``<start>``/``<end>`` included; ``S`` = attention steps, 2 with the
+    multi-modal step, else 1), as the paper's Figs. 9–10 draw them (intra-modal, then multi-modal heatmap):
+
+    * ``"visual_attention"`` ``[S, K]``: row 0 the intra-modal weights ``a`` of Eq. 6 (query ``v0``, pooled
+      into ``v1``), row 1 the multi-modal weights of Eq. 14 (query ``o_v`` of this pair, pooled into ``v2``);
+    * ``"textual_attention"`` ``[S, L]``: row 0 the intra-modal weights of Eq. 10 (query ``t0``, pooled into
+      ``t1``), row 1 the multi-modal weights of Eq. 17 (query ``o_t``, pooled into ``t2``).
+
+    Every row is a softmax (sums to 1). Row 0 is the one the encoders computed (``encode_images`` /
+    ``encode_captions`` keep it as ``"attention"``); row 1 comes out of :meth:`_multimodal_attention`, the
+    function ``score`` computes level 2 with.
+    """
+
+    #: the attention maps :meth:`explain` returns (class docstring)
+    explains = ("visual_attention", "textual_attention")
 
     has_global_stage = True
 
@@ -189,7 +206,8 @@ class SMAN(MatchingModel):
 
     # -- encoders (pair-independent) -------------------------------------------------------------------------
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
-        """``features`` [B, M, D_in], ``mask`` [B, M] → ``v0``, ``v1`` [B, d]; ``keys``, ``values`` [B, M, d]; mask.
+        """``features`` [B, M, D_in], ``mask`` [B, M] → ``v0``, ``v1`` [B, d]; ``keys``, ``values`` [B, M, d]; mask;
+        ``attention`` [B, M] (the intra-modal weights ``v1`` pools with, 0 at padded cells).
 
         ``keys``/``values`` (only with the multi-modal step) are ``w_h ⊙ tanh(W2_v I_m)`` and ``P2 I_m``
         without P2's bias: all the multi-modal step needs of the cells.
@@ -202,7 +220,7 @@ class SMAN(MatchingModel):
             v0 = v0 + masked_mean(hidden, mask)
         a1 = self.img_attn1(x, mask, v0)
         v1 = torch.tanh(self.img_proj1(self._pool(a1, x, mask)))
-        out = {"v0": v0, "v1": v1, "mask": mask}
+        out = {"v0": v0, "v1": v1, "mask": mask, "attention": a1}
         if self.multimodal_step:
             out["keys"] = self.img_attn2.keys(x)
             out["values"] = x @ self.img_proj2.weight.t()
@@ -215,12 +233,14 @@ class SMAN(MatchingModel):
         return pooled
 
     def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
-        """``tokens`` [B, L], ``lengths`` [B] → ``t0``, ``t1`` [B, d]; ``words`` S, ``keys`` [B, L', d]; ``mask``."""
+        """``tokens`` [B, L], ``lengths`` [B] → ``t0``, ``t1`` [B, d]; ``words`` S, ``keys`` [B, L', d]; ``mask``;
+        ``attention`` [B, L'] (the intra-modal weights ``t1`` pools with, 0 past each caption)."""
         words = self.txt_enc(tokens, lengths)
         mask = lengths_mask(lengths.to(words.device), words.shape[1])
         t0 = masked_mean(words, mask)
-        t1 = (self.txt_attn1(words, mask, t0).unsqueeze(-1) * words).sum(1)
-        out = {"t0": t0, "t1": t1, "words": words, "mask": mask}
+        a1 = self.txt_attn1(words, mask, t0)
+        t1 = (a1.unsqueeze(-1) * words).sum(1)
+        out = {"t0": t0, "t1": t1, "words": words, "mask": mask, "attention": a1}
         if self.multimodal_step:
             out["keys"] = self.txt_attn2.keys(words)
         return out
@@ -260,7 +280,15 @@ class SMAN(MatchingModel):
 
     def _multimodal(self, images: Embeddings, captions: Embeddings, rows: slice, dtype: torch.dtype,
                     dots: bool) -> torch.Tensor:
-        """Level-2 cosines (or [v·t, ‖v‖², ‖t‖²]) of images ``rows`` × every caption: ``[n_i, n_cap(, 3)]``.
+        """Level-2 cosines (or [v·t, ‖v‖², ‖t‖²]) of images ``rows`` × every caption: ``[n_i, n_cap(, 3)]``
+        (:meth:`_multimodal_attention` without the attention)."""
+        return self._multimodal_attention(images, captions, rows, dtype, dots)[0]
+
+    def _multimodal_attention(self, images: Embeddings, captions: Embeddings, rows: slice, dtype: torch.dtype,
+                              dots: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Level-2 cosines (or [v·t, ‖v‖², ‖t‖²]) of images ``rows`` × every caption: ``[n_i, n_cap(, 3)]``, and
+        the multi-modal attention they were computed with: visual ``[n_i, n_cap, M]`` over the cells and textual
+        ``[n_i, n_cap, L]`` over the words (``score`` keeps the first, ``explain`` the other two).
 
         The attention runs in the parameters' dtype (float64 evaluation scores with a float64 copy of the model,
         :class:`retr.trainers.similarity.Scorer`); the final cosine uses ``dtype``.
@@ -288,8 +316,22 @@ class SMAN(MatchingModel):
         t2 = torch.bmm(weights_t, captions["words"]).transpose(0, 1)               # [n_i, n_c, d]
         v2, t2 = v2.to(dtype), t2.to(dtype)
         if dots:
-            return torch.stack(((v2 * t2).sum(-1), v2.pow(2).sum(-1), t2.pow(2).sum(-1)), -1)
-        return cosine(v2, t2)
+            level = torch.stack(((v2 * t2).sum(-1), v2.pow(2).sum(-1), t2.pow(2).sum(-1)), -1)
+        else:
+            level = cosine(v2, t2)
+        return level, weights, weights_t.transpose(0, 1)
+
+    def explain(self, images: Embeddings, captions: Embeddings) -> dict[str, torch.Tensor]:
+        """The attention behind ``score`` for one pair, padding dropped (class docstring: names and shapes)."""
+        check_one_pair(images, captions)
+        visual, textual = [images["attention"][0]], [captions["attention"][0]]
+        if self.multimodal_step:
+            _, weights, weights_t = self._multimodal_attention(images, captions, slice(0, 1), images["v0"].dtype,
+                                                               dots=False)
+            visual.append(weights[0, 0].to(visual[0].dtype))
+            textual.append(weights_t[0, 0].to(textual[0].dtype))
+        cells, words = images["mask"][0].bool(), captions["mask"][0].bool()
+        return {"visual_attention": torch.stack(visual)[:, cells], "textual_attention": torch.stack(textual)[:, words]}
 
     def configure_optimizer(self, lr: float) -> torch.optim.Optimizer:
         """The paper's Adadelta (lr 0.05, "momentum 0.9" read as Adadelta's decay ρ — Adadelta has no

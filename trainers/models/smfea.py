@@ -59,7 +59,7 @@ from torch import nn
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
                                    word_dim_setting)
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
-from retr.trainers.models.base import Embeddings, MatchingModel
+from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean, masked_softmax
 from retr.trainers.models.concepts import (ConceptAttention, ConceptGCN, consensus_vector, mix_text_labels)
 from retr.trainers.models.scan import RegionEncoder
@@ -98,6 +98,11 @@ class MeanQueryAttention(nn.Module):
         self.bn_query = nn.BatchNorm1d(embed_size) if batch_norm else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``x`` [B, K, d], ``mask`` [B, K] → ``l2norm(Σ α_k x_k)`` [B, d] (:meth:`attend` without the weights)."""
+        return self.attend(x, mask)[0]
+
+    def attend(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` [B, K, d], ``mask`` [B, K] → (``l2norm(Σ α_k x_k)`` [B, d], ``α`` [B, K], 0 where masked)."""
         mean = masked_mean(x, mask)                                                # [B, d]
         if self.normalize_query:
             mean = l2norm(mean, dim=-1)
@@ -115,7 +120,7 @@ class MeanQueryAttention(nn.Module):
             query = self.bn_query(query)
         h = self.dropout(torch.tanh(local)) * self.dropout(torch.tanh(query)).unsqueeze(1)
         alpha = masked_softmax(self.fc_score(h).squeeze(-1), mask)               # [B, K]
-        return l2norm((alpha.unsqueeze(-1) * x).sum(1), dim=-1)
+        return l2norm((alpha.unsqueeze(-1) * x).sum(1), dim=-1), alpha
 
 
 def node_cross_entropy(entity_logits: torch.Tensor, relation_logits: torch.Tensor,
@@ -125,6 +130,14 @@ def node_cross_entropy(entity_logits: torch.Tensor, relation_logits: torch.Tenso
     ce_e = F.cross_entropy(entity_logits.transpose(1, 2), nodes[:, list(ENTITY_SLOTS)], reduction="none")
     ce_r = F.cross_entropy(relation_logits.transpose(1, 2), nodes[:, list(RELATION_SLOTS)], reduction="none")
     return ce_e.sum(1) + ce_r.sum(1)
+
+
+def node_ids(entity_logits: torch.Tensor, relation_logits: torch.Tensor) -> torch.Tensor:
+    """Predicted node ids ``[B, 7]`` long in slot order from a tree's logits [B, 4, E] and [B, 3, R] (argmax)."""
+    pred = torch.empty(entity_logits.shape[0], NUM_NODES, dtype=torch.long, device=entity_logits.device)
+    pred[:, list(ENTITY_SLOTS)] = entity_logits.argmax(-1)
+    pred[:, list(RELATION_SLOTS)] = relation_logits.argmax(-1)
+    return pred
 
 
 def node_kl(image: Embeddings, text: Embeddings) -> torch.Tensor:
@@ -140,7 +153,22 @@ def node_kl(image: Embeddings, text: Embeddings) -> torch.Tensor:
 class SMFEA(MatchingModel):
     """SMFEA: instance + tree + consensus-concept embeddings fused by β, trained with Eq. 20; settings:
     :class:`SMFEAConfig`. ``num_entities``/``num_relations``/``num_concepts`` are the sizes of the run's
-    dictionaries and concept set (:func:`retr.trainers.side_inputs.load_smfea_inputs` reads them)."""
+    dictionaries and concept set (:func:`retr.trainers.side_inputs.load_smfea_inputs` reads them).
+
+    Attention maps (:meth:`explain`; ``K`` = the image's real regions, 36 bottom-up boxes; ``L`` = the caption's
+    real tokens, ``<start>``/``<end>`` included):
+
+    * ``"region_attention"`` ``[K]``: the instance attention ``α`` over the regions (Eq. 1–3), whose weighted
+      sum is the instance feature ``V_D`` every branch starts from (sums to 1);
+    * ``"word_attention"`` ``[L]``: the text side's instance attention over the words (``S_D``; sums to 1);
+    * with trees (``use_trees``): ``"image_tree_nodes"`` and ``"text_tree_nodes"`` ``[7]`` long — the VCS-Tree's
+      and TCS-Tree's predicted node ids in slot order ``[E1 R2 E3 R4 E5 R6 E7]`` (leaves: entity ids, inner
+      nodes: relation ids; the argmax of each node's classifier, the paper's Fig. 4), to show beside the
+      caption's parsed referral tree.
+
+    The encoders keep what they computed the embeddings with (``"attention"``, ``"mask"``, ``"tree_nodes"``),
+    so the maps are the ones behind the fused vectors ``score`` compares.
+    """
 
     batch_extras = ("caption_index",)   # each row's training caption, to look up its tree and image labels
 
@@ -228,6 +256,7 @@ class SMFEA(MatchingModel):
             nodes = tree(instance)
             fused = fused + beta_t * nodes["tree"]
             out["tree"] = nodes["tree"]
+            out["tree_nodes"] = node_ids(nodes["entity_logits"], nodes["relation_logits"])
             if self.training:   # node distributions only feed the training losses; evaluation skips them
                 out["entity_logits"], out["relation_logits"] = nodes["entity_logits"], nodes["relation_logits"]
         if beta_c != 0.0:
@@ -244,19 +273,25 @@ class SMFEA(MatchingModel):
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
         """``features`` [B, K, D_in], ``mask`` [B, K] → ``fused`` [B, d] (+ ``instance``/``tree``/``concept``
-        [B, d]; in training also ``entity_logits`` [B, 4, E], ``relation_logits`` [B, 3, R])."""
+        [B, d]; ``attention`` [B, K] the instance attention and ``mask`` [B, K]; with trees ``tree_nodes`` [B, 7]
+        long, the predicted node ids; in training also ``entity_logits`` [B, 4, E], ``relation_logits`` [B, 3, R])."""
         regions = self.img_enc(features)
-        instance = self.img_attn(regions, mask)
-        return self._branches(instance, self.img_tree if self.use_trees else None, self.img_concept_attn, None)
+        mask = mask.bool()
+        instance, attention = self.img_attn.attend(regions, mask)
+        out = self._branches(instance, self.img_tree if self.use_trees else None, self.img_concept_attn, None)
+        return {**out, "attention": attention, "mask": mask}
 
     def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor,
                         concept_labels: torch.Tensor | None = None) -> Embeddings:
-        """``tokens`` [B, L], ``lengths`` [B] → as :meth:`encode_images`. ``concept_labels`` [B, C] replaces the
-        caption's own labels (training with ``train_text_labels="image"`` only)."""
+        """``tokens`` [B, L], ``lengths`` [B] → as :meth:`encode_images` (``attention``/``mask`` [B, L'] over the
+        words). ``concept_labels`` [B, C] replaces the caption's own labels (training with
+        ``train_text_labels="image"`` only)."""
         words = self.txt_enc(tokens, lengths)
-        instance = self.txt_attn(words, lengths_mask(lengths.to(words.device), words.shape[1]))
+        mask = lengths_mask(lengths.to(words.device), words.shape[1])
+        instance, attention = self.txt_attn.attend(words, mask)
         labels = concept_labels if concept_labels is not None else self.caption_concept_labels(tokens, lengths)
-        return self._branches(instance, self.txt_tree if self.use_trees else None, self.txt_concept_attn, labels)
+        out = self._branches(instance, self.txt_tree if self.use_trees else None, self.txt_concept_attn, labels)
+        return {**out, "attention": attention, "mask": mask}
 
     def index_vectors(self, embeddings: Embeddings, side: str) -> torch.Tensor:
         """The fused vector ``[n, d]`` (``score`` is the inner product of the fused vectors)."""
@@ -266,6 +301,21 @@ class SMFEA(MatchingModel):
         """Cosine of the fused vectors ``[n_img, n_cap]``."""
         dtype = dtype or images["fused"].dtype
         return images["fused"].to(dtype) @ captions["fused"].to(dtype).t()
+
+    @property
+    def explains(self) -> tuple[str, ...]:
+        """The attention maps, and with trees the predicted node ids (class docstring)."""
+        maps = ("region_attention", "word_attention")
+        return maps + ("image_tree_nodes", "text_tree_nodes") if self.use_trees else maps
+
+    def explain(self, images: Embeddings, captions: Embeddings) -> dict[str, torch.Tensor]:
+        """The attention behind the fused vectors of one pair, padding dropped (class docstring)."""
+        check_one_pair(images, captions)
+        out = {"region_attention": images["attention"][0][images["mask"][0].bool()],
+               "word_attention": captions["attention"][0][captions["mask"][0].bool()]}
+        if self.use_trees:
+            out["image_tree_nodes"], out["text_tree_nodes"] = images["tree_nodes"][0], captions["tree_nodes"][0]
+        return out
 
     # ---------------------------------------------------------------------------------------------- loss
     def loss(self, scores: torch.Tensor, images: Embeddings | None = None, captions: Embeddings | None = None,
@@ -332,9 +382,12 @@ class SMFEA(MatchingModel):
                       mask: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
                       lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted node ids ``[B, 7]`` (slot order) of the image tree (``features``/``mask``) or the text
-        tree (``tokens``/``lengths``)."""
+        tree (``tokens``/``lengths``); given ``embeddings`` (either encoder's output), the ids its tree
+        predicted (``"tree_nodes"``)."""
         if not self.use_trees:
             raise ValueError("this SMFEA was trained without trees")
+        if embeddings is not None:
+            return embeddings["tree_nodes"]
         if features is not None:
             instance = self.img_attn(self.img_enc(features), mask)
             tree = self.img_tree
@@ -343,10 +396,7 @@ class SMFEA(MatchingModel):
             instance = self.txt_attn(words, lengths_mask(lengths.to(words.device), words.shape[1]))
             tree = self.txt_tree
         out = tree(instance)
-        pred = torch.empty(instance.shape[0], NUM_NODES, dtype=torch.long, device=instance.device)
-        pred[:, list(ENTITY_SLOTS)] = out["entity_logits"].argmax(-1)
-        pred[:, list(RELATION_SLOTS)] = out["relation_logits"].argmax(-1)
-        return pred
+        return node_ids(out["entity_logits"], out["relation_logits"])
 
 
 # ------------------------------------------------------------------------------------------------ settings

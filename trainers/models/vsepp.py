@@ -28,7 +28,10 @@ from retr.trainers.models.text import GRUSentenceEncoder
 
 
 class VSEPP(MatchingModel):
-    """VSE++ on any feature kind; settings: :class:`VSEPPConfig`."""
+    """VSE++ on any feature kind; settings: :class:`VSEPPConfig`.
+
+    No attention maps: both sides are pooled without weights (a mean, or a GRU's last state), so ``explains``
+    is empty and :meth:`explain` raises ``NotImplementedError``."""
 
     def __init__(self, vocab_size: int, img_dim: int = 2048, config: "VSEPPConfig | None" = None, **settings):
         cfg = self.config = self.settings(VSEPPConfig, config, settings)

@@ -26,6 +26,10 @@ Precision: everything runs in ``dtype`` (default: the inputs'); the aggregation 
 ``agg_dtype`` (the evaluator's fast pass uses float32 work with float64 aggregation, then rescores the pairs
 that decide ranks in float64 throughout: :mod:`retr.trainers.similarity`).
 
+Attention: :func:`xattn_block` is the scoring function; with ``keep_attention`` it also returns the weights
+``α`` of every pair of the block (SCAN's ``explain`` reads one pair's), and :func:`xattn_scores` is it with the
+weights dropped — the scores and the maps come from one computation and cannot disagree.
+
 Speed (no gradient needed, i.e. evaluation): the block is scored in chunks of about ``CHUNK_ELEMENTS`` entries of
 ``D`` so the ``[I, K, C, L]`` temporaries stay in the CPU's L2/L3 cache, the chunk's temporaries are updated in
 place, and float32 products go through :func:`retr.trainers.gemm.dot_products`. With gradients the same
@@ -111,19 +115,24 @@ def _block_dots(regions, rmask, words, wmask):
             None if wmask is None else wmask.view(1, 1, n_cap, length))
 
 
-def _t2i(regions, rmask, gram, words, word_norm, wmask, norm, lambda_softmax, inplace) -> torch.Tensor:
-    """Relevance ``R`` [I, C, L] of each word to its attended image vector (words attend to regions)."""
+def _t2i(regions, rmask, gram, words, word_norm, wmask, norm, lambda_softmax,
+         inplace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Relevance ``R`` [I, C, L] of each word to its attended image vector (words attend to regions), and the
+    attention ``α`` [I, K, C, L] (softmax over the regions, axis 1) it was computed with."""
     dots, region_axis, word_axis = _block_dots(regions, rmask, words, wmask)
     n_img, k, n_cap, length = dots.shape
     alpha = _attention(dots, word_axis, region_axis, 3, 1, norm, lambda_softmax, inplace)
     along = (dots.mul_(alpha) if inplace else dots * alpha).sum(dim=1)         # e_j · a_j   [I, C, L]
     g_alpha = torch.bmm(gram, alpha.view(n_img, k, n_cap * length)).view(n_img, k, n_cap, length)
     attended_sq = (g_alpha.mul_(alpha) if inplace else g_alpha * alpha).sum(dim=1)   # ‖a_j‖²  [I, C, L]
-    return along / (word_norm.view(1, n_cap, length) * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
+    rel = along / (word_norm.view(1, n_cap, length) * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
+    return rel, alpha
 
 
-def _i2t(regions, rmask, region_norm, words, wmask, gram, norm, lambda_softmax, inplace) -> torch.Tensor:
-    """Relevance ``R`` [I, K, C] of each region to its attended caption vector (regions attend to words)."""
+def _i2t(regions, rmask, region_norm, words, wmask, gram, norm, lambda_softmax,
+         inplace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Relevance ``R`` [I, K, C] of each region to its attended caption vector (regions attend to words), and the
+    attention ``α`` [I, K, C, L] (softmax over the words, axis 3) it was computed with."""
     dots, region_axis, word_axis = _block_dots(regions, rmask, words, wmask)
     n_img, k, n_cap, length = dots.shape
     alpha = _attention(dots, region_axis, word_axis, 1, 3, norm, lambda_softmax, inplace)
@@ -132,7 +141,8 @@ def _i2t(regions, rmask, region_norm, words, wmask, gram, norm, lambda_softmax, 
     h_alpha = torch.bmm(alpha_c, gram)                                            # gram is symmetric
     attended_sq = (h_alpha.mul_(alpha_c) if inplace else h_alpha * alpha_c).sum(dim=2)   # ‖a_i‖²  [C, I·K]
     attended_sq = attended_sq.view(n_cap, n_img, k).permute(1, 2, 0)
-    return along / (region_norm.view(n_img, k, 1) * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
+    rel = along / (region_norm.view(n_img, k, 1) * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
+    return rel, alpha
 
 
 def _chunks(total: int, step: int):
@@ -151,6 +161,24 @@ def xattn_scores(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.
         direction: ``t2i`` (words attend to regions, aggregate over words) or ``i2t`` (the reverse).
         dtype: dtype of the products and attention (default: the inputs').
         agg_dtype: dtype of the relevance aggregation over the query axis (default: ``dtype``).
+    """
+    return xattn_block(regions, region_mask, words, word_mask, direction, norm, agg, lambda_softmax, lambda_lse,
+                       dtype, agg_dtype, keep_attention=False)[0]
+
+
+def xattn_block(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
+                direction: str = "t2i", norm: str = "clipped_l2norm", agg: str = "lse",
+                lambda_softmax: float = 9.0, lambda_lse: float = 6.0,
+                dtype: torch.dtype | None = None, agg_dtype: torch.dtype | None = None,
+                keep_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`xattn_scores` (arguments as there) and, with ``keep_attention``, the attention weights the scores
+    were computed from: ``α`` ``[n_img, K, n_cap, L]`` in ``dtype`` (else None).
+
+    ``α[i, k, c, j]`` is, for ``t2i``, the weight of region k in word j's attended image vector (a softmax over
+    k: each real word's weights over the real regions sum to 1); for ``i2t``, the weight of word j in region k's
+    attended caption vector (a softmax over j). Padded regions (t2i) / words (i2t) have weight 0; the rows of
+    padded queries are meaningless. :func:`xattn_scores` is this function with the attention dropped, so the
+    weights are the very ones behind the scores (SCAN's ``explain``).
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r} (expected t2i or i2t)")
@@ -171,34 +199,41 @@ def xattn_scores(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.
     wmask = None if bool(word_mask.all()) else word_mask
     needs_grad = torch.is_grad_enabled() and (regions.requires_grad or words.requires_grad)
     inplace = not needs_grad
+    attention = regions.new_empty(n_img, k, n_cap, length) if keep_attention else None
 
     def part(mask: torch.Tensor | None, index: slice) -> torch.Tensor | None:
         return None if mask is None else mask[index]
+
+    def keep(i: slice, c: slice, alpha: torch.Tensor) -> None:
+        if attention is not None:
+            attention[i, :, c] = alpha.detach()
 
     if direction == "t2i":
         gram = regions @ regions.transpose(1, 2)                                  # [I, K, K]
         word_norm = words.norm(dim=-1)                                            # [C, L]
 
         def chunk(i: slice, c: slice) -> torch.Tensor:
-            rel = _t2i(regions[i], part(rmask, i), gram[i], words[c], word_norm[c], part(wmask, c), norm,
-                       lambda_softmax, inplace)
+            rel, alpha = _t2i(regions[i], part(rmask, i), gram[i], words[c], word_norm[c], part(wmask, c), norm,
+                              lambda_softmax, inplace)
+            keep(i, c, alpha)
             return _aggregate(rel.to(agg_dtype), word_mask[c].unsqueeze(0), 2, agg, lambda_lse)
     else:
         gram = words @ words.transpose(1, 2)                                      # [C, L, L]
         region_norm = regions.norm(dim=-1)                                        # [I, K]
 
         def chunk(i: slice, c: slice) -> torch.Tensor:
-            rel = _i2t(regions[i], part(rmask, i), region_norm[i], words[c], part(wmask, c), gram[c], norm,
-                       lambda_softmax, inplace)
+            rel, alpha = _i2t(regions[i], part(rmask, i), region_norm[i], words[c], part(wmask, c), gram[c], norm,
+                              lambda_softmax, inplace)
+            keep(i, c, alpha)
             return _aggregate(rel.to(agg_dtype), region_mask[i].unsqueeze(-1), 1, agg, lambda_lse)
 
     everything = slice(None)
     if needs_grad:
-        return chunk(everything, everything)
+        return chunk(everything, everything), attention
     img_step = min(n_img, 16)
     cap_step = max(1, CHUNK_ELEMENTS // (img_step * k * max(1, length)))
     out = torch.empty(n_img, n_cap, dtype=agg_dtype, device=regions.device)
     for i in _chunks(n_img, img_step):
         for c in _chunks(n_cap, cap_step):
             out[i, c] = chunk(i, c)
-    return out
+    return out, attention
