@@ -10,6 +10,10 @@
   ``i``-th caption of the manifest). The file is indexed once (byte offsets), so a 600K-sentence file is not
   held in memory.
 
+:meth:`ParserBackend.detect_scheme` says which dependency label scheme the parses use
+(:mod:`retr.parsers.schemes`): a CoNLL-U file's labels are counted while it is indexed, so detection costs no
+second pass; stanza needs none (its English models produce UD v2).
+
 Both return one :class:`ParseOutcome` per caption: a sentence, or the reason there is none (no sentence for
 this key, text differs from the caption, the parser failed on it). Outcomes never raise for a single bad
 caption, so the stage records it and goes on.
@@ -26,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 from retr.common.devices import resolve_device
 from retr.common.errors import MissingResourceError, ParameterError, UserError
+from retr.parsers.schemes import Detection, LabelEvidence
 
 STANZA_PROCESSORS = "tokenize,pos,lemma,depparse,constituency"
 STANZA_PROCESSORS_NO_CONSTITUENCY = "tokenize,pos,lemma,depparse"
@@ -65,6 +70,10 @@ class ParserBackend(ABC):
     @abstractmethod
     def describe(self) -> str:
         """Provenance recorded in ``trees.h5`` (``backend`` attribute)."""
+
+    def detect_scheme(self) -> Detection | None:
+        """The label scheme of the parses, ``None`` when the backend produces UD v2 by construction."""
+        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -118,17 +127,20 @@ class ConlluBackend(ParserBackend):
             ``"key"`` or ``"order"``.
         check_text: compare each sentence's ``# text`` (or its words) with the caption after
             :func:`normalize_caption`; a difference is recorded as that caption's failure.
+        detect: count the labels while indexing, for :meth:`detect_scheme` (the whole file, one pass).
     """
 
     name = "conllu"
 
-    def __init__(self, path: str | os.PathLike, match: str = "auto", check_text: bool = True):
+    def __init__(self, path: str | os.PathLike, match: str = "auto", check_text: bool = True,
+                 detect: bool = True):
         self.path = Path(path)
         if not self.path.is_file():
             raise UserError(f"CoNLL-U file {self.path} does not exist")
         if match not in ("auto", "key", "order"):
             raise ParameterError(f"match must be auto, key or order, not {match!r}", "match")
         self.check_text = check_text
+        self.evidence = LabelEvidence() if detect else None
         self.blocks = self._index()
         if not self.blocks:
             raise UserError(f"{self.path} holds no CoNLL-U sentences")
@@ -156,13 +168,16 @@ class ConlluBackend(ParserBackend):
         blocks: list[_Block] = []
         start, sent_id, text, has_rows = None, None, None, False
         offset = 0
+        evidence, rows = self.evidence, []
         with open(self.path, "rb") as handle:
             for raw in handle:
                 line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                 if not line.strip():
                     if start is not None and has_rows:
                         blocks.append(_Block(start, offset - start, sent_id, text))
-                    start, sent_id, text, has_rows = None, None, None, False
+                        if evidence is not None:
+                            evidence.add(rows)
+                    start, sent_id, text, has_rows, rows = None, None, None, False, []
                 else:
                     if start is None:
                         start = offset
@@ -174,10 +189,23 @@ class ConlluBackend(ParserBackend):
                             text = body.split("=", 1)[1].strip()
                     else:
                         has_rows = True
+                        if evidence is not None:
+                            cols = line.split("\t", 8)
+                            if len(cols) > 7 and cols[0].isdigit():  # not a range (1-2) or empty node (1.1)
+                                rows.append((cols[0], cols[3], cols[6], cols[7]))
                 offset += len(raw)
         if start is not None and has_rows:
             blocks.append(_Block(start, offset - start, sent_id, text))
+            if evidence is not None:
+                evidence.add(rows)
         return blocks
+
+    def detect_scheme(self) -> Detection | None:
+        """The label scheme of the whole file (counted while indexing; :func:`retr.parsers.schemes.detect_scheme`)."""
+        if self.evidence is None:
+            self.evidence = LabelEvidence()
+            self._index()
+        return self.evidence.detect()
 
     def describe(self) -> str:
         return f"conllu:{self.path.name} (matched by {self.match})"

@@ -12,11 +12,19 @@
    (``train`` + ``restval``) trees — or read from ``--dictionaries`` — and ``<out>`` (``trees.h5``) is
    written atomically with the ids. The shards stay as the parse cache: running again with other
    dictionaries or sizes re-encodes without re-parsing.
+
+Before the tree rules run, each parsed sentence is converted to UD v2 (:mod:`retr.parsers.schemes`): the label
+scheme is detected from the CoNLL-U file's labels (``--scheme auto``) or given (``--scheme ud2|ud1|sd|
+clearnlp``); an unknown scheme is refused in one line naming the unexpected labels. The scheme is part of a
+shard's identity; the conversions applied are counted per shard and summed in the summary and in ``trees.h5``
+(``scheme``, ``conversions``). A sentence that cannot be converted is that caption's failure, with the reason.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -33,14 +41,18 @@ from retr.parsers.backends import (CaptionItem, ConlluBackend, ParserBackend, St
 from retr.parsers.dictionaries import (DEFAULT_NUM_ENTITIES, DEFAULT_NUM_RELATIONS, NULL_ID, UNKNOWN_ID,
                                        Dictionaries, build_dictionaries, load_dictionaries)
 from retr.parsers.referral_tree import (VERB_PREP_STYLES, ReferralTree, TreeBuilder, TreeRules)
+from retr.parsers.schemes import (SCHEME_CHOICES, ConversionError, SchemeChoice, SchemeConverter, choose_scheme,
+                                  conversion_summary)
 from retr.store.trees import parse_shard_name, read_parse_shard, write_parse_shard, write_trees
 
 DEFAULT_SHARD_SIZE = 5000
 DEFAULT_BATCH_SIZE = 64
 DICTIONARY_SPLITS = ("train", "restval")
 #: Shard attributes that must match the current run for a finished shard to be reused.
-_IDENTITY = ("manifest_sha256", "backend_kind", "rules", "shard_index", "num_shards", "first_caption",
+_IDENTITY = ("manifest_sha256", "backend_kind", "rules", "scheme", "shard_index", "num_shards", "first_caption",
              "stop_caption")
+#: what a shard written before label schemes existed was read as
+_SHARD_DEFAULTS = {"scheme": "ud2"}
 
 
 @dataclass
@@ -56,10 +68,13 @@ class ParseTreesSummary:
     entity_known: float  # share of non-null entity slots with a dictionary id (not unknown)
     relation_known: float
     unmatched_parses: list[str] = field(default_factory=list)
+    scheme: SchemeChoice = field(default_factory=lambda: SchemeChoice("ud2", "stanza"))
+    conversions: dict[str, int] = field(default_factory=dict)  # conversion name → count, over every shard
 
     def lines(self) -> list[str]:
         lines = [f"wrote {self.trees} trees for {self.captions} captions to {self.out} "
                  f"({len(self.failures)} failures; shards parsed {self.shards_parsed}, reused {self.shards_reused})",
+                 f"scheme {self.scheme.describe()}; converted to UD v2: {conversion_summary(self.conversions)}",
                  f"dictionaries: {self.num_entities} entities, {self.num_relations} relations "
                  f"(null = {NULL_ID}, unknown = {UNKNOWN_ID}); known slots: entities {100 * self.entity_known:.1f}%, "
                  f"relations {100 * self.relation_known:.1f}%"]
@@ -89,9 +104,10 @@ def shard_folder(out: str | os.PathLike) -> Path:
     return out.with_name(out.name + ".shards")
 
 
-def _parse_shard(backend: ParserBackend, builder: TreeBuilder, items: Sequence[CaptionItem], batch_size: int,
-                 bar) -> tuple[list[str], list[str], list[tuple[str, str]]]:
-    keys, candidates, failures = [], [], []
+def _parse_shard(backend: ParserBackend, converter: SchemeConverter, builder: TreeBuilder,
+                 items: Sequence[CaptionItem], batch_size: int, bar
+                 ) -> tuple[list[str], list[str], list[tuple[str, str]], Counter]:
+    keys, candidates, failures, conversions = [], [], [], Counter()
     for start in range(0, len(items), batch_size):
         batch = items[start:start + batch_size]
         for item, outcome in zip(batch, backend.parse(batch)):
@@ -99,26 +115,40 @@ def _parse_shard(backend: ParserBackend, builder: TreeBuilder, items: Sequence[C
                 failures.append((item.key, outcome.error or "no parse"))
                 continue
             try:
-                tree = builder.build(outcome.sentence)
+                sentence, applied = converter.convert(outcome.sentence)
+            except ConversionError as exc:
+                failures.append((item.key, f"cannot convert from {converter.scheme} to UD v2: {exc}"))
+                continue
+            conversions.update(applied)
+            try:
+                tree = builder.build(sentence)
             except Exception as exc:  # noqa: BLE001 — a malformed parse is this caption's failure
                 failures.append((item.key, f"tree rules failed ({type(exc).__name__}: {exc})"))
                 continue
             keys.append(item.key)
             candidates.append(tree.to_json())
         bar.update(len(batch))
-    return keys, candidates, failures
+    return keys, candidates, failures, conversions
+
+
+def resolve_scheme(backend: ParserBackend, scheme: str = "auto") -> SchemeChoice:
+    """The scheme to read ``backend``'s parses as: ``scheme`` (``auto``: detected; unknown → one-line
+    :class:`UserError`)."""
+    source = str(backend.path) if isinstance(backend, ConlluBackend) else backend.describe()
+    return choose_scheme(scheme, backend.detect_scheme(), source)
 
 
 def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend: ParserBackend, *,
                     dictionaries: str | os.PathLike | None = None, num_entities: int = DEFAULT_NUM_ENTITIES,
                     num_relations: int = DEFAULT_NUM_RELATIONS, min_count: int = 1,
                     rules: TreeRules | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
-                    batch_size: int = DEFAULT_BATCH_SIZE, quiet: bool = True, restart: bool = False
-                    ) -> ParseTreesSummary:
+                    batch_size: int = DEFAULT_BATCH_SIZE, quiet: bool = True, restart: bool = False,
+                    scheme: str = "auto") -> ParseTreesSummary:
     """Parse every caption of ``manifest`` into ``out`` (``trees.h5``); see the module docstring.
 
     ``restart`` deletes the parse shards of an earlier run first (otherwise finished shards are reused and
-    shards of a different run are refused).
+    shards of a different run are refused). ``scheme``: the parses' label scheme, ``auto`` (detected) or one of
+    :data:`retr.parsers.schemes.SCHEMES`; every sentence is converted to UD v2 before the tree rules.
     """
     if shard_size < 1 or batch_size < 1:
         raise UserError("--shard-size and --batch-size must be at least 1")
@@ -132,9 +162,11 @@ def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend
     if isinstance(backend, ConlluBackend):
         backend.check_count(len(items))
         unmatched = backend.unmatched_keys({item.key for item in items})
+    choice = resolve_scheme(backend, scheme)
+    converter = SchemeConverter(choice.scheme)
     reused_dictionaries = load_dictionaries(dictionaries) if dictionaries is not None else None
     identity = {"manifest_sha256": manifest_sha256(manifest), "backend_kind": backend.name,
-                "rules": rules.to_json()}
+                "rules": rules.to_json(), "scheme": choice.scheme}
     num_shards = math.ceil(len(items) / shard_size)
     folder = shard_folder(out)
     if restart and folder.is_dir():
@@ -160,14 +192,16 @@ def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend
             path = folder / parse_shard_name(r, num_shards)
             shard = done.get(r)
             if shard is not None:
-                differs = [k for k in _IDENTITY if str(shard.attrs.get(k)) != str(expected[k])]
+                differs = [k for k in _IDENTITY
+                           if str(shard.attrs.get(k, _SHARD_DEFAULTS.get(k))) != str(expected[k])]
                 if differs:
                     raise UserError(f"{path} was made by another run (its {differs[0]} differs); delete {folder} "
                                     "to start over (or pass --restart)")
                 reused += 1
             else:
-                keys, candidates, failures = _parse_shard(backend, builder, items[first:stop], batch_size, bar)
-                attrs = dict(expected, backend=backend.describe())
+                keys, candidates, failures, applied = _parse_shard(backend, converter, builder, items[first:stop],
+                                                                   batch_size, bar)
+                attrs = dict(expected, backend=backend.describe(), conversions=json.dumps(dict(applied)))
                 write_parse_shard(path, keys, candidates, failures, attrs)
                 shard = read_parse_shard(path)
                 parsed += 1
@@ -175,6 +209,9 @@ def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend
     keys = [k for s in shards for k in s.keys]
     trees = [ReferralTree.from_json(c) for s in shards for c in s.candidates]
     failures = [f for s in shards for f in s.failures]
+    conversions: Counter = Counter()
+    for s in shards:
+        conversions.update(json.loads(s.attrs.get("conversions") or "{}"))
     if reused_dictionaries is not None:
         dicts, source = reused_dictionaries, str(dictionaries)
     else:
@@ -191,9 +228,11 @@ def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend
     write_trees(out, keys, nodes, text, [t.to_json() for t in trees], failures, dicts, {
         "manifest_sha256": identity["manifest_sha256"], "backend": "; ".join(backends), "rules": rules.to_json(),
         "dictionaries_source": source, "num_failures": len(failures), "shard_size": shard_size,
-        "conllu_unmatched": len(unmatched)})
+        "conllu_unmatched": len(unmatched), "scheme": choice.scheme, "scheme_how": choice.describe(),
+        "conversions": json.dumps(dict(conversions), sort_keys=True)})
     return ParseTreesSummary(out, len(items), len(keys), failures, parsed, reused, len(dicts.entities),
-                             len(dicts.relations), *_known_shares(nodes), unmatched_parses=unmatched)
+                             len(dicts.relations), *_known_shares(nodes), unmatched_parses=unmatched,
+                             scheme=choice, conversions=dict(conversions))
 
 
 def _known_shares(nodes: np.ndarray) -> tuple[float, float]:
@@ -217,6 +256,10 @@ def _backend(conllu: str | None, stanza_dir: str | None, match: str, device: str
 
 
 def _parser_options(f):
+    f = click.option("--scheme", type=click.Choice(SCHEME_CHOICES), default="auto", show_default=True,
+                     help="dependency labels of the parses: auto (detected from the CoNLL-U file's labels), ud2, "
+                          "ud1 (UD v1), sd (Stanford basic dependencies) or clearnlp (ClearNLP / spaCy "
+                          "English); converted to UD v2 before the tree rules.")(f)
     f = click.option("--no-constituency", "no_constituency", is_flag=True,
                      help="stanza: skip the constituency parser (the tree rules read dependencies only).")(f)
     f = click.option("--device", default="auto", show_default=True, help="stanza: auto, cpu, cuda or cuda:N.")(f)
@@ -247,12 +290,13 @@ def _parser_options(f):
 @click.option("--batch-size", default=DEFAULT_BATCH_SIZE, show_default=True, help="captions per parser call.")
 @click.option("--restart", is_flag=True, help="discard the parse shards of an earlier run and parse again.")
 @quiet_option
-def parse_trees_command(manifest, out, verb_prep, conllu, stanza_dir, match, device, no_constituency,
+def parse_trees_command(manifest, out, verb_prep, conllu, stanza_dir, match, device, no_constituency, scheme,
                         dictionaries, num_entities, num_relations, min_count, shard_size, batch_size, restart,
                         quiet):
     """Parse every caption of a manifest into a referral tree [E1 R2 E3 R4 E5 R6 E7] (trees.h5).
 
-    Sharded under OUT.shards/ and resumable: run the same command again after an interruption.
+    Sharded under OUT.shards/ and resumable: run the same command again after an interruption. Parses in UD
+    v1, Stanford basic dependencies or ClearNLP labels are detected and converted to UD v2 (--scheme).
 
     \b
     Example:
@@ -260,12 +304,14 @@ def parse_trees_command(manifest, out, verb_prep, conllu, stanza_dir, match, dev
           --conllu data/synthetic/captions.conllu --out data/synthetic/trees.h5
       retr-pipeline parse-trees --manifest data/f30k/manifest.jsonl --stanza-dir ~/stanza_resources \\
           --dictionaries data/coco/trees.h5 --out data/f30k/trees.h5
+      retr-pipeline parse-trees --manifest data/coco/manifest.jsonl --conllu stanford_parser.conll \\
+          --scheme sd --out data/coco/trees.h5
     """
     backend = _backend(conllu, stanza_dir, match, device, not no_constituency)
     summary = run_parse_trees(manifest, out, backend, dictionaries=dictionaries, num_entities=num_entities,
                               num_relations=num_relations, min_count=min_count,
                               rules=TreeRules(verb_prep=verb_prep), shard_size=shard_size,
-                              batch_size=batch_size, quiet=quiet, restart=restart)
+                              batch_size=batch_size, quiet=quiet, restart=restart, scheme=scheme)
     for line in summary.lines():
         click.echo(line)
 
@@ -276,7 +322,8 @@ def parse_trees_command(manifest, out, verb_prep, conllu, stanza_dir, match, dev
 @click.option("--key", help="CoNLL-U: take the sentence with this sent_id instead of matching TEXT.")
 @click.option("--dictionaries", type=click.Path(dir_okay=False),
               help="also show the ids in these dictionaries (a trees.h5 or JSON).")
-def show_tree_command(text, verb_prep, conllu, stanza_dir, match, device, no_constituency, key, dictionaries):
+def show_tree_command(text, verb_prep, conllu, stanza_dir, match, device, no_constituency, scheme, key,
+                      dictionaries):
     """Print the referral tree of one caption TEXT (bracketed, slot by slot, and drawn).
 
     With --conllu, TEXT is looked up in the file (or give --key instead of TEXT).
@@ -291,6 +338,7 @@ def show_tree_command(text, verb_prep, conllu, stanza_dir, match, device, no_con
     if not text and not (key and conllu):
         raise UserError("give the caption TEXT (or --key KEY with --conllu FILE)")
     backend = _backend(conllu, stanza_dir, match, device, not no_constituency)
+    choice = resolve_scheme(backend, scheme)
     if isinstance(backend, ConlluBackend):
         sentence = backend.find_key(key) if key else backend.find_text(text)
         if sentence is None:
@@ -300,12 +348,17 @@ def show_tree_command(text, verb_prep, conllu, stanza_dir, match, device, no_con
         if outcome.sentence is None:
             raise UserError(outcome.error or "stanza returned no sentence")
         sentence = outcome.sentence
-    tree = TreeBuilder(TreeRules(verb_prep=verb_prep)).build(sentence)
+    try:
+        converted, applied = SchemeConverter(choice.scheme).convert(sentence)
+    except ConversionError as exc:
+        raise UserError(f"cannot convert this sentence from {choice.scheme} to UD v2: {exc}") from None
+    tree = TreeBuilder(TreeRules(verb_prep=verb_prep)).build(converted)
     text = text or sentence.text or " ".join(w.text for w in sentence.words)
     click.echo(f"caption  {text}")
     click.echo(f"tree     {tree.bracketed()}")
     click.echo("slots    " + "  ".join(f"{name}={label}" for name, label in
                                        zip(("E1", "R2", "E3", "R4", "E5", "R6", "E7"), tree.labels())))
+    click.echo(f"scheme   {choice.describe()}; converted to UD v2: {conversion_summary(applied)}")
     if dictionaries:
         dicts: Dictionaries = load_dictionaries(dictionaries)
         ids = dicts.encode(tree)

@@ -3,7 +3,8 @@
 CoNLL-U files are handed between stages (the synthetic dataset's gold ``captions.conllu``, parses made
 elsewhere) and read by ``parse-trees`` and ``build-concepts``. The synthetic generator writes rows of this type
 (:mod:`retr.manifests.synthetic`) and the referral-tree rules read parsed words as rows of this type
-(:class:`retr.parsers.referral_tree.DependencySentence`); reading a file is left to stanza's CoNLL-U reader.
+(:class:`retr.parsers.referral_tree.DependencySentence`); reading a file is left to stanza's CoNLL-U reader. Sentences converted from another label scheme
+(:mod:`retr.parsers.schemes`) are lists of these rows.
 """
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ class ConlluRow:
     feats: str
     head: int
     deprel: str
+
+    @property
+    def text(self) -> str:
+        """The form, under stanza's name for it (so a row can stand for a stanza ``Word``)."""
+        return self.form
 
     def line(self) -> str:
         """The row as a tab-separated CoNLL-U line (10 columns, no newline)."""
