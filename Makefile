@@ -72,8 +72,12 @@ demo: $(STAMP)
 	@echo "== results =="
 	$(BIN)/retr-train table $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp $(DEMO_DIR)/runs/smfea $(DEMO_DIR)/runs/sman $(DEMO_DIR)/runs/seam $(DEMO_DIR)/runs/jgcar
 
+# From nothing to features: a missing dataset is fetched (coco) or generated (synthetic: random weights, no
+# network), missing weights are downloaded, then every extractor runs. Offline (RETR_OFFLINE=1) a missing
+# dataset or missing weights stop it in one line naming the command to run. EXTRACT_FLAGS="--device cuda --half".
+EXTRACT_FLAGS ?=
 extract: $(STAMP)
-	$(BIN)/retr-pipeline extract-preset $(DATASET)
+	$(BIN)/retr-pipeline extract-preset $(DATASET) $(EXTRACT_FLAGS)
 
 clean-demo:
 	rm -rf $(DEMO_DIR)

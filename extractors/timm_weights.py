@@ -7,10 +7,12 @@ ends in the global average pool, ``[B, 1536]``. ``weights`` takes one of
 * ``imagenet`` — the default tag (:data:`TIMM_DEFAULT_TAG`), or a tag timm lists for the architecture
   (``tf_ens_adv_in1k``, also written ``inception_resnet_v2.tf_ens_adv_in1k``). timm keeps downloaded weights in
   the Hugging Face cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, default ``~/.cache/huggingface/hub``), in a
-  folder ``models--timm--<arch>.<tag>``. retr never downloads: it reads ``model.safetensors`` (or
-  ``pytorch_model.bin``) from that folder, or fails in one line naming the folder and the command that fills it
-  on a connected machine — ``python -c "import timm; timm.create_model('inception_resnet_v2', pretrained=True)"``
-  — after which the folder is copied over (or the file is passed as ``--weights PATH``).
+  folder ``models--timm--<arch>.<tag>``. retr reads ``model.safetensors`` (or ``pytorch_model.bin``) from that
+  folder; when it is not there it is downloaded on first use with ``huggingface_hub.hf_hub_download`` (what
+  timm itself calls: the hub's own cache, progress and checks; ``HF_ENDPOINT`` names a hub mirror). Offline
+  (``RETR_OFFLINE=1``) it fails in one line naming the folder and the command that fills it on a connected
+  machine — ``retr-pipeline fetch-weights inception_resnet_v2`` — after which the folder is copied over (or the
+  file is passed as ``--weights PATH``).
 * ``random`` — timm's own initialisation under :data:`~retr.extractors.weights.RANDOM_SEED`. Tests and demos.
 * a path: a ``.safetensors`` file (what the cache holds; nothing in it can execute) or a ``torch.save`` state
   dict (read with ``weights_only=True`` like every torchvision state-dict file; ``state_dict``/``model`` nesting
@@ -31,6 +33,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.common.hashing import sha256_file
 from retr.extractors.weights import RANDOM_SEED, LoadedWeights, first_line, load_checked, read_state_dict
@@ -104,6 +107,39 @@ def cached_hub_file(repo_id: str) -> Path | None:
     return None
 
 
+def fetch_timm_weights(arch: str, tag: str = TIMM_DEFAULT_TAG, quiet: bool = False) -> Path:
+    """The cached weight file of ``arch.tag``, downloaded into the Hugging Face cache first when absent (unless
+    offline: then the one-line :class:`MissingResourceError` naming ``retr-pipeline fetch-weights ARCH``)."""
+    cfg = _pretrained_cfg(arch, tag)
+    found = cached_hub_file(cfg.hf_hub_id)
+    if found is not None:
+        return found
+    folder = hf_hub_cache() / ("models--" + cfg.hf_hub_id.replace("/", "--"))
+    if is_offline():
+        python = f"python -c \"import timm; timm.create_model('{arch}.{tag}', pretrained=True)\""
+        run = (f"run retr-pipeline fetch-weights {arch} on a connected machine (or {python})"
+               if tag == TIMM_DEFAULT_TAG else f"on a connected machine run {python}")
+        raise MissingResourceError(
+            f"timm weights {arch}.{tag} ({HUB_FILES[0]})", str(folder),
+            f"{run} and copy {folder.name} into {folder.parent} (HF_HUB_CACHE or HF_HOME name another cache), or "
+            f"pass --weights PATH to its {HUB_FILES[0]}")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+    if quiet:
+        disable_progress_bars()
+    try:
+        path = Path(hf_hub_download(cfg.hf_hub_id, HUB_FILES[0], cache_dir=hf_hub_cache()))
+    except Exception as exc:  # noqa: BLE001 - connection, HTTP and hub errors come in many types
+        raise UserError(f"could not download {HUB_FILES[0]} of {cfg.hf_hub_id} from the Hugging Face hub into "
+                        f"{folder} ({type(exc).__name__}: {first_line(exc)[:200]}); run again, or set HF_ENDPOINT to "
+                        f"a hub mirror") from None
+    finally:
+        if quiet:
+            enable_progress_bars()
+    return path
+
+
 def build_timm_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] = (),
                         **builder_options) -> tuple[nn.Module, LoadedWeights]:
     """timm's headless ``arch`` (output: the global pool) in eval mode with ``weights`` loaded.
@@ -125,15 +161,7 @@ def build_timm_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] 
         source = path
         state, name, attrs = read_weights_file(path), f"sha256:{sha256_file(path)}", {"weights_file": path.name}
     elif tag in weight_tags(arch):
-        cfg = _pretrained_cfg(arch, tag)
-        found = cached_hub_file(cfg.hf_hub_id)
-        if found is None:
-            folder = hf_hub_cache() / ("models--" + cfg.hf_hub_id.replace("/", "--"))
-            raise MissingResourceError(
-                f"timm weights {arch}.{tag} ({HUB_FILES[0]})", str(folder),
-                f"on a connected machine run python -c \"import timm; timm.create_model('{arch}.{tag}', "
-                f"pretrained=True)\" and copy {folder.name} into {folder.parent} (HF_HUB_CACHE or HF_HOME name "
-                f"another cache), or pass --weights PATH to its {HUB_FILES[0]}")
+        found = fetch_timm_weights(arch, tag)
         source = found
         state, name = read_weights_file(found), f"timm/{arch}.{tag}"
         attrs = {"weights_file": found.name, "weights_revision": found.parent.name}

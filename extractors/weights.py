@@ -4,9 +4,12 @@
 
 * ``imagenet`` — the backbone's ``IMAGENET1K_V1`` enum (the original ImageNet weights, the ones the papers'
   era used; ResNet-152 also has ``IMAGENET1K_V2``, selectable by that name). torchvision keeps downloaded
-  weights in ``<torch hub dir>/checkpoints/`` (``$TORCH_HOME/hub``, default ``~/.cache/torch/hub``). retr
-  never downloads: when the file is not in the cache it fails in one line naming the file, the folder and the
-  URL to fetch on a connected machine. A cached file is loaded with torchvision's own loader (hash checked).
+  weights in ``<torch hub dir>/checkpoints/`` (``$TORCH_HOME/hub``, default ``~/.cache/torch/hub``). A file not
+  in the cache is downloaded on first use through torchvision's own loader (``torch.hub``: progress, the
+  sha256 prefix in the file name checked, written under a temporary name and moved into place) — or, with a
+  mirror (``RETR_MIRROR``), from ``MIRROR/<file name>`` by :func:`retr.common.downloads.download` with the same
+  hash check. Offline (``RETR_OFFLINE=1``) it fails in one line naming the file, the folder, the URL and
+  ``retr-pipeline fetch-weights ARCH``. A cached file is loaded with torchvision's own loader (hash checked).
 * an enum member name, e.g. ``IMAGENET1K_V2`` or ``ResNet152_Weights.IMAGENET1K_V2`` — as above;
 * ``random`` — torchvision's own initialisation under a fixed seed (:data:`RANDOM_SEED`, recorded in the
   feature set), so every rank and every re-run builds the same network. For tests and the demo only;
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 from torchvision import models as tvm
 
+from retr.common.downloads import SOURCES, download, is_offline, mirror_base
 from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.common.hashing import sha256_file
 
@@ -89,13 +94,7 @@ def build_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] = (),
         loaded = LoadedWeights("random", {"weights_seed": RANDOM_SEED}, IMAGENET_MEAN, IMAGENET_STD)
     elif is_enum_spec(weights) and not Path(weights).exists():
         member = imagenet_weights(arch, weights)
-        cached = hub_checkpoint_path(member.url)
-        if not cached.is_file():
-            raise MissingResourceError(
-                f"ImageNet weights {type(member).__name__}.{member.name} ({cached.name})", str(cached.parent),
-                f"on a connected machine download {member.url} into that folder (or run python -c "
-                f"\"import torchvision; torchvision.models.{arch}(weights='{member.name}')\"), set TORCH_HOME to "
-                f"use another cache, or pass --weights PATH")
+        cached = fetch_imagenet_weights(arch, weights)
         check_hub_hash(cached, member.url)
         model = _skeleton(builder)
         state = member.get_state_dict(progress=False)
@@ -114,6 +113,48 @@ def build_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] = (),
         loaded = LoadedWeights(f"sha256:{sha256_file(path)}", {"weights_file": path.name}, IMAGENET_MEAN,
                                IMAGENET_STD)
     return model.eval(), loaded
+
+
+def missing_imagenet_error(arch: str, member: tvm.Weights) -> MissingResourceError:
+    """The one-line error for ImageNet weights absent from torchvision's cache while offline."""
+    cached = hub_checkpoint_path(member.url)
+    return MissingResourceError(
+        f"ImageNet weights {type(member).__name__}.{member.name} ({cached.name})", str(cached.parent),
+        f"run retr-pipeline fetch-weights {arch} on a connected machine (it downloads {member.url} into that "
+        f"folder; RETR_OFFLINE is set, so retr does not here) and copy the file over, set TORCH_HOME to use "
+        f"another cache, or pass --weights PATH")
+
+
+def fetch_imagenet_weights(arch: str, spec: str = "imagenet", quiet: bool = False,
+                           mirror: str | None = None) -> Path:
+    """The cached file of ``arch``'s torchvision weights ``spec``, downloaded first when it is not cached.
+
+    Without a mirror the download is torchvision's own (``WeightsEnum.get_state_dict(check_hash=True)``:
+    torch.hub's downloader, hash prefix checked); with one (argument, else ``RETR_MIRROR``) it is
+    ``MIRROR/<file name>`` through :func:`retr.common.downloads.download` with the same check. Offline, a
+    missing file is :func:`missing_imagenet_error`; a failed download is one :class:`UserError`.
+    """
+    member = imagenet_weights(arch, spec)
+    cached = hub_checkpoint_path(member.url)
+    if cached.is_file():
+        return cached
+    if is_offline():
+        raise missing_imagenet_error(arch, member)
+    mirror = mirror or mirror_base()
+    if mirror:
+        known = next((s for s in SOURCES.values() if s.url == member.url), None)
+        download(f"{mirror.rstrip('/')}/{cached.name}", cached, size=known.size if known else None,
+                 sha256=known.sha256 if known else None, what=f"ImageNet weights {cached.name}",
+                 validate=lambda path: check_hub_hash(path, member.url, name=cached.name), quiet=quiet)
+        return cached
+    try:   # torch.hub prints "Downloading: URL to PATH"; its bar only on a terminal (a log gets no redraws)
+        member.get_state_dict(progress=not quiet and sys.stderr.isatty(), check_hash=True)
+    except Exception as exc:  # noqa: BLE001 - URLError, HTTPError, hash mismatch (RuntimeError), disk errors…
+        raise UserError(f"could not download {member.url} into {cached.parent} ({type(exc).__name__}: "
+                        f"{first_line(exc)}); run again (torchvision restarts the file), or set RETR_MIRROR") from None
+    if not cached.is_file():
+        raise UserError(f"torchvision reported {member.url} downloaded but {cached} is not there")
+    return cached
 
 
 def _skeleton(builder: Callable[..., nn.Module]) -> nn.Module:
@@ -136,13 +177,14 @@ def _materialise_leftovers(model: nn.Module) -> None:
                     setattr(module, name, real)
 
 
-def check_hub_hash(path: Path, url: str) -> None:
-    """Check a cached file against the SHA-256 prefix in its name (``resnet152-394f9c45.pth``).
+def check_hub_hash(path: Path, url: str, name: str | None = None) -> None:
+    """Check a cached file against the SHA-256 prefix in its name (``resnet152-394f9c45.pth``; ``name`` when
+    the file is still under another name, e.g. a ``.partial`` download).
 
     torch.hub checks that prefix only while downloading; a file copied into the cache by hand (or cut short)
     is checked here, so a damaged file is reported as such instead of as a state-dict mismatch.
     """
-    match = torch.hub.HASH_REGEX.search(path.name)
+    match = torch.hub.HASH_REGEX.search(name or path.name)
     if match is None:
         return
     digest = sha256_file(path)
@@ -157,15 +199,29 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def numpy_array_globals() -> list:
+    """What unpickling NumPy arrays needs (array reconstruction, dtypes, scalars): allowed in a weights-only
+    ``torch.load`` of files that hold arrays instead of tensors (detectron2-era checkpoints). Nothing of it runs
+    code: it rebuilds arrays from bytes."""
+    import numpy as np
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:  # NumPy < 2
+        from numpy.core.multiarray import _reconstruct, scalar
+    return [_reconstruct, scalar, np.ndarray, np.dtype] + [getattr(np.dtypes, n) for n in dir(np.dtypes)
+                                                            if n.endswith("DType")]
+
+
 def load_torch_file(path: str | os.PathLike, what: str = "a PyTorch state dict", weights_only: bool = True,
-                    trust_parameter: str | None = None):
+                    trust_parameter: str | None = None, numpy_arrays: bool = False):
     """``torch.load(path)`` onto the CPU with every failure one :class:`UserError` and torch's warnings kept off
     the terminal (e.g. the two-line note about a pickle protocol it did not expect: the outcome is what counts).
 
     With ``weights_only`` (the default) nothing in the file is executed; a file it refuses is either a
     ``torch.save`` file holding other Python objects, or no ``torch.save`` file at all (a plain ``pickle.dump``).
     The message says which, and what to do: re-save it as tensors, or — where the caller offers it
-    (``trust_parameter``, e.g. ``trust_checkpoint``) — trust the file.
+    (``trust_parameter``, e.g. ``trust_checkpoint``) — trust the file. ``numpy_arrays`` also accepts NumPy
+    arrays in a weights-only load (:func:`numpy_array_globals`).
     """
     path = Path(path)
     try:
@@ -178,6 +234,9 @@ def load_torch_file(path: str | os.PathLike, what: str = "a PyTorch state dict",
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
+            if weights_only and numpy_arrays:
+                with torch.serialization.safe_globals(numpy_array_globals()):
+                    return torch.load(path, map_location="cpu", weights_only=True)
             return torch.load(path, map_location="cpu", weights_only=weights_only)
         except pickle.UnpicklingError as exc:
             if not weights_only:

@@ -2,8 +2,10 @@
 
 * :class:`StanzaBackend` — a stanza pipeline (tokenize, pos, lemma, depparse and, by default, constituency)
   loaded from a local model folder (``--stanza-dir``, else ``$STANZA_RESOURCES_DIR``, else stanza's default
-  folder), never downloading; captions are sent in batches as one text with a blank line between captions
-  and ``tokenize_no_ssplit``, so each caption is exactly one sentence; CPU or CUDA.
+  folder); models missing from the folder are downloaded into it on first use (:func:`fetch_parser_models`)
+  unless ``RETR_OFFLINE=1``, which keeps the one-line missing-models error; captions are sent in batches as
+  one text with a blank line between captions and ``tokenize_no_ssplit``, so each caption is exactly one
+  sentence; CPU or CUDA.
 * :class:`ConlluBackend` — sentences parsed elsewhere, in a CoNLL-U file read with stanza's own CoNLL-U
   reader (``# constituency =`` comments included). Sentences are matched to captions by ``# sent_id =
   <image id>#<caption index>`` or, when the file has no ``sent_id`` at all, by order (sentence ``i`` ↔ the
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from retr.common.devices import resolve_device
+from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.parsers.schemes import Detection, LabelEvidence
 
@@ -365,7 +368,10 @@ class StanzaBackend(ParserBackend):
     def _load(self, source: str) -> Callable[[str], Any]:
         folder = self.folder
         if not (folder / "resources.json").is_file() or not (folder / STANZA_LANGUAGE).is_dir():
-            raise missing_models_error(folder, source)
+            if is_offline():
+                raise missing_models_error(folder, source)
+            # first use on a connected machine: stanza's own download into the folder, then load as usual
+            fetch_parser_models(folder, constituency=self.processors == STANZA_PROCESSORS)
         import stanza
 
         try:

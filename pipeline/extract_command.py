@@ -1,4 +1,11 @@
-"""``retr-pipeline extract`` (one extractor) and ``retr-pipeline extract-preset`` (every extractor of a dataset)."""
+"""``retr-pipeline extract`` (one extractor) and ``retr-pipeline extract-preset`` (every extractor of a dataset).
+
+``extract-preset`` goes from nothing to feature sets (what ``make extract DATASET=…`` runs): when the preset's
+manifest is missing it fetches the dataset (``coco``; ``f30k`` needs its gated images first) or generates it
+(``synthetic``); it then fetches every missing weight file the extractors need, and extracts. Offline
+(``--offline`` / ``RETR_OFFLINE=1``) a missing dataset or missing weights stop it before anything runs, in ONE
+line naming the command that fetches them.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,9 +14,12 @@ from typing import Any
 import click
 
 from retr.common.cli import LazyChoice, error_message, quiet_option
-from retr.common.errors import ParameterError, RetrError, UserError
+from retr.common.downloads import is_offline
+from retr.common.errors import MissingResourceError, ParameterError, RetrError, UserError
 from retr.manifests.schema import read_manifest
 from retr.pipeline.butd_options import butd_options
+from retr.pipeline.fetch_commands import (EXTRACTOR_WEIGHTS, apply_network_options, ensure_weights,
+                                          network_options, weights_items)
 
 
 # torch (behind the extractors and the stage) is imported when an extraction runs or its choices are listed,
@@ -31,7 +41,8 @@ def _run_options(f):
     options = [
         click.option("--weights", default=None,
                      help="imagenet | a torchvision weight name (e.g. IMAGENET1K_V2) | random | PATH to a state "
-                          "dict. Default: the extractor's own (imagenet for the torchvision backbones)."),
+                          "dict. Default: the extractor's own (imagenet for the torchvision backbones), "
+                          "downloaded on first use unless --offline."),
         click.option("--batch-size", type=int, default=8, show_default=True, help="Images per network call."),
         click.option("--workers", type=int, default=2, show_default=True,
                      help="DataLoader processes decoding images while the network runs (0: decode in-process)."),
@@ -47,6 +58,7 @@ def _run_options(f):
         click.option("--allow-outside-root", is_flag=True,
                      help="Read manifest paths that leave the image root (absolute, or '..' above it); by "
                           "default they are recorded in errors, unread."),
+        network_options,
         quiet_option,
     ]
     for option in reversed(options):
@@ -87,12 +99,14 @@ def _builder_options(weights: str | None, device: str, half: bool, **specific: A
 def extract_command(manifest: Path, name: str, out: Path, shard_index: int | None, image_size: int | None,
                     grid_size: int | None, exif_orientation: bool, weights: str | None, batch_size: int,
                     workers: int, device: str, half: bool, dtype: str, num_shards: int | None,
-                    image_root: Path | None, allow_outside_root: bool, quiet: bool, **butd: Any) -> None:
+                    image_root: Path | None, allow_outside_root: bool, offline: bool, mirror: str | None,
+                    quiet: bool, **butd: Any) -> None:
     """Extract one feature set from the images of a manifest (sharded, resumable).
 
     Writes OUT/NAME/shard-RRRRR-of-WWWWW.h5 (each renamed into place when complete) and, once every shard
     exists, the index OUT/NAME.h5. Re-running skips complete shards. Images that cannot be read are listed
-    in the feature set's errors and the run goes on. Under torchrun, rank r of w takes shard r.
+    in the feature set's errors and the run goes on. Under torchrun, rank r of w takes shard r. Default
+    weights not yet cached are downloaded on first use (see retr-pipeline fetch-weights), unless --offline.
 
     \b
     Example:
@@ -101,6 +115,7 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
       torchrun --nproc-per-node 2 --no-python retr-pipeline extract \\
           --manifest data/coco/manifest.jsonl --extractor vgg16-maps --out data/coco/features
     """
+    apply_network_options(offline, mirror)
     options = _builder_options(weights, device, half, image_size=image_size, grid_size=grid_size,
                                exif_orientation=exif_orientation, **butd)
     summary = extract_features(manifest, name, out, image_root=image_root, options=options, batch_size=batch_size,
@@ -120,35 +135,55 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
 def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None, only: tuple[str, ...],
                            weights: str | None, batch_size: int, workers: int, device: str, half: bool, dtype: str,
                            num_shards: int | None, image_root: Path | None, allow_outside_root: bool,
-                           quiet: bool) -> None:
+                           offline: bool, mirror: str | None, quiet: bool) -> None:
     """Run every extractor of a dataset preset (coco, f30k, synthetic) into its features folder, in turn.
 
-    An extractor that is not available in this installation is reported and skipped; one that fails
-    (e.g. missing weights) is reported in one line and the others still run; the exit status is non-zero
-    if any failed.
+    From nothing to features: when the preset's manifest is missing, coco is fetched first (retr-pipeline
+    fetch-data coco: images, splits, manifest), f30k asks for its gated images (fetch-data f30k --images-zip),
+    synthetic is generated (240 images; extracted with random weights at the demo's CPU sizes, no network).
+    Then every missing weight file is downloaded (retr-pipeline fetch-weights), and the extractors run.
+    With --offline (or RETR_OFFLINE=1) a missing dataset or missing weights stop it before anything runs, in
+    one line naming the command to run on a connected machine.
+
+    An extractor that is not available in this installation is reported and skipped; one that fails is
+    reported in one line and the others still run; the exit status is non-zero if any failed.
 
     \b
     Example:
       retr-pipeline extract-preset coco --device cuda
-      retr-pipeline extract-preset synthetic --weights random --only vgg16-maps
+      retr-pipeline extract-preset synthetic --only vgg16-maps
     """
     from retr.manifests.presets import get_preset
 
+    apply_network_options(offline, mirror)
     preset = get_preset(dataset, images=image_root, manifest=manifest, features=out)
-    if not read_manifest(preset.manifest):  # a bad manifest is one error here, not one per extractor
+    if manifest is None and not preset.manifest.exists():
+        _make_dataset(preset, mirror, quiet)
+    records = read_manifest(preset.manifest)
+    if not records:  # a bad manifest is one error here, not one per extractor
         raise UserError(f"manifest {preset.manifest} has no images")
+    if manifest is None:
+        _check_images(preset, records)
     names = list(only) if only else list(preset.extractors)
     registered = available_extractors()
     unknown = [n for n in only if n not in preset.extractors and n not in registered]
     if unknown:
         raise UserError(f"unknown extractor {unknown[0]!r} (the {dataset} preset runs {', '.join(preset.extractors)})")
+    runnable = [name for name in names if name in registered]
+    plans = {name: _preset_options(preset, name, weights) for name in runnable}
+    needed = sorted({EXTRACTOR_WEIGHTS[name] for name, (w, _) in plans.items()
+                     if name in EXTRACTOR_WEIGHTS and w in (None, "imagenet")})
+    if needed:   # every missing weight file at once: offline, one line for all of them
+        ensure_weights(weights_items(needed), quiet=quiet, mirror=mirror,
+                       echo=lambda line: None if quiet else click.echo(line, err=True))
     failed = []
     for name in names:
         if name not in registered:
             click.echo(f"{name}: not available yet in this installation (no extractor registered under that name); "
                        f"skipped")
             continue
-        options = _builder_options(weights, device, half)
+        name_weights, specific = plans[name]
+        options = _builder_options(name_weights, device, half, **specific)
         try:
             summary = extract_features(preset.manifest, name, preset.features, image_root=preset.images,
                                        options=options, batch_size=batch_size, workers=workers,
@@ -161,3 +196,54 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
         click.echo(summary.line())
     if failed:
         raise UserError(f"{len(failed)} of {len(names)} extractors failed: {', '.join(failed)}")
+
+
+def _preset_options(preset, name: str, weights: str | None) -> tuple[str | None, dict[str, Any]]:
+    """``(weights, other builder options)`` of one extractor: the flag's weights, else the preset's; the
+    preset's other options (the synthetic preset's sizes)."""
+    specific = dict(preset.extract_options.get(name, {}))
+    preset_weights = specific.pop("weights", None)
+    return (weights if weights is not None else preset_weights), specific
+
+
+def _make_dataset(preset, mirror: str | None, quiet: bool) -> None:
+    """The preset's manifest is missing: generate (synthetic) or fetch (coco, f30k) the dataset, or say in one
+    line which command does."""
+    if preset.generated:
+        from retr.manifests.presets import SYNTHETIC_IMAGES
+        from retr.manifests.synthetic import generate_synthetic
+
+        folder = preset.manifest.parent
+        if preset.manifest.name != "manifest.jsonl":
+            raise UserError(f"manifest {preset.manifest} does not exist; run retr-pipeline synth --out FOLDER and "
+                            f"point RETR_SYNTHETIC_MANIFEST at FOLDER/manifest.jsonl")
+        click.echo(f"{preset.manifest} does not exist: generating the synthetic dataset ({SYNTHETIC_IMAGES} images) "
+                   f"in {folder}", err=True)
+        generate_synthetic(folder, num_images=SYNTHETIC_IMAGES, seed=0)
+        return
+    if not preset.fetchable:
+        raise UserError(f"manifest {preset.manifest} does not exist")
+    from retr.manifests.fetch import fetch_dataset
+
+    command = f"retr-pipeline fetch-data {preset.name}" + (" --images-zip FILE" if preset.name == "f30k" else "")
+    if is_offline():
+        raise MissingResourceError(f"the {preset.name} dataset (manifest {preset.manifest.name})",
+                                   str(preset.manifest.parent),
+                                   f"run {command} on a connected machine (RETR_OFFLINE is set, so retr does not "
+                                   f"download here) and copy {preset.manifest.parent} over")
+    click.echo(f"{preset.manifest} does not exist: fetching {preset.name} ({command})", err=True)
+    summary = fetch_dataset(preset.name, mirror=mirror, quiet=quiet,
+                            echo=lambda line: None if quiet else click.echo(line, err=True))
+    click.echo(summary.line(), err=True)
+
+
+def _check_images(preset, records, probe: int = 20) -> None:
+    """One line when none of the first ``probe`` images of the preset's manifest is on disk (every extractor
+    would record them all as errors); names fetch-data for a fetchable preset."""
+    root = preset.images
+    if any((root / r.path).is_file() for r in records[:probe]):
+        return
+    how = (f"; run retr-pipeline fetch-data {preset.name}" + (" --images-zip FILE" if preset.name == "f30k" else "")
+           if preset.fetchable else "; give the image folder with --image-root")
+    raise UserError(f"none of the first {min(probe, len(records))} images of {preset.manifest} is under {root} "
+                    f"(e.g. {records[0].path}){how}")

@@ -8,6 +8,10 @@ import pytest
 
 # Two cores are shared by everything in CI: keep BLAS/torch from oversubscribing them.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Tests never use the internet: retr downloads missing weights and data on first use, so every test runs offline
+# (missing resources are the one-line errors) unless it serves its files itself (tests/local_server.py) and
+# turns this off with monkeypatch.
+os.environ["RETR_OFFLINE"] = "1"
 
 
 def grid_attrs(**overrides):

@@ -287,7 +287,9 @@ def test_extract_preset_runs_every_available_extractor(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert [c[0] for c in calls] == ["resnet152-grid", "vgg16-maps", "tencrop-vgg19", "tencrop-resnet152"]
     assert all(c[1:4] == (tmp_path / "m.jsonl", tmp_path / "f", tmp_path / "img") for c in calls)
-    assert all(c[4] == {"device": "cpu", "weights": "random"} for c in calls)
+    # the synthetic preset extracts at the demo's CPU sizes (grid/maps from 224 px, ten 64-px crops)
+    assert [c[4] for c in calls] == [{"device": "cpu", "weights": "random", "image_size": size}
+                                     for size in (224, 224, 64, 64)]
     assert "butd-regions: not available yet" in result.output and "tencrop-vgg19: done" in result.output
 
 

@@ -119,8 +119,8 @@ def test_missing_weights_are_one_line_with_the_command_that_fetches_them(tmp_pat
     folder = tmp_path / "hub" / "models--timm--inception_resnet_v2.tf_in1k"
     message = str(caught.value)
     assert message == (f"timm weights inception_resnet_v2.tf_in1k (model.safetensors) not found (looked in {folder}); "
-                       "on a connected machine run python -c \"import timm; timm.create_model("
-                       "'inception_resnet_v2.tf_in1k', pretrained=True)\" and copy "
+                       "run retr-pipeline fetch-weights inception_resnet_v2 on a connected machine (or python -c "
+                       "\"import timm; timm.create_model('inception_resnet_v2.tf_in1k', pretrained=True)\") and copy "
                        f"models--timm--inception_resnet_v2.tf_in1k into {tmp_path / 'hub'} (HF_HUB_CACHE or HF_HOME "
                        "name another cache), or pass --weights PATH to its model.safetensors")
     monkeypatch.delenv("HF_HUB_CACHE")

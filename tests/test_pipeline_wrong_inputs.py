@@ -105,6 +105,10 @@ def _slots(good=None):
                                    "folder"),
         "import-tsv TSV": (lambda x: ["import-tsv", x, "--out", out / "s", "--quiet"], None),
         "import-npz FOLDER": (lambda x: ["import-npz", x, "--out", out / "s", "--quiet"], "folder"),
+        "fetch-data --root": (lambda x: ["fetch-data", "coco", "--root", x, "--quiet"], "folder"),
+        "fetch-data --images-zip": (lambda x: ["fetch-data", "f30k", "--root", out / "f30k", "--images-zip", x,
+                                               "--quiet"], None),
+        "fetch-weights --stanza-dir": (lambda x: ["fetch-weights", "stanza", "--stanza-dir", x], "folder"),
     }
 
 

@@ -9,9 +9,15 @@
   ndarray}, "__author__": …}`` in detectron2's own layout, mapped here to the Caffe layout by
   :func:`airsplay_to_caffe`.
 
-Safety: ``.pth`` files are read with ``torch.load(weights_only=True)``; ``.pkl`` files with an unpickler that
-accepts only NumPy arrays, dtypes, dicts and plain values. A file that needs more (arbitrary Python objects)
-loads only with ``trust_checkpoint=True``, for files from a trusted source.
+Safety: ``.pth`` files are read with ``torch.load(weights_only=True)`` (NumPy arrays allowed besides tensors:
+detectron2-era files often hold arrays); ``.pkl`` files with an unpickler that accepts only NumPy arrays,
+dtypes, dicts and plain values. A file that needs more (arbitrary Python objects) loads only with
+``trust_checkpoint=True``, for files from a trusted source.
+
+Download: :func:`fetch_checkpoint` fetches the MILVLG R101-k36 file (``SOURCES["butd"]`` in
+:mod:`retr.common.downloads`) with resume and an atomic rename; neither publisher gives a hash, so before the
+rename the file must be as long as the server said and load key for key, shape for shape
+(:func:`check_checkpoint_file`). The extractor records the file's sha256 in every feature set.
 
 Completeness: missing or unexpected keys and shape mismatches are reported with the first few names, and a
 load with missing keys is refused unless ``allow_partial=True``.
@@ -29,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from retr.common.downloads import SOURCES, fetch_source
 from retr.common.errors import MissingResourceError, UserError
 from retr.extractors.butd.heads import NUM_ATTRIBUTE_CLASSES, NUM_OBJECT_CLASSES
 from retr.extractors.weights import load_torch_file
@@ -36,9 +43,9 @@ from retr.extractors.weights import load_torch_file
 #: keys of the MILVLG/detectron2 files that carry nothing this model learns (ignored, reported)
 IGNORED_KEYS = re.compile(r"^(pixel_mean|pixel_std|proposal_generator\.anchor_generator\.cell_anchors\.\d+)$")
 #: where the weights come from, for the "missing file" message
-WEIGHTS_HOW = ("download bua-caffe-frcn-r101-k36.pth from the MILVLG/bottom-up-attention.pytorch model zoo "
-               "(or faster_rcnn_from_caffe_attr.pkl from airsplay/py-bottom-up-attention) and pass its path "
-               "to --weights")
+WEIGHTS_HOW = ("run retr-pipeline fetch-weights butd on a connected machine (it downloads "
+               "bua-caffe-frcn-r101-k36.pth from the MILVLG/bottom-up-attention.pytorch model zoo), or download "
+               "faster_rcnn_from_caffe_attr.pkl from airsplay/py-bottom-up-attention, and pass its path to --weights")
 NUM_ANCHORS = 12
 _ANCHOR_RATIOS, _ANCHOR_SCALES = 3, 4
 
@@ -101,7 +108,7 @@ def read_airsplay_pickle(path: str | Path, trust_checkpoint: bool = False) -> di
 def read_pth(path: str | Path, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
     """The state dict of a ``.pth`` file (bare, or under ``"model"``/``"state_dict"``)."""
     obj = load_torch_file(path, "a PyTorch checkpoint", weights_only=not trust_checkpoint,
-                          trust_parameter="trust_checkpoint")
+                          trust_parameter="trust_checkpoint", numpy_arrays=True)
     for key in ("model", "state_dict"):
         if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
             obj = obj[key]
@@ -158,7 +165,16 @@ def airsplay_to_caffe(weights: Mapping[str, np.ndarray | torch.Tensor]) -> dict[
 def load_into(model: nn.Module, state: Mapping[str, torch.Tensor], allow_partial: bool = False,
               source: str = "checkpoint") -> LoadReport:
     """Copy ``state`` into ``model`` key for key; refuse (``UserError``) a partial or mismatched load."""
+    given, report = check_state(model.state_dict(), state, allow_partial, source)
     own = model.state_dict()
+    model.load_state_dict({k: v for k, v in given.items() if k in own}, strict=False)
+    return report
+
+
+def check_state(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], allow_partial: bool = False,
+                source: str = "checkpoint") -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """Compare ``state`` with the model's own state dict ``own`` (meta tensors do: only names and shapes count);
+    ``(the tensors to load, the report)``, or a one-line ``UserError`` for a partial or mismatched state."""
     ignored = sorted(k for k in state if IGNORED_KEYS.match(k))
     given = {k: v for k, v in state.items() if not IGNORED_KEYS.match(k)}
     missing = sorted(k for k in own if k not in given)
@@ -174,8 +190,7 @@ def load_into(model: nn.Module, state: Mapping[str, torch.Tensor], allow_partial
     if (missing or unexpected) and not allow_partial:
         raise UserError(f"{source} does not match the detector: {report.summary()}; set allow_partial to "
                         f"load it anyway", parameters=["allow_partial"])
-    model.load_state_dict({k: v for k, v in given.items() if k in own}, strict=False)
-    return report
+    return given, report
 
 
 def load_weights(model: nn.Module, path: str | Path, allow_partial: bool = False,
@@ -190,3 +205,34 @@ def load_weights(model: nn.Module, path: str | Path, allow_partial: bool = False
     else:
         state = read_pth(path, trust_checkpoint)
     return load_into(model, state, allow_partial=allow_partial, source=str(path))
+
+
+# -- download ------------------------------------------------------------------------------------------------
+def read_checkpoint(path: str | Path, trust_checkpoint: bool = False, suffix: str | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """The Caffe-layout state dict of a MILVLG ``.pth`` or airsplay ``.pkl`` (format by ``suffix``, default the
+    path's own)."""
+    if (suffix or Path(path).suffix) == ".pkl":
+        return airsplay_to_caffe(read_airsplay_pickle(path, trust_checkpoint))
+    return read_pth(path, trust_checkpoint)
+
+
+def check_checkpoint_file(path: str | Path, suffix: str = ".pth") -> LoadReport:
+    """Refuse (one-line ``UserError``) a file that does not load into the detector key for key and shape for
+    shape — without allocating the detector (the comparison runs against its ``meta`` tensors)."""
+    from retr.extractors.butd.model import BottomUpAttention
+
+    with torch.device("meta"):
+        own = BottomUpAttention().state_dict()
+    _given, report = check_state(own, read_checkpoint(path, suffix=suffix), source=Path(path).name)
+    return report
+
+
+def fetch_checkpoint(dest: str | Path, quiet: bool = False, mirror: str | None = None) -> Path:
+    """Download the MILVLG R101-k36 checkpoint to ``dest`` (unless it is there), checked before the rename: the
+    server's length, then a strict key-and-shape load (:func:`check_checkpoint_file`). Offline: the one-line
+    :class:`MissingResourceError` naming ``retr-pipeline fetch-weights butd``."""
+    dest = Path(dest)
+    return fetch_source(SOURCES["butd"], dest.parent, filename=dest.name, mirror=mirror, quiet=quiet,
+                        how=f"run retr-pipeline fetch-weights butd on a connected machine and copy the file to "
+                            f"{dest}, or pass --weights PATH", validate=check_checkpoint_file)

@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError
 from retr.common.hashing import sha256_file
 from retr.extractors.backbone import resolve_device
 from retr.extractors.base import Extractor, register
-from retr.extractors.butd.checkpoint import LoadReport, load_weights
+from retr.extractors.butd.checkpoint import LoadReport, fetch_checkpoint, load_weights
 from retr.extractors.butd.heads import FEATURE_DIM
 from retr.extractors.butd.model import BottomUpAttention, DetectorSettings, Regions, empty_detector
 from retr.extractors.butd.preprocess import MAX_SIDE, SHORT_SIDE, CaffeImage, load_caffe_image
@@ -38,26 +39,41 @@ def default_checkpoint_candidates() -> list[Path]:
     candidates = []
     if os.environ.get("RETR_BUTD_WEIGHTS"):
         candidates.append(Path(os.environ["RETR_BUTD_WEIGHTS"]).expanduser())
+    candidates.append(default_checkpoint_path())
     if os.environ.get("RETR_WEIGHTS"):
-        candidates.append(Path(os.environ["RETR_WEIGHTS"]).expanduser() / DEFAULT_CHECKPOINT)
-    candidates.append(Path.home() / ".cache" / "retr" / "weights" / DEFAULT_CHECKPOINT)
+        candidates.append(Path.home() / ".cache" / "retr" / "weights" / DEFAULT_CHECKPOINT)
     return candidates
 
 
-def resolve_default_checkpoint() -> str:
-    """The default checkpoint's path; a one-line :class:`MissingResourceError` when it is nowhere.
+def default_checkpoint_path() -> Path:
+    """Where a downloaded default checkpoint goes: ``$RETR_WEIGHTS/<file>``, else ``~/.cache/retr/weights/<file>``."""
+    if os.environ.get("RETR_WEIGHTS"):
+        return Path(os.environ["RETR_WEIGHTS"]).expanduser() / DEFAULT_CHECKPOINT
+    return Path.home() / ".cache" / "retr" / "weights" / DEFAULT_CHECKPOINT
+
+
+def find_default_checkpoint() -> Path | None:
+    """The first of :func:`default_checkpoint_candidates` that is a file, or None."""
+    return next((c for c in default_checkpoint_candidates() if c.is_file()), None)
+
+
+def resolve_default_checkpoint(fetch: bool = True, quiet: bool = False) -> str:
+    """The default checkpoint's path, downloaded on first use (to :func:`default_checkpoint_path`) unless
+    offline; offline and absent, a one-line :class:`MissingResourceError` naming the command that fetches it.
 
     A real extraction never falls back to random weights silently: ``weights="random"`` must be asked for.
     """
+    found = find_default_checkpoint()
+    if found is not None:
+        return str(found)
+    if fetch and not is_offline():
+        return str(fetch_checkpoint(default_checkpoint_path(), quiet=quiet))
     candidates = default_checkpoint_candidates()
-    for candidate in candidates:
-        if candidate.is_file():
-            return str(candidate)
     raise MissingResourceError(
         f"bottom-up-attention checkpoint {DEFAULT_CHECKPOINT}", [str(c) for c in candidates],
-        "download it on a connected machine from the MILVLG bottom-up-attention.pytorch model zoo "
-        f"(the 'fix36' R101 model) and put it at {candidates[-1]} or pass --weights PATH "
-        "(the airsplay faster_rcnn_from_caffe_attr.pkl also works with --trust-checkpoint)")
+        f"run retr-pipeline fetch-weights butd on a connected machine (it downloads MILVLG's R101-k36 model, the "
+        f"'fix36' model SCAN's features came from) and copy it to {default_checkpoint_path()}, or pass --weights "
+        "PATH (the airsplay faster_rcnn_from_caffe_attr.pkl also works with --trust-checkpoint)")
 
 
 class BottomUpRegionExtractor(Extractor):

@@ -1,0 +1,245 @@
+"""Fetching a dataset on a connected machine: images, Karpathy's splits, then the manifest (``fetch-data``).
+
+COCO (``fetch_dataset("coco")``), in order, each step skipped when its result is already there:
+
+1. check the free disk space for what is left to do (archives still to download, contents still to unpack;
+   with ``keep_archives=False`` each image archive is deleted once unpacked, so only the largest one and all
+   unpacked images need room at once: about 34 GB for COCO, 41 GB when the archives are kept);
+2. Karpathy's ``caption_datasets.zip`` (36.7 MB) → ``dataset_coco.json`` (the member is checked against its
+   CRC-32 and written atomically);
+3. ``val2014.zip`` (6.6 GB) and ``train2014.zip`` (13.5 GB): downloaded with resume, size and sha256 checked,
+   unpacked member by member (each CRC-32 checked, each file renamed into place when complete, an interrupted
+   unpack resumes), stamped ``images/.coco-<split>.unpacked``, then deleted unless ``keep_archives``;
+4. the manifest from the split file with the Karpathy reader (:func:`retr.manifests.karpathy.read_karpathy`,
+   the ``manifest karpathy`` command's code), after checking that every image it names is on disk.
+
+Flickr30K's images are handed out on request only: ``fetch_dataset("f30k", images_archive=FILE)`` unpacks the
+archive the user was sent (zip with per-member CRC checks, or tar/tar.gz) flat into ``images/`` (Karpathy's
+paths are bare file names), fetches the splits and writes the manifest. Without an archive and without the
+images in place it stops in one line saying where to request them.
+
+Every URL, size and checksum comes from :data:`retr.common.downloads.SOURCES`; ``mirror`` replaces the public
+hosts. Offline (``RETR_OFFLINE=1``) nothing is downloaded: a missing piece is one
+:class:`~retr.common.errors.MissingResourceError` naming the command to run on a connected machine.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Callable
+
+from retr.common.downloads import (SOURCES, Source, ensure_free_space, fetch_source, format_bytes, is_offline,
+                                   is_unpacked, mark_unpacked, partial_path, unpack_tar, unpack_zip)
+from retr.common.errors import MissingResourceError, ParameterError, UserError
+from retr.manifests.karpathy import read_karpathy
+from retr.manifests.presets import get_preset
+from retr.manifests.schema import SPLITS, write_manifest
+
+#: datasets fetch-data knows: the split file's name inside Karpathy's zip, the image archives in order
+DATASETS = {
+    "coco": {"split_file": "dataset_coco.json", "archives": ("coco-val2014", "coco-train2014")},
+    "f30k": {"split_file": "dataset_flickr30k.json", "archives": ()},
+}
+#: free space kept on top of the estimate
+MARGIN_BYTES = 500_000_000
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """Where one dataset's pieces go."""
+
+    name: str
+    images: Path
+    karpathy: Path
+    manifest: Path
+    downloads: Path
+    root: Path | None = None
+
+    def command(self) -> str:
+        """The fetch-data command that fills this layout (for messages)."""
+        return f"retr-pipeline fetch-data {self.name}" + (f" --root {self.root}" if self.root else "")
+
+
+def data_layout(name: str, root: str | os.PathLike | None = None) -> DataLayout:
+    """``ROOT/{images, dataset_*.json, manifest.jsonl, downloads}`` with a root, else the preset's locations
+    (``$RETR_DATA/<name>/…`` and the ``RETR_<NAME>_*`` overrides)."""
+    if name not in DATASETS:
+        raise ParameterError(f"fetch-data knows coco and f30k, not {name!r} (the synthetic dataset is made by "
+                             f"retr-pipeline synth)", "dataset")
+    if root is not None:
+        root = Path(root)
+        if root.exists() and not root.is_dir():
+            raise ParameterError(f"root {root} is a file, not a folder", "root")
+        return DataLayout(name, root / "images", root / DATASETS[name]["split_file"], root / "manifest.jsonl",
+                          root / "downloads", root)
+    preset = get_preset(name)
+    return DataLayout(name, preset.images, preset.karpathy, preset.manifest, preset.downloads)
+
+
+@dataclass
+class FetchSummary:
+    layout: DataLayout
+    images: int = 0
+    splits: dict[str, int] = field(default_factory=dict)
+    captions: int = 0
+    unpacked: int = 0                 # files this run unpacked
+    steps: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        counts = ", ".join(f"{split} {n}" for split, n in self.splits.items())
+        return (f"wrote {self.layout.manifest}: {self.images} images ({counts}), {self.captions} captions; images "
+                f"under {self.layout.images}")
+
+
+def _remaining_download(source: Source, folder: Path) -> int:
+    """Bytes still to download for ``source`` into ``folder`` (0 when the archive is complete)."""
+    dest = folder / source.filename
+    if dest.is_file():
+        return 0
+    partial = partial_path(dest)
+    have = partial.stat().st_size if partial.is_file() else 0
+    return max(source.download_bytes - have, 0)
+
+
+def plan_disk(layout: DataLayout, keep_archives: bool) -> int:
+    """Bytes the rest of the fetch needs at its peak (see the module docstring), plus :data:`MARGIN_BYTES`."""
+    pending = [SOURCES[key] for key in DATASETS[layout.name]["archives"]
+               if not is_unpacked(layout.images, SOURCES[key], layout.images / SOURCES[key].filename.split(".")[0])]
+    downloads = [_remaining_download(s, layout.downloads) for s in pending]
+    unpack = sum(s.unpacked_bytes for s in pending)
+    splits = 0
+    if not layout.karpathy.is_file():
+        source = SOURCES["karpathy-splits"]
+        splits = _remaining_download(source, layout.downloads) + source.unpacked_bytes
+    archives = sum(downloads) if keep_archives else max(downloads, default=0)
+    needed = unpack + archives + splits
+    return needed + MARGIN_BYTES if needed else 0
+
+
+def fetch_split_file(layout: DataLayout, mirror: str | None = None, quiet: bool = False) -> Path:
+    """Karpathy's split file for the dataset (downloaded, then its member unpacked with a CRC check)."""
+    if layout.karpathy.is_file():
+        return layout.karpathy
+    source = SOURCES["karpathy-splits"]
+    archive = fetch_source(source, layout.downloads, mirror=mirror, quiet=quiet,
+                           what=f"Karpathy's split file {layout.karpathy.name} (in {source.filename})",
+                           how=f"run {layout.command()} on a connected machine (RETR_OFFLINE is set, so retr does "
+                               f"not download here), or put {layout.karpathy.name} at {layout.karpathy}")
+    member = DATASETS[layout.name]["split_file"]
+    unpack_zip(archive, layout.karpathy.parent, quiet=True,
+               target=lambda p: PurePosixPath(layout.karpathy.name) if p.name == member else None)
+    if not layout.karpathy.is_file():
+        raise UserError(f"{archive} holds no {member} (is it Karpathy's caption_datasets.zip?)")
+    return layout.karpathy
+
+
+def _coco_archive(layout: DataLayout, key: str, mirror: str | None, keep_archives: bool, quiet: bool,
+                  echo: Callable[[str], None]) -> int:
+    source = SOURCES[key]
+    folder = layout.images / source.filename.split(".")[0]          # images/train2014
+    if is_unpacked(layout.images, source, folder):
+        return 0
+    archive = fetch_source(source, layout.downloads, mirror=mirror, quiet=quiet,
+                           how=f"run {layout.command()} on a connected machine (RETR_OFFLINE is set, so retr does "
+                               f"not download here), or unpack {source.filename} from {source.url} into "
+                               f"{layout.images}")
+    summary = unpack_zip(archive, layout.images, quiet=quiet)
+    mark_unpacked(layout.images, source, summary)
+    echo(f"{source.filename}: {summary.written} files unpacked ({summary.present} already there) into "
+         f"{layout.images}")
+    if not keep_archives:
+        archive.unlink(missing_ok=True)
+    return summary.written
+
+
+def _flat_jpeg(path: PurePosixPath) -> PurePosixPath | None:
+    """Flickr30K's archives hold ``flickr30k-images/NNN.jpg`` (or deeper); Karpathy's paths are bare names."""
+    if path.suffix.lower() != ".jpg" or path.name.startswith("._"):
+        return None
+    return PurePosixPath(path.name)
+
+
+def _f30k_images(layout: DataLayout, images_archive: Path | None, quiet: bool,
+                 echo: Callable[[str], None]) -> int:
+    source = SOURCES["f30k-images"]
+    if images_archive is None:
+        if is_unpacked(layout.images, source):
+            return 0
+        return -1                      # decided once the split file says which images are needed
+    images_archive = Path(images_archive)
+    if archive_kind(images_archive) == "zip":
+        summary = unpack_zip(images_archive, layout.images, target=_flat_jpeg, remove_bad_archive=False,
+                             quiet=quiet)
+    else:
+        summary = unpack_tar(images_archive, layout.images, target=_flat_jpeg, quiet=quiet)
+    if summary.written + summary.present == 0:
+        raise UserError(f"{images_archive} holds no .jpg images (is it the Flickr30K images archive?)")
+    mark_unpacked(layout.images, source, summary)
+    echo(f"{images_archive.name}: {summary.written} images unpacked ({summary.present} already there) into "
+         f"{layout.images}")
+    return summary.written
+
+
+def archive_kind(path: str | os.PathLike) -> str:
+    """``zip`` or ``tar`` (plain or compressed) by the file's first bytes; a one-line error for anything else."""
+    import tarfile
+
+    path = Path(path)
+    if not path.is_file():
+        raise ParameterError(f"images_archive {path} is not a file (give the Flickr30K images archive you were "
+                             f"sent: a .zip or .tar.gz)", "images_archive")
+    with open(path, "rb") as handle:
+        head = handle.read(4)
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return "zip"
+    try:
+        if head[:2] == b"\x1f\x8b" or tarfile.is_tarfile(path):
+            return "tar"
+    except (OSError, tarfile.TarError):
+        pass
+    raise UserError(f"{path} is neither a zip nor a tar archive (give the Flickr30K images archive you were sent)")
+
+
+def fetch_dataset(name: str, root: str | os.PathLike | None = None, *, images_archive: str | os.PathLike | None = None,
+                  mirror: str | None = None, keep_archives: bool = False, quiet: bool = False,
+                  echo: Callable[[str], None] = lambda line: None) -> FetchSummary:
+    """Fetch ``name`` (``coco`` or ``f30k``) into its layout and write its manifest; see the module docstring."""
+    layout = data_layout(name, root)
+    if images_archive is not None and name != "f30k":
+        raise ParameterError("images_archive is for f30k, whose images are gated; coco's are downloaded",
+                             "images_archive")
+    if images_archive is not None:
+        archive_kind(images_archive)        # a wrong file is refused before anything is downloaded
+    summary = FetchSummary(layout)
+    if not is_offline():
+        needed = plan_disk(layout, keep_archives)
+        if needed:
+            ensure_free_space(layout.images.parent, needed, f"fetching {name}")
+    fetch_split_file(layout, mirror, quiet)
+    if name == "coco":
+        for key in DATASETS["coco"]["archives"]:
+            summary.unpacked += _coco_archive(layout, key, mirror, keep_archives, quiet, echo)
+    else:
+        summary.unpacked = max(_f30k_images(layout, images_archive, quiet, echo), 0)
+    records = read_karpathy(layout.karpathy)
+    missing = [r for r in records if not (layout.images / r.path).is_file()]
+    if missing:
+        if name == "f30k" and images_archive is None:
+            source = SOURCES["f30k-images"]
+            raise MissingResourceError(
+                f"Flickr30K images ({len(missing)} of the {len(records)} in {layout.karpathy.name}, e.g. "
+                f"{missing[0].path})", str(layout.images),
+                f"they are handed out on request only: ask for them at {source.url}, then run "
+                f"{layout.command()} --images-zip FILE with the archive you were sent")
+        raise UserError(f"{len(missing)} of the {len(records)} images in {layout.karpathy.name} are missing under "
+                        f"{layout.images} (e.g. {missing[0].path}); remove the .unpacked stamps there and run "
+                        f"{layout.command()} again")
+    write_manifest(layout.manifest, records)
+    counts = Counter(r.split for r in records)
+    summary.images = len(records)
+    summary.splits = {split: counts[split] for split in SPLITS if counts[split]}
+    summary.captions = sum(len(r.captions) for r in records)
+    return summary
+
