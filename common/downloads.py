@@ -145,7 +145,7 @@ SOURCES: dict[str, Source] = {s.key: s for s in (
            "model.safetensors", approx_bytes=223_800_000,
            origin="timm on the Hugging Face hub (downloaded by huggingface_hub into its cache, which checks it)"),
     Source("stanza", "stanza English models (tokenize, pos, lemma, depparse, constituency; 'default' package)",
-           "https://huggingface.co/stanfordnlp/stanza-en", "stanza_resources", approx_bytes=650_000_000,
+           "https://huggingface.co/stanfordnlp/stanza-en", "stanza_resources", approx_bytes=500_000_000,
            origin="Stanford NLP on the Hugging Face hub (downloaded by stanza.download, which checks md5s)"),
 )}
 
