@@ -290,11 +290,14 @@ def download(url: str, dest: str | os.PathLike, *, size: int | None = None, sha2
         failures, wait, reason = 0, retry_wait, ""
         while not (size is not None and state.received == size) and not (
                 state.total is not None and state.received == state.total):
+            before = state.received
             try:
                 if _attempt(url, partial, state, size, quiet, timeout, what):
                     break
             except _Retry as exc:
                 reason = str(exc)
+                if state.received > before:          # it moved data: a new streak of failures starts
+                    failures, wait = 0, retry_wait
                 failures += 1
                 if failures > retries:
                     attempts = f"{failures} failed attempt" + ("s" if failures > 1 else "")
@@ -309,8 +312,6 @@ def download(url: str, dest: str | os.PathLike, *, size: int | None = None, sha2
                                     ) from None
                 time.sleep(wait)
                 wait = min(wait * 2, 60.0)
-                continue
-            failures, wait = 0, retry_wait
         _verify(url, partial, state, size, sha256, md5, validate, what)
         os.replace(partial, dest)
     return dest
