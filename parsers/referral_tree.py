@@ -11,7 +11,8 @@ The tree (SMFEA §3.2.1, DESIGN "Referral trees") is a fixed three-layer binary 
 Entity slots (even positions 0, 2, 4, 6) hold nouns; relation slots (1, 3, 5) hold a verb, ``verb_PREP``, a
 preposition or a conjunction. The paper fixes the shape but not the rules that fill it; these are the
 project's own, deterministic, and read only the dependency layer (UD v2, as stanza's English EWT models
-produce it). The constituency layer, when present, is not needed by any rule.
+produce it; parses in UD v1, Stanford basic dependencies or ClearNLP labels are converted to UD v2 first by
+:mod:`retr.parsers.schemes`). The constituency layer, when present, is not needed by any rule.
 
 Labels
 ------

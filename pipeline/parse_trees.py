@@ -119,6 +119,10 @@ def _parse_shard(backend: ParserBackend, converter: SchemeConverter, builder: Tr
             except ConversionError as exc:
                 failures.append((item.key, f"cannot convert from {converter.scheme} to UD v2: {exc}"))
                 continue
+            except Exception as exc:  # noqa: BLE001 — a malformed parse is this caption's failure
+                failures.append((item.key, f"conversion from {converter.scheme} failed ({type(exc).__name__}: "
+                                           f"{exc})"))
+                continue
             conversions.update(applied)
             try:
                 tree = builder.build(sentence)
@@ -133,9 +137,11 @@ def _parse_shard(backend: ParserBackend, converter: SchemeConverter, builder: Tr
 
 def resolve_scheme(backend: ParserBackend, scheme: str = "auto") -> SchemeChoice:
     """The scheme to read ``backend``'s parses as: ``scheme`` (``auto``: detected; unknown → one-line
-    :class:`UserError`)."""
+    :class:`UserError`). A given scheme is checked against the detection when the backend counted its labels
+    (the summary then says what they look like)."""
     source = str(backend.path) if isinstance(backend, ConlluBackend) else backend.describe()
-    return choose_scheme(scheme, backend.detect_scheme(), source)
+    counted = isinstance(backend, ConlluBackend) and backend.evidence is not None
+    return choose_scheme(scheme, backend.detect_scheme() if scheme == "auto" or counted else None, source)
 
 
 def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend: ParserBackend, *,
@@ -163,7 +169,7 @@ def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend
         backend.check_count(len(items))
         unmatched = backend.unmatched_keys({item.key for item in items})
     choice = resolve_scheme(backend, scheme)
-    converter = SchemeConverter(choice.scheme)
+    converter = SchemeConverter(choice.scheme, trusted=choice.trusted)
     reused_dictionaries = load_dictionaries(dictionaries) if dictionaries is not None else None
     identity = {"manifest_sha256": manifest_sha256(manifest), "backend_kind": backend.name,
                 "rules": rules.to_json(), "scheme": choice.scheme}
@@ -349,7 +355,7 @@ def show_tree_command(text, verb_prep, conllu, stanza_dir, match, device, no_con
             raise UserError(outcome.error or "stanza returned no sentence")
         sentence = outcome.sentence
     try:
-        converted, applied = SchemeConverter(choice.scheme).convert(sentence)
+        converted, applied = SchemeConverter(choice.scheme, trusted=choice.trusted).convert(sentence)
     except ConversionError as exc:
         raise UserError(f"cannot convert this sentence from {choice.scheme} to UD v2: {exc}") from None
     tree = TreeBuilder(TreeRules(verb_prep=verb_prep)).build(converted)
