@@ -399,14 +399,15 @@ class Explainer:
                        f"{_e(self.ids[pair.image])}</span></figcaption></figure>"]
             for r, (row, label) in enumerate(zip(rows, labels)):
                 src = self.assets.save(draw_row(pair.image, row), f"att-{stem}-{r:02d}.jpg")
-                uniform = 1 / max(1, min(row.size, real))          # every real position weighted alike
                 figures.append(f"<figure><img src='{src}' alt='{_e(label)}'>"
-                               f"<figcaption>{_e(label)}<br><span class='small'>max {row.max():.3g} · uniform "
-                               f"{uniform:.3g}</span></figcaption></figure>")
+                               f"<figcaption>{_e(label)}<br><span class='small'>max {row.max():.3g}</span>"
+                               "</figcaption></figure>")
+            uniform = 1 / max(1, min(rows.shape[1], real))         # every real position weighted alike
             legend = ("each panel: one row's weights, scaled by its largest (max below); regions tinted at "
                       f"opacity {draw.BOX_ALPHA:g}·w/max, the most attended outlined" if layout == "boxes" else
-                      f"each panel: one row's weights over the grid cells, scaled by its largest, colour map "
-                      f"{draw.HEAT_CMAP} at opacity {draw.HEAT_ALPHA:g}")
+                      f"each panel: one row's weights over the grid cells, scaled by its largest (max below), "
+                      f"colour map {draw.HEAT_CMAP} at opacity {draw.HEAT_ALPHA:g}")
+            legend += f"; uniform weight (nothing stands out): {uniform:.3g}"
             return title + f"<p class='small'>{legend}</p>{note}<div class='panels'>{''.join(figures)}</div>"
         cols = [str(c) for c in range(rows.shape[1])]
         draw.matrix_png(self.assets.out / ASSETS / f"att-{stem}.png", rows, labels, cols,
