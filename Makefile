@@ -71,6 +71,10 @@ demo: $(STAMP)
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/jgcar --protocol f30k-1k --allow-size-mismatch --quiet
 	@echo "== results =="
 	$(BIN)/retr-train table $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp $(DEMO_DIR)/runs/smfea $(DEMO_DIR)/runs/sman $(DEMO_DIR)/runs/seam $(DEMO_DIR)/runs/jgcar
+	@echo "== a look at a region model (SCAN) and a grid model (SMAN): static HTML reports (numbers, curves, queries, attention) =="
+	$(BIN)/retr-train show $(DEMO_DIR)/runs/scan --protocol f30k-1k --allow-size-mismatch --image-root $(DEMO_DIR)/synthetic --out $(DEMO_DIR)/report/scan --quiet
+	$(BIN)/retr-train show $(DEMO_DIR)/runs/sman --protocol f30k-1k --allow-size-mismatch --image-root $(DEMO_DIR)/synthetic --out $(DEMO_DIR)/report/sman --quiet
+	@echo "open $(DEMO_DIR)/report/scan/index.html and $(DEMO_DIR)/report/sman/index.html in a browser (no server needed)"
 
 # From nothing to features: a missing dataset is fetched (coco) or generated (synthetic: random weights, no
 # network), missing weights are downloaded, then every extractor runs. Offline (RETR_OFFLINE=1) a missing
