@@ -103,7 +103,8 @@ def test_tree_table_puts_each_slot_in_its_place():
     ((12, 36), True, "regions", False, "matrix"), ((2, 49), True, "grid", False, "grid"),
     ((196,), True, "maps", False, "grid"), ((2, 12), True, "tencrop", False, "words"),
     ((10,), True, "tencrop", False, "words"), ((7,), False, "regions", True, "tree"),
-    ((2, 7), False, "regions", True, "tree"), ((3, 5), True, "grid", False, "matrix"),
+    ((2, 7), False, "regions", True, "tree"), ((3, 13), True, "grid", False, "matrix"),
+    ((1, 9), True, "maps", False, "words"),                        # the first 9 of 12 tokens (JGCAR's max_words)
 ])
 def test_map_layout(shape, is_float, kind, boxes, layout):
     positions = {"regions": 36, "grid": 49, "maps": 196, "tencrop": 10}[kind]

@@ -267,7 +267,8 @@ def map_layout(shape: Sequence[int], is_float: bool, positions: Sequence[int], n
     """How a map of ``shape`` is drawn: ``tree`` (7 integer node ids), ``boxes`` (last dim = the image's
     regions: ``positions`` holds K and the image's real count, since a model may drop the padding; with boxes),
     ``grid`` (last dim = K square grid cells of a ``grid``/``maps`` set), ``words`` (last dim = the caption's
-    tokens, with or without ``<start>``/``<end>``), else ``matrix``."""
+    tokens, ``<start>``/``<end>`` included as every model encodes them, or the first ones for a model that cuts
+    captions, as JGCAR's ``max_words``), else ``matrix``."""
     size = int(np.prod(shape)) if len(shape) else 1
     last = int(shape[-1]) if len(shape) else 1
     if not is_float:
@@ -276,7 +277,7 @@ def map_layout(shape: Sequence[int], is_float: bool, positions: Sequence[int], n
         return "boxes"
     if last in positions and kind in ("grid", "maps") and int(np.sqrt(last)) ** 2 == last:
         return "grid"
-    if last in (num_tokens, num_tokens - 2):
+    if 0 < last <= num_tokens:       # every token, or the first ones (a model that cuts captions)
         return "words"
     return "matrix"
 
@@ -292,8 +293,6 @@ def _rows(array: np.ndarray) -> np.ndarray:
 def _row_labels(name: str, count: int, tokens: list[str]) -> list[str]:
     if count == len(tokens):
         return list(tokens)
-    if count == len(tokens) - 2:
-        return list(tokens[1:-1])
     return [name] if count == 1 else [f"{name}[{r}]" for r in range(count)]
 
 
@@ -344,8 +343,8 @@ class Explainer:
         model = self.m.model
         head = f"<h3>{_e(self.m.name)} — {_e(self.m.config.get('model', '?'))}</h3>"
         if not tuple(getattr(model, "explains", ())):
-            return head + (f"<p class='note'>no attention maps: {_e(self.m.config.get('model', '?'))} "
-                           "implements no <code>explain</code> (yet).</p>")
+            return head + (f"<p class='note'>no attention maps: {_e(self.m.config.get('model', '?'))} declares "
+                           "none (its <code>explains</code> is empty).</p>")
         parts = [head, f"<p class='small'>maps: {_e(', '.join(model.explains))}</p>"]
         for p, pair in enumerate(pairs):
             try:
@@ -386,8 +385,11 @@ class Explainer:
         rows = _rows(array)
         labels = _row_labels(name, rows.shape[0], tokens)
         if layout == "words":
-            words = tokens if rows.shape[1] == len(tokens) else tokens[1:-1]
-            return title + word_strip(rows, labels, words)
+            width = rows.shape[1]
+            words = tokens[:width]
+            note = (f"<p class='small'>the first {width} of the caption's {len(tokens)} tokens (the model reads no "
+                    "further)</p>" if width < len(tokens) else "")
+            return title + note + word_strip(rows, labels, words)
         if layout in ("boxes", "grid"):
             note = ""
             if rows.shape[0] > MAX_ROWS:
