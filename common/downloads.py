@@ -201,7 +201,7 @@ def ensure_free_space(folder: str | os.PathLike, needed: int, what: str) -> None
 
 
 @contextmanager
-def _writer_lock(dest: Path) -> Iterator[None]:
+def writer_lock(dest: Path) -> Iterator[None]:
     """Exclusive (blocking) ``flock`` on ``.<name>.lock`` beside ``dest``: one process downloads a file at once."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(dest.with_name(f".{dest.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
@@ -276,7 +276,7 @@ def download(url: str, dest: str | os.PathLike, *, size: int | None = None, sha2
     if is_offline():
         raise MissingResourceError(what, str(dest), how or f"on a connected machine download {url} to {dest} "
                                    f"(retr does not while {OFFLINE_ENV} is set)")
-    with _writer_lock(dest):
+    with writer_lock(Path(dest)):
         if dest.is_file():          # another process finished it while this one waited
             return dest
         partial = partial_path(dest)

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from retr.common.downloads import (SOURCES, Source, ensure_free_space, fetch_source, format_bytes, is_offline,
-                                   is_unpacked, mark_unpacked, partial_path, unpack_tar, unpack_zip)
+from retr.common.downloads import (SOURCES, Source, ensure_free_space, fetch_source, is_offline, is_unpacked,
+                                   mark_unpacked, partial_path, unpack_tar, unpack_zip, writer_lock)
 from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.manifests.karpathy import read_karpathy
 from retr.manifests.presets import get_preset
@@ -212,6 +212,14 @@ def fetch_dataset(name: str, root: str | os.PathLike | None = None, *, images_ar
                              "images_archive")
     if images_archive is not None:
         archive_kind(images_archive)        # a wrong file is refused before anything is downloaded
+    # one fetch per dataset at a time (e.g. every rank of a torchrun job): the others wait, then find it done
+    with writer_lock(layout.downloads / "fetch"):
+        return _fetch(layout, images_archive, mirror, keep_archives, quiet, echo)
+
+
+def _fetch(layout: DataLayout, images_archive: str | os.PathLike | None, mirror: str | None, keep_archives: bool,
+           quiet: bool, echo: Callable[[str], None]) -> FetchSummary:
+    name = layout.name
     summary = FetchSummary(layout)
     if not is_offline():
         needed = plan_disk(layout, keep_archives)
