@@ -470,6 +470,22 @@ def _remove_if(archive: Path, remove: bool) -> str:
     return "get an intact copy"
 
 
+def _member_destination(name: str | None, dest: Path, target: Callable[[PurePosixPath], PurePosixPath | None],
+                        size: int, summary: "UnpackSummary") -> Path | None:
+    """Where an archive member named ``name`` is unpacked, or None (counted in ``summary``) when it is skipped
+    (``name`` None, unsafe, or not wanted by ``target``) or already there at its full ``size``."""
+    member = safe_member_path(name) if name is not None else None
+    rel = target(member) if member is not None else None
+    if rel is None:
+        summary.skipped += 1
+        return None
+    out = dest / rel
+    if out.is_file() and out.stat().st_size == size:
+        summary.present += 1
+        return None
+    return out
+
+
 def unpack_zip(archive: str | os.PathLike, dest: str | os.PathLike, *,
                target: Callable[[PurePosixPath], PurePosixPath | None] = lambda p: p,
                remove_bad_archive: bool = True, quiet: bool = False) -> UnpackSummary:
@@ -492,16 +508,9 @@ def unpack_zip(archive: str | os.PathLike, dest: str | os.PathLike, *,
         for info in handle.infolist():
             if info.is_dir():
                 continue
-            member = safe_member_path(info.filename)
-            rel = target(member) if member is not None else None
-            if rel is None:
-                summary.skipped += 1
-                continue
-            out = dest / rel
-            if out.is_file() and out.stat().st_size == info.file_size:
-                summary.present += 1
-                continue
-            plan.append((info, out))
+            out = _member_destination(info.filename, dest, target, info.file_size, summary)
+            if out is not None:
+                plan.append((info, out))
         needed = sum(info.file_size for info, _ in plan)
         if needed:
             ensure_free_space(dest, needed, f"unpacking {archive.name}")
@@ -540,14 +549,8 @@ def unpack_tar(archive: str | os.PathLike, dest: str | os.PathLike, *,
     try:
         with tarfile.open(archive, "r:*") as handle:
             for info in handle:
-                member = safe_member_path(info.name) if info.isreg() else None
-                rel = target(member) if member is not None else None
-                if rel is None:
-                    summary.skipped += 1
-                    continue
-                out = dest / rel
-                if out.is_file() and out.stat().st_size == info.size:
-                    summary.present += 1
+                out = _member_destination(info.name if info.isreg() else None, dest, target, info.size, summary)
+                if out is None:
                     continue
                 out.parent.mkdir(parents=True, exist_ok=True)
                 part = partial_path(out)
