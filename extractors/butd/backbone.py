@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops.misc import FrozenBatchNorm2d
 
+from retr.extractors.butd.batching import conv_output_size, pool_output_size, stage_sizes, valid_mask
+
 #: blocks per stage of ResNet-101: res2, res3, res4 (backbone) and res5 (region head)
 RESNET101_BLOCKS = {"res2": 3, "res3": 4, "res4": 23, "res5": 3}
 
@@ -53,8 +55,15 @@ class Bottleneck(nn.Module):
         self.conv2 = ConvNorm(bottleneck_channels, bottleneck_channels, 3, padding=dilation, dilation=dilation)
         self.conv3 = ConvNorm(bottleneck_channels, out_channels, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, C_in, H, W]`` → ``[B, C_out, H', W']``.
+
+        ``mask`` (padded batches only, see :mod:`retr.extractors.butd.batching`): ``[B, 1, H', W']`` bool, True
+        at each image's real positions; the 3×3 conv's input is zeroed elsewhere, as its own zero padding.
+        """
         out = F.relu_(self.conv1(x))
+        if mask is not None:
+            out = out.masked_fill_(~mask, 0.0)
         out = F.relu_(self.conv2(out))
         out = self.conv3(out)
         out = out + (self.shortcut(x) if self.shortcut is not None else x)
@@ -76,9 +85,20 @@ class CaffeStem(nn.Module):
         super().__init__()
         self.conv1 = ConvNorm(3, 64, 7, stride=2, padding=3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    pool_kernel, pool_stride = 3, 2
+
+    def forward(self, x: torch.Tensor, sizes: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """``sizes`` (padded batches only): each image's (h, w); the pool's input is zeroed outside them."""
         x = F.relu_(self.conv1(x))
-        return F.max_pool2d(x, kernel_size=3, stride=2, padding=0, ceil_mode=True)
+        if sizes is not None:
+            conv_sizes = stage_sizes(sizes, lambda n, axis: conv_output_size(n, self.conv1, axis))
+            x = x.masked_fill_(~valid_mask(conv_sizes, x.shape[-2], x.shape[-1], x.device), 0.0)
+        return F.max_pool2d(x, kernel_size=self.pool_kernel, stride=self.pool_stride, padding=0, ceil_mode=True)
+
+    def output_sizes(self, sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Each image's (h, w) after the stem, as its one-image forward gives it."""
+        conv = stage_sizes(sizes, lambda n, axis: conv_output_size(n, self.conv1, axis))
+        return stage_sizes(conv, lambda n, axis: pool_output_size(n, self.pool_kernel, self.pool_stride, 0, True))
 
 
 class ResNetC4(nn.Module):
@@ -96,3 +116,26 @@ class ResNetC4(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.res4(self.res3(self.res2(self.stem(x))))
+
+    def forward_padded(self, x: torch.Tensor, sizes: list[tuple[int, int]]
+                       ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """A padded batch (see :mod:`retr.extractors.butd.batching`): ``[B, 3, H, W]`` and each image's own
+        (h, w) → (res4 ``[B, 1024, H4, W4]``, each image's res4 (h, w)).
+
+        Inside each image's res4 size the values are those of :meth:`forward` on that image alone; outside it
+        res4 is zero.
+        """
+        sizes = [(int(h), int(w)) for h, w in sizes]
+        x = self.stem(x, sizes)
+        sizes = self.stem.output_sizes(sizes)
+        masks: dict[tuple, torch.Tensor] = {}
+        for stage in (self.res2, self.res3, self.res4):
+            for block in stage:
+                sizes = stage_sizes(sizes, lambda n, axis: conv_output_size(n, block.conv1, axis))
+                height = conv_output_size(x.shape[-2], block.conv1, 0)
+                width = conv_output_size(x.shape[-1], block.conv1, 1)
+                key = (tuple(sizes), height, width)
+                if key not in masks:
+                    masks[key] = valid_mask(sizes, height, width, x.device)
+                x = block(x, masks[key])
+        return x.masked_fill_(~masks[key], 0.0), sizes

@@ -53,18 +53,27 @@ class RegionHead(nn.Module):
         self.res5 = make_stage(RESNET101_BLOCKS["res5"], 1024, 512, 2048, first_stride=1, dilation=2)
         self.box_predictor = BoxPredictor()
 
-    def pooled_features(self, res4: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
-        """Mean over space of res5 on ``roi_pool(res4, proposals, 14×14, 1/16)``: ``[P, 4]`` → ``[P, 2048]``."""
-        rois = torch.cat([proposals.new_zeros(len(proposals), 1), proposals.to(res4.dtype)], dim=1)
+    def pooled_features(self, res4: torch.Tensor, proposals: torch.Tensor, image_index: int = 0) -> torch.Tensor:
+        """Mean over space of res5 on ``roi_pool(res4, proposals, 14×14, 1/16)``: ``[P, 4]`` → ``[P, 2048]``.
+
+        ``res4`` is ``[B, 1024, h, w]``; the proposals are image ``image_index``'s (a padded batch's res4 is
+        zero outside each image, which leaves its ROI maxima unchanged: see :mod:`…butd.batching`).
+        """
+        rois = torch.cat([proposals.new_full((len(proposals), 1), float(image_index)),
+                          proposals.to(res4.dtype)], dim=1)
         out = []
         for start in range(0, len(rois), self.roi_chunk):
             pooled = roi_pool(res4, rois[start:start + self.roi_chunk], self.pooled_size, 1.0 / 16)
             out.append(self.res5(pooled).mean(dim=(2, 3)))
         return torch.cat(out) if out else res4.new_zeros(0, FEATURE_DIM)
 
-    def forward(self, res4: torch.Tensor, proposals: torch.Tensor
+    def forward(self, res4: torch.Tensor, proposals: torch.Tensor, image_index: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(features ``[P, 2048]``, class probabilities ``[P, 1601]``, attribute probabilities ``[P, 401]``)."""
-        features = self.pooled_features(res4, proposals)
+        """(features ``[P, 2048]``, class probabilities ``[P, 1601]``, attribute probabilities ``[P, 401]``).
+
+        One image's proposals (``image_index`` of a batch ``res4``), in chunks of ``roi_chunk`` as for an image
+        alone, so that res5 and the classifier see the one-image shapes.
+        """
+        features = self.pooled_features(res4, proposals, image_index)
         cls_prob, attr_prob = self.box_predictor(features)
         return features, cls_prob, attr_prob

@@ -7,10 +7,11 @@ import torch
 from torch import nn
 
 from retr.extractors.butd.anchors import caffe_cell_anchors
+from retr.extractors.butd.batching import pad_images
 from retr.extractors.butd.backbone import ResNetC4
 from retr.extractors.butd.heads import FEATURE_DIM, RegionHead
 from retr.extractors.butd.rpn import ProposalGenerator
-from retr.extractors.butd.selection import select_regions
+from retr.extractors.butd.selection import select_regions, select_regions_batched
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,52 @@ class BottomUpAttention(nn.Module):
                                         s.min_boxes, s.max_boxes)
         return Regions(features[keep].float(), boxes[keep], cls_prob[keep].float(), attr_prob[keep].float(),
                        max_conf[keep])
+
+
+    @torch.no_grad()
+    def detect_batch(self, images: list[torch.Tensor], scales: list[float]
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """:meth:`detect` of several images in one backbone forward; each result equals :meth:`detect`'s.
+
+        Args:
+            images: ``B`` preprocessed images ``[3, H_b, W_b]`` (sizes may differ), on the model's device.
+            scales: their resize factors.
+
+        The images are zero-padded to the largest height and width, the backbone masks each image's padding at
+        every layer that reads a neighbourhood (:mod:`retr.extractors.butd.batching`), the RPN head runs once,
+        and the proposal layer, ROI pooling (on the shared res4) and the region head run per image.
+
+        Returns:
+            one ``(proposals [P_b, 4], features [P_b, 2048], cls_prob [P_b, 1601], attr_prob [P_b, 401])`` per
+            image.
+        """
+        if len(images) != len(scales):
+            raise ValueError(f"{len(images)} images but {len(scales)} scales")
+        image_hw = [(int(image.shape[-2]), int(image.shape[-1])) for image in images]
+        res4, res4_hw = self.backbone.forward_padded(pad_images(images), image_hw)
+        proposals = self.proposal_generator.forward_padded(res4, res4_hw, image_hw, list(scales))
+        return [(p, *self.roi_heads(res4, p, b)) for b, p in enumerate(proposals)]
+
+    @torch.no_grad()
+    def forward_batch(self, images: list[torch.Tensor], scales: list[float]) -> list[Regions]:
+        """:meth:`forward` of several images (one backbone forward, selection of all of them on the device).
+
+        Each :class:`Regions` equals :meth:`forward`'s for that image alone (see :meth:`detect_batch`); the
+        tensors stay on the model's device.
+        """
+        s = self.settings
+        detections = self.detect_batch(images, scales)
+        boxes = [proposals / scale for (proposals, *_), scale in zip(detections, scales)]
+        order, kept, max_conf = select_regions_batched(boxes, [d[2].float() for d in detections],
+                                                       s.class_nms_threshold, s.conf_threshold, s.min_boxes,
+                                                       s.max_boxes)
+        regions = []
+        for b, count in enumerate(kept.tolist()):                       # the one host read of the selection
+            keep = order[b, :count]
+            _, features, cls_prob, attr_prob = detections[b]
+            regions.append(Regions(features[keep].float(), boxes[b][keep], cls_prob[keep].float(),
+                                   attr_prob[keep].float(), max_conf[b, keep]))
+        return regions
 
 
 def empty_detector(settings: DetectorSettings = DetectorSettings(),

@@ -26,15 +26,24 @@ class RPNHead(nn.Module):
         self.objectness_logits = nn.Conv2d(hidden_channels, 2 * num_anchors, 1)
         self.anchor_deltas = nn.Conv2d(hidden_channels, 4 * num_anchors, 1)
 
-    def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def maps(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, 1024, h, w]`` → (foreground probability ``[B, A, h, w]``, deltas ``[B, A, 4, h, w]``)."""
         hidden = torch.relu(self.conv(features))
-        logits = self.objectness_logits(hidden)[0]                    # [2A, h, w]
+        logits = self.objectness_logits(hidden)                       # [B, 2A, h, w]
         a = self.num_anchors
-        two_way = logits.reshape(2, a, *logits.shape[1:])              # [bg|fg, A, h, w]
-        fg_prob = torch.softmax(two_way, dim=0)[1]                     # [A, h, w]
-        deltas = self.anchor_deltas(hidden)[0]                         # [4A, h, w]
-        deltas = deltas.reshape(a, 4, *deltas.shape[1:])               # [A, 4, h, w]
+        two_way = logits.reshape(len(logits), 2, a, *logits.shape[2:])  # [B, bg|fg, A, h, w]
+        fg_prob = torch.softmax(two_way, dim=1)[:, 1]                  # [B, A, h, w]
+        deltas = self.anchor_deltas(hidden)                            # [B, 4A, h, w]
+        return fg_prob, deltas.reshape(len(deltas), a, 4, *deltas.shape[2:])
+
+    @staticmethod
+    def flatten(fg_prob: torch.Tensor, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One image's maps (``[A, h, w]``, ``[A, 4, h, w]``) → ``[h·w·A]``, ``[h·w·A, 4]`` in (h, w, anchor) order."""
         return fg_prob.permute(1, 2, 0).reshape(-1), deltas.permute(2, 3, 0, 1).reshape(-1, 4)
+
+    def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fg_prob, deltas = self.maps(features)
+        return self.flatten(fg_prob[0], deltas[0])
 
 
 class ProposalGenerator(nn.Module):
@@ -65,7 +74,32 @@ class ProposalGenerator(nn.Module):
             scale: resize factor applied to the original image.
         """
         fg_prob, deltas = self.rpn_head(features)
-        anchors = shift_anchors(self.cell_anchors, features.shape[-2], features.shape[-1], FEATURE_STRIDE)
+        return self.propose(fg_prob, deltas, (features.shape[-2], features.shape[-1]), image_hw, scale)
+
+    @torch.no_grad()
+    def forward_padded(self, features: torch.Tensor, feature_hw: list[tuple[int, int]],
+                       image_hw: list[tuple[int, int]], scales: list[float]) -> list[torch.Tensor]:
+        """Per-image proposals of a padded batch: one ``[P_b, 4]`` per image, as :meth:`forward` on it alone.
+
+        Args:
+            features: res4 ``[B, 1024, h, w]``, zero outside each image's ``feature_hw[b]`` (the RPN's 3×3 conv
+                then sees what its zero padding gives on the image alone).
+            feature_hw / image_hw / scales: each image's res4 size, resized-input size and resize factor.
+
+        The head runs once on the batch; anchors, decoding, clipping (to the image's own size), the size filter,
+        top-k and NMS run per image on the image's own ``[:h_b, :w_b]`` cells.
+        """
+        fg_maps, delta_maps = self.rpn_head.maps(features)
+        proposals = []
+        for b, (h, w) in enumerate(feature_hw):
+            fg_prob, deltas = self.rpn_head.flatten(fg_maps[b, :, :h, :w], delta_maps[b, ..., :h, :w])
+            proposals.append(self.propose(fg_prob, deltas, (h, w), image_hw[b], scales[b]))
+        return proposals
+
+    def propose(self, fg_prob: torch.Tensor, deltas: torch.Tensor, feature_hw: tuple[int, int],
+                image_hw: tuple[int, int], scale: float) -> torch.Tensor:
+        """The proposal layer on one image: ``[h·w·A]`` probabilities, ``[h·w·A, 4]`` deltas → ``[P, 4]``."""
+        anchors = shift_anchors(self.cell_anchors, feature_hw[0], feature_hw[1], FEATURE_STRIDE)
         boxes = clip_boxes(decode_deltas(anchors, deltas.float()), *image_hw)
         keep = keep_min_size(boxes, self.min_size * scale)
         boxes, fg_prob = boxes[keep], fg_prob[keep].float()

@@ -33,39 +33,70 @@ def per_class_max_conf(boxes: torch.Tensor, class_scores: torch.Tensor, nms_thre
         nms_threshold: legacy IoU threshold of the per-class NMS (0.3).
         prune_every: every this many ranks, classes that can no longer change the result are dropped.
 
+    One image of :func:`per_class_max_conf_batched`.
+    """
+    return per_class_max_conf_batched([boxes], [class_scores], nms_threshold, prune_every)[0, : len(boxes)]
+
+
+def per_class_max_conf_batched(boxes: list[torch.Tensor], class_scores: list[torch.Tensor],
+                               nms_threshold: float = 0.3, prune_every: int = 8) -> torch.Tensor:
+    """:func:`per_class_max_conf` of ``B`` images at once: ``[B, P]`` with ``P`` = the most proposals of an image.
+
+    Args:
+        boxes: ``B`` tensors ``[P_b, 4]``; class_scores: ``B`` tensors ``[P_b, C]`` (scores ≥ 0, on one device).
+
+    Row ``b`` holds image ``b``'s result in its first ``P_b`` entries (zeros after). The rows of the greedy
+    suppression are (image, class) pairs, each with its own image's overlap matrix, so ``P`` steps serve all
+    images. An image with fewer proposals gets score ``-inf`` for the missing ones: they rank after all of its
+    real boxes and can only suppress boxes ranked after them, so the real boxes' decisions are those of the image
+    alone (and the result is made of the same scores, hence bitwise equal).
+
     Pruning (exact): the decisions for ranks already processed are final, so the maximum over them is a lower
     bound ``L[b]`` of the result. A class whose remaining (lower-ranked) boxes all score ``≤ L[b]`` in it can
     neither raise any box's maximum (the original updates only on a strictly larger score) nor matter for any
     other class, so it is dropped. With peaked class probabilities most classes go after a few ranks.
     """
-    num_boxes, num_classes = class_scores.shape
-    max_conf = class_scores.new_zeros(num_boxes)
+    num_images = len(boxes)
+    counts = [len(b) for b in boxes]
+    num_boxes = max(counts, default=0)
+    num_classes = class_scores[0].shape[1] if class_scores else 0
+    device = class_scores[0].device if class_scores else torch.device("cpu")
+    dtype = class_scores[0].dtype if class_scores else torch.float32
+    max_conf = torch.zeros((num_images, num_boxes), dtype=dtype, device=device)
     if num_boxes == 0 or num_classes == 0:
         return max_conf
-    overlaps = legacy_iou(boxes.float()) > nms_threshold                  # [P, P] bool
-    scores = class_scores.t().contiguous()                                # [C, P]
-    order = torch.argsort(scores, dim=1, descending=True, stable=True)    # [C, P] box index at each rank
-    sorted_scores = torch.gather(scores, 1, order)                        # [C, P] decreasing
-    suppressed = torch.zeros_like(scores, dtype=torch.bool)               # [C, P] by box index
+    overlaps = torch.zeros((num_images, num_boxes, num_boxes), dtype=torch.bool, device=device)
+    scores = torch.full((num_images, num_classes, num_boxes), float("-inf"), dtype=dtype, device=device)
+    for b, (image_boxes, image_scores) in enumerate(zip(boxes, class_scores)):
+        overlaps[b, : counts[b], : counts[b]] = legacy_iou(image_boxes.float()) > nms_threshold
+        scores[b, :, : counts[b]] = image_scores.t()
+    scores = scores.reshape(num_images * num_classes, num_boxes)          # [R, P] rows = (image, class)
+    row_image = torch.arange(num_images, device=device).repeat_interleave(num_classes)   # [R]
+    order = torch.argsort(scores, dim=1, descending=True, stable=True)    # [R, P] box index at each rank
+    sorted_scores = torch.gather(scores, 1, order)                        # [R, P] decreasing
+    suppressed = torch.zeros_like(scores, dtype=torch.bool)               # [R, P] by box index
     kept = torch.zeros_like(suppressed)
+
+    def image_max(kept: torch.Tensor, scores: torch.Tensor, row_image: torch.Tensor) -> torch.Tensor:
+        kept_scores = torch.where(kept, scores, torch.zeros_like(scores))
+        return max_conf.scatter_reduce(0, row_image[:, None].expand_as(kept_scores), kept_scores, "amax")
+
     for rank in range(num_boxes):
         if rank and rank % prune_every == 0:
-            kept_scores = torch.where(kept, scores, torch.zeros_like(scores))
-            max_conf = torch.maximum(max_conf, kept_scores.max(dim=0).values)
-            remaining = sorted_scores[:, rank:] > max_conf[order[:, rank:]]
+            max_conf = image_max(kept, scores, row_image)
+            remaining = sorted_scores[:, rank:] > torch.gather(max_conf[row_image], 1, order[:, rank:])
             needed = remaining.any(dim=1)
             if not bool(needed.all()):
                 if not bool(needed.any()):
                     return max_conf
                 scores, order, sorted_scores = scores[needed], order[needed], sorted_scores[needed]
-                suppressed, kept = suppressed[needed], kept[needed]
-        rows = torch.arange(len(scores), device=scores.device)
-        current = order[:, rank]                                          # [c]
-        alive = ~suppressed[rows, current]                                # [c]
+                suppressed, kept, row_image = suppressed[needed], kept[needed], row_image[needed]
+        rows = torch.arange(len(scores), device=device)
+        current = order[:, rank]                                          # [r]
+        alive = ~suppressed[rows, current]                                # [r]
         kept[rows, current] = alive
-        suppressed |= overlaps[current] & alive[:, None]
-    kept_scores = torch.where(kept, scores, torch.zeros_like(scores))
-    return torch.maximum(max_conf, kept_scores.max(dim=0).values)
+        suppressed |= overlaps[row_image, current] & alive[:, None]
+    return image_max(kept, scores, row_image)
 
 
 def choose_boxes(max_conf: torch.Tensor, conf_threshold: float = 0.2, min_boxes: int = 36,
@@ -80,6 +111,34 @@ def choose_boxes(max_conf: torch.Tensor, conf_threshold: float = 0.2, min_boxes:
     return by_conf[: (min_boxes if len(above) < min_boxes else max_boxes)]
 
 
+def choose_boxes_batched(max_conf: torch.Tensor, counts: list[int], conf_threshold: float = 0.2,
+                         min_boxes: int = 36, max_boxes: int = 36) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`choose_boxes` of ``B`` images at once, on ``max_conf``'s device with no host round trip.
+
+    Args:
+        max_conf: ``[B, P]`` (row ``b``: image ``b``'s ``counts[b]`` boxes first, the rest ignored).
+
+    Returns:
+        ``(order [B, K], kept [B])`` with ``K = min(P, max_boxes)``: image ``b`` keeps ``order[b, :kept[b]]``,
+        the indices :func:`choose_boxes` gives it, in the same order.
+    """
+    num_images, num_boxes = max_conf.shape
+    device = max_conf.device
+    index = torch.arange(num_boxes, device=device)
+    real = torch.stack([index < n for n in counts]) if counts else index.new_zeros((0, num_boxes), dtype=torch.bool)
+    conf = torch.where(real, max_conf, torch.full_like(max_conf, float("-inf")))
+    above = real & (conf >= conf_threshold)
+    count = above.sum(dim=1)                                                   # [B]
+    in_range = (count >= min_boxes) & (count <= max_boxes)
+    # index order of the boxes above the threshold (a stable sort puts them first), else decreasing max_conf
+    by_index = torch.argsort((~above).to(torch.uint8), dim=1, stable=True)
+    by_conf = torch.argsort(conf, dim=1, descending=True, stable=True)
+    order = torch.where(in_range[:, None], by_index, by_conf)[:, :max_boxes]
+    available = real.sum(dim=1).clamp(max=min_boxes)
+    kept = torch.where(in_range, count, torch.where(count < min_boxes, available, torch.full_like(count, max_boxes)))
+    return order, kept
+
+
 def select_regions(boxes: torch.Tensor, cls_prob: torch.Tensor, nms_threshold: float = 0.3,
                    conf_threshold: float = 0.2, min_boxes: int = 36, max_boxes: int = 36
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,3 +150,19 @@ def select_regions(boxes: torch.Tensor, cls_prob: torch.Tensor, nms_threshold: f
     """
     max_conf = per_class_max_conf(boxes, cls_prob[:, 1:], nms_threshold)
     return choose_boxes(max_conf, conf_threshold, min_boxes, max_boxes), max_conf
+
+
+def select_regions_batched(boxes: list[torch.Tensor], cls_prob: list[torch.Tensor], nms_threshold: float = 0.3,
+                           conf_threshold: float = 0.2, min_boxes: int = 36, max_boxes: int = 36
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`select_regions` of ``B`` images on their device: ``(order [B, K], kept [B], max_conf [B, P])``.
+
+    Args:
+        boxes: ``B`` tensors ``[P_b, 4]`` in original-image pixels; cls_prob: ``B`` tensors ``[P_b, 1 + C]``.
+
+    Image ``b`` keeps ``order[b, :kept[b]]``; ``max_conf[b, :P_b]`` is its ``max_conf``. No value is copied to
+    the host (the pruning of the suppression loop only reads back whether classes are left).
+    """
+    max_conf = per_class_max_conf_batched(boxes, [p[:, 1:] for p in cls_prob], nms_threshold)
+    order, kept = choose_boxes_batched(max_conf, [len(b) for b in boxes], conf_threshold, min_boxes, max_boxes)
+    return order, kept, max_conf
