@@ -5,6 +5,18 @@ output it keeps; the network is ``torchvision.models.feature_extraction.create_f
 "out"})``, i.e. the model's own forward pass cut at that node (nothing after it is computed), or the whole model
 when it already ends there (``cut=False``). A subclass then only reshapes that output into ``[B, K, D]``
 (:meth:`BackboneExtractor.to_features`) and describes itself (:meth:`extra_attrs`).
+
+Options of the run, recorded in the feature set's attributes (and so compared when a shard is resumed):
+
+* ``decode``: ``cpu`` — Pillow in the DataLoader workers; ``device`` — workers read file bytes and JPEGs are
+  decoded in batches on the extraction device (:mod:`retr.extractors.device_decode`); ``auto`` (default) —
+  ``device`` on CUDA, else ``cpu``. The attribute holds the resolved path.
+* ``half``: the network's weights and inputs in float16 (CUDA only), as before.
+* ``autocast``: ``none`` (default), ``bfloat16`` or ``float16``: float32 weights, the network run under
+  ``torch.autocast`` (CPU and CUDA). Not together with ``half``.
+* ``channels_last``: the network and its inputs in ``torch.channels_last`` memory format.
+
+Features leave the extractor as float32 whatever the precision.
 """
 from __future__ import annotations
 
@@ -18,12 +30,15 @@ from torchvision.models.feature_extraction import create_feature_extractor
 from retr.common.devices import resolve_device as resolve_common_device
 from retr.common.errors import ParameterError
 from retr.extractors.base import Extractor
+from retr.extractors.device_decode import EncodedBatch, EncodedReader, collate_encoded, decode_batch, resolve_decode
 from retr.extractors.weights import LoadedWeights, build_backbone
 
 #: ``builder(arch, weights, unused_prefixes, **random_options) -> (model, LoadedWeights)``
 ModelBuilder = Callable[..., tuple[nn.Module, LoadedWeights]]
 
 CPU_PIXELS_PER_PASS = 448 * 448   # input pixels per network call on CPU (see BackboneExtractor.run_network)
+#: ``autocast`` choices → the autocast dtype (``None``: no autocast)
+AUTOCAST_DTYPES = {"none": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(device: str | torch.device, half: bool) -> torch.device:
@@ -58,6 +73,8 @@ class BackboneExtractor(Extractor):
         unused_prefixes: parameters the cut network never uses (a state-dict file may omit them).
         random_options: torchvision builder options used only for ``weights="random"``.
         device: ``cpu`` | ``cuda`` | ``cuda:N``; half: float16 network and inputs (CUDA only).
+        decode: ``auto`` | ``cpu`` | ``device``; autocast: ``none`` | ``bfloat16`` | ``float16``;
+            channels_last: channels-last memory format (module docstring).
         builder: where the model and its weights come from: torchvision's (:func:`build_backbone`, default) or
             timm's (:func:`retr.extractors.timm_weights.build_timm_backbone`).
         cut: ``True``: cut the model at ``node`` with ``create_feature_extractor``. ``False``: the builder's
@@ -71,11 +88,19 @@ class BackboneExtractor(Extractor):
                  preprocess: Callable[[tuple, tuple], Callable[[str], torch.Tensor]],
                  unused_prefixes: tuple[str, ...] = (), random_options: dict | None = None,
                  device: str | torch.device = "cpu", half: bool = False, builder: ModelBuilder = build_backbone,
-                 cut: bool = True):
+                 cut: bool = True, decode: str = "auto", autocast: str = "none", channels_last: bool = False):
         self.backbone = arch
         self.node = node
         self.half = bool(half)
+        if autocast not in AUTOCAST_DTYPES:
+            raise ParameterError(f"autocast must be one of {', '.join(AUTOCAST_DTYPES)}, not {autocast!r}",
+                                 "autocast")
+        if self.half and autocast != "none":
+            raise ParameterError("half (a float16 network) and autocast exclude each other; give one", "half",
+                                 "autocast")
+        self.autocast, self.channels_last = autocast, bool(channels_last)
         self.device = resolve_device(device, self.half)
+        self.decode = resolve_decode(decode, self.device)
         model, self.weights = builder(arch, weights, unused_prefixes,
                                       **((random_options or {}) if weights == "random" else {}))
         self.network: nn.Module = (create_feature_extractor(model, {node: "out"}) if cut else WholeModel(model)).eval()
@@ -84,8 +109,14 @@ class BackboneExtractor(Extractor):
         self.to(self.device)
 
     # -- worker side ------------------------------------------------------------------------------------------
-    def preprocessor(self) -> Callable[[str], torch.Tensor]:
+    def preprocessor(self) -> Callable[[str], Any]:
+        """The Pillow preprocessing (``decode`` ``cpu``), or the byte reader of the device path."""
+        if self.decode == "device":
+            return EncodedReader(self._preprocess, self._preprocess.exif_orientation)
         return self._preprocess
+
+    def collator(self) -> Callable[[list[Any]], Any]:
+        return collate_encoded if self.decode == "device" else super().collator()
 
     def load(self, path: str) -> torch.Tensor:
         return self._preprocess(path)
@@ -94,12 +125,29 @@ class BackboneExtractor(Extractor):
     def to(self, device: torch.device | str) -> "BackboneExtractor":
         self.device = resolve_device(device, self.half)
         self.network.to(self.device, dtype=torch.float16 if self.half else torch.float32)
+        if self.channels_last:
+            self.network.to(memory_format=torch.channels_last)
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick the fastest kernels
         return self
 
+    def to_device(self, batch: torch.Tensor | EncodedBatch) -> tuple[torch.Tensor | None, list[tuple[int, str]]]:
+        """A collated batch on the device: a tensor is copied (``non_blocking``, so a pinned batch overlaps);
+        an :class:`EncodedBatch` is decoded there (:func:`decode_batch`), which may drop rows it cannot use."""
+        if isinstance(batch, EncodedBatch):
+            return decode_batch(batch, self.device, self._preprocess.from_decoded, self._preprocess)
+        return batch.to(self.device, non_blocking=True), []
+
+    def forward_only(self, images: torch.Tensor) -> torch.Tensor:
+        """Features ``[B, K, D]`` float32 (on the device) of preprocessed ``images`` (the shape ``load`` gives,
+        stacked: ``[B, 3, H, W]``, or ``[B, 10, 3, C, C]`` for 10-crop), with this extractor's precision and
+        memory format; no decoding and no copy back to the host (what ``bench/gpu.py`` times as the bound)."""
+        with torch.inference_mode():
+            return self.to_features(self.run_network(self.flatten_batch(images)), images.shape[0]).float()
+
     def run_network(self, images: torch.Tensor) -> torch.Tensor:
-        """The kept node's output for ``images`` ``[B, 3, H, W]`` (moved to the device, float16 with ``half``).
+        """The kept node's output for ``images`` ``[B, 3, H, W]`` (moved to the device, float16 with ``half``,
+        channels-last with ``channels_last``; under ``torch.autocast`` with ``autocast``).
 
         On CPU the batch goes through the network ``CPU_PIXELS_PER_PASS`` input pixels at a time (one 448-px
         image, four 224-px crops): a whole batch's activations (100 MB a layer for eight 448-px images in
@@ -107,8 +155,12 @@ class BackboneExtractor(Extractor):
         time (``bench/extract.py``). Every image is computed alone either way, so the features are the same.
         """
         dtype = torch.float16 if self.half else torch.float32
-        with torch.inference_mode():
+        autocast_dtype = AUTOCAST_DTYPES[self.autocast]
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype=autocast_dtype,
+                                                    enabled=autocast_dtype is not None):
             images = images.to(self.device, dtype=dtype, non_blocking=True)
+            if self.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
             step = images.shape[0]
             if self.device.type == "cpu":
                 step = max(1, CPU_PIXELS_PER_PASS // max(1, images.shape[-2] * images.shape[-1]))
@@ -120,11 +172,12 @@ class BackboneExtractor(Extractor):
         """Reshape the node output into ``[B, K, D]`` (subclasses)."""
         raise NotImplementedError
 
-    def extract(self, batch: torch.Tensor) -> dict[str, np.ndarray]:
-        batch_size = batch.shape[0]
-        with torch.inference_mode():
-            features = self.to_features(self.run_network(self.flatten_batch(batch)), batch_size)
-        return {"features": features.float().cpu().numpy()}
+    def extract(self, batch: torch.Tensor | EncodedBatch) -> dict[str, np.ndarray]:
+        """``{"features": [B, K, D] float32}`` of a collated batch (a tensor, on the host or the device). An
+        :class:`EncodedBatch` must go through :meth:`to_device` first (which reports the rows it drops)."""
+        if isinstance(batch, EncodedBatch):
+            raise TypeError("an EncodedBatch is decoded by to_device (which may drop rows) before extract")
+        return {"features": self.forward_only(batch).cpu().numpy()}
 
     def flatten_batch(self, batch: torch.Tensor) -> torch.Tensor:
         """Network input ``[B', 3, H, W]`` from a collated batch (identity; 10-crop folds its crops in)."""
@@ -137,6 +190,7 @@ class BackboneExtractor(Extractor):
         weights: LoadedWeights = self.weights
         attrs = {"kind": self.kind, "extractor": self.name, "backbone": self.backbone, "weights": weights.name,
                  "layer": self.node, "normalize_mean": list(weights.mean), "normalize_std": list(weights.std),
-                 "half_precision": self.half, **weights.attrs}
+                 "half_precision": self.half, "decode": self.decode, "autocast": self.autocast,
+                 "channels_last": self.channels_last, **weights.attrs}
         attrs.update(self.extra_attrs())
         return attrs

@@ -8,7 +8,10 @@ extractor by name and drives it through this interface —
    …). It raises :class:`ImageError` with a one-line reason for an image that cannot be used; the stage records
    that reason in the feature set's ``errors`` and goes on.
 2. ``collate(samples)`` turns a list of ``load`` results into one batch (default: ``torch.stack``).
-3. ``extract(batch)`` runs the network and returns numpy arrays: ``features`` ``[B, K, D]`` and every dataset
+3. ``to_device(batch)`` (main process; on CUDA on a side stream while the previous batch is in the network)
+   moves — or decodes — a collated batch onto the device and returns it with the rows that turned out
+   unusable there (default: the batch as it is, no failures).
+4. ``extract(batch)`` runs the network and returns numpy arrays: ``features`` ``[B, K, D]`` and every dataset
    named in ``extras`` (e.g. ``boxes`` ``[B, K, 4]``), row ``b`` belonging to sample ``b``.
 
 ``attrs()`` gives the root attributes the feature set records (``kind``, ``extractor``, ``backbone``,
@@ -70,6 +73,13 @@ class Extractor(ABC):
     def collate(self, samples: list[Any]) -> Any:
         """Batch ``load`` results (default: stack tensors)."""
         return stack_samples(samples)
+
+    def to_device(self, batch: Any) -> tuple[Any, list[tuple[int, str]]]:
+        """``(the batch ready for extract, [(row of batch, one-line reason)] of rows dropped from it)``.
+
+        Default: ``(batch, [])`` — the extractor moves its inputs itself in :meth:`extract`.
+        """
+        return batch, []
 
     @abstractmethod
     def extract(self, batch: Any) -> dict[str, np.ndarray]:

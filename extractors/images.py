@@ -21,6 +21,12 @@ Colour modes (:func:`to_rgb`), chosen so that every file a dataset may contain g
 EXIF orientation is **not** applied by default: the published feature sets (and torchvision's ImageFolder
 pipelines of that time) read pixels as stored. ``exif_orientation=True`` rotates/flips by the EXIF tag
 (``ImageOps.exif_transpose``); the choice is recorded in the feature set's attributes.
+
+Each preprocessing object also has :meth:`from_decoded`, the same resize and normalisation as tensor ops
+(``torchvision.transforms.v2.functional``) on an image that was decoded elsewhere — ``decode_jpeg`` on the
+extraction device (:mod:`retr.extractors.device_decode`). Both paths resize 8-bit pixels (bilinear,
+antialiased) and round back to 8 bits before scaling to 0..1, as Pillow does; agreement is measured in
+``tests/test_device_decode.py``.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from typing import Sequence
 import numpy as np
 import torch
 import torchvision.transforms.functional as TF
+import torchvision.transforms.v2.functional as TV2
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torchvision.transforms import InterpolationMode
 
@@ -114,8 +121,15 @@ def to_normalized_tensor(image: Image.Image, mean: Sequence[float], std: Sequenc
     return TF.normalize(TF.to_tensor(image), list(mean), list(std))
 
 
-def _check_aspect(image: Image.Image) -> None:
-    width, height = image.size
+def normalize_uint8(image: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """Tensor twin of :func:`to_normalized_tensor`: ``[..., 3, H, W]`` uint8 → float32 ``(x/255 - mean) / std``."""
+    return TV2.normalize(TV2.to_dtype(image, torch.float32, scale=True), list(mean), list(std))
+
+
+def check_aspect(width: int, height: int) -> None:
+    """Raise :class:`ImageError` for an image beyond ``MAX_ASPECT_RATIO`` (or without pixels)."""
+    if width < 1 or height < 1:
+        raise ImageError(f"image has no pixels ({width}×{height})")
     ratio = max(width, height) / min(width, height)
     if ratio > MAX_ASPECT_RATIO:
         raise ImageError(f"aspect ratio {ratio:.0f}:1 ({width}×{height}) beyond {MAX_ASPECT_RATIO:.0f}:1")
@@ -136,9 +150,15 @@ class SquareResize:
 
     def __call__(self, path: str) -> torch.Tensor:
         image = decode_image(path, self.exif_orientation)
-        _check_aspect(image)
+        check_aspect(*image.size)
         image = TF.resize(image, [self.size, self.size], interpolation=InterpolationMode.BILINEAR, antialias=True)
         return to_normalized_tensor(image, self.mean, self.std)
+
+    def from_decoded(self, image: torch.Tensor) -> torch.Tensor:
+        """The same resize and normalisation as tensor ops: ``[3, H, W]`` uint8 RGB on any device →
+        ``[3, size, size]`` float32 on that device."""
+        image = TV2.resize(image, [self.size, self.size], interpolation=InterpolationMode.BILINEAR, antialias=True)
+        return normalize_uint8(image, self.mean, self.std)
 
 
 @dataclass(frozen=True)
@@ -157,10 +177,17 @@ class TenCrop:
 
     def __call__(self, path: str) -> torch.Tensor:
         image = decode_image(path, self.exif_orientation)
-        _check_aspect(image)
+        check_aspect(*image.size)
         image = TF.resize(image, [self.resize], interpolation=InterpolationMode.BILINEAR, antialias=True)
         tensor = to_normalized_tensor(image, self.mean, self.std)
         return torch.stack(TF.ten_crop(tensor, [self.crop, self.crop]))
+
+    def from_decoded(self, image: torch.Tensor) -> torch.Tensor:
+        """The same resize, normalisation and crops as tensor ops: ``[3, H, W]`` uint8 RGB on any device →
+        ``[10, 3, crop, crop]`` float32 on that device."""
+        image = TV2.resize(image, [self.resize], interpolation=InterpolationMode.BILINEAR, antialias=True)
+        tensor = normalize_uint8(image, self.mean, self.std)
+        return torch.stack(TV2.ten_crop(tensor, [self.crop, self.crop]))
 
 
 def tencrop_resize_for(crop: int) -> int:

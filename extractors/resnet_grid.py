@@ -33,7 +33,8 @@ class ResNetGridExtractor(BackboneExtractor):
     kind = "grid"
 
     def __init__(self, *, weights: str = "imagenet", device: str = "cpu", half: bool = False,
-                 image_size: int = 448, grid_size: int = 7, exif_orientation: bool = False):
+                 image_size: int = 448, grid_size: int = 7, exif_orientation: bool = False,
+                 decode: str = "auto", autocast: str = "none", channels_last: bool = False):
         if image_size % STRIDE or image_size < STRIDE:
             raise ParameterError(f"image_size must be a multiple of {STRIDE} for {self.name}, not {image_size}",
                                  "image_size")
@@ -48,7 +49,8 @@ class ResNetGridExtractor(BackboneExtractor):
         self.exif_orientation = exif_orientation
         super().__init__(arch="resnet152", node="layer4", weights=weights, device=device, half=half,
                          preprocess=lambda mean, std: SquareResize(image_size, mean, std, exif_orientation),
-                         unused_prefixes=("fc.",), random_options={"zero_init_residual": True})
+                         unused_prefixes=("fc.",), random_options={"zero_init_residual": True},
+                         decode=decode, autocast=autocast, channels_last=channels_last)
 
     @property
     def feature_shape(self) -> tuple[int, int]:
@@ -68,7 +70,10 @@ class ResNetGridExtractor(BackboneExtractor):
 
 @register("resnet152-grid")
 def build_resnet152_grid(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 448,
-                         grid_size: int = 7, exif_orientation: bool = False) -> ResNetGridExtractor:
+                         grid_size: int = 7, exif_orientation: bool = False,
+                         decode: str = "auto", autocast: str = "none", channels_last: bool = False,
+                         ) -> ResNetGridExtractor:
     """ResNet-152 res5c grid: 448 input pooled to 7×7 (default), raw 14×14 (``grid_size=14``) or a 224 input."""
     return ResNetGridExtractor(weights=weights, device=device, half=half, image_size=image_size,
-                               grid_size=grid_size, exif_orientation=exif_orientation)
+                               grid_size=grid_size, exif_orientation=exif_orientation,
+                               decode=decode, autocast=autocast, channels_last=channels_last)

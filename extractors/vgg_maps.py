@@ -26,14 +26,16 @@ class VggMapsExtractor(BackboneExtractor):
     kind = "maps"
 
     def __init__(self, *, weights: str = "imagenet", device: str = "cpu", half: bool = False,
-                 image_size: int = 448, exif_orientation: bool = False):
+                 image_size: int = 448, exif_orientation: bool = False,
+                 decode: str = "auto", autocast: str = "none", channels_last: bool = False):
         if image_size not in IMAGE_SIZES:
             raise ParameterError(f"image_size for {self.name} must be one of {IMAGE_SIZES} (14×14 or 7×7 maps), "
                                  f"not {image_size}", "image_size")
         self.image_size, self.exif_orientation = image_size, exif_orientation
         super().__init__(arch="vgg16", node=POOL5, weights=weights, device=device, half=half,
                          preprocess=lambda mean, std: SquareResize(image_size, mean, std, exif_orientation),
-                         unused_prefixes=("classifier.",))
+                         unused_prefixes=("classifier.",),
+                         decode=decode, autocast=autocast, channels_last=channels_last)
 
     @property
     def feature_shape(self) -> tuple[int, int]:
@@ -52,7 +54,9 @@ class VggMapsExtractor(BackboneExtractor):
 
 @register("vgg16-maps")
 def build_vgg16_maps(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 448,
-                     exif_orientation: bool = False) -> VggMapsExtractor:
+                     exif_orientation: bool = False,
+                     decode: str = "auto", autocast: str = "none", channels_last: bool = False) -> VggMapsExtractor:
     """VGG-16 pool5 maps: 196×512 at a 448 input (default), 49×512 at 224."""
     return VggMapsExtractor(weights=weights, device=device, half=half, image_size=image_size,
-                            exif_orientation=exif_orientation)
+                            exif_orientation=exif_orientation,
+                            decode=decode, autocast=autocast, channels_last=channels_last)

@@ -31,7 +31,14 @@ older than a shard, writes it. Hence the last rank to finish â€” or any re-run â
 ``torch.distributed`` process group is needed. ``retr-pipeline index DIR/NAME`` does the same by hand.
 
 Decoding runs in DataLoader workers (``--workers``), so it overlaps the network; an image that cannot be read
-becomes one ``errors`` row ``(id, reason)`` and the run goes on.
+becomes one ``errors`` row ``(id, reason)`` and the run goes on. With ``decode="device"`` the workers only read
+file bytes and JPEGs are decoded in batches on the device (:mod:`retr.extractors.device_decode`); an image the
+device decoder rejects becomes an ``errors`` row there, with Pillow's reason.
+
+Overlap on CUDA. Batches are pinned by the DataLoader, and :class:`~retr.pipeline.prefetch.DevicePrefetcher`
+moves (or decodes) the next batch onto the device on a side stream while the current one is in the network. The
+shard's rows are written by a background thread (:mod:`retr.pipeline.write_thread`, ``write_queue`` batches
+deep; 0 writes in the loop), so the device does not wait on the disk; the shard file is the same either way.
 """
 from __future__ import annotations
 
@@ -43,7 +50,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import h5py
 import numpy as np
@@ -56,12 +63,17 @@ from retr.common.locks import LockHeldError, acquire_lock
 from retr.common.torchrun import TorchrunEnv
 from retr.extractors.base import Extractor, ImageError, build_extractor
 from retr.manifests.schema import ManifestRecord, manifest_sha256, outside_root_reason, read_manifest
+from retr.pipeline.prefetch import DevicePrefetcher
+from retr.pipeline.write_thread import WRITE_QUEUE_DEPTH, BackgroundWriter
 from retr.store.features import (NonFiniteError, ShardWriter, decode_str, index_path_for, is_complete,
                                  shard_name, shard_status, write_index)
 
 #: Attributes the shard writer adds that change with the run, not with what the features are; a complete
 #: shard from an earlier run must agree with this run on every other attribute to be reused.
 _RUN_ATTRS = ("created", "retr_version", "shard_index", "num_shards", "complete", "num_rows", "format_version")
+#: What shards written before these attributes existed were made with (Pillow decoding, no autocast, the
+#: default memory format): such a shard is reused by a run with these settings, and refused by another.
+_ATTRS_BEFORE_RECORDED = {"decode": "cpu", "autocast": "none", "channels_last": False}
 
 
 def shard_ranges(num_rows: int, num_shards: int) -> list[tuple[int, int]]:
@@ -132,8 +144,9 @@ class Batch:
     failures: list[tuple[int, str]]
 
     def pin_memory(self) -> "Batch":
-        """Called by the DataLoader with ``pin_memory=True`` (CUDA): page-locks the sample tensor."""
-        if isinstance(self.samples, torch.Tensor):
+        """Called by the DataLoader with ``pin_memory=True`` (CUDA): page-locks the sample tensor (or the
+        samples' own ``pin_memory``, e.g. an :class:`~retr.extractors.device_decode.EncodedBatch`)."""
+        if self.samples is not None and hasattr(self.samples, "pin_memory"):
             self.samples = self.samples.pin_memory()
         return self
 
@@ -234,6 +247,9 @@ def check_existing_shard(path: Path, attrs: dict[str, Any], dtype: str, ids: lis
         shard_ids = [decode_str(v) for v in f["ids"][:]]
         error_ids = [decode_str(v) for v in f["errors"][:, 0]] if len(f["errors"]) else []
     want = _comparable({k: _attr_value(v) for k, v in {**attrs, "dtype": dtype}.items()})
+    for key, value in _ATTRS_BEFORE_RECORDED.items():
+        if key in want and key not in have:
+            have[key] = value
     differing = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
     if differing:
         key = differing[0]
@@ -262,41 +278,115 @@ def outside_root_refusals(records: Sequence[ManifestRecord]) -> dict[int, str]:
     return refused
 
 
+@dataclass
+class ExtractedBatch:
+    """One batch through the network: ``positions`` (in the path list) of ``out``'s rows, and the failures."""
+
+    positions: list[int]
+    out: dict[str, np.ndarray] | None
+    failures: list[tuple[int, str]]
+
+
+def extracted_batches(extractor: Extractor, paths: Sequence[str], *, batch_size: int, workers: int,
+                      refused: dict[int, str] | None = None) -> Iterator[ExtractedBatch]:
+    """Run ``extractor`` over ``paths`` in order: DataLoader workers (``extractor.preprocessor()``), pinned
+    batches on CUDA, ``extractor.to_device`` one batch ahead (:class:`DevicePrefetcher`), ``extract``.
+
+    ``refused``: positions not to open, with the reason reported as their failure. Yields one
+    :class:`ExtractedBatch` per loader batch; failures from the workers come before those found on the device.
+    """
+    device = torch.device(getattr(extractor, "device", "cpu"))
+    loader = DataLoader(ImageFiles(paths, extractor.preprocessor(), refused), batch_size=batch_size, shuffle=False,
+                        num_workers=workers, collate_fn=BatchCollator(extractor.collator()),
+                        pin_memory=device.type == "cuda",
+                        prefetch_factor=2 if workers > 0 else None,
+                        multiprocessing_context=_worker_context() if workers > 0 else None)
+
+    def move(batch: Batch) -> tuple[Batch, Any, list[tuple[int, str]]]:
+        if not batch.positions:
+            return batch, None, []
+        samples, dropped = extractor.to_device(batch.samples)
+        return batch, samples, dropped
+
+    for batch, samples, dropped in DevicePrefetcher(loader, move, device):
+        failures = list(batch.failures) + [(batch.positions[row], reason) for row, reason in dropped]
+        gone = {row for row, _reason in dropped}
+        positions = [p for row, p in enumerate(batch.positions) if row not in gone]
+        out = extractor.extract(samples) if positions else None
+        yield ExtractedBatch(positions, out, failures)
+
+
+def extract_paths(extractor: Extractor, paths: Sequence[str], *, batch_size: int = 8,
+                  workers: int = 2) -> tuple[dict[str, np.ndarray], list[tuple[int, str]]]:
+    """Every output of ``extractor`` over ``paths``, in memory (no shard file): what ``bench/gpu.py`` times.
+
+    Returns ``(outputs, failures)``: ``outputs["features"]`` ``[N', K, D]`` (and each extra) for the ``N'``
+    usable paths in order; ``failures`` ``[(position in paths, one-line reason)]``. The decode path and
+    precision are the extractor's own (``build_extractor(name, decode=..., autocast=..., half=...)``).
+    """
+    names = ["features", *extractor.extras]
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    failures: list[tuple[int, str]] = []
+    for done in extracted_batches(extractor, paths, batch_size=batch_size, workers=workers):
+        failures.extend(done.failures)
+        if done.out is not None:
+            for name in names:
+                parts[name].append(done.out[name])
+    K, D = extractor.feature_shape
+    empty = {"features": np.zeros((0, K, D), np.float32),
+             **{name: np.zeros((0, *shape), dtype) for name, (shape, dtype) in extractor.extras.items()}}
+    outputs = {name: np.concatenate(parts[name]) if parts[name] else empty[name] for name in names}
+    return outputs, sorted(failures)
+
+
+@contextlib.contextmanager
+def _write_errors(path: Path) -> Iterator[None]:
+    """The writer's refusals (raised in the loop or in the writer thread) as one-line :class:`UserError`."""
+    try:
+        yield
+    except NonFiniteError as exc:
+        raise UserError(f"{path.name}: the network's {exc.dataset} for image {exc.image_id!r} hold NaN "
+                        f"or infinite values, which no dtype stores; check the weights (a damaged or "
+                        f"mismatched file?) and try without half precision") from None
+    except ValueError as exc:  # e.g. values beyond float16's range: the writer says what to do
+        raise UserError(f"{path.name}: {exc}") from None
+
+
 def run_shard(extractor: Extractor, records: Sequence[ManifestRecord], image_root: Path, path: Path,
               attrs: dict[str, Any], dtype: str, shard_index: int, num_shards: int, batch_size: int,
-              workers: int, pin_memory: bool, bar, allow_outside_root: bool = False) -> ShardResult:
+              workers: int, bar, allow_outside_root: bool = False,
+              write_queue: int = WRITE_QUEUE_DEPTH) -> ShardResult:
     """Extract ``records`` into the shard file ``path`` (atomically); update ``bar`` per batch.
 
     Paths outside ``image_root`` become ``errors`` rows without being opened unless ``allow_outside_root``.
+    ``write_queue``: batches the writer thread may hold (0: write in this thread).
     """
     start = time.perf_counter()
     paths = [str(image_root / record.path) for record in records]
     refused = {} if allow_outside_root else outside_root_refusals(records)
-    loader = DataLoader(ImageFiles(paths, extractor.preprocessor(), refused), batch_size=batch_size, shuffle=False,
-                        num_workers=workers, collate_fn=BatchCollator(extractor.collator()), pin_memory=pin_memory,
-                        prefetch_factor=2 if workers > 0 else None,
-                        multiprocessing_context=_worker_context() if workers > 0 else None)
     rows = errors = 0
     with ShardWriter(path, attrs, extractor.feature_shape, dtype=dtype, extras=extractor.extras,
-                     shard_index=shard_index, num_shards=num_shards) as writer:
-        for batch in loader:
-            for position, reason in batch.failures:
-                writer.add_error(records[position].id, reason)
-            errors += len(batch.failures)
-            if batch.positions:
-                out = extractor.extract(batch.samples)
-                ids = [records[p].id for p in batch.positions]
-                extras = {name: out[name] for name in extractor.extras}
-                try:
-                    writer.append(ids, out["features"], **extras)
-                except NonFiniteError as exc:
-                    raise UserError(f"{path.name}: the network's {exc.dataset} for image {exc.image_id!r} hold NaN "
-                                    f"or infinite values, which no dtype stores; check the weights (a damaged or "
-                                    f"mismatched file?) and try without half precision") from None
-                except ValueError as exc:  # e.g. values beyond float16's range: the writer says what to do
-                    raise UserError(f"{path.name}: {exc}") from None
-                rows += len(ids)
-            bar.update(len(batch.positions) + len(batch.failures))
+                     shard_index=shard_index, num_shards=num_shards) as shard:
+        writer = BackgroundWriter(shard, write_queue)
+        try:
+            for done in extracted_batches(extractor, paths, batch_size=batch_size, workers=workers,
+                                          refused=refused):
+                with _write_errors(path):
+                    for position, reason in done.failures:
+                        writer.add_error(records[position].id, reason)
+                errors += len(done.failures)
+                if done.out is not None:
+                    ids = [records[p].id for p in done.positions]
+                    with _write_errors(path):
+                        writer.append(ids, done.out["features"],
+                                      **{name: done.out[name] for name in extractor.extras})
+                    rows += len(ids)
+                bar.update(len(done.positions) + len(done.failures))
+            with _write_errors(path):
+                writer.close()   # every row on disk before the shard is renamed into place
+        except BaseException:
+            writer.abandon()
+            raise
     return ShardResult(shard_index, len(records), rows, errors, skipped=False,
                        seconds=time.perf_counter() - start)
 
@@ -364,6 +454,7 @@ def extract_features(manifest: str | os.PathLike, extractor: str, out: str | os.
                      batch_size: int = 8, workers: int = 2, num_shards: int | None = None,
                      shard_index: int | None = None, dtype: str = "float16", quiet: bool = False,
                      env: DistributedEnv | None = None, allow_outside_root: bool = False,
+                     write_queue: int = WRITE_QUEUE_DEPTH,
                      build: Callable[..., Extractor] = build_extractor) -> ExtractionSummary:
     """Run extractor ``extractor`` over the manifest into ``out/<extractor>/`` and index it when complete.
 
@@ -378,6 +469,7 @@ def extract_features(manifest: str | os.PathLike, extractor: str, out: str | os.
         dtype: ``float16`` (default) or ``float32`` on disk.
         allow_outside_root: read manifest paths that leave ``image_root`` (absolute, ``..``) instead of
             recording them as errors.
+        write_queue: batches waiting for the writer thread before the loop blocks (0: synchronous writes).
 
     Raises :class:`UserError` when another process is writing one of this run's shards (see the module
     docstring), before the network is built.
@@ -387,6 +479,8 @@ def extract_features(manifest: str | os.PathLike, extractor: str, out: str | os.
         raise ParameterError(f"batch_size must be at least 1, not {batch_size}", "batch_size")
     if workers < 0:
         raise ParameterError(f"workers must be 0 or more, not {workers}", "workers")
+    if write_queue < 0:
+        raise ParameterError(f"write_queue must be 0 or more, not {write_queue}", "write_queue")
     env = env or DistributedEnv.from_environ()
     count, mine = plan_shards(num_shards, shard_index, env)
     manifest = Path(manifest)
@@ -428,14 +522,13 @@ def extract_features(manifest: str | os.PathLike, extractor: str, out: str | os.
             else:
                 todo.append(r)
         total = sum(ranges[r][1] - ranges[r][0] for r in todo)
-        pin = str(options.get("device", "cpu")).startswith("cuda")
         rank_note = f" [rank {env.rank}/{env.world_size}]" if env.world_size > 1 else ""
         with progress(total=total, desc=f"{extractor}{rank_note}", unit="img", quiet=quiet) as bar:
             for r in todo:
                 start, stop = ranges[r]
                 summary.shards.append(run_shard(model, records[start:stop], root, folder / shard_name(r, count),
-                                                attrs, dtype, r, count, batch_size, workers, pin, bar,
-                                                allow_outside_root))
+                                                attrs, dtype, r, count, batch_size, workers, bar,
+                                                allow_outside_root, write_queue))
         summary.shards.sort(key=lambda s: s.index)
         del model
         summary.index_path, summary.index_written, summary.missing_shards = write_index_when_complete(folder)

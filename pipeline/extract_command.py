@@ -48,6 +48,16 @@ def _run_options(f):
                      help="DataLoader processes decoding images while the network runs (0: decode in-process)."),
         click.option("--device", default="auto", show_default=True, help="auto (cuda if any), cpu, cuda or cuda:N."),
         click.option("--half", is_flag=True, help="Run the network in float16 (CUDA only)."),
+        click.option("--decode", type=click.Choice(["auto", "cpu", "device"]), default="auto", show_default=True,
+                     help="Where images are decoded: cpu (Pillow in the workers), device (JPEGs in batches with "
+                          "torchvision's decode_jpeg on the extraction device, others by Pillow), auto (device on "
+                          "CUDA, else cpu). Backbone extractors only."),
+        click.option("--autocast", type=click.Choice(["none", "bfloat16", "float16"]), default="none",
+                     show_default=True,
+                     help="Run the float32 network under torch.autocast in this dtype (CPU and CUDA; not with "
+                          "--half). Backbone extractors only."),
+        click.option("--channels-last", is_flag=True,
+                     help="Network and inputs in channels-last memory format. Backbone extractors only."),
         click.option("--dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True,
                      help="On-disk type of the features."),
         click.option("--num-shards", type=int, default=None,
@@ -66,8 +76,10 @@ def _run_options(f):
     return f
 
 
-def _builder_options(weights: str | None, device: str, half: bool, **specific: Any) -> dict[str, Any]:
-    """Options for the extractor builder: only what the user set, so each builder keeps its own defaults."""
+def _builder_options(weights: str | None, device: str, half: bool, decode: str = "auto", autocast: str = "none",
+                     channels_last: bool = False, **specific: Any) -> dict[str, Any]:
+    """Options for the extractor builder: only what the user set, so each builder keeps its own defaults (and an
+    extractor without the option — butd-regions has no ``decode`` — is asked for it only when it is given)."""
     from retr.common.devices import resolve_device
 
     options: dict[str, Any] = {"device": str(resolve_device(device))}     # "auto": cuda when there is one
@@ -75,6 +87,12 @@ def _builder_options(weights: str | None, device: str, half: bool, **specific: A
         options["weights"] = weights
     if half:
         options["half"] = True
+    if decode != "auto":
+        options["decode"] = decode
+    if autocast != "none":
+        options["autocast"] = autocast
+    if channels_last:
+        options["channels_last"] = True
     options.update({k: v for k, v in specific.items() if v is not None and v is not False})
     return options
 
@@ -98,9 +116,9 @@ def _builder_options(weights: str | None, device: str, half: bool, **specific: A
 @_run_options
 def extract_command(manifest: Path, name: str, out: Path, shard_index: int | None, image_size: int | None,
                     grid_size: int | None, exif_orientation: bool, weights: str | None, batch_size: int,
-                    workers: int, device: str, half: bool, dtype: str, num_shards: int | None,
-                    image_root: Path | None, allow_outside_root: bool, offline: bool, mirror: str | None,
-                    quiet: bool, **butd: Any) -> None:
+                    workers: int, device: str, half: bool, decode: str, autocast: str, channels_last: bool,
+                    dtype: str, num_shards: int | None, image_root: Path | None, allow_outside_root: bool,
+                    offline: bool, mirror: str | None, quiet: bool, **butd: Any) -> None:
     """Extract one feature set from the images of a manifest (sharded, resumable).
 
     Writes OUT/NAME/shard-RRRRR-of-WWWWW.h5 (each renamed into place when complete) and, once every shard
@@ -116,8 +134,8 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
           --manifest data/coco/manifest.jsonl --extractor vgg16-maps --out data/coco/features
     """
     apply_network_options(offline, mirror)
-    options = _builder_options(weights, device, half, image_size=image_size, grid_size=grid_size,
-                               exif_orientation=exif_orientation, **butd)
+    options = _builder_options(weights, device, half, decode, autocast, channels_last, image_size=image_size,
+                               grid_size=grid_size, exif_orientation=exif_orientation, **butd)
     summary = extract_features(manifest, name, out, image_root=image_root, options=options, batch_size=batch_size,
                                workers=workers, num_shards=num_shards, shard_index=shard_index, dtype=dtype,
                                quiet=quiet, allow_outside_root=allow_outside_root)
@@ -133,8 +151,8 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
 @click.option("--only", "only", multiple=True, help="Run only this extractor (repeatable).")
 @_run_options
 def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None, only: tuple[str, ...],
-                           weights: str | None, batch_size: int, workers: int, device: str, half: bool, dtype: str,
-                           num_shards: int | None, image_root: Path | None, allow_outside_root: bool,
+                           weights: str | None, batch_size: int, workers: int, device: str, half: bool,
+                           decode: str, autocast: str, channels_last: bool, dtype: str, num_shards: int | None, image_root: Path | None, allow_outside_root: bool,
                            offline: bool, mirror: str | None, quiet: bool) -> None:
     """Run every extractor of a dataset preset (coco, f30k, synthetic) into its features folder, in turn.
 
@@ -183,7 +201,7 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
                        f"skipped")
             continue
         name_weights, specific = plans[name]
-        options = _builder_options(name_weights, device, half, **specific)
+        options = _builder_options(name_weights, device, half, decode, autocast, channels_last, **specific)
         try:
             summary = extract_features(preset.manifest, name, preset.features, image_root=preset.images,
                                        options=options, batch_size=batch_size, workers=workers,
