@@ -32,6 +32,10 @@ BUTD_OPTIONS = [
                  help="butd-regions: objects_vocab.txt (1600 lines), recorded in the feature set."),
     click.option("--attr-vocab", type=click.Path(dir_okay=False), default=None,
                  help="butd-regions: attributes_vocab.txt (400 lines), recorded in the feature set."),
+    click.option("--detector-batch", type=click.IntRange(min=1), default=None,
+                 help="butd-regions: images per detector forward, padded to the largest (default 4 on CUDA, 1 on "
+                      "CPU; at most --batch-size). Each image's regions are its one-image forward's up to the "
+                      "convolution library's summation order; recorded in the feature set."),
     click.option("--allow-partial", is_flag=True,
                  help="butd-regions: load a checkpoint even if keys are missing or unexpected."),
     click.option("--trust-checkpoint", is_flag=True,

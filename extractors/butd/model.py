@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -135,6 +136,35 @@ class BottomUpAttention(nn.Module):
         return regions
 
 
+@torch.no_grad()
+def run_detector(model: BottomUpAttention, images: Sequence[torch.Tensor], scales: Sequence[float],
+                 batch_size: int = 1) -> list[Regions]:
+    """The kept regions of each image, ``batch_size`` images per forward; results stay on the model's device.
+
+    Args:
+        model: the detector (its parameters' device and dtype are used).
+        images: preprocessed images ``[3, H_b, W_b]`` (any device; moved to the model's, in its dtype).
+        scales: their resize factors.
+        batch_size: 1 runs :meth:`BottomUpAttention.forward` per image (the original's one image per forward);
+            more runs :meth:`BottomUpAttention.forward_batch` on consecutive groups of that many images.
+
+    Returns:
+        one :class:`Regions` per image, in order.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+    if len(images) != len(scales):
+        raise ValueError(f"{len(images)} images but {len(scales)} scales")
+    parameter = next(model.parameters())
+    inputs = [image.to(parameter.device, dtype=parameter.dtype) for image in images]
+    if batch_size == 1:
+        return [model(image, scale) for image, scale in zip(inputs, scales)]
+    regions: list[Regions] = []
+    for start in range(0, len(inputs), batch_size):
+        regions += model.forward_batch(inputs[start:start + batch_size], list(scales[start:start + batch_size]))
+    return regions
+
+
 def empty_detector(settings: DetectorSettings = DetectorSettings(),
                    device: torch.device | str = "cpu") -> BottomUpAttention:
     """A detector with allocated but uninitialised parameters, to be filled by a checkpoint or randomize_.
@@ -149,4 +179,4 @@ def empty_detector(settings: DetectorSettings = DetectorSettings(),
     return model
 
 
-__all__ = ["BottomUpAttention", "DetectorSettings", "FEATURE_DIM", "Regions", "empty_detector"]
+__all__ = ["BottomUpAttention", "DetectorSettings", "FEATURE_DIM", "Regions", "empty_detector", "run_detector"]

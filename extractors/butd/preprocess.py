@@ -3,7 +3,7 @@
 BGR uint8 as ``cv2.imread`` gives it → float32 → subtract the BGR pixel means (no division by a std) → scale so
 the short side is 600 unless that makes the long side exceed 1000 (then long side = 1000) → bilinear resize of
 the mean-subtracted image (``cv2.INTER_LINEAR``, as the original; OpenCV is used so the resampling is the
-original's). One image per forward; no padding.
+original's). Each image keeps its own size; a batched forward pads them (see :mod:`batching`).
 
 EXIF orientation: OpenCV ≥ 3.1 rotates images by their EXIF tag when reading; the original extraction
 predates that and saw the stored pixel order. ``exif=False`` (default) reproduces the original
