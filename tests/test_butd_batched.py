@@ -89,6 +89,7 @@ def test_batched_detector_equals_one_image_at_a_time_bitwise(detector, images):
         one = [detector(image, scale) for image, scale in zip(images, SCALES)]
         batched = detector.forward_batch(images, SCALES)
     assert [len(r.boxes) for r in one] == [20, 20, 20, 11]       # min_boxes, and fewer proposals than that
+    assert (one[2].boxes[:, 2] == 105).any()                     # kept boxes reach the 16k+10 edge (scale 1)
     for single, together in zip(one, batched):
         for field in FIELDS:
             assert torch.equal(getattr(single, field), getattr(together, field)), field
