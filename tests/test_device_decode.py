@@ -33,7 +33,7 @@ from retr.common.errors import ParameterError, UserError
 from retr.extractors.base import ImageError, build_extractor
 from retr.extractors.device_decode import (EncodedBatch, EncodedJpeg, EncodedReader, collate_encoded, decode_batch,
                                            decode_jpegs, device_decodable, resolve_decode)
-from retr.extractors.images import IMAGENET_MEAN, IMAGENET_STD, SquareResize, TenCrop
+from retr.extractors.images import IMAGENET_STD, SquareResize, TenCrop
 from retr.pipeline.extract import extract_features, extract_paths
 
 INPUT_TOLERANCE = 1.01 / 255 / min(IMAGENET_STD)
@@ -45,8 +45,8 @@ def _picture(width: int, height: int, seed: int) -> np.ndarray:
     """``[H, W, 3]`` uint8: gradients, a pattern and noise (JPEG artefacts on every kind of content)."""
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:height, 0:width]
-    image = np.stack([xx * 255 / width, yy * 255 / height, ((xx + yy) % 64) * 4], -1) + rng.normal(0, 20, (height, width, 3))
-    return image.clip(0, 255).astype(np.uint8)
+    image = np.stack([xx * 255 / width, yy * 255 / height, ((xx + yy) % 64) * 4], -1)
+    return (image + rng.normal(0, 20, (height, width, 3))).clip(0, 255).astype(np.uint8)
 
 
 def _save(path: Path, image: Image.Image, **kwargs) -> str:
@@ -196,8 +196,7 @@ def test_decode_batch_keeps_batch_order_with_pillow_samples_mixed_in(jpegs, tmp_
     square = SquareResize(32)
     png = _save(tmp_path / "b.png", Image.fromarray(_picture(40, 50, 10)))
     reader = EncodedReader(square)
-    batch = collate_encoded([reader(png), reader(jpegs["rgb"]), reader(png)]).pin_memory() \
-        if torch.cuda.is_available() else collate_encoded([reader(png), reader(jpegs["rgb"]), reader(png)])
+    batch = collate_encoded([reader(png), reader(jpegs["rgb"]), reader(png)])
     inputs, failures = decode_batch(batch, torch.device("cpu"), square.from_decoded, square)
     assert failures == [] and inputs.shape == (3, 3, 32, 32)
     assert torch.equal(inputs[0], square(png)) and torch.equal(inputs[2], square(png))

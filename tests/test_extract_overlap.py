@@ -19,7 +19,6 @@ from retr.extractors.base import Extractor
 from retr.pipeline.extract import extract_features
 from retr.pipeline.prefetch import DevicePrefetcher, tensors_in
 from retr.pipeline.write_thread import BackgroundWriter
-from retr.store.features import ShardWriter
 
 
 # -- DevicePrefetcher ---------------------------------------------------------------------------------------------
