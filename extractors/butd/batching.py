@@ -75,14 +75,9 @@ def pad_images(images: Sequence[torch.Tensor]) -> torch.Tensor:
     return batch
 
 
-def masked(x: torch.Tensor, sizes: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Zero (in place) the positions of ``x`` ``[B, C, H, W]`` outside each image's ``sizes[b]``; returns ``x``."""
-    return x.masked_fill_(~valid_mask(sizes, x.shape[-2], x.shape[-1], x.device), 0.0)
-
-
 def stage_sizes(sizes: Sequence[tuple[int, int]], rule) -> list[tuple[int, int]]:
     """Apply a per-axis output-size ``rule(size, axis)`` to every image's (h, w)."""
     return [(rule(h, 0), rule(w, 1)) for h, w in sizes]
 
 
-__all__ = ["conv_output_size", "masked", "pad_images", "pool_output_size", "stage_sizes", "valid_mask"]
+__all__ = ["conv_output_size", "pad_images", "pool_output_size", "stage_sizes", "valid_mask"]

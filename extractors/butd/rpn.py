@@ -38,7 +38,7 @@ class RPNHead(nn.Module):
 
     @staticmethod
     def flatten(fg_prob: torch.Tensor, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One image's maps (``[A, h, w]``, ``[A, 4, h, w]``) → ``[h·w·A]``, ``[h·w·A, 4]`` in (h, w, anchor) order."""
+        """One image's maps ``[A, h, w]``, ``[A, 4, h, w]`` → ``[h·w·A]``, ``[h·w·A, 4]`` (h, w, anchor order)."""
         return fg_prob.permute(1, 2, 0).reshape(-1), deltas.permute(2, 3, 0, 1).reshape(-1, 4)
 
     def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
