@@ -14,12 +14,19 @@ Asserted: cosine per row > 0.999 and max |difference| ≤ 3 % of the largest |fe
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import h5py
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
+from retr.common.cli import run
 from retr.common.errors import ParameterError
 from retr.extractors.base import build_extractor
+from retr.pipeline.cli import cli
 from retr.pipeline.extract_command import _builder_options
 
 AUTOCAST_MIN_COSINE = 0.999
@@ -88,3 +95,42 @@ def test_cli_passes_only_the_precision_options_given():
     options = _builder_options("random", "cpu", False, "device", "bfloat16", True)
     assert options == {"device": "cpu", "weights": "random", "decode": "device", "autocast": "bfloat16",
                        "channels_last": True}
+
+
+def _one_jpeg_manifest(folder: Path) -> Path:
+    (folder / "images").mkdir()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 50, 3), dtype=np.uint8)).save(
+        folder / "images" / "a.jpg", quality=90)
+    (folder / "m.jsonl").write_text(json.dumps({"id": "a", "path": "a.jpg", "split": "test",
+                                                "captions": ["x"]}) + "\n")
+    return folder / "m.jsonl"
+
+
+def test_extract_command_records_decode_autocast_and_memory_format(tmp_path, capsys):
+    manifest = _one_jpeg_manifest(tmp_path)
+    run(cli, ["extract", "--manifest", str(manifest), "--image-root", str(tmp_path / "images"), "--extractor",
+              "vgg16-maps", "--out", str(tmp_path / "f"), "--weights", "random", "--image-size", "224",
+              "--device", "cpu", "--workers", "0", "--decode", "device", "--autocast", "bfloat16",
+              "--channels-last", "--quiet"])
+    assert "1 rows" in capsys.readouterr().out
+    with h5py.File(tmp_path / "f" / "vgg16-maps.h5", "r") as f:
+        attrs = dict(f.attrs)
+        assert f["features"].shape == (1, 49, 512)
+    assert (attrs["decode"], attrs["autocast"], bool(attrs["channels_last"])) == ("device", "bfloat16", True)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--extractor", "vgg16-maps", "--autocast", "float16", "--half", "--device", "cpu"],
+     "--half (a float16 network) and --autocast exclude each other"),
+    (["--extractor", "butd-regions", "--decode", "device", "--device", "cpu"], "butd-regions does not take --decode"),
+    (["--extractor", "vgg16-maps", "--autocast", "int8"], "Invalid value for '--autocast'"),
+])
+def test_extract_command_refuses_bad_precision_flags_in_one_line(tmp_path, capsys, flags, message):
+    manifest = _one_jpeg_manifest(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        run(cli, ["extract", "--manifest", str(manifest), "--image-root", str(tmp_path / "images"), "--out",
+                  str(tmp_path / "f"), "--weights", "random", "--workers", "0", "--quiet", *flags])
+    stderr = capsys.readouterr().err
+    assert exited.value.code != 0 and "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], stderr
