@@ -270,3 +270,19 @@ def test_stage_with_device_decoding_records_the_same_errors_and_the_decode_path(
         extract_features(manifest, "vgg16-maps", tmp_path / "device", image_root=images,
                          options={"weights": "random", "decode": "cpu", "image_size": 224}, workers=0, quiet=True)
     assert shard.exists()
+
+
+def test_shard_written_before_the_decode_attributes_counts_as_pillow_float32(tmp_path):
+    from retr.pipeline.extract import check_existing_shard
+    from retr.store.features import ShardWriter
+
+    old = {"kind": "maps", "extractor": "vgg16-maps", "backbone": "vgg16", "weights": "random", "image_size": 224,
+           "manifest_sha256": "0" * 64}
+    path = tmp_path / "shard-00000-of-00001.h5"
+    with ShardWriter(path, old, (49, 512), shard_index=0, num_shards=1) as writer:
+        writer.append(["a"], np.zeros((1, 49, 512), np.float32))
+    now = {**old, "decode": "cpu", "autocast": "none", "channels_last": False}
+    check_existing_shard(path, now, "float16", ["a"])   # what it was made with: reused
+    for key, value in (("decode", "device"), ("autocast", "bfloat16"), ("channels_last", True)):
+        with pytest.raises(UserError, match=f"made with {key} = "):
+            check_existing_shard(path, {**now, key: value}, "float16", ["a"])
