@@ -115,6 +115,13 @@ def available_extractors() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def declared_options(name: str) -> set[str]:
+    """The options the builder of extractor ``name`` names in its signature (``**``-collected ones excluded)."""
+    available_extractors()
+    parameters = inspect.signature(_REGISTRY[name]).parameters
+    return {n for n, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
 def build_extractor(name: str, **options: Any) -> Extractor:
     """The extractor ``name`` built with ``options`` (``weights``, ``device``, extractor-specific ones).
 

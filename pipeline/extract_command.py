@@ -76,6 +76,10 @@ def _run_options(f):
     return f
 
 
+#: Options of the backbone extractors' image path, given on the command line for all of a preset's extractors.
+IMAGE_PATH_OPTIONS = ("decode", "autocast", "channels_last")
+
+
 def _builder_options(weights: str | None, device: str, half: bool, decode: str = "auto", autocast: str = "none",
                      channels_last: bool = False, **specific: Any) -> dict[str, Any]:
     """Options for the extractor builder: only what the user set, so each builder keeps its own defaults (and an
@@ -194,6 +198,8 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
     if needed:   # every missing weight file at once: offline, one line for all of them
         ensure_weights(weights_items(needed), quiet=quiet, mirror=mirror,
                        echo=lambda line: None if quiet else click.echo(line, err=True))
+    from retr.extractors.base import declared_options
+
     failed = []
     for name in names:
         if name not in registered:
@@ -202,6 +208,13 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
             continue
         name_weights, specific = plans[name]
         options = _builder_options(name_weights, device, half, decode, autocast, channels_last, **specific)
+        not_applying = sorted(set(options) & set(IMAGE_PATH_OPTIONS) - declared_options(name))
+        if not_applying:     # the backbones' image-path options: a preset runs butd-regions beside them
+            for option in not_applying:
+                del options[option]
+            if not quiet:
+                click.echo(f"{name}: {', '.join('--' + o.replace('_', '-') for o in not_applying)} "
+                           f"not used (backbone extractors only)", err=True)
         try:
             summary = extract_features(preset.manifest, name, preset.features, image_root=preset.images,
                                        options=options, batch_size=batch_size, workers=workers,

@@ -293,6 +293,32 @@ def test_extract_preset_runs_every_available_extractor(tmp_path, monkeypatch):
     assert "butd-regions: not available yet" in result.output and "tencrop-vgg19: done" in result.output
 
 
+def test_extract_preset_gives_the_image_path_options_to_the_backbones_only(tmp_path, monkeypatch):
+    calls = {}
+
+    class Summary:
+        def line(self):
+            return "done"
+
+    def fake_extract(manifest, name, out, **kwargs):
+        calls[name] = kwargs["options"]
+        return Summary()
+
+    import retr.pipeline.extract_command as command
+    monkeypatch.setattr(command, "extract_features", fake_extract)
+    write_one_image_manifest(tmp_path / "m.jsonl")
+    result = CliRunner().invoke(cli, ["extract-preset", "synthetic", "--manifest", str(tmp_path / "m.jsonl"),
+                                      "--out", str(tmp_path / "f"), "--weights", "random", "--decode", "cpu",
+                                      "--autocast", "bfloat16", "--channels-last",
+                                      "--only", "vgg16-maps", "--only", "butd-regions"])
+    assert result.exit_code == 0, result.output
+    assert {k: calls["vgg16-maps"][k] for k in ("decode", "autocast", "channels_last")} == \
+        {"decode": "cpu", "autocast": "bfloat16", "channels_last": True}
+    assert not {"decode", "autocast", "channels_last"} & set(calls["butd-regions"])
+    assert "butd-regions: --autocast, --channels-last, --decode not used (backbone extractors only)" \
+        in result.output
+
+
 def test_extract_preset_reports_each_failure_in_flags(tmp_path, monkeypatch):
     from retr.common.errors import ParameterError
     import retr.pipeline.extract_command as command
