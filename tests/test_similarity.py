@@ -190,11 +190,13 @@ def test_listed_pairs_and_refined_ranks_match_the_float64_matrix(case):
     full = similarity_matrix(model, data, feats, precision="float64", encode_batch=16, quiet=True)
     scorer = Scorer(model, SplitEmbeddings.encode(model, data, feats, batch_size=16, quiet=True))
     rows, cols = rng.integers(0, n, 60), rng.integers(0, n * per, 60)
-    # float64 throughout (a float64 copy of the model scores): the pairs agree with the matrix to rounding
-    np.testing.assert_allclose(scorer.pairs(rows, cols), full[rows, cols], rtol=1e-9, atol=1e-12)
-    refined = combined_matrix([scorer], "refined", data.caption_image)
-    for got, want in zip(_ranks(refined, data.caption_image), _ranks(full, data.caption_image)):
-        np.testing.assert_array_equal(got, want)
+    # float64 throughout (a float64 copy of the model scores): the pairs agree with the matrix to rounding, one
+    # image at a time (the CPU's way) and caption block by caption block through pair_score (the GPU's way)
+    for strategy in ("image", "block"):
+        np.testing.assert_allclose(scorer.pairs(rows, cols, strategy), full[rows, cols], rtol=1e-9, atol=1e-12)
+        refined = combined_matrix([scorer], "refined", data.caption_image, pair_strategy=strategy)
+        for got, want in zip(_ranks(refined, data.caption_image), _ranks(full, data.caption_image)):
+            np.testing.assert_array_equal(got, want)
     source = caption_sources(tokens)
     for sims in (full, refined, combined_matrix([scorer], "float32")):     # identical captions: identical columns
         np.testing.assert_array_equal(sims, sims[:, source])
@@ -260,3 +262,45 @@ def test_identical_captions_tie_exactly_and_count_against_the_query():
     embeddings = SplitEmbeddings.encode(model, data, feats, batch_size=2, quiet=True)
     assert sorted(np.concatenate([idx for idx, _ in embeddings.caption_blocks]).tolist()) == [0, 1, 3]   # once each
     np.testing.assert_array_equal(embeddings.sources, [0, 1, 0, 3])
+
+
+def test_the_near_tie_search_on_a_device_equals_numpy():
+    """rank_deciding_pairs(device=…) — the refinement's search as it runs on a GPU — in torch on the CPU."""
+    rng = np.random.default_rng(7)
+    n, m = 2100, 40                                   # more than one 1,024-row chunk
+    sims = np.round(rng.random((n, m)), 3)
+    caption_image = rng.integers(0, n, m)
+    for margin in (0.0, 1e-3, 0.05):
+        np.testing.assert_array_equal(rank_deciding_pairs(sims, caption_image, margin, device="cpu"),
+                                      rank_deciding_pairs(sims, caption_image, margin))
+
+
+def test_block_sizes_follow_the_device():
+    from retr.trainers.similarity import CPU_PAIR_BUDGET, GPU_PAIR_BUDGET_MAX, gpu_image_block, gpu_pair_budget
+    scorer = _table_scorer(np.zeros((4, 8)), np.zeros((4, 8)))
+    assert scorer.block_sizes(torch.float32) == (128, CPU_PAIR_BUDGET)
+    assert scorer.block_sizes(torch.float32, 7, 99) == (7, 99)
+    gib = 1 << 30
+    assert gpu_pair_budget(40 * gib, 10_000) == int(20 * gib / 10_000)       # half the free memory
+    assert gpu_pair_budget(1 << 20, 10_000) == CPU_PAIR_BUDGET               # never below the CPU's
+    assert gpu_pair_budget(80 * gib, 1) == GPU_PAIR_BUDGET_MAX
+    assert gpu_image_block(2_000_000, 128) == 15_625 and gpu_image_block(1000, 128) == 128
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        scorer.pairs(np.array([0]), np.array([0]), "fast")
+
+
+def test_gpu_sized_blocks_give_the_cpu_blocks_matrix():
+    """One call of every image × a caption block (what GPU block sizes make of COCO 5K) against CPU blocks."""
+    torch.manual_seed(0)
+    model = create_model("scan", vocab_size=30, img_dim=8, embed_size=8, word_dim=5, direction="t2i").eval()
+    rng = np.random.default_rng(3)
+    n = 300
+    tokens = [[1] + [int(t) for t in rng.integers(4, 30, size=int(rng.integers(1, 7)))] + [2] for _ in range(2 * n)]
+    data = SplitData([f"i{j}" for j in range(n)], ["x"] * (2 * n), np.arange(2 * n) // 2, tokens)
+    feats = _Features(rng.standard_normal((n, 6, 8)).astype(np.float16), np.full(n, 6))
+    scorer = Scorer(model, SplitEmbeddings.encode(model, data, feats, batch_size=64, quiet=True))
+    for dtype in (torch.float64, torch.float32):
+        cpu = scorer.matrix(dtype)
+        gpu = scorer.matrix(dtype, image_block=n, pair_budget=1 << 22)
+        tolerance = 1e-12 if dtype == torch.float64 else 1e-6
+        np.testing.assert_allclose(gpu, cpu, rtol=0, atol=tolerance)

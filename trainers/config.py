@@ -73,11 +73,20 @@ class TrainConfig:
     workers: int = setting(0, "DataLoader worker processes (0: batches are read in the training process, enough "
                               "for cached features; extraction's default is 2, for decoding images).",
                            resume_applies=True)
-    preload: bool | None = setting(None, "Hold the features in memory (default: only when they take < 2 GiB).",
-                                   flag="--preload/--no-preload", resume_applies=True)
+    preload: Literal["auto", "host", "gpu", "off"] = setting(
+        "auto", "Where the features are held: host (memory; --preload alone), gpu (on the training device, batches "
+        "gathered there; falls back to host when they do not fit), off (read per batch); auto: host when they take "
+        "< 2 GiB.", flag_value="host", resume_applies=True)
     amp: Literal["off", "fp16", "bf16"] = setting(
         "off", "Mixed precision: bf16 autocast (CPU and CUDA), fp16 autocast with a gradient scaler (CUDA only); "
         "--amp alone is fp16.", flag_value="fp16")
+    optimizer_impl: Literal["auto", "fused", "foreach", "loop"] = setting(
+        "auto", "How the optimiser updates the parameters: fused (one kernel), foreach (batched tensor ops), loop "
+        "(one parameter at a time); auto: fused on CUDA where torch has it (else foreach), loop on CPU.",
+        resume_applies=True)
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = setting(
+        "off", "torch.compile the model's training scoring function with this mode (--compile alone: default); "
+        "the losses equal eager's to rounding.", flag_value="default", resume_applies=True)
     ema: float = setting(0.0, "Keep an exponential moving average of the weights with this decay (e.g. 0.999), "
                               "saved as ema.pt (eval --checkpoint ema.pt); 0 = off.")
     accum_steps: int = setting(1, "Split each batch into N micro-batches, one backward each, one optimiser step "
@@ -97,6 +106,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # --train-split repeated or comma-separated (as every command's split option)
         self.train_splits = tuple(p.strip() for s in self.train_splits for p in str(s).split(",") if p.strip())
+        # --preload was an on/off pair before it could name the GPU: runs and settings files may hold the old form
+        if self.preload is None or isinstance(self.preload, bool):
+            self.preload = {None: "auto", True: "host", False: "off"}[self.preload]
 
 
 #: the settings ``--resume`` applies (the fields marked ``resume_applies``)

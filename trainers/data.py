@@ -5,7 +5,8 @@
   ids of every caption.
 * :class:`ImageFeatures` — the feature rows of those images. Features stay float16 as on disk; they are read
   lazily per batch from HDF5 (sorted-row reads, works inside DataLoader workers) unless preloaded, which happens
-  with ``preload=True`` or, with ``preload=None``, when they take less than ``preload_limit_bytes``.
+  in host memory with ``preload="host"``, on the training device with ``preload="gpu"`` (batches gathered
+  there) or, with ``preload="auto"``, in host memory when they take less than ``preload_limit_bytes``.
   ``get`` returns float32 features ``[B, K, D]`` and the region mask ``[B, K]`` (``num_boxes`` of regions sets;
   all True for other kinds).
 * :class:`CaptionBatches` — a map-style dataset whose item is a whole batch (a list of caption indices), so one
@@ -89,17 +90,45 @@ def load_split(manifest: str | os.PathLike, splits: Sequence[str], vocab: Vocabu
 
 
 class ImageFeatures:
-    """Feature rows ``[N, K, D]`` of a list of image ids, preloaded or read per batch."""
+    """Feature rows ``[N, K, D]`` of a list of image ids, preloaded or read per batch.
 
-    def __init__(self, feature_set: FeatureSet, image_ids: Sequence[str], preload: bool | None = None,
-                 preload_limit_bytes: int = DEFAULT_PRELOAD_LIMIT):
+    ``preload`` (``TrainConfig.preload``; the old ``True``/``False``/``None`` mean ``host``/``off``/``auto``):
+
+    * ``host`` — every row in host memory (numpy, the stored dtype);
+    * ``gpu`` — every row as one tensor on ``device`` (the stored dtype, float16 by default: half the memory of
+      float32), with the region counts; :meth:`get` gathers a batch there with one indexing op, so no batch
+      crosses the bus. Rows that do not fit (:func:`fits_on_device`) are held in host memory instead, and
+      :attr:`note` says so. On a CPU device this is the same code on host tensors (what the tests run);
+    * ``off`` — rows read from HDF5 per batch;
+    * ``auto`` — ``host`` when the rows take at most ``preload_limit_bytes``, else ``off``.
+
+    :attr:`where` is what was chosen: ``"host"``, ``"gpu"`` or ``"file"``.
+    """
+
+    _memory: np.ndarray | None = None                                  # rows in host memory
+    _on_device: tuple[torch.Tensor, torch.Tensor] | None = None        # features [N, K, D], num_boxes [N] on the device
+
+    def __init__(self, feature_set: FeatureSet, image_ids: Sequence[str], preload: str | bool | None = "auto",
+                 preload_limit_bytes: int = DEFAULT_PRELOAD_LIMIT, device: torch.device | str | None = None):
+        preload = {None: "auto", True: "host", False: "off"}.get(preload, preload)   # type: ignore[arg-type]
+        if preload not in PRELOAD_CHOICES:
+            raise ValueError(f"preload must be one of {', '.join(PRELOAD_CHOICES)}, not {preload!r}")
         self.feature_set = feature_set
         self.rows = feature_set.rows_of(image_ids)
         k, d = feature_set.feature_shape
         self.feature_shape = (k, d)
         itemsize = np.dtype(feature_set.datasets["features"][1]).itemsize
         self.nbytes = int(len(self.rows) * k * d * itemsize)
-        self.preloaded = preload if preload is not None else self.nbytes <= preload_limit_bytes
+        self.note: str | None = None
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if preload == "gpu" and not fits_on_device(self.nbytes, device):
+            self.note = (f"the features ({self.nbytes / 2**30:.1f} GiB) do not fit in {device}'s free memory; "
+                         "holding them in host memory (batches are copied from pinned memory)")
+            preload = "host"
+        if preload == "auto":
+            preload = "host" if self.nbytes <= preload_limit_bytes else "off"
+        self.where = {"host": "host", "gpu": "gpu", "off": "file"}[preload]
+        self.preloaded = self.where != "file"
         if "num_boxes" in feature_set.datasets:
             num_boxes = feature_set.read_rows(self.rows, "num_boxes").astype(np.int64).reshape(-1)
             if (num_boxes < 1).any() or (num_boxes > k).any():
@@ -109,24 +138,59 @@ class ImageFeatures:
         else:
             num_boxes = np.full(len(self.rows), k, dtype=np.int64)
         self.num_boxes = num_boxes
-        self._memory: np.ndarray | None = None
+        self._memory = None
+        self._on_device = None
         if self.preloaded:
             if len(self.rows) == len(feature_set) and np.array_equal(self.rows, np.arange(len(feature_set))):
                 self._memory = feature_set.read_all()
             else:
                 self._memory = feature_set.read_rows(self.rows)
+        if self.where == "gpu":
+            self._on_device = (torch.from_numpy(self._memory).to(device), torch.from_numpy(num_boxes).to(device))
+            self._memory = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where :meth:`get` returns its tensors: the device the rows are held on, else the CPU."""
+        return self._on_device[0].device if self._on_device is not None else torch.device("cpu")
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def get(self, images: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features ``[B, K, D]`` float32 and region mask ``[B, K]`` bool of image indices ``images``."""
+    def get(self, images: Sequence[int] | np.ndarray | torch.Tensor,
+            as_stored: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features ``[B, K, D]`` float32 (``as_stored``: the stored dtype, e.g. float16, for the caller to convert
+        after copying it to the device: half the bytes over the bus) and region mask ``[B, K]`` bool of image
+        indices ``images``, on :attr:`device`."""
+        k = self.feature_shape[0]
+        if self._on_device is not None:
+            held, boxes = self._on_device
+            index = torch.as_tensor(np.asarray(images, dtype=np.int64), device=held.device)
+            features, num_boxes = held[index], boxes[index]
+            mask = torch.arange(k, device=held.device).view(1, -1) < num_boxes.view(-1, 1)
+            return (features if as_stored else features.float()), mask
         images = np.asarray(images, dtype=np.int64)
         block = self._memory[images] if self._memory is not None else self.feature_set.read_rows(self.rows[images])
-        features = torch.from_numpy(np.ascontiguousarray(block)).float()
-        k = self.feature_shape[0]
+        features = torch.from_numpy(np.ascontiguousarray(block))
         mask = torch.arange(k).view(1, -1) < torch.from_numpy(self.num_boxes[images]).view(-1, 1)
-        return features, mask
+        return (features if as_stored else features.float()), mask
+
+
+#: where :class:`ImageFeatures` may hold the rows (``TrainConfig.preload``)
+PRELOAD_CHOICES = ("auto", "host", "gpu", "off")
+
+#: share of a GPU's total memory left free for the model, activations and evaluation after holding the features
+DEVICE_HEADROOM = 0.25
+
+
+def fits_on_device(nbytes: int, device: torch.device, free_and_total: tuple[int, int] | None = None) -> bool:
+    """Whether ``nbytes`` of features may be held on ``device``: on CUDA, when they leave at least
+    :data:`DEVICE_HEADROOM` of the device's total memory free (``torch.cuda.mem_get_info``, or the
+    ``free_and_total`` bytes given); on the CPU, always (host memory is what ``host`` uses too)."""
+    if device.type != "cuda":
+        return True
+    free, total = free_and_total if free_and_total is not None else torch.cuda.mem_get_info(device)
+    return nbytes <= free - DEVICE_HEADROOM * total
 
 
 def pad_tokens(token_lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,13 +205,14 @@ def pad_tokens(token_lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torc
 class CaptionBatches(torch.utils.data.Dataset):
     """Item = one batch of captions given as a list of caption indices, with their images' features.
 
-    Returns a dict: ``features`` [B, K, D] float32, ``mask`` [B, K] bool, ``tokens`` [B, L] long, ``lengths`` [B],
+    Returns a dict: ``features`` [B, K, D] float32 (``as_stored``: the stored dtype, converted to float32 by the
+    training step once on the device), ``mask`` [B, K] bool, ``tokens`` [B, L] long, ``lengths`` [B],
     ``image_index`` [B] and ``caption_index`` [B] (indices into the :class:`SplitData`). An image appears once
     per caption of it in the batch, as in the authors' loaders.
     """
 
-    def __init__(self, data: SplitData, features: ImageFeatures):
-        self.data, self.features = data, features
+    def __init__(self, data: SplitData, features: ImageFeatures, as_stored: bool = False):
+        self.data, self.features, self.as_stored = data, features, as_stored
 
     def __len__(self) -> int:
         return self.data.num_captions
@@ -155,7 +220,7 @@ class CaptionBatches(torch.utils.data.Dataset):
     def __getitem__(self, captions: Sequence[int]) -> dict[str, torch.Tensor]:
         captions = np.asarray(captions, dtype=np.int64)
         images = self.data.caption_image[captions]
-        features, mask = self.features.get(images)
+        features, mask = self.features.get(images, as_stored=self.as_stored)
         tokens, lengths = pad_tokens([self.data.tokens[m] for m in captions])
         return {"features": features, "mask": mask, "tokens": tokens, "lengths": lengths,
                 "image_index": torch.from_numpy(images), "caption_index": torch.from_numpy(captions)}

@@ -17,6 +17,11 @@ Models that need side files (SMFEA's trees and concepts, JGCAR's labels) get the
 under ``torch.autocast``: ``bf16`` on CPU and CUDA, ``fp16`` with a gradient scaler on CUDA only
 (``GradScaler(enabled=False)`` elsewhere). ``--accum-steps N`` backpropagates N micro-batches per optimiser
 step (:func:`train_step`). DDP: see :mod:`retr.trainers.distributed`.
+
+On the GPU: ``--preload gpu`` holds the features on the device and gathers each batch there; otherwise batches
+leave the loader in the stored dtype, pinned, and are copied asynchronously and converted to float32 on the
+device. ``--optimizer-impl`` picks torch's fused, foreach or per-parameter update (auto: fused on CUDA),
+``--compile`` compiles the model's training scoring function (:meth:`MatchingModel.compile_scoring`).
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ from retr.trainers.distributed import DistInfo, barrier, cleanup, gather_embeddi
 from retr.trainers.evaluation import retrieval_metrics
 from retr.trainers.models import ModelInputs, create_model, get_spec
 from retr.trainers.models.base import MatchingModel
+from retr.trainers.optim import apply_implementation
 from retr.trainers.similarity import similarity_matrix
 from retr.store.vocab import Vocabulary
 
@@ -192,8 +198,18 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     val_data, _ = load_split(cfg.manifest, [cfg.val_split], vocab, features, missing="skip")
     if cfg.val_images and val_data.num_images > cfg.val_images:
         val_data = val_data.subset_images(0, cfg.val_images)
-    train_feats = ImageFeatures(features, train_data.image_ids, cfg.preload)
-    val_feats = ImageFeatures(features, val_data.image_ids, cfg.preload)
+    train_feats = ImageFeatures(features, train_data.image_ids, cfg.preload, device=device)
+    val_feats = ImageFeatures(features, val_data.image_ids, cfg.preload, device=device)
+    workers = cfg.workers
+    if info.is_main:
+        for note in dict.fromkeys(f.note for f in (train_feats, val_feats) if f.note):
+            log(f"note: {note}")
+        if cfg.preload == "gpu" and device.type != "cuda":
+            log(f"note: --preload gpu on {device}: the features are held in host memory")
+    if train_feats.where == "gpu" and workers:
+        if info.is_main:
+            log("note: --preload gpu gathers batches on the device in the training process; --workers is ignored")
+        workers = 0
 
     spec = get_spec(cfg.model)
     config = spec.make_config({k: v for k, v in cfg.model_args.items() if k in _config_names(spec)})
@@ -210,6 +226,9 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     model = create_model(cfg.model, **cfg.model_args).to(device)
     model.prepare_training(inputs.tensors)
     optimizer = model.configure_optimizer(cfg.lr)
+    optimizer_impls = apply_implementation(optimizer, cfg.optimizer_impl, device)
+    if cfg.compile != "off":
+        model.compile_scoring(mode=cfg.compile)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, cfg.lr_update), gamma=0.1)
     if cfg.amp == "fp16" and device.type != "cuda" and info.is_main:
         log("note: --amp fp16 needs CUDA; training in float32 on " + str(device) + " (--amp bf16 runs on CPU)")
@@ -221,8 +240,11 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
         net = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     sampler = EpochBatchSampler(train_data.num_captions, cfg.batch_size, cfg.seed, info.rank, info.world_size)
-    loader = torch.utils.data.DataLoader(CaptionBatches(train_data, train_feats), sampler=sampler, batch_size=None,
-                                         num_workers=cfg.workers, pin_memory=device.type == "cuda")
+    # batches leave the loader in the stored dtype (float16: half the bytes over the bus), pinned on CUDA so the
+    # copy is asynchronous; train_step converts them to float32 on the device. --preload gpu gathers them there.
+    loader = torch.utils.data.DataLoader(CaptionBatches(train_data, train_feats, as_stored=True), sampler=sampler,
+                                         batch_size=None, num_workers=workers,
+                                         pin_memory=device.type == "cuda" and train_feats.where != "gpu")
     if not 0.0 <= cfg.ema < 1.0:
         raise UserError(f"--ema must be in [0, 1), not {cfg.ema}")
     run = Run(cfg, folder, device, info, vocab, train_data, val_data, val_feats, model, net, optimizer, scheduler,
@@ -232,6 +254,7 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
             model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
     if state is not None:
         _restore(run, state)
+        apply_implementation(optimizer, cfg.optimizer_impl, device)     # the checkpoint brought its run's flags
     elif info.is_main:
         vocab.save(folder / ckpt.VOCAB)
     if info.is_main:
@@ -249,9 +272,13 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     if info.is_main and run.start_epoch < cfg.epochs:
         log(f"training {cfg.model}{f' (preset {cfg.preset})' if cfg.preset else ''} on {train_data.num_images} "
             f"images / {train_data.num_captions} captions "
-            f"({'preloaded' if train_feats.preloaded else 'read per batch'}), device {device}, "
-            f"epochs {run.start_epoch + 1}..{cfg.epochs}")
+            f"({FEATURES_HELD[train_feats.where]}), device {device}, optimizer {'+'.join(optimizer_impls)}"
+            f"{f', compiled ({cfg.compile})' if cfg.compile != 'off' else ''}, epochs {run.start_epoch + 1}..{cfg.epochs}")
     return run
+
+
+#: how the start line names where the training features are held (:attr:`ImageFeatures.where`)
+FEATURES_HELD = {"host": "preloaded", "gpu": "held on the device", "file": "read per batch"}
 
 
 def environment() -> dict:
@@ -425,6 +452,7 @@ def train_step(model, batch: dict, optimizer, scaler: torch.amp.GradScaler | Non
     for n, rows in enumerate(cuts):
         part = {k: batch[k][torch.from_numpy(rows)] if len(cuts) > 1 else batch[k] for k in keys}
         tensors = [part[k].to(device, non_blocking=True) for k in ("features", "mask", "tokens", "lengths")]
+        tensors[0] = tensors[0].float()          # the loader may hand over the stored float16
         extras = {k: part[k].to(device) for k in inner.batch_extras}
         sync = n == len(cuts) - 1 or not dist_info.enabled       # DDP all-reduces on the last micro-batch only
         context = model.no_sync() if not sync else contextlib.nullcontext()

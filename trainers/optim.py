@@ -35,3 +35,64 @@ class PerGroupOptimizer(torch.optim.Optimizer):
         for opt, state in zip(self.optimizers, state_dict["optimizers"]):
             opt.load_state_dict(state)
         self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
+
+
+#: ``--optimizer-impl`` choices: how torch runs an optimiser's update over the parameters
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "loop")
+
+
+def inner_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimisers that do the work: the parts of a :class:`PerGroupOptimizer`, else ``optimizer``."""
+    return list(optimizer.optimizers) if isinstance(optimizer, PerGroupOptimizer) else [optimizer]
+
+
+def supports_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether torch has a fused kernel for this optimiser class (Adam, AdamW, SGD …; not RMSprop, Adadelta)."""
+    import inspect
+
+    return "fused" in inspect.signature(type(optimizer).__init__).parameters
+
+
+def resolve_implementation(requested: str, optimizer: torch.optim.Optimizer, device: torch.device) -> str:
+    """The implementation ``requested`` means for one torch optimiser on ``device``.
+
+    ``auto``: ``fused`` on CUDA where torch has a fused kernel for the class, else ``foreach`` on CUDA; ``loop``
+    (torch's own default there, so CPU runs keep their numbers) elsewhere. ``fused`` on a class without a fused
+    kernel is ``foreach``, the next fastest."""
+    if requested not in IMPLEMENTATIONS:
+        raise ValueError(f"optimizer_impl must be one of {', '.join(IMPLEMENTATIONS)}, not {requested!r}")
+    if requested == "auto":
+        if device.type != "cuda":
+            return "loop"
+        requested = "fused"
+    if requested == "fused" and not supports_fused(optimizer):
+        return "foreach"
+    return requested
+
+
+def apply_implementation(optimizer: torch.optim.Optimizer, requested: str, device: torch.device) -> list[str]:
+    """Run every inner optimiser of ``optimizer`` with the implementation ``requested`` resolves to (see
+    :func:`resolve_implementation`); returns them, one per inner optimiser, e.g. ``["fused"]`` or
+    ``["fused", "foreach"]`` (JGCAR's SGD + RMSprop).
+
+    torch reads ``fused``/``foreach`` from each parameter group at every step, so this works on an optimiser a
+    model built (its ``configure_optimizer``) and again after a checkpoint's ``load_state_dict`` (which brings back
+    the groups' flags of the run that saved it: a run may resume on another device or implementation). The
+    state's ``step`` counters move to where the implementation keeps them: on the parameter's device as
+    float32 for fused, on the CPU otherwise. All implementations compute the same update up to rounding
+    (``tests/test_train_gpu_paths.py``)."""
+    chosen = []
+    for inner in inner_optimizers(optimizer):
+        impl = resolve_implementation(requested, inner, device)
+        chosen.append(impl)
+        for group in inner.param_groups:
+            if "fused" in group or impl == "fused":
+                group["fused"] = impl == "fused"
+            group["foreach"] = impl == "foreach"
+            for p in group["params"]:
+                state = inner.state.get(p, {})
+                step = state.get("step")
+                if isinstance(step, torch.Tensor):
+                    on_device = impl == "fused" or group.get("capturable", False)
+                    state["step"] = step.to(dtype=torch.float32, device=p.device if on_device else "cpu")
+    return chosen

@@ -26,6 +26,12 @@ Precision (``--precision``):
   been more than ``ε/2`` off, ``ε`` grows to ``SAFETY`` × that error and the search runs again. Orderings among
   non-matching items within ≈1e-7 of each other can still differ from float64's (``--precision float64`` when
   a full ordering matters); pairs that were not rescored keep their float32-accurate values in ``--save-sims``.
+
+On CUDA (issue 15): blocks are sized for the GPU's free memory (:meth:`Scorer.block_sizes`, measured per model),
+the near-tie search runs on the device, and the float64 rescoring scores each caption block's listed pairs in a
+few large calls (:meth:`Scorer.pairs`, ``block``) instead of one call per image. TF32 stays off (torch's default
+for matmuls): its 1e-3 relative error would send most pairs to the float64 rescoring. Every path is the same
+arithmetic on the CPU, where ``tests/test_eval_gpu_paths.py`` checks it.
 """
 from __future__ import annotations
 
@@ -46,6 +52,10 @@ DEFAULT_PRECISION = "refined"
 SAFETY = 16                 # ε = SAFETY × the largest float32 error seen
 PROBE = 32                  # probe block: the first PROBE images × the first PROBE captions
 MAX_ROUNDS = 5              # ε grows at most this many times
+CPU_PAIR_BUDGET = 1 << 16   # pairs per score call on the CPU: the block's attention stays in the caches
+GPU_MEMORY_SHARE = 0.5      # on CUDA, one score call may use this share of the free memory …
+GPU_PAIR_BUDGET_MAX = 1 << 24   # … and hold at most this many pairs
+PAIR_STRATEGIES = ("auto", "image", "block")
 
 Embeddings = dict[str, torch.Tensor]
 
@@ -174,10 +184,37 @@ class Scorer:
         with torch.no_grad():
             return fn(self._model_for(dtype))
 
-    def matrix(self, dtype: torch.dtype, image_block: int = 128, pair_budget: int = 1 << 16,
+    @property
+    def device(self) -> torch.device:
+        """Where the embeddings (and so the scoring) are."""
+        return next(iter(self.embeddings.images.values())).device
+
+    def block_sizes(self, dtype: torch.dtype, image_block: int | None = None,
+                    pair_budget: int | None = None) -> tuple[int, int]:
+        """``(image_block, pair_budget)`` of :meth:`matrix`: the ones given, else chosen for the device.
+
+        CPU: 128 images and :data:`CPU_PAIR_BUDGET` pairs a call (the attention of a block stays in the caches).
+        CUDA: the budget fills :data:`GPU_MEMORY_SHARE` of the free memory at the bytes one pair takes, measured
+        by scoring a probe block (:func:`bytes_per_pair`; :func:`gpu_pair_budget`), and the image block grows so
+        that a length-sorted caption block (≤ 128 captions) times the image block fills the budget: COCO 5K's
+        5,000 images against one caption block is a single call."""
+        if self.device.type != "cuda":
+            return image_block or 128, pair_budget or CPU_PAIR_BUDGET
+        if pair_budget is None:
+            measured = self._with_dtype(dtype, lambda model: bytes_per_pair(
+                lambda im, cap: model.score(im, cap, dtype=dtype), _cast(self.embeddings.images, dtype),
+                _cast(self.embeddings.caption_blocks[-1][1], dtype)))
+            free, _ = torch.cuda.mem_get_info(self.device)
+            pair_budget = gpu_pair_budget(free, measured)
+        widest = max(len(idx) for idx, _ in self.embeddings.caption_blocks)
+        return image_block or gpu_image_block(pair_budget, widest), pair_budget
+
+    def matrix(self, dtype: torch.dtype, image_block: int | None = None, pair_budget: int | None = None,
                quiet: bool = True) -> np.ndarray:
-        """Every pair's score ``[N_img, M]`` float64, with embeddings and scoring in ``dtype``."""
+        """Every pair's score ``[N_img, M]`` float64, with embeddings and scoring in ``dtype`` (block sizes:
+        :meth:`block_sizes`)."""
         e = self.embeddings
+        image_block, pair_budget = self.block_sizes(dtype, image_block, pair_budget)
         images = _cast(e.images, dtype)
         sims = self._with_dtype(dtype, lambda model: score_blocks(
             lambda im, cap: model.score(im, cap, dtype=dtype), images, e.caption_blocks, e.num_images, e.num_captions, image_block, pair_budget,
@@ -187,24 +224,51 @@ class Scorer:
         return sims
 
     def _captions(self, captions: np.ndarray) -> Embeddings:
-        """The embeddings of ``captions`` (any order, any blocks), padded to their longest."""
-        rows = []
-        for caption in captions:
-            row = int(self._caption_row[caption])
-            rows.append(_slice(self.embeddings.caption_blocks[self._caption_block[caption]][1], slice(row, row + 1)))
-        return _concat(rows)
+        """The embeddings of ``captions`` (any order, any blocks), padded to their longest: one gather per caption
+        block they come from."""
+        captions = np.asarray(captions, dtype=np.int64)
+        blocks, rows = self._caption_block[captions], self._caption_row[captions]
+        order = np.argsort(blocks, kind="stable")                  # the captions grouped by block
+        parts = []
+        for b in np.unique(blocks):
+            block = self.embeddings.caption_blocks[b][1]
+            index = torch.as_tensor(rows[blocks == b], device=next(iter(block.values())).device)
+            parts.append(_slice(block, index))
+        joined = _concat(parts)                                     # rows in ``order``
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        return _slice(joined, torch.as_tensor(back, device=next(iter(joined.values())).device))
 
-    def pairs(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
-        """float64 scores ``[P]`` of the listed pairs (``image_rows[p]``, ``captions[p]``), one image at a time.
+    def pairs(self, image_rows: np.ndarray, captions: np.ndarray, strategy: str = "auto") -> np.ndarray:
+        """float64 scores ``[P]`` of the listed pairs (``image_rows[p]``, ``captions[p]``).
 
-        Pairs that are the same once captions are mapped to their sources are scored once.
+        Pairs that are the same once captions are mapped to their sources are scored once. ``strategy``:
+
+        * ``image`` — one ``score`` call per listed image, against its listed captions: the least arithmetic
+          (what the CPU wants);
+        * ``block`` — per length-sorted caption block, the model's ``pair_score`` over blocks of images: a few
+          large calls instead of one per image (what a GPU wants: launches, not flops, bound the small calls);
+        * ``auto`` — ``block`` on CUDA, ``image`` elsewhere.
+
+        Both compute every listed pair with the model's own float64 ``score``; they agree to float64 rounding.
         """
+        if strategy not in PAIR_STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(PAIR_STRATEGIES)}, not {strategy!r}")
+        if strategy == "auto":
+            strategy = "block" if self.device.type == "cuda" else "image"
         image_rows = np.asarray(image_rows, dtype=np.int64)
         keys = image_rows * self.embeddings.num_captions + self.embeddings.sources[np.asarray(captions, dtype=np.int64)]
         keys, back = np.unique(keys, return_inverse=True)
-        return self._distinct_pairs(keys // self.embeddings.num_captions, keys % self.embeddings.num_captions)[back]
+        distinct = (self._pairs_by_caption_block if strategy == "block" else self._pairs_by_image)
+        return distinct(keys // self.embeddings.num_captions, keys % self.embeddings.num_captions)[back]
 
-    def _distinct_pairs(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
+    def _wide_images(self) -> Embeddings:
+        """Every image's embeddings in float64 (made once: the block strategy rescores from all of them)."""
+        if getattr(self, "_images64", None) is None:
+            self._images64 = _cast(self.embeddings.images, torch.float64)
+        return self._images64
+
+    def _pairs_by_image(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
         out = np.empty(len(image_rows), dtype=np.float64)
         order = np.argsort(image_rows, kind="stable")
         starts = np.flatnonzero(np.r_[True, np.diff(image_rows[order]) != 0])
@@ -217,9 +281,51 @@ class Scorer:
             out[listed] = scores[0].double().cpu().numpy()
         return out
 
+    def _pairs_by_caption_block(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
+        out = np.empty(len(image_rows), dtype=np.float64)
+        images = self._wide_images()
+        device = self.device
+        blocks = self._caption_block[captions]
+        for b in np.unique(blocks):
+            listed = np.flatnonzero(blocks == b)
+            caps = _cast(self.embeddings.caption_blocks[b][1], torch.float64)
+            img_idx = torch.as_tensor(image_rows[listed], device=device)
+            cap_idx = torch.as_tensor(self._caption_row[captions[listed]], device=device)
+            scores = self._with_dtype(torch.float64, lambda model: model.pair_score(
+                images, caps, img_idx, cap_idx, dtype=torch.float64))
+            out[listed] = scores.double().cpu().numpy()
+        return out
+
+
+def bytes_per_pair(score, images: Embeddings, captions: Embeddings, probe_images: int = 64) -> float:
+    """Peak CUDA memory one scored pair takes: ``score`` of the first ``probe_images`` images × ``captions``
+    (a caption block), measured with ``torch.cuda.max_memory_allocated`` above what was allocated before."""
+    device = next(iter(images.values())).device
+    block = _slice(images, slice(0, probe_images))
+    pairs = next(iter(block.values())).shape[0] * next(iter(captions.values())).shape[0]
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    score(block, captions)
+    torch.cuda.synchronize(device)
+    return max(1.0, (torch.cuda.max_memory_allocated(device) - before) / max(1, pairs))
+
+
+def gpu_image_block(pair_budget: int, widest_caption_block: int) -> int:
+    """Images one GPU score call takes: as many as fill ``pair_budget`` against the widest caption block (at
+    least 128, the CPU's block)."""
+    return max(128, pair_budget // max(1, widest_caption_block))
+
+
+def gpu_pair_budget(free_bytes: int, bytes_per_pair: float) -> int:
+    """Pairs one score call may hold on a GPU: :data:`GPU_MEMORY_SHARE` of ``free_bytes`` at ``bytes_per_pair``,
+    between :data:`CPU_PAIR_BUDGET` and :data:`GPU_PAIR_BUDGET_MAX`."""
+    fits = int(GPU_MEMORY_SHARE * free_bytes / max(1.0, bytes_per_pair))
+    return max(CPU_PAIR_BUDGET, min(GPU_PAIR_BUDGET_MAX, fits))
+
 
 def score_blocks(score, images: Embeddings, caption_blocks, num_images: int, num_captions: int,
-                 image_block: int = 128, pair_budget: int = 1 << 16, cast: torch.dtype | None = None,
+                 image_block: int = 128, pair_budget: int = CPU_PAIR_BUDGET, cast: torch.dtype | None = None,
                  quiet: bool = True) -> np.ndarray:
     """Fill ``[num_images, num_captions]`` float64 with ``score(image block, caption block)``.
 
@@ -244,16 +350,28 @@ def score_blocks(score, images: Embeddings, caption_blocks, num_images: int, num
 
 # ------------------------------------------------------------------------------------------- refinement
 
-def rank_deciding_pairs(sims: np.ndarray, caption_image: np.ndarray, margin: float) -> np.ndarray:
+def rank_deciding_pairs(sims: np.ndarray, caption_image: np.ndarray, margin: float,
+                        device: torch.device | str | None = None) -> np.ndarray:
     """``[N, M]`` bool: pairs within ``margin`` of the score they are ranked against.
 
     t2i: caption ``c``'s true score ``sims[caption_image[c], c]``; i2t: image ``i``'s best true score.
+    ``device`` (e.g. ``cuda``): the comparisons run there in torch, 1,024 rows at a time (the same float64
+    arithmetic, so the same answer); default: numpy on the host.
     """
     columns = np.arange(sims.shape[1])
     true = sims[caption_image, columns]
     best = np.full(sims.shape[0], -np.inf)
     np.maximum.at(best, caption_image, true)
     near = np.empty(sims.shape, dtype=bool)
+    if device is not None:
+        true_t = torch.from_numpy(true).to(device)
+        best_t = torch.from_numpy(best).to(device)
+        for start in range(0, sims.shape[0], 1024):
+            rows = torch.from_numpy(sims[start:start + 1024]).to(device, non_blocking=True)
+            close = ((rows - true_t[None, :]).abs() <= margin) | \
+                ((rows - best_t[start:start + 1024, None]).abs() <= margin)
+            near[start:start + 1024] = close.cpu().numpy()
+        return near
     for start in range(0, sims.shape[0], 1024):       # 1,024 rows at a time: no [N, M] float temporaries
         rows = sims[start:start + 1024]
         near[start:start + 1024] = (np.abs(rows - true[None, :]) <= margin) | \
@@ -276,8 +394,11 @@ def with_shared_captions(rows: np.ndarray, cols: np.ndarray, source: np.ndarray)
 
 
 def refine(sims: np.ndarray, caption_image: np.ndarray,
-           rescore: Callable[[np.ndarray, np.ndarray], np.ndarray], source: np.ndarray | None = None) -> dict:
+           rescore: Callable[[np.ndarray, np.ndarray], np.ndarray], source: np.ndarray | None = None,
+           device: torch.device | str | None = None) -> dict:
     """Rescore the rank-deciding pairs of a float32 matrix in place (module docstring); returns the statistics.
+
+    ``device``: where the search for rank-deciding pairs runs (:func:`rank_deciding_pairs`; None: numpy).
 
     ``rescore(image_rows [P], captions [P])`` gives the float64 scores of the listed pairs. ``source`` [M]
     (:func:`caption_sources`) marks captions whose columns are identical: a rescored pair is rescored in all of
@@ -310,7 +431,7 @@ def refine(sims: np.ndarray, caption_image: np.ndarray,
     rounds = 0
     while True:
         rounds += 1
-        rows, cols = np.nonzero(rank_deciding_pairs(sims, caption_image, margin) & ~exact)
+        rows, cols = np.nonzero(rank_deciding_pairs(sims, caption_image, margin, device) & ~exact)
         rescore_pairs(rows, cols)
         if worst <= margin / 2 or rounds == MAX_ROUNDS:
             break
@@ -323,11 +444,15 @@ def refine(sims: np.ndarray, caption_image: np.ndarray,
 
 
 def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISION,
-                    caption_image: np.ndarray | None = None, image_block: int = 128, pair_budget: int = 1 << 16,
-                    quiet: bool = True, stats: dict | None = None) -> np.ndarray:
+                    caption_image: np.ndarray | None = None, image_block: int | None = None,
+                    pair_budget: int | None = None, quiet: bool = True, stats: dict | None = None,
+                    pair_strategy: str = "auto") -> np.ndarray:
     """The mean ``[N_img, M]`` float64 of the scorers' matrices (one scorer: its matrix) at ``precision``.
 
     ``caption_image`` [M] (caption → its image's row) is needed for ``refined``: it says which pairs are true.
+    ``image_block``/``pair_budget``: None chooses them for the device (:meth:`Scorer.block_sizes`). On CUDA the
+    refinement runs there too: the near-tie search (:func:`rank_deciding_pairs`) and the float64 rescoring
+    (:meth:`Scorer.pairs`, caption block by caption block; ``pair_strategy`` picks another way).
     """
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}")
@@ -342,10 +467,11 @@ def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISIO
             raise ValueError("refined precision needs caption_image (which pairs are true)")
 
         def rescore(rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
-            return sum(s.pairs(rows, captions) for s in scorers) / len(scorers)
+            return sum(s.pairs(rows, captions, pair_strategy) for s in scorers) / len(scorers)
         # captions identical for every member share a column
         source = caption_sources(np.stack([s.embeddings.sources for s in scorers], axis=1).tolist())
-        result = refine(sims, caption_image, rescore, source)
+        device = scorers[0].device
+        result = refine(sims, caption_image, rescore, source, device if device.type == "cuda" else None)
         if stats is not None:
             stats.update(result)
     return sims
@@ -353,8 +479,8 @@ def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISIO
 
 @torch.no_grad()
 def similarity_matrix(model, data: SplitData, features: ImageFeatures, device: torch.device | str = "cpu",
-                      precision: str = DEFAULT_PRECISION, encode_batch: int = 128, image_block: int = 128,
-                      pair_budget: int = 1 << 16, quiet: bool = False, stats: dict | None = None) -> np.ndarray:
+                      precision: str = DEFAULT_PRECISION, encode_batch: int = 128, image_block: int | None = None,
+                      pair_budget: int | None = None, quiet: bool = False, stats: dict | None = None) -> np.ndarray:
     """The images × captions similarity matrix ``[N_img, M]`` float64 of one model (manifest order on both axes).
 
     ``precision``: see the module docstring; ``stats`` (a dict) receives the refinement's statistics.

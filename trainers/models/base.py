@@ -14,7 +14,11 @@ A model is an ``nn.Module``; the loop and the evaluator call only the methods an
 * ``forward(features, mask, tokens, lengths, gather, **extras)`` — one training step's loss (encode, gather the
   global batch, score, loss), a single forward call for DDP; ``batch_extras`` names the batch entries it takes;
 * ``prepare_training(inputs)`` — per-run tensors from the spec's ``load_inputs`` (default: none);
-* ``configure_optimizer(lr) -> torch.optim.Optimizer`` — the optimiser (default: Adam on every parameter);
+* ``configure_optimizer(lr) -> torch.optim.Optimizer`` — the optimiser (default: Adam on every parameter; the
+  loop then picks its fused/foreach/loop implementation, :func:`retr.trainers.optim.apply_implementation`);
+* ``compiled_functions`` / ``compile_scoring(**options)`` / ``scoring(name)`` — ``--compile``: the methods
+  ``forward`` scores the batch with (default ``("score",)``), compiled with ``torch.compile`` and called through
+  ``scoring``;
 * two-step evaluation (:mod:`retr.trainers.two_step`): ``shortlist`` — candidates re-ranked per query (default
   0: every pair is scored with ``score``); ``has_global_stage`` — class attribute, True when
   ``global_score(images, captions, dtype=None) -> [n_img, n_cap]`` is a cheap pair-independent score to
@@ -27,6 +31,7 @@ A model is an ``nn.Module``; the loop and the evaluator call only the methods an
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -115,6 +120,25 @@ class MatchingModel(nn.Module):
 
         base = asdict(config) if config is not None else {}
         return make_config(config_class, {**base, **(overrides or {})})
+
+    #: the methods :meth:`compile_scoring` compiles: what :meth:`forward` scores the training batch with
+    compiled_functions: tuple[str, ...] = ("score",)
+
+    def compile_scoring(self, **options) -> None:
+        """``torch.compile`` each method named in :attr:`compiled_functions` (``options``: ``mode``, ``backend`` …,
+        as ``torch.compile`` takes them); :meth:`forward` then calls the compiled code through :meth:`scoring`.
+
+        The class's function is compiled (not a bound method), so a copy of the model (the evaluator's float64
+        copy, ``--ema``'s average) holds no reference to this instance; evaluation calls ``score`` eagerly.
+        Shapes that vary from batch to batch (caption lengths, a last smaller batch) make torch recompile once
+        with dynamic shapes, then reuse that code."""
+        self._compiled = {name: torch.compile(getattr(type(self), name), **options)
+                          for name in self.compiled_functions}
+
+    def scoring(self, name: str = "score") -> Callable:
+        """The method ``name`` as training calls it: compiled after :meth:`compile_scoring`, else the method."""
+        compiled = self.__dict__.get("_compiled", {}).get(name)
+        return functools.partial(compiled, self) if compiled is not None else getattr(self, name)
 
     def prepare_training(self, inputs: dict[str, torch.Tensor]) -> None:
         """Install per-run training data read by the spec's ``load_inputs`` (tensors only, e.g. SMFEA's tree
@@ -206,4 +230,4 @@ class MatchingModel(nn.Module):
         captions = self.encode_captions(tokens, lengths)
         if gather is not None:
             images, captions = gather(images), gather(captions)
-        return self.loss(self.score(images, captions))
+        return self.loss(self.scoring()(images, captions))

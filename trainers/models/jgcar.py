@@ -91,6 +91,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.checkpoint import checkpoint
 
+from retr.common.errors import UserError
 from retr.trainers.config import embed_size_setting, margin_setting, setting, violation_setting, word_dim_setting
 from retr.trainers.distributed import world_size
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
@@ -356,6 +357,7 @@ class JGCAR(MatchingModel):
     """
 
     has_global_stage = True
+    compiled_functions = ("bi_rank",)     # the co-attentive part of the training loss (--compile)
     #: the attention maps :meth:`explain` returns (class docstring)
     explains = ("visual_attention", "textual_attention")
 
@@ -494,7 +496,8 @@ class JGCAR(MatchingModel):
         j4 = decorrelation_loss(images["regions"], images["mask"].bool()) + \
             decorrelation_loss(captions["words"], captions["mask"].bool())
         j_g = j1 + self.lambda2 * j2 + self.lambda3 * j3 + self.lambda4 * j4
-        j_c = self.bi_rank(images, captions, omega, gi @ gi.t(), gc @ gc.t(), same) if self.beta < 1 else omega.new_zeros(())
+        j_c = (self.scoring("bi_rank")(images, captions, omega, gi @ gi.t(), gc @ gc.t(), same) if self.beta < 1
+               else omega.new_zeros(()))
         if terms is not None:
             terms.update({k: float(v.detach()) for k, v in dict(j1=j1, j2=j2, j3=j3, j4=j4, j_g=j_g, j_c=j_c).items()})
         return self.beta * j_g + (1 - self.beta) * j_c

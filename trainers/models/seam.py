@@ -314,7 +314,7 @@ class SEAM(MatchingModel):
             images, captions = gather(images), gather(captions)
         global_batch = captions["vector"].shape[0]
         penalty = local_penalty * (local_penalty.shape[0] / global_batch)    # mean → Σ_local / global batch
-        return self.loss(self.score(images, captions), penalty)
+        return self.loss(self.scoring()(images, captions), penalty)
 
 
 @dataclass

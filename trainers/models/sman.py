@@ -157,6 +157,7 @@ class SMAN(MatchingModel):
     explains = ("visual_attention", "textual_attention")
 
     has_global_stage = True
+    compiled_functions = ("level_scores",)     # what forward scores the batch with (--compile)
 
     def __init__(self, vocab_size: int, img_dim: int = 2048, config: "SMANConfig | None" = None, **settings):
         cfg = self.config = self.settings(SMANConfig, config, settings)
@@ -427,7 +428,7 @@ class SMAN(MatchingModel):
             world = world_size()
         self.score_grad_scale = 1.0 / world
         try:
-            levels = self.level_scores(images, captions)                            # [B, B, levels]
+            levels = self.scoring("level_scores")(images, captions)                 # [B, B, levels]
         finally:
             self.score_grad_scale = 1.0
         return self.loss(levels.sum(-1), levels.diagonal(dim1=0, dim2=1).t())

@@ -374,7 +374,7 @@ class SMFEA(MatchingModel):
             captions["nodes"] = nodes.long()
         if gather is not None:
             images, captions = gather(images), gather(captions)
-        return self.loss(self.score(images, captions), images, captions, captions.get("nodes"))
+        return self.loss(self.scoring()(images, captions), images, captions, captions.get("nodes"))
 
     # ---------------------------------------------------------------------------------------------- analysis
     @torch.no_grad()
