@@ -14,13 +14,22 @@ data and weights (random weights: the arithmetic of real ones, nothing to downlo
 * ``butd`` — ``butd-regions`` detection of preprocessed images (:func:`retr.extractors.butd.model.run_detector`)
   ``--detector-batch`` images per forward, against one image per forward (the original's), with the largest
   box and feature differences and the share of images that keep the same boxes (within 0.01 px).
-* not yet: a training step per model against an authors'-style loop, and SCAN evaluation at COCO 5K's
-  sizes against the per-caption loop (issue 15 items 2–3; ``bench/eval.py`` and ``bench/models.py`` time
-  those on CPU today).
+* ``train`` (per model) — training steps as ``retr-train`` runs them (:func:`retr.trainers.loop.train_step` over
+  the loop's :class:`CaptionBatches` loader; on CUDA: features held on the GPU, ``--preload gpu``, the fused
+  optimiser, ``--amp bf16``; with ``--compile``, also compiled), in steps/s, against an authors'-style loop:
+  float32 everywhere, features indexed from a float32 array in host memory and copied per batch, the
+  per-parameter optimiser (``foreach=False``), one batch at a time. Both run the same batches from the same
+  weights; ``first_loss_relative_difference`` compares their first losses (0 up to rounding without autocast).
+* ``eval`` — SCAN t-i over COCO 5K's sizes (5,000 images × 25,000 captions, 36 regions, d = 1024) as ``retr-train
+  eval`` scores it (``refined`` precision; on CUDA with GPU block sizes and the refinement on the device), in
+  seconds, against the authors'-style loop (per caption, blocks of 128 images, attended vectors formed; float32,
+  as their code runs on a GPU) timed on ``eval_baseline_captions`` captions and extrapolated to the matrix;
+  ``identical_ranks_vs_float64`` compares every t2i and i2t rank with a float64 matrix of the same embeddings.
 
 Every timed section ends with a device synchronisation; each is preceded by an untimed warm-up.
 
-    .venv/bin/python bench/gpu.py [--device auto] [--stages backbone,butd] [--tiny] [--out FILE]
+    .venv/bin/python bench/gpu.py [--device auto] [--stages backbone,butd,train,eval] [--tiny] [--compile]
+                                  [--out FILE]
 
 ``--tiny`` runs every stage at sizes a CPU finishes in well under a minute (what ``tests/test_bench_gpu.py``
 runs); the figures it prints mean nothing, only that each path runs and agrees with its baseline.
@@ -42,7 +51,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract import make_images, plain_transform  # noqa: E402  (bench/extract.py: the same images, transforms)
 
-STAGES = ("backbone", "butd")
+STAGES = ("backbone", "butd", "train", "eval")
+TRAIN_MODELS = ("vsepp", "scan", "sman", "jgcar", "seam", "smfea")
 
 
 @dataclass(frozen=True)
@@ -56,12 +66,35 @@ class Sizes:
     extractors: tuple[str, ...]
     butd: dict                      # butd-regions builder options
     detector_batch: int
+    train_images: int               # training stage: images (5 captions each) …
+    train_batch: int                # … batch size …
+    train_steps: int                # … timed steps per path
+    train_shapes: dict              # model → (K, D) of its features
+    train_settings: dict            # model → settings (published sizes on FULL)
+    eval_images: int                # eval stage: images (5 captions each), regions, embedding size …
+    eval_regions: int
+    eval_dim: int
+    eval_baseline_captions: int     # … captions the authors'-style loop is timed on
 
 
+#: the features each model trains on: regions, grid, maps, ten-crop globals (DESIGN.md)
+TRAIN_SHAPES = {"vsepp": (36, 2048), "scan": (36, 2048), "smfea": (36, 2048), "sman": (49, 2048),
+                "jgcar": (196, 512), "seam": (10, 2048)}
+TINY_MODEL = dict(embed_size=16, word_dim=8)
 FULL = Sizes(images=256, source_size=(640, 480), image_size=None, batch_size=32,
-             extractors=("resnet152-grid", "vgg16-maps", "tencrop-resnet152"), butd={}, detector_batch=4)
+             extractors=("resnet152-grid", "vgg16-maps", "tencrop-resnet152"), butd={}, detector_batch=4,
+             train_images=2560, train_batch=128, train_steps=20, train_shapes=TRAIN_SHAPES,
+             train_settings={name: {} for name in TRAIN_MODELS},
+             eval_images=5000, eval_regions=36, eval_dim=1024, eval_baseline_captions=100)
 TINY = Sizes(images=4, source_size=(96, 72), image_size=64, batch_size=2, extractors=("tencrop-resnet152",),
-             butd={"short_side": 64, "max_side": 96, "post_nms_topk": 36, "pooled_size": 7}, detector_batch=2)
+             butd={"short_side": 64, "max_side": 96, "post_nms_topk": 36, "pooled_size": 7}, detector_batch=2,
+             train_images=24, train_batch=8, train_steps=2,
+             train_shapes={"vsepp": (4, 16), "scan": (4, 16), "smfea": (4, 16), "sman": (4, 16), "jgcar": (4, 16),
+                           "seam": (4, 16)},
+             train_settings={"vsepp": TINY_MODEL, "scan": TINY_MODEL, "smfea": {**TINY_MODEL, "tree_hidden": 8, "num_regions": 4},
+                             "sman": TINY_MODEL, "jgcar": {**TINY_MODEL, "hidden_size": 8, "num_regions": 4},
+                             "seam": {**TINY_MODEL, "attention_hidden": 8, "gru_size": 8}},
+             eval_images=40, eval_regions=6, eval_dim=16, eval_baseline_captions=20)
 
 
 def synchronize(device: torch.device) -> None:
@@ -174,7 +207,184 @@ def bench_butd(paths: list[str], device: torch.device, sizes: Sizes) -> dict:
             "max_box_difference_px": box_difference, "max_feature_difference": feature_difference}
 
 
-def run(stages: tuple[str, ...], device: torch.device, sizes: Sizes, autocast: str, workers: int) -> Iterator[dict]:
+# ------------------------------------------------------------------------------------------------ training
+
+VOCAB = 1000
+
+
+def _training_set(folder: Path, name: str, sizes: Sizes, seed: int = 0):
+    """A float16 feature set of ``name``'s shape written through the store (as extraction writes one), a
+    manifest of 5 random captions per image, and the model built at ``sizes``' settings with its side tensors."""
+    from retr.store.features import ShardWriter, shard_name, write_index
+    from retr.store.vocab import Vocabulary
+    from retr.trainers.data import load_split
+    from retr.trainers.models import create_model
+    from retr.store.features import FeatureSet
+
+    rng = np.random.default_rng(seed)
+    k, d = sizes.train_shapes[name]
+    n = sizes.train_images
+    ids = [f"img{i:06d}" for i in range(n)]
+    words = [f"w{i}" for i in range(VOCAB)]
+    manifest = folder / f"{name}-manifest.jsonl"
+    with open(manifest, "w") as handle:
+        for i in ids:
+            captions = [" ".join(rng.choice(words, size=int(rng.integers(8, 17)))) for _ in range(5)]
+            handle.write(json.dumps({"id": i, "path": f"{i}.jpg", "split": "train", "captions": captions}) + "\n")
+    attrs = dict(kind="regions", extractor=f"bench-{name}", backbone="random", weights="random", image_size=0,
+                 manifest_sha256="0" * 64)
+    shard = folder / f"{name}-features" / shard_name(0, 1)
+    with ShardWriter(shard, attrs, (k, d), shard_index=0, num_shards=1) as writer:
+        for start in range(0, n, 256):
+            block = rng.random((min(256, n - start), k, d), dtype=np.float32)
+            writer.append(ids[start:start + block.shape[0]], block)
+    features = FeatureSet(write_index(folder / f"{name}-features.h5", [shard]))
+    vocab = Vocabulary(words)
+    data, _ = load_split(manifest, ["train"], vocab, features)
+    extra_sizes, tensors = {}, {}
+    if name == "smfea":                        # side tensors of the shapes load_smfea_inputs gives
+        concepts, entities, relations = 30, 50, 20
+        extra_sizes = {"num_concepts": concepts, "num_entities": entities, "num_relations": relations}
+        g = torch.Generator().manual_seed(seed)
+        token_concepts = torch.full((len(vocab),), -1, dtype=torch.long)
+        token_concepts[4:4 + concepts] = torch.arange(concepts)
+        nodes = torch.stack([torch.randint(0, entities if slot % 2 == 0 else relations, (data.num_captions,),
+                                           generator=g) for slot in range(7)], dim=1)
+        tensors = {"adjacency": torch.rand(concepts, concepts, generator=g), "token_concepts": token_concepts,
+                   "image_labels": torch.rand(data.num_captions, concepts, generator=g) < 0.1, "nodes": nodes}
+    torch.manual_seed(seed)
+    model = create_model(name, vocab_size=len(vocab), img_dim=d, **extra_sizes, **sizes.train_settings[name])
+    if tensors:
+        model.prepare_training(tensors)
+    return features, data, model
+
+
+def bench_train(name: str, folder: Path, device: torch.device, sizes: Sizes, compile_too: bool) -> list[dict]:
+    """Training steps of ``name`` as the loop runs them against an authors'-style loop (module docstring)."""
+    import copy
+
+    from retr.trainers.data import CaptionBatches, EpochBatchSampler, ImageFeatures, pad_tokens
+    from retr.trainers.loop import train_step
+    from retr.trainers.optim import apply_implementation
+
+    features, data, model = _training_set(folder, name, sizes)
+    model.max_violation = False                        # the sum of violations: no collapse to time
+    initial = copy.deepcopy(model.state_dict())
+    batches = EpochBatchSampler(data.num_captions, sizes.train_batch, seed=0).global_batches()
+    steps = min(sizes.train_steps, len(batches) - 1)
+    cuda = device.type == "cuda"
+
+    # baseline: float32 array in host memory, copied per batch; per-parameter Adam; float32; one batch at a time
+    host32 = ImageFeatures(features, data.image_ids, "host")._memory.astype(np.float32)
+    num_boxes = ImageFeatures(features, data.image_ids, "host").num_boxes
+    model.load_state_dict(initial)
+    model.to(device).train()
+    optimizer = model.configure_optimizer(2e-4)
+    apply_implementation(optimizer, "loop", device)
+
+    def baseline_step(captions) -> float:
+        images = data.caption_image[captions]
+        feats = torch.from_numpy(host32[images]).to(device)
+        k = feats.shape[1]
+        mask = (torch.arange(k).view(1, -1) < torch.from_numpy(num_boxes[images]).view(-1, 1)).to(device)
+        tokens, lengths = pad_tokens([data.tokens[m] for m in captions])
+        extras = {"image_index": torch.from_numpy(images), "caption_index": torch.from_numpy(np.asarray(captions))}
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(feats, mask, tokens.to(device), lengths.to(device),
+                     **{key: extras[key].to(device) for key in model.batch_extras})
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
+        optimizer.step()
+        return float(loss.detach())
+
+    torch.manual_seed(1)                                               # the same dropout masks in both paths
+    first_baseline = baseline_step(batches[0])                         # warm-up, and the first loss
+    t_base, _ = timed(lambda: [baseline_step(b) for b in batches[1:1 + steps]], device)
+
+    records = []
+    variants = [("eager", "off")] + ([("compiled", "default")] if compile_too else [])
+    for label, compile_mode in variants:
+        model.load_state_dict(initial)
+        if compile_mode != "off":
+            torch._dynamo.reset()
+            model.compile_scoring(mode=compile_mode)
+        held = ImageFeatures(features, data.image_ids, "gpu" if cuda else "host", device=device)
+        loader = torch.utils.data.DataLoader(CaptionBatches(data, held, as_stored=True), batch_size=None,
+                                             sampler=batches[:1 + steps], pin_memory=cuda and held.where != "gpu")
+        optimizer = model.configure_optimizer(2e-4)
+        impls = apply_implementation(optimizer, "auto", device)
+        amp = "bf16" if cuda else "off"
+        loaded = iter(loader)
+        torch.manual_seed(1)
+        first = train_step(model, next(loaded), optimizer, None, 2.0, device, amp=amp)   # warm-up (and compile)
+        t_loop, _ = timed(lambda: [train_step(model, b, optimizer, None, 2.0, device, amp=amp) for b in loaded],
+                          device)
+        model.__dict__.pop("_compiled", None)
+        records.append({
+            "bench": "gpu", "stage": "train", "model": name, "variant": label, "device": device_name(device),
+            "batch_size": sizes.train_batch, "steps": steps, "features": list(sizes.train_shapes[name]),
+            "preload": held.where, "optimizer": "+".join(impls), "amp": amp, "compile": compile_mode,
+            "steps_per_s": round(steps / t_loop, 3),
+            "baseline": {"what": "authors'-style: float32, features from host memory per batch, per-parameter "
+                                 "optimiser, one batch at a time", "steps_per_s": round(steps / t_base, 3)},
+            "speedup": round(t_base / t_loop, 2),
+            "first_loss": first, "baseline_first_loss": first_baseline,
+            "first_loss_relative_difference": abs(first - first_baseline) / max(abs(first_baseline), 1e-12)})
+    return records
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+
+def bench_eval(device: torch.device, sizes: Sizes) -> dict:
+    """SCAN t-i over COCO 5K's sizes as ``retr-train eval`` scores it, against the authors'-style loop."""
+    from eval import baseline, embeddings  # noqa: E402  (bench/eval.py: the authors' loop, the encoder outputs)
+
+    from retr.trainers.evaluation import i2t_ranks, t2i_ranks
+    from retr.trainers.models import create_model
+    from retr.trainers.similarity import Scorer, SplitEmbeddings, combined_matrix
+
+    g = torch.Generator().manual_seed(0)
+    norm = torch.nn.functional.normalize
+    n_img, n_cap = sizes.eval_images, 5 * sizes.eval_images
+    images = norm(torch.randn(n_img, sizes.eval_regions, sizes.eval_dim, generator=g), dim=-1)
+    lengths = torch.randint(8, 17, (n_cap,), generator=g)
+    words = [norm(torch.randn(int(n), sizes.eval_dim, generator=g), dim=-1) for n in lengths]
+    owner = np.arange(n_cap) // 5
+    model = create_model("scan", vocab_size=8, img_dim=8, embed_size=sizes.eval_dim, word_dim=8,
+                         direction="t2i", lambda_softmax=9.0, lambda_lse=6.0).to(device).eval()
+    local = embeddings(images, words)
+    on_device = SplitEmbeddings({k: v.to(device) for k, v in local.images.items()},
+                                [(idx, {k: v.to(device) for k, v in e.items()}) for idx, e in local.caption_blocks])
+    scorer = Scorer(model, on_device)
+    stats: dict = {}
+    t_retr, sims = timed(lambda: combined_matrix([scorer], "refined", owner, stats=stats), device)
+    t_wide, wide = timed(lambda: combined_matrix([scorer], "float64", owner), device)
+
+    # the authors' loop, float32 on the device, on the first captions (all images), extrapolated
+    nb = min(sizes.eval_baseline_captions, n_cap)
+    sample = [w.to(device) for w in words[:nb]]
+    images_device = images.to(device)
+    baseline(images_device, sample[:1], "t2i", 9.0, 6.0)                 # warm-up
+    t_base, base = timed(lambda: baseline(images_device, sample, "t2i", 9.0, 6.0), device)
+    base_estimate = t_base * n_cap / nb
+    same = lambda a, b: float(np.mean(a == b))                          # noqa: E731
+    return {"bench": "gpu", "stage": "eval", "model": "scan t-i LSE (λ 9, 6)", "device": device_name(device),
+            "images": n_img, "captions": n_cap, "regions": sizes.eval_regions, "dim": sizes.eval_dim,
+            "precision": "refined", "seconds": round(t_retr, 2),
+            "rescored_fraction": round(stats["rescored_fraction"], 6), "refine_rounds": stats["rounds"],
+            "baseline": {"what": "authors'-style: per caption, 128-image blocks, attended vectors formed, float32",
+                         "captions_timed": nb, "seconds_timed": round(t_base, 2),
+                         "seconds_estimated": round(base_estimate, 1)},
+            "speedup": round(base_estimate / t_retr, 1),
+            "identical_ranks_vs_float64": {"t2i": same(t2i_ranks(sims, owner), t2i_ranks(wide, owner)),
+                                           "i2t": same(i2t_ranks(sims, owner), i2t_ranks(wide, owner))},
+            "float64_seconds": round(t_wide, 2),
+            "identical_t2i_ranks_vs_baseline": same(t2i_ranks(sims[:, :nb], owner[:nb]),
+                                                    t2i_ranks(base, owner[:nb]))}
+
+
+def run(stages: tuple[str, ...], device: torch.device, sizes: Sizes, autocast: str, workers: int,
+        compile_too: bool = False, models: tuple[str, ...] = TRAIN_MODELS) -> Iterator[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         paths: list[str] = []
         if {"backbone", "butd"} & set(stages):
@@ -185,6 +395,11 @@ def run(stages: tuple[str, ...], device: torch.device, sizes: Sizes, autocast: s
                 yield bench_backbone(name, paths, device, sizes, autocast, workers)
         if "butd" in stages:
             yield bench_butd(paths, device, sizes)
+        if "train" in stages:
+            for name in models:
+                yield from bench_train(name, Path(tmp), device, sizes, compile_too)
+        if "eval" in stages:
+            yield bench_eval(device, sizes)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,6 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--autocast", default=None, choices=("none", "bfloat16", "float16"),
                         help="extraction precision (default: bfloat16 on CUDA, none on CPU)")
     parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: 4 on CUDA, 0 on CPU)")
+    parser.add_argument("--compile", action="store_true", help="train stage: also time --compile")
+    parser.add_argument("--models", default=",".join(TRAIN_MODELS), help="train stage: comma-separated models")
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     args = parser.parse_args(argv)
     from retr.common.devices import resolve_device
@@ -206,7 +423,10 @@ def main(argv: list[str] | None = None) -> None:
     cuda = device.type == "cuda"
     autocast = args.autocast or ("bfloat16" if cuda else "none")
     workers = args.workers if args.workers is not None else (4 if cuda else 0)
-    for record in run(stages, device, TINY if args.tiny else FULL, autocast, workers):
+    models = tuple(m for m in args.models.split(",") if m)
+    if set(models) - set(TRAIN_MODELS):
+        parser.error(f"unknown model {sorted(set(models) - set(TRAIN_MODELS))[0]!r} (of {', '.join(TRAIN_MODELS)})")
+    for record in run(stages, device, TINY if args.tiny else FULL, autocast, workers, args.compile, models):
         line = json.dumps(record)
         print(line, flush=True)
         if args.out is not None:

@@ -29,7 +29,7 @@ def by_stage(records, stage):
 
 
 def test_every_line_names_its_device_and_carries_its_baseline(records):
-    assert {r["stage"] for r in records} == {"backbone", "butd"}
+    assert {r["stage"] for r in records} == {"backbone", "butd", "train", "eval"}
     for r in records:
         assert r["bench"] == "gpu" and r["device"].startswith("cpu")
         assert r["baseline"]["what"] and r["speedup"] > 0
@@ -55,3 +55,21 @@ def test_bench_refuses_an_unknown_stage():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--stages", "nope"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "unknown stage 'nope'" in done.stderr
+
+
+def test_every_model_trains_through_the_loop_as_the_authors_style_loop_does(records):
+    lines = by_stage(records, "train")
+    assert sorted(r["model"] for r in lines) == ["jgcar", "scan", "seam", "sman", "smfea", "vsepp"]
+    for r in lines:
+        assert r["steps"] == 2 and r["steps_per_s"] > 0 and r["baseline"]["steps_per_s"] > 0
+        assert r["preload"] == "host" and r["amp"] == "off" and set(r["optimizer"].split("+")) == {"loop"}
+        # float32 on the CPU, the same weights, batches and dropout masks: the same first loss to rounding
+        assert r["first_loss_relative_difference"] < 1e-5, r
+
+
+def test_scan_evaluation_ranks_equal_float64_and_the_authors_loop(records):
+    (r,) = by_stage(records, "eval")
+    assert (r["images"], r["captions"]) == (40, 200) and r["seconds"] > 0
+    assert r["identical_ranks_vs_float64"] == {"t2i": 1.0, "i2t": 1.0}
+    assert r["identical_t2i_ranks_vs_baseline"] == 1.0
+    assert r["baseline"]["captions_timed"] == 20 and 0 < r["rescored_fraction"] < 1

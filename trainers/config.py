@@ -75,8 +75,8 @@ class TrainConfig:
                            resume_applies=True)
     preload: Literal["auto", "host", "gpu", "off"] = setting(
         "auto", "Where the features are held: host (memory; --preload alone), gpu (on the training device, batches "
-        "gathered there; falls back to host when they do not fit), off (read per batch); auto: host when they take "
-        "< 2 GiB.", flag_value="host", resume_applies=True)
+        "gathered there; falls back to host when they do not fit), off (read per batch); auto: when they take < 2 GiB, "
+        "gpu on CUDA (host elsewhere).", flag_value="host", resume_applies=True)
     amp: Literal["off", "fp16", "bf16"] = setting(
         "off", "Mixed precision: bf16 autocast (CPU and CUDA), fp16 autocast with a gradient scaler (CUDA only); "
         "--amp alone is fp16.", flag_value="fp16")

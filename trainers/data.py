@@ -100,7 +100,8 @@ class ImageFeatures:
       crosses the bus. Rows that do not fit (:func:`fits_on_device`) are held in host memory instead, and
       :attr:`note` says so. On a CPU device this is the same code on host tensors (what the tests run);
     * ``off`` — rows read from HDF5 per batch;
-    * ``auto`` — ``host`` when the rows take at most ``preload_limit_bytes``, else ``off``.
+    * ``auto`` — when the rows take at most ``preload_limit_bytes``: ``gpu`` on a CUDA device they fit on, else
+      ``host``; larger sets ``off``.
 
     :attr:`where` is what was chosen: ``"host"``, ``"gpu"`` or ``"file"``.
     """
@@ -126,7 +127,9 @@ class ImageFeatures:
                          "holding them in host memory (batches are copied from pinned memory)")
             preload = "host"
         if preload == "auto":
-            preload = "host" if self.nbytes <= preload_limit_bytes else "off"
+            small = self.nbytes <= preload_limit_bytes
+            preload = "off" if not small else "gpu" if device.type == "cuda" and fits_on_device(
+                self.nbytes, device) else "host"
         self.where = {"host": "host", "gpu": "gpu", "off": "file"}[preload]
         self.preloaded = self.where != "file"
         if "num_boxes" in feature_set.datasets:
