@@ -59,7 +59,7 @@ def baseline(images: torch.Tensor, captions: list[torch.Tensor], direction: str,
             w12 = (query * attended).sum(2)
             row = w12 / (query.norm(dim=2) * attended.norm(dim=2)).clamp(min=1e-8)
             row = torch.log(torch.exp(row * lse).sum(1)) / lse
-            sims[start:start + img.shape[0], c] = row.numpy()
+            sims[start:start + img.shape[0], c] = row.cpu().numpy()
     return sims
 
 

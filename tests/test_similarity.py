@@ -304,3 +304,23 @@ def test_gpu_sized_blocks_give_the_cpu_blocks_matrix():
         gpu = scorer.matrix(dtype, image_block=n, pair_budget=1 << 22)
         tolerance = 1e-12 if dtype == torch.float64 else 1e-6
         np.testing.assert_allclose(gpu, cpu, rtol=0, atol=tolerance)
+
+
+def test_gpu_block_sizes_come_from_the_measured_memory_per_pair(monkeypatch):
+    """Scorer.block_sizes' CUDA branch with the device's answers stubbed: the budget is half the free memory at
+    the measured bytes per pair, and the image block fills it against the widest caption block."""
+    import retr.trainers.similarity as similarity
+    scorer = _table_scorer(np.zeros((300, 40)), np.zeros((300, 40)), block=16)
+    seen = {}
+
+    def measured(score, images, captions):
+        seen["probe"] = (images["id"].shape[0], captions["id"].shape[0])
+        score(images, captions)
+        return 1000.0
+    monkeypatch.setattr(similarity.Scorer, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(similarity, "bytes_per_pair", measured)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 16 << 30))
+    budget = int(0.5 * (8 << 30) / 1000)
+    assert scorer.block_sizes(torch.float32) == (budget // 16, budget)
+    assert seen["probe"] == (64, 8)                      # 64 images × the last caption block (40 = 2·16 + 8)
+    assert scorer.block_sizes(torch.float32, pair_budget=1 << 16) == (4096, 1 << 16)

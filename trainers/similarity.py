@@ -201,8 +201,9 @@ class Scorer:
         if self.device.type != "cuda":
             return image_block or 128, pair_budget or CPU_PAIR_BUDGET
         if pair_budget is None:
+            probe = _cast(_slice(self.embeddings.images, slice(0, 64)), dtype)
             measured = self._with_dtype(dtype, lambda model: bytes_per_pair(
-                lambda im, cap: model.score(im, cap, dtype=dtype), _cast(self.embeddings.images, dtype),
+                lambda im, cap: model.score(im, cap, dtype=dtype), probe,
                 _cast(self.embeddings.caption_blocks[-1][1], dtype)))
             free, _ = torch.cuda.mem_get_info(self.device)
             pair_budget = gpu_pair_budget(free, measured)
@@ -297,11 +298,11 @@ class Scorer:
         return out
 
 
-def bytes_per_pair(score, images: Embeddings, captions: Embeddings, probe_images: int = 64) -> float:
-    """Peak CUDA memory one scored pair takes: ``score`` of the first ``probe_images`` images × ``captions``
-    (a caption block), measured with ``torch.cuda.max_memory_allocated`` above what was allocated before."""
+def bytes_per_pair(score, images: Embeddings, captions: Embeddings) -> float:
+    """Peak CUDA memory one scored pair takes: ``score`` of ``images`` (a probe block) × ``captions`` (a caption
+    block), measured with ``torch.cuda.max_memory_allocated`` above what was allocated before."""
     device = next(iter(images.values())).device
-    block = _slice(images, slice(0, probe_images))
+    block = images
     pairs = next(iter(block.values())).shape[0] * next(iter(captions.values())).shape[0]
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
