@@ -35,7 +35,7 @@ becomes one ``errors`` row ``(id, reason)`` and the run goes on. With ``decode="
 file bytes and JPEGs are decoded in batches on the device (:mod:`retr.extractors.device_decode`); an image the
 device decoder rejects becomes an ``errors`` row there, with Pillow's reason.
 
-Overlap on CUDA. Batches are pinned by the DataLoader, and :class:`~retr.pipeline.prefetch.DevicePrefetcher`
+Overlap on CUDA. Batches are pinned by the DataLoader, and :class:`~retr.common.prefetch.DevicePrefetcher`
 moves (or decodes) the next batch onto the device on a side stream while the current one is in the network. The
 shard's rows are written by a background thread (:mod:`retr.pipeline.write_thread`, ``write_queue`` batches
 deep; 0 writes in the loop), so the device does not wait on the disk; the shard file is the same either way.
@@ -63,7 +63,7 @@ from retr.common.locks import LockHeldError, acquire_lock
 from retr.common.torchrun import TorchrunEnv
 from retr.extractors.base import Extractor, ImageError, build_extractor
 from retr.manifests.schema import ManifestRecord, manifest_sha256, outside_root_reason, read_manifest
-from retr.pipeline.prefetch import DevicePrefetcher
+from retr.common.prefetch import DevicePrefetcher
 from retr.pipeline.write_thread import WRITE_QUEUE_DEPTH, BackgroundWriter
 from retr.store.features import (NonFiniteError, ShardWriter, decode_str, index_path_for, is_complete,
                                  shard_name, shard_status, write_index)

@@ -17,7 +17,7 @@ from PIL import Image
 from retr.common.errors import UserError
 from retr.extractors.base import Extractor
 from retr.pipeline.extract import extract_features
-from retr.pipeline.prefetch import DevicePrefetcher, tensors_in
+from retr.common.prefetch import DevicePrefetcher, tensors_in
 from retr.pipeline.write_thread import BackgroundWriter
 
 

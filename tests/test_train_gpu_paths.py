@@ -265,3 +265,20 @@ def test_gpu_options_from_the_command_line_train_the_same_run(synthetic, run_cli
                      "--optimizer-impl", "fused")
     assert "preloaded" in result.output and "optimizer fused" in result.output
     assert json.loads((fast / ckpt.CONFIG).read_text())["optimizer_impl"] == "fused"
+
+
+def test_the_prefetcher_moves_the_model_inputs_and_leaves_the_extras():
+    """The loop wraps its loader in common.prefetch.DevicePrefetcher with loop.to_device: on CUDA the next batch's
+    copy runs on a side stream during the current step; on the CPU the same batches come out, in order."""
+    from retr.common.prefetch import DevicePrefetcher
+    from retr.trainers.loop import DEVICE_KEYS, to_device
+
+    batches = [_batch(4, seed=s) for s in range(3)]
+    for b in batches:
+        b["caption_index"] = torch.arange(4)
+    moved = list(DevicePrefetcher(batches, lambda b: to_device(b, CPU), CPU))
+    assert len(moved) == 3
+    for got, want in zip(moved, batches):
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert got["caption_index"] is want["caption_index"] and set(DEVICE_KEYS) < set(got)

@@ -19,8 +19,8 @@ under ``torch.autocast``: ``bf16`` on CPU and CUDA, ``fp16`` with a gradient sca
 step (:func:`train_step`). DDP: see :mod:`retr.trainers.distributed`.
 
 On the GPU: ``--preload gpu`` holds the features on the device and gathers each batch there; otherwise batches
-leave the loader in the stored dtype, pinned, and are copied asynchronously and converted to float32 on the
-device. ``--optimizer-impl`` picks torch's fused, foreach or per-parameter update (auto: fused on CUDA),
+leave the loader in the stored dtype, pinned, and the next one is copied on a side stream while the current step
+computes (:class:`~retr.common.prefetch.DevicePrefetcher`), then converted to float32 on the device. ``--optimizer-impl`` picks torch's fused, foreach or per-parameter update (auto: fused on CUDA),
 ``--compile`` compiles the model's training scoring function (:meth:`MatchingModel.compile_scoring`).
 """
 from __future__ import annotations
@@ -44,6 +44,7 @@ from retr.common.cli import progress
 from retr.common.devices import resolve_device
 from retr.common.errors import UserError
 from retr.common.locks import exclusive_lock
+from retr.common.prefetch import DevicePrefetcher
 from retr.common.version import __version__
 from retr.store.features import FeatureSet
 from retr.trainers import checkpoint as ckpt
@@ -482,7 +483,8 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]
             "training on hardest negatives")
     losses = []
     run.epoch_pairs = []
-    bar = progress(run.loader, total=len(run.sampler), desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch",
+    batches = DevicePrefetcher(run.loader, lambda batch: to_device(batch, run.device), run.device)
+    bar = progress(batches, total=len(run.sampler), desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch",
                    quiet=quiet or not info.is_main)
     for batch in bar:
         run.model.batch_ranking = None
@@ -509,6 +511,16 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]
         if hasattr(bar, "set_postfix"):           # a tqdm bar (not the plain iterator of --quiet)
             bar.set_postfix(loss=f"{loss:.3f}")
     return losses
+
+
+#: the batch entries the prefetcher copies to the device ahead (extras stay where models read them: on the host)
+DEVICE_KEYS = ("features", "mask", "tokens", "lengths")
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """``batch`` with its :data:`DEVICE_KEYS` tensors on ``device`` (``non_blocking``: from the DataLoader's pinned
+    memory on CUDA, the copy runs on the prefetcher's side stream while the previous step computes)."""
+    return {k: v.to(device, non_blocking=True) if k in DEVICE_KEYS else v for k, v in batch.items()}
 
 
 def non_finite_message(run: Run, batch: dict, epoch: int, loss: float) -> str:
