@@ -253,6 +253,9 @@ def test_gpu_options_from_the_command_line_train_the_same_run(synthetic, run_cli
                      "--workers", "2")
     assert "held on the device" in result.output and "optimizer foreach" in result.output
     assert "--workers is ignored" in result.output
+    result = run_cli("train", *common, "--out", str(folder / "bare"), "--preload", "--epochs", "1")
+    assert "(preloaded)" in result.output                  # --preload alone: host memory, as before
+    assert json.loads((folder / "bare" / ckpt.CONFIG).read_text())["preload"] == "host"
     config = json.loads((fast / ckpt.CONFIG).read_text())
     assert (config["preload"], config["optimizer_impl"], config["compile"]) == ("gpu", "foreach", "off")
 

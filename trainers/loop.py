@@ -209,7 +209,8 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
             log(f"note: --preload gpu on {device}: the features are held in host memory")
     if train_feats.where == "gpu" and workers:
         if info.is_main:
-            log("note: --preload gpu gathers batches on the device in the training process; --workers is ignored")
+            log("note: the features are held on the device and batches are gathered there, in the training "
+                "process; --workers is ignored")
         workers = 0
 
     spec = get_spec(cfg.model)
