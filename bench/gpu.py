@@ -91,7 +91,8 @@ TINY = Sizes(images=4, source_size=(96, 72), image_size=64, batch_size=2, extrac
              train_images=24, train_batch=8, train_steps=2,
              train_shapes={"vsepp": (4, 16), "scan": (4, 16), "smfea": (4, 16), "sman": (4, 16), "jgcar": (4, 16),
                            "seam": (4, 16)},
-             train_settings={"vsepp": TINY_MODEL, "scan": TINY_MODEL, "smfea": {**TINY_MODEL, "tree_hidden": 8, "num_regions": 4},
+             train_settings={"vsepp": TINY_MODEL, "scan": TINY_MODEL,
+                             "smfea": {**TINY_MODEL, "tree_hidden": 8, "num_regions": 4},
                              "sman": TINY_MODEL, "jgcar": {**TINY_MODEL, "hidden_size": 8, "num_regions": 4},
                              "seam": {**TINY_MODEL, "attention_hidden": 8, "gru_size": 8}},
              eval_images=40, eval_regions=6, eval_dim=16, eval_baseline_captions=20)

@@ -188,7 +188,8 @@ def _losses_and_grads(model, batches):
         loss = model(batch["features"], batch["mask"], batch["tokens"], batch["lengths"],
                      **{k: batch[k] for k in model.batch_extras})
         loss.backward()
-        out.append((float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out.append((float(loss.detach()), grads))
     return out
 
 

@@ -20,8 +20,9 @@ step (:func:`train_step`). DDP: see :mod:`retr.trainers.distributed`.
 
 On the GPU: ``--preload gpu`` holds the features on the device and gathers each batch there; otherwise batches
 leave the loader in the stored dtype, pinned, and the next one is copied on a side stream while the current step
-computes (:class:`~retr.common.prefetch.DevicePrefetcher`), then converted to float32 on the device. ``--optimizer-impl`` picks torch's fused, foreach or per-parameter update (auto: fused on CUDA),
-``--compile`` compiles the model's training scoring function (:meth:`MatchingModel.compile_scoring`).
+computes (:class:`~retr.common.prefetch.DevicePrefetcher`), then converted to float32 on the device.
+``--optimizer-impl`` picks torch's fused, foreach or per-parameter update (auto: fused on CUDA), ``--compile``
+compiles the model's training scoring function (:meth:`MatchingModel.compile_scoring`).
 """
 from __future__ import annotations
 
@@ -275,7 +276,8 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
         log(f"training {cfg.model}{f' (preset {cfg.preset})' if cfg.preset else ''} on {train_data.num_images} "
             f"images / {train_data.num_captions} captions "
             f"({FEATURES_HELD[train_feats.where]}), device {device}, optimizer {'+'.join(optimizer_impls)}"
-            f"{f', compiled ({cfg.compile})' if cfg.compile != 'off' else ''}, epochs {run.start_epoch + 1}..{cfg.epochs}")
+            f"{f', compiled ({cfg.compile})' if cfg.compile != 'off' else ''}, "
+            f"epochs {run.start_epoch + 1}..{cfg.epochs}")
     return run
 
 
