@@ -164,6 +164,7 @@ class Scorer:
     def __init__(self, model: MatchingModel, embeddings: SplitEmbeddings):
         self.model, self.embeddings = model, embeddings
         self._wide_model = None
+        self._images64: Embeddings | None = None      # every image in float64, for the block strategy's rescoring
         caption_block = np.full(embeddings.num_captions, -1, dtype=np.int64)
         caption_row = np.full(embeddings.num_captions, -1, dtype=np.int64)
         for b, (idx, _) in enumerate(embeddings.caption_blocks):
@@ -265,7 +266,7 @@ class Scorer:
 
     def _wide_images(self) -> Embeddings:
         """Every image's embeddings in float64 (made once: the block strategy rescores from all of them)."""
-        if getattr(self, "_images64", None) is None:
+        if self._images64 is None:
             self._images64 = _cast(self.embeddings.images, torch.float64)
         return self._images64
 
