@@ -257,6 +257,9 @@ def test_gpu_options_from_the_command_line_train_the_same_run(synthetic, run_cli
     result = run_cli("train", *common, "--out", str(folder / "bare"), "--preload", "--epochs", "1")
     assert "(preloaded)" in result.output                  # --preload alone: host memory, as before
     assert json.loads((folder / "bare" / ckpt.CONFIG).read_text())["preload"] == "host"
+    result = run_cli("train", *common, "--out", str(folder / "older"), "--no-preload", "--epochs", "1")
+    assert "(read per batch)" in result.output             # the older spelling still works, hidden from --help
+    assert json.loads((folder / "older" / ckpt.CONFIG).read_text())["preload"] == "off"
     config = json.loads((fast / ckpt.CONFIG).read_text())
     assert (config["preload"], config["optimizer_impl"], config["compile"]) == ("gpu", "foreach", "off")
 

@@ -15,6 +15,7 @@ Field metadata understood by the command builder:
   on/off pair), ``"--no-imgnorm"`` (a single flag that sets ``True``), ``"--train-split"`` (another name);
 * ``cli=False`` — not an option (filled by the loop or the command, e.g. the model name);
 * ``flag_value`` — the value of the option given without one (``--amp`` alone is ``--amp fp16``);
+* ``aliases`` — older spellings kept working: ``{"--no-preload": "off"}`` is a hidden flag that sets the value;
 * ``resume_applies=True`` — a ``TrainConfig`` setting that ``--resume`` may change (applied and recorded in
   ``config.json``: more epochs, another device); any other setting given on resume must equal the run's.
 
@@ -35,9 +36,10 @@ from retr.store.vocab import DEFAULT_THRESHOLD
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, cli: bool = True,
             default_factory: Any = dataclasses.MISSING, resume_applies: bool = False,
-            flag_value: Any = None) -> Any:
+            flag_value: Any = None, aliases: dict[str, Any] | None = None) -> Any:
     """A dataclass field that is a user-facing setting (see the module docstring for the metadata)."""
-    metadata = {"help": help, "flag": flag, "cli": cli, "resume_applies": resume_applies, "flag_value": flag_value}
+    metadata = {"help": help, "flag": flag, "cli": cli, "resume_applies": resume_applies, "flag_value": flag_value,
+                "aliases": aliases or {}}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -76,7 +78,7 @@ class TrainConfig:
     preload: Literal["auto", "host", "gpu", "off"] = setting(
         "auto", "Where the features are held: host (memory; --preload alone), gpu (on the training device, batches "
         "gathered there; falls back to host when they do not fit), off (read per batch); auto: when they take < 2 GiB, "
-        "gpu on CUDA (host elsewhere).", flag_value="host", resume_applies=True)
+        "gpu on CUDA (host elsewhere).", flag_value="host", resume_applies=True, aliases={"--no-preload": "off"})
     amp: Literal["off", "fp16", "bf16"] = setting(
         "off", "Mixed precision: bf16 autocast (CPU and CUDA), fp16 autocast with a gradient scaler (CUDA only); "
         "--amp alone is fp16.", flag_value="fp16")

@@ -75,7 +75,28 @@ def option_for(field: dataclasses.Field, annotation: Any, shown: dict | None = N
 
 def settings_options(cls: type, shown: dict | None = None) -> list[click.Option]:
     types = field_types(cls)
-    return [option_for(f, types[f.name], shown) for f in setting_fields(cls)]
+    return [option_for(f, types[f.name], shown) for f in setting_fields(cls)] + alias_options(cls)
+
+
+def _alias_name(field: str, flag: str) -> str:
+    return f"alias_{field}_{flag.lstrip('-').replace('-', '_')}"
+
+
+def alias_options(cls: type) -> list[click.Option]:
+    """Hidden flags for the older spellings of settings (metadata ``aliases``), e.g. ``--no-preload``."""
+    return [click.Option([flag, _alias_name(f.name, flag)], is_flag=True, default=False, hidden=True)
+            for f in setting_fields(cls) for flag in f.metadata.get("aliases", {})]
+
+
+def apply_aliases(cls: type, values: dict, explicit: set[str]) -> None:
+    """An alias flag given sets its setting's value, as if the setting had been given (in place)."""
+    for f in setting_fields(cls):
+        for flag, value in f.metadata.get("aliases", {}).items():
+            name = _alias_name(f.name, flag)
+            if values.pop(name, False):
+                values[f.name] = value
+                explicit.add(f.name)
+            explicit.discard(name)
 
 
 def _flag_names(spec: ModelSpec) -> dict[str, str]:
@@ -255,6 +276,8 @@ def training_command(spec: ModelSpec) -> click.Command:
 
         ctx = click.get_current_context()
         explicit = {name for name in values if ctx.get_parameter_source(name) in _EXPLICIT}
+        for settings_class in (TrainConfig, spec.config_class):
+            apply_aliases(settings_class, values, explicit)
         if values["resume"]:
             cfg = resume_settings(spec, values, explicit)
         else:
