@@ -216,11 +216,10 @@ VOCAB = 1000
 def _training_set(folder: Path, name: str, sizes: Sizes, seed: int = 0):
     """A float16 feature set of ``name``'s shape written through the store (as extraction writes one), a
     manifest of 5 random captions per image, and the model built at ``sizes``' settings with its side tensors."""
-    from retr.store.features import ShardWriter, shard_name, write_index
+    from retr.store.features import FeatureSet, ShardWriter, shard_name, write_index
     from retr.store.vocab import Vocabulary
     from retr.trainers.data import load_split
     from retr.trainers.models import create_model
-    from retr.store.features import FeatureSet
 
     rng = np.random.default_rng(seed)
     k, d = sizes.train_shapes[name]
@@ -276,8 +275,8 @@ def bench_train(name: str, folder: Path, device: torch.device, sizes: Sizes, com
     cuda = device.type == "cuda"
 
     # baseline: float32 array in host memory, copied per batch; per-parameter Adam; float32; one batch at a time
-    host32 = ImageFeatures(features, data.image_ids, "host")._memory.astype(np.float32)
-    num_boxes = ImageFeatures(features, data.image_ids, "host").num_boxes
+    host = ImageFeatures(features, data.image_ids, "host")
+    host32, num_boxes = host._memory.astype(np.float32), host.num_boxes
     model.load_state_dict(initial)
     model.to(device).train()
     optimizer = model.configure_optimizer(2e-4)

@@ -108,9 +108,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # --train-split repeated or comma-separated (as every command's split option)
         self.train_splits = tuple(p.strip() for s in self.train_splits for p in str(s).split(",") if p.strip())
-        # --preload was an on/off pair before it could name the GPU: runs and settings files may hold the old form
-        if self.preload is None or isinstance(self.preload, bool):
-            self.preload = {None: "auto", True: "host", False: "off"}[self.preload]
+        self.preload = preload_choice(self.preload)
 
 
 #: the settings ``--resume`` applies (the fields marked ``resume_applies``)
@@ -138,6 +136,21 @@ def choices_of(annotation: Any) -> tuple | None:
         if typing.get_origin(arg) is Literal:
             return typing.get_args(arg)
     return None
+
+
+#: where the training features may be held (``TrainConfig.preload``, :class:`retr.trainers.data.ImageFeatures`)
+PRELOAD_CHOICES = choices_of(field_types(TrainConfig)["preload"])   # its Literal
+
+
+def preload_choice(value: str | bool | None) -> str:
+    """``value`` as one of :data:`PRELOAD_CHOICES`. ``--preload`` was an on/off pair before it could name the GPU:
+    runs, settings files and callers may hold ``None``/``True``/``False``, which mean ``auto``/``host``/``off``.
+    Anything else raises ``ValueError`` naming the setting."""
+    if value is None or isinstance(value, bool):
+        return {None: "auto", True: "host", False: "off"}[value]
+    if value not in PRELOAD_CHOICES:
+        raise ValueError(f"preload must be one of {', '.join(PRELOAD_CHOICES)}, not {value!r}")
+    return value
 
 
 def validate_choices(config: Any) -> None:

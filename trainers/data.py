@@ -29,6 +29,7 @@ from retr.common.hashing import sha256_file
 from retr.manifests.schema import ManifestRecord, read_manifest
 from retr.store.features import FeatureSet
 from retr.store.vocab import PAD_ID, Vocabulary
+from retr.trainers.config import preload_choice
 
 DEFAULT_PRELOAD_LIMIT = 2 << 30   # bytes of float16 features kept in memory without being asked
 
@@ -111,9 +112,7 @@ class ImageFeatures:
 
     def __init__(self, feature_set: FeatureSet, image_ids: Sequence[str], preload: str | bool | None = "auto",
                  preload_limit_bytes: int = DEFAULT_PRELOAD_LIMIT, device: torch.device | str | None = None):
-        preload = {None: "auto", True: "host", False: "off"}.get(preload, preload)   # type: ignore[arg-type]
-        if preload not in PRELOAD_CHOICES:
-            raise ValueError(f"preload must be one of {', '.join(PRELOAD_CHOICES)}, not {preload!r}")
+        preload = preload_choice(preload)
         self.feature_set = feature_set
         self.rows = feature_set.rows_of(image_ids)
         k, d = feature_set.feature_shape
@@ -152,11 +151,6 @@ class ImageFeatures:
             self._on_device = (torch.from_numpy(self._memory).to(device), torch.from_numpy(num_boxes).to(device))
             self._memory = None
 
-    @property
-    def device(self) -> torch.device:
-        """Where :meth:`get` returns its tensors: the device the rows are held on, else the CPU."""
-        return self._on_device[0].device if self._on_device is not None else torch.device("cpu")
-
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -164,7 +158,7 @@ class ImageFeatures:
             as_stored: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Features ``[B, K, D]`` float32 (``as_stored``: the stored dtype, e.g. float16, for the caller to convert
         after copying it to the device: half the bytes over the bus) and region mask ``[B, K]`` bool of image
-        indices ``images``, on :attr:`device`."""
+        indices ``images``, on the device the rows are held on (the CPU unless ``gpu``)."""
         k = self.feature_shape[0]
         if self._on_device is not None:
             held, boxes = self._on_device
@@ -178,9 +172,6 @@ class ImageFeatures:
         mask = torch.arange(k).view(1, -1) < torch.from_numpy(self.num_boxes[images]).view(-1, 1)
         return (features if as_stored else features.float()), mask
 
-
-#: where :class:`ImageFeatures` may hold the rows (``TrainConfig.preload``)
-PRELOAD_CHOICES = ("auto", "host", "gpu", "off")
 
 #: share of a GPU's total memory left free for the model, activations and evaluation after holding the features
 DEVICE_HEADROOM = 0.25

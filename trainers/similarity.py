@@ -31,7 +31,7 @@ On CUDA (issue 15): blocks are sized for the GPU's free memory (:meth:`Scorer.bl
 the near-tie search runs on the device, and the float64 rescoring scores each caption block's listed pairs in a
 few large calls (:meth:`Scorer.pairs`, ``block``) instead of one call per image. TF32 stays off (torch's default
 for matmuls): its 1e-3 relative error would send most pairs to the float64 rescoring. Every path is the same
-arithmetic on the CPU, where ``tests/test_eval_gpu_paths.py`` checks it.
+arithmetic on the CPU, where ``tests/test_similarity.py`` checks it.
 """
 from __future__ import annotations
 
@@ -303,12 +303,11 @@ def bytes_per_pair(score, images: Embeddings, captions: Embeddings) -> float:
     """Peak CUDA memory one scored pair takes: ``score`` of ``images`` (a probe block) × ``captions`` (a caption
     block), measured with ``torch.cuda.max_memory_allocated`` above what was allocated before."""
     device = next(iter(images.values())).device
-    block = images
-    pairs = next(iter(block.values())).shape[0] * next(iter(captions.values())).shape[0]
+    pairs = next(iter(images.values())).shape[0] * next(iter(captions.values())).shape[0]
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    score(block, captions)
+    score(images, captions)
     torch.cuda.synchronize(device)
     return max(1.0, (torch.cuda.max_memory_allocated(device) - before) / max(1, pairs))
 
