@@ -71,9 +71,6 @@ from retr.store.features import (NonFiniteError, ShardWriter, decode_str, index_
 #: Attributes the shard writer adds that change with the run, not with what the features are; a complete
 #: shard from an earlier run must agree with this run on every other attribute to be reused.
 _RUN_ATTRS = ("created", "retr_version", "shard_index", "num_shards", "complete", "num_rows", "format_version")
-#: What shards written before these attributes existed were made with (Pillow decoding, no autocast, the
-#: default memory format): such a shard is reused by a run with these settings, and refused by another.
-_ATTRS_BEFORE_RECORDED = {"decode": "cpu", "autocast": "none", "channels_last": False}
 
 
 def shard_ranges(num_rows: int, num_shards: int) -> list[tuple[int, int]]:
@@ -241,13 +238,13 @@ def _comparable(attrs: dict[str, Any]) -> dict[str, Any]:
 
 def check_existing_shard(path: Path, attrs: dict[str, Any], dtype: str, ids: list[str]) -> None:
     """Refuse to reuse a complete shard made with other settings (attributes, dtype) or for other rows."""
-    from retr.store.features import _attr_value  # the same JSON encoding the writer applies
+    from retr.store.features import ATTRS_BEFORE_RECORDED, _attr_value  # the writer's JSON encoding
     with h5py.File(path, "r") as f:
         have = _comparable({k: f.attrs[k] for k in f.attrs})
         shard_ids = [decode_str(v) for v in f["ids"][:]]
         error_ids = [decode_str(v) for v in f["errors"][:, 0]] if len(f["errors"]) else []
     want = _comparable({k: _attr_value(v) for k, v in {**attrs, "dtype": dtype}.items()})
-    for key, value in _ATTRS_BEFORE_RECORDED.items():
+    for key, value in ATTRS_BEFORE_RECORDED.items():
         if key in want and key not in have:
             have[key] = value
     differing = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))

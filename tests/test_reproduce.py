@@ -133,3 +133,178 @@ def test_readme_table_is_the_recipes_table():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     assert markdown_table() in readme, "README's recipe table is stale: paste `retr-train recipes --markdown`"
     assert readme.index("## Reproduce a paper's row") < readme.index("## Two commands")
+
+
+# ------------------------------------------------------------------------- "reproduction: yes" only when it is one
+
+def _features(shape=(36, 2048), **attrs):
+    """A stand-in for an opened feature set: what :func:`feature_reasons` reads (attributes and row shape)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(attrs=attrs, feature_shape=shape)
+
+
+#: what `retr-pipeline extract --extractor butd-regions` records with its defaults and MILVLG's file
+BUTD_DEFAULT_ATTRS = {
+    "kind": "regions", "extractor": "butd-regions", "weights": "bua-caffe-frcn-r101-k36.pth sha256:" + "ab" * 32,
+    "short_side": 600, "max_side": 1000, "min_boxes": 36, "max_boxes": 36, "conf_threshold": 0.2, "half": False,
+    "detector_settings": json.dumps({"pre_nms_topk": 6000, "post_nms_topk": 300, "rpn_nms_threshold": 0.7,
+                                     "min_size": 16.0, "pooled_size": 14, "class_nms_threshold": 0.3,
+                                     "conf_threshold": 0.2, "min_boxes": 36, "max_boxes": 36}, sort_keys=True),
+    "manifest_sha256": "m" * 64}
+
+
+def test_the_butd_extractor_defaults_are_what_the_recipes_need():
+    """The recipe's provenance is stated as data; the extractor's defaults must still satisfy it (so neither can
+    drift alone): every attribute the recipe names is what a default extraction records."""
+    from retr.extractors.butd.model import DetectorSettings
+    from retr.trainers.recipes import BUTD, accepts
+
+    recorded = {**BUTD_DEFAULT_ATTRS, "detector_settings": json.dumps(DetectorSettings().__dict__, sort_keys=True)}
+    from retr.trainers.reproduce import _attr
+    for key, wanted in BUTD.extracted.items():
+        assert accepts(wanted, _attr(recorded, key)), key
+
+
+@pytest.mark.parametrize("extractor", ["resnet152-grid", "vgg16-maps", "tencrop-resnet152", "tencrop-vgg19"])
+def test_backbone_extractor_defaults_are_what_the_recipes_need(extractor, monkeypatch):
+    """Built with random weights (no download), a default extractor's attributes satisfy its recipe provenance
+    except for the weights, which are then the one reason."""
+    from retr.extractors.base import build_extractor
+    from retr.trainers import recipes
+    from retr.trainers.reproduce import feature_reasons
+
+    needed = next(p for p in (recipes.RESNET_GRID, recipes.VGG_MAPS, recipes.TENCROP_RESNET, recipes.TENCROP_VGG19)
+                  if p.extractor == extractor)
+    ex = build_extractor(extractor, weights="random")
+    attrs = {**ex.attrs(), "manifest_sha256": "m" * 64}
+    assert feature_reasons(needed, _features(needed.shape, **attrs), "m" * 64) == \
+        [f"features: weights random (recipe {needed.extracted['weights'].said})"]
+
+
+def test_smfea_recipe_inputs_are_the_pipeline_defaults():
+    from retr.parsers.referral_tree import TreeRules
+    from retr.pipeline.concepts import DEFAULT_ADJECTIVES, DEFAULT_NOUNS, DEFAULT_VERBS, GRAPH_DEFAULTS
+    from retr.trainers.recipes import SMFEA_CONCEPTS, SMFEA_TREES
+
+    assert SMFEA_TREES.attrs["rules"] == json.loads(TreeRules().to_json())
+    assert SMFEA_CONCEPTS.attrs["requested"] == {"NOUN": DEFAULT_NOUNS, "ADJ": DEFAULT_ADJECTIVES,
+                                                 "VERB": DEFAULT_VERBS}
+    assert SMFEA_CONCEPTS.attrs["graph"] == GRAPH_DEFAULTS
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"weights": "random"}, "features: weights random (recipe the bottom-up-attention fix36 Caffe model"),
+    ({"weights": "faster_rcnn_from_caffe_attr.pkl sha256:" + "cd" * 32}, "features: weights faster_rcnn_from_caffe"),
+    ({"short_side": 224}, "features: short_side 224 (recipe 600)"),
+    ({"detector_settings": json.dumps({"pre_nms_topk": 6000, "post_nms_topk": 36, "pooled_size": 7,
+                                       "rpn_nms_threshold": 0.7, "class_nms_threshold": 0.3})},
+     "features: detector_settings.post_nms_topk 36 (recipe 300)"),
+    ({"detector_settings": json.dumps({"pre_nms_topk": 6000, "post_nms_topk": 36, "pooled_size": 7,
+                                       "rpn_nms_threshold": 0.7, "class_nms_threshold": 0.3})},
+     "features: detector_settings.pooled_size 7 (recipe 14)"),
+    ({"max_boxes": 100, "min_boxes": 10}, "features: min_boxes 10 (recipe 36)"),
+    ({"half": True}, "features: half true (recipe false)"),
+    ({"extractor": "resnet152-grid"}, "features: extractor resnet152-grid (recipe butd-regions)"),
+    ({"manifest_sha256": "x" * 64}, "features: made from another manifest than --manifest"),
+    ({"source": "tsv", "weights": "from a TSV"}, "features: imported from tsv (recipe: extracted by retr, or "
+                                                 "imported from scan-precomp)"),
+])
+def test_each_feature_departure_is_a_reason(change, reason):
+    from retr.trainers.recipes import BUTD
+    from retr.trainers.reproduce import feature_reasons
+
+    assert feature_reasons(BUTD, _features(**BUTD_DEFAULT_ATTRS), "m" * 64) == []
+    reasons = feature_reasons(BUTD, _features(**{**BUTD_DEFAULT_ATTRS, **change}), "m" * 64)
+    assert any(r.startswith(reason) for r in reasons), reasons
+
+
+def test_features_of_another_width_and_scan_precomp_imports():
+    from retr.trainers.recipes import BUTD
+    from retr.trainers.reproduce import feature_reasons
+
+    assert "features: 36×1024 per image (recipe 36×2048)" in \
+        feature_reasons(BUTD, _features((36, 1024), **BUTD_DEFAULT_ATTRS), "m" * 64)
+    imported = {"kind": "regions", "extractor": "butd-regions", "source": "scan-precomp",
+                "weights": "SCAN precomputed bottom-up-attention features (36 boxes)", "manifest_sha256": "m" * 64}
+    assert feature_reasons(BUTD, _features(**imported), "m" * 64) == []
+
+
+def test_side_inputs_absent_or_built_otherwise_are_reasons(tmp_path):
+    from retr.store.labels import write_label_file
+    from retr.trainers.recipes import RECIPES
+    from retr.trainers.reproduce import input_reasons
+
+    jgcar = RECIPES["jgcar-f30k"]
+    assert input_reasons(jgcar, {}, "m" * 64) == ["no --labels: fallback labels (shared caption concepts)"]
+    coco_labels = tmp_path / "coco.json"
+    write_label_file(coco_labels, {"a": ["dog"]}, {"source": "coco-instances", "manifest_sha256": "m" * 64})
+    assert input_reasons(jgcar, {"labels": str(coco_labels)}, "m" * 64) == \
+        ["--labels: source coco-instances (recipe \"f30k-entities\")"]
+    assert input_reasons(RECIPES["jgcar-coco"], {"labels": str(coco_labels)}, "m" * 64) == []
+    assert input_reasons(RECIPES["jgcar-coco"], {"labels": str(coco_labels)}, "other") == \
+        ["--labels: made from another manifest than --manifest"]
+    smfea = RECIPES["smfea-f30k"]
+    missing = input_reasons(smfea, {}, "m" * 64)
+    assert [r.split(":")[0] for r in missing] == ["no --trees", "no --concepts", "no --concept-vectors"]
+    assert "trees" not in json.dumps(input_reasons(RECIPES["smfea-f30k-no-trees"], {}, "m" * 64))
+
+
+def test_trees_and_concepts_built_otherwise_are_reasons(tmp_path, monkeypatch):
+    from retr.trainers import reproduce
+    from retr.trainers.recipes import RECIPES
+
+    stored = {"trees": {"scheme": "clearnlp", "rules": '{"verb_prep": "placeholder"}', "manifest_sha256": "m" * 64},
+              "concepts": {"pos_source": "frequency", "requested": '{"NOUN": 210, "ADJ": 60, "VERB": 30}',
+                           "graph": json.dumps({"scale_base": 5.0, "offset": 0.02, "threshold": 0.3,
+                                                "neighbour_weight": 0.25}), "manifest_sha256": "m" * 64}}
+    monkeypatch.setattr(reproduce, "_input_attrs", lambda name, path: stored[name])
+    reasons = reproduce.input_reasons(RECIPES["smfea-f30k"], {"trees": "t.h5", "concepts": "c.h5",
+                                                              "concept_vectors": "glove.txt"}, "m" * 64)
+    assert reasons == ['--trees: scheme clearnlp (recipe "ud2")', '--concepts: pos_source frequency (recipe "conllu")']
+
+
+@pytest.mark.slow
+def test_a_member_run_made_otherwise_is_refused_and_retrain_sets_it_aside(tmp_path, run_cli):
+    from trainer_synthetic import make_synthetic
+
+    manifest, features = make_synthetic(tmp_path / "s", images=40, seed=0)
+    out = tmp_path / "runs"
+    small = ["--features", features, "--manifest", manifest, "--out", out, "--epochs", "1", "--batch-size", "16",
+             "--train-split", "train", "--val-images", "0", "--set", "word_dim=8", "--allow-size-mismatch",
+             "--device", "cpu", "--quiet"]
+    first = run_cli("train", "reproduce", "scan-f30k-t2i-avg", *small, "--set", "embed_size=16")
+    assert first.stdout.splitlines()[0].startswith("reproduction: no (")   # the first line on stdout
+    report = json.loads((out / "reproduce-scan-f30k-t2i-avg.json").read_text())
+    assert report["reproduction"] is False
+    for reason in ("override embed_size 16 (recipe 1024)", "override epochs 1 (recipe 30)",
+                   "features: extractor scene-regions (recipe butd-regions)", "split size 4, protocol 1000"):
+        assert reason in report["reasons"]
+    run = out / "scan-f30k-t2i-avg"
+    before = sorted(p.name for p in run.iterdir())
+    refused = run_cli("train", "reproduce", "scan-f30k-t2i-avg", *small, "--set", "embed_size=8", ok=False)
+    message = str(refused.exception)
+    assert "member scan-f30k-t2i-avg" in message and "embed_size 16 (recipe 8)" in message
+    assert "--retrain" in message and sorted(p.name for p in run.iterdir()) == before
+    # other features: the data the run was trained on is part of the comparison
+    other_manifest, other_features = make_synthetic(tmp_path / "t", images=40, seed=1)
+    moved = [a if a != features else other_features for a in small]
+    moved = [a if a != manifest else other_manifest for a in moved]
+    refused = run_cli("train", "reproduce", "scan-f30k-t2i-avg", *moved, "--set", "embed_size=16", ok=False)
+    assert "features_ids_sha256" in str(refused.exception) or "manifest_sha256" in str(refused.exception)
+    retrained = run_cli("train", "reproduce", "scan-f30k-t2i-avg", *small, "--set", "embed_size=8",
+                        "--retrain", "scan-f30k-t2i-avg")
+    assert "moved to" in retrained.output
+    aside = [p for p in out.iterdir() if p.name.startswith("scan-f30k-t2i-avg.replaced-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == before
+    assert json.loads((run / "config.json").read_text())["model_args"]["embed_size"] == 8
+    unknown = run_cli("train", "reproduce", "scan-f30k-t2i-avg", *small, "--retrain", "scan-coco-t2i-avg", ok=False)
+    assert "not a member of scan-f30k-t2i-avg" in str(unknown.exception)
+
+
+def test_the_first_line_says_yes_only_without_reasons():
+    from retr.trainers.reproduce import reproduction_line
+
+    assert reproduction_line({"reproduction": True, "reasons": []}) == "reproduction: yes"
+    assert reproduction_line({"reproduction": False, "reasons": ["no --labels: fallback labels"]}) == \
+        "reproduction: no (1 reason): no --labels: fallback labels"

@@ -335,45 +335,62 @@ def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo, log=print,
     return folder, None
 
 
-def _resumed_config(cfg: TrainConfig, saved: dict, folder: Path) -> TrainConfig:
-    """The run's own config with the settings that may change on resume taken from ``cfg``
-    (:data:`~retr.trainers.config.RESUME_APPLIES`: epochs, device, workers …); any other difference is refused
-    in one line that names each setting."""
+def config_differences(cfg: TrainConfig, saved: dict, may_differ: tuple[str, ...] = RESUME_APPLIES) -> list[str]:
+    """Each setting of ``cfg`` (model settings and :class:`TrainConfig`'s, the data paths, side files and run
+    folder aside) that differs from the run's stored ``config.json`` (``saved``), as ``"name new (run: old)"``;
+    settings named in ``may_differ`` are not compared."""
     saved = ckpt.upgrade_config(saved)
     spec = get_spec(saved["model"])
     names = _config_names(spec)
-    if saved["model"] != cfg.model:
-        raise UserError(f"{folder} is a {saved['model']} run; continue it with `retr-train {saved['model']} "
-                        f"--resume --out {folder}`")
     old_model = asdict(spec.make_config({k: v for k, v in saved["model_args"].items() if k in names}))
     new_model = asdict(spec.make_config({k: v for k, v in cfg.model_args.items() if k in names}))
     known = {f.name for f in fields(TrainConfig)}
     old = TrainConfig(**{k: v for k, v in saved.items() if k in known})
     differences = [f"{k} {new_model[k]!r} (run: {old_model[k]!r})" for k in old_model if old_model[k] != new_model[k]]
     differences += [f"{k} {getattr(cfg, k)!r} (run: {getattr(old, k)!r})" for k in sorted(known)
-                    if k not in RESUME_APPLIES and k not in ("model", "model_args", "features", "manifest", "inputs",
-                                                             "out")
+                    if k not in may_differ and k not in ("model", "model_args", "features", "manifest", "inputs",
+                                                         "out")
                     and getattr(cfg, k) != getattr(old, k)]
+    return differences
+
+
+def _resumed_config(cfg: TrainConfig, saved: dict, folder: Path) -> TrainConfig:
+    """The run's own config with the settings that may change on resume taken from ``cfg``
+    (:data:`~retr.trainers.config.RESUME_APPLIES`: epochs, device, workers …); any other difference is refused
+    in one line that names each setting."""
+    saved = ckpt.upgrade_config(saved)
+    if saved["model"] != cfg.model:
+        raise UserError(f"{folder} is a {saved['model']} run; continue it with `retr-train {saved['model']} "
+                        f"--resume --out {folder}`")
+    differences = config_differences(cfg, saved)
     if differences:
         raise UserError(f"{folder} cannot change on resume: {'; '.join(differences)}; resume with the run's "
                         "settings (leave those options out) or choose another --out")
+    known = {f.name for f in fields(TrainConfig)}
+    old = TrainConfig(**{k: v for k, v in saved.items() if k in known})
     applied = {k: getattr(cfg, k) for k in (*RESUME_APPLIES, "features", "manifest", "inputs", "out")}
     return dataclasses.replace(old, model_args=saved["model_args"], **applied)
 
 
-def check_same_data(folder: Path, identity: dict) -> None:
-    """Refuse to resume on other data than the run started with (runs from before identities were recorded
-    are not checked)."""
+def data_differences(folder: Path, identity: dict) -> list[str]:
+    """What in ``identity`` (:func:`~retr.trainers.data.data_identity` of the data given now) differs from the data
+    the run in ``folder`` was trained on, as ``"name new… (run: old…)"`` (runs from before identities were
+    recorded: nothing)."""
     config_path = folder / ckpt.CONFIG
     recorded = json.loads(config_path.read_text(encoding="utf-8")).get("data_identity") if config_path.is_file() \
         else None
     if not recorded:
-        return
-    changed = [key for key in recorded if recorded[key] != identity.get(key)]
+        return []
+    return [f"{k} {str(identity.get(k))[:16]}… (run: {str(recorded[k])[:16]}…)" for k in recorded
+            if recorded[k] != identity.get(k)]
+
+
+def check_same_data(folder: Path, identity: dict) -> None:
+    """Refuse to resume on other data than the run started with."""
+    changed = data_differences(folder, identity)
     if changed:
-        what = ", ".join(f"{k} {str(identity.get(k))[:16]}… (run: {str(recorded[k])[:16]}…)" for k in changed)
-        raise UserError(f"{folder} was trained on other data: {what}; resume with the run's features and manifest "
-                        "or choose another --out")
+        raise UserError(f"{folder} was trained on other data: {', '.join(changed)}; resume with the run's features "
+                        "and manifest or choose another --out")
 
 
 def _restore(run: Run, state: dict) -> None:

@@ -13,6 +13,7 @@ same COCO models once.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -40,10 +41,62 @@ class Published:
 
 
 @dataclass(frozen=True)
-class FeatureSet:
-    """The feature set a recipe needs and how to make it."""
+class OneOf:
+    """An attribute value a recipe accepts: any of ``values`` (with ``prefix``: any text starting with one)."""
+
+    values: tuple[Any, ...]
+    said: str                   #: how a reason names what is needed ("the bottom-up-attention Caffe model")
+    prefix: bool = False
+
+    def accepts(self, value: Any) -> bool:
+        if self.prefix:
+            return isinstance(value, str) and value.startswith(tuple(self.values))
+        return value in self.values
+
+
+def accepts(wanted: Any, value: Any) -> bool:
+    """Whether a stored attribute ``value`` is what a recipe ``wanted``: a plain value, a :class:`OneOf`, or a dict
+    that a JSON attribute must decode to."""
+    if isinstance(wanted, OneOf):
+        return wanted.accepts(value)
+    if isinstance(wanted, dict) and isinstance(value, str):     # a JSON attribute (trees' rules, concepts' graph)
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False
+    if isinstance(wanted, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value) == wanted
+    return value == wanted
+
+
+def said(wanted: Any) -> str:
+    return wanted.said if isinstance(wanted, OneOf) else json.dumps(wanted)
+
+
+@dataclass(frozen=True)
+class FeatureProvenance:
+    """The feature set a recipe's published number came from, as the attributes the set must carry.
+
+    ``extracted``: attribute → needed value (or :class:`OneOf`) of a set ``retr-pipeline extract`` made
+    (``detector_settings.X`` reads a key of the JSON attribute ``detector_settings``); ``imported``: the
+    ``source`` attributes of importers whose files stand for the same features (``scan-precomp``: SCAN's released
+    ``{split}_ims.npy``), with what they are. ``shape``: ``[K, D]`` per image.
+    """
 
     extractor: str
+    shape: tuple[int, int]
+    extracted: Mapping[str, Any]
+    how: str
+    imported: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InputProvenance:
+    """A side file a recipe needs (JGCAR's labels, SMFEA's trees and concepts): the attributes it must carry,
+    what a run without it does instead, and how to make it."""
+
+    attrs: Mapping[str, Any]
+    without: str                #: what the model falls back to without the file ("fallback labels")
     how: str
 
 
@@ -63,25 +116,83 @@ class Member:
 class Recipe:
     name: str
     title: str
-    features: FeatureSet
+    features: FeatureProvenance
     members: tuple[Member, ...]
     protocol: str
     published: Published
     notes: str = ""
+    #: side files the published number needs: ``{input name: provenance}`` (names as the model's ``--flag``)
+    inputs: Mapping[str, InputProvenance] = field(default_factory=dict)
 
     @property
     def ensemble(self) -> bool:
         return len(self.members) > 1
 
 
-BUTD = FeatureSet("butd-regions", "retr-pipeline extract --extractor butd-regions (36 regions per image, the "
-                                  "bottom-up-attention detector), or retr-pipeline import-scan on SCAN's released "
-                                  "{split}_ims.npy files")
-RESNET_GRID = FeatureSet("resnet152-grid", "retr-pipeline extract --extractor resnet152-grid (448-px input, 7×7)")
-VGG_MAPS = FeatureSet("vgg16-maps", "retr-pipeline extract --extractor vgg16-maps (448-px input, 14×14)")
-TENCROP_RESNET = FeatureSet("tencrop-resnet152", "retr-pipeline extract --extractor tencrop-resnet152")
-TENCROP_VGG19 = FeatureSet("tencrop-vgg19", "retr-pipeline extract --extractor tencrop-vgg19")
-TENCROP_IRV2 = FeatureSet("tencrop-irv2", "retr-pipeline extract --extractor tencrop-irv2 (Inception-ResNet-v2)")
+#: computed in float32 as the authors' pipelines did (storage in float16 is fine: it is how retr stores features)
+_FLOAT32 = {"half_precision": False, "autocast": "none"}
+BUTD = FeatureProvenance(
+    "butd-regions", (36, 2048),
+    {"weights": OneOf(("bua-caffe-frcn-r101-k36.pth sha256:",), "the bottom-up-attention fix36 Caffe model "
+                      "(MILVLG's bua-caffe-frcn-r101-k36.pth, docs/butd.md)", prefix=True),
+     "short_side": 600, "max_side": 1000, "min_boxes": 36, "max_boxes": 36, "conf_threshold": 0.2, "half": False,
+     "detector_settings.pre_nms_topk": 6000, "detector_settings.post_nms_topk": 300,
+     "detector_settings.pooled_size": 14, "detector_settings.rpn_nms_threshold": 0.7,
+     "detector_settings.class_nms_threshold": 0.3},
+    "retr-pipeline extract --extractor butd-regions with its default settings (the original's: short side 600, "
+    "300 proposals, 14×14 ROI pooling, 36 boxes) and MILVLG's R101-k36 weights (retr-pipeline fetch-weights "
+    "butd), or retr-pipeline import-scan on SCAN's released {split}_ims.npy files",
+    {"scan-precomp": "SCAN's released bottom-up-attention features (retr-pipeline import-scan)"})
+RESNET_GRID = FeatureProvenance(
+    "resnet152-grid", (49, 2048),
+    {"weights": OneOf(("ResNet152_Weights.IMAGENET1K_V1", "sha256:394f9c45"),
+                      "torchvision's ResNet-152 IMAGENET1K_V1 (resnet152-394f9c45.pth)", prefix=True),
+     "image_size": 448, "grid_size": 7, **_FLOAT32},
+    "retr-pipeline extract --extractor resnet152-grid --weights imagenet (448-px input pooled to 7×7)")
+VGG_MAPS = FeatureProvenance(
+    "vgg16-maps", (196, 512),
+    {"weights": OneOf(("VGG16_Weights.IMAGENET1K_V1", "sha256:397923af"),
+                      "torchvision's VGG-16 IMAGENET1K_V1 (vgg16-397923af.pth)", prefix=True),
+     "image_size": 448, **_FLOAT32},
+    "retr-pipeline extract --extractor vgg16-maps --weights imagenet (448-px input, 14×14)")
+TENCROP_RESNET = FeatureProvenance(
+    "tencrop-resnet152", (10, 2048),
+    {"weights": OneOf(("ResNet152_Weights.IMAGENET1K_V1", "sha256:394f9c45"),
+                      "torchvision's ResNet-152 IMAGENET1K_V1 (resnet152-394f9c45.pth)", prefix=True),
+     "image_size": 224, "resize_short_side": 256, **_FLOAT32},
+    "retr-pipeline extract --extractor tencrop-resnet152 --weights imagenet (ten 224-px crops)")
+TENCROP_VGG19 = FeatureProvenance(
+    "tencrop-vgg19", (10, 4096),
+    {"weights": OneOf(("VGG19_Weights.IMAGENET1K_V1", "sha256:dcbb9e9d"),
+                      "torchvision's VGG-19 IMAGENET1K_V1 (vgg19-dcbb9e9d.pth)", prefix=True),
+     "image_size": 224, "resize_short_side": 256, **_FLOAT32},
+    "retr-pipeline extract --extractor tencrop-vgg19 --weights imagenet (ten 224-px crops)")
+TENCROP_IRV2 = FeatureProvenance(
+    "tencrop-irv2", (10, 1536),
+    {"weights": OneOf(("timm/inception_resnet_v2.tf_in1k",), "timm's inception_resnet_v2.tf_in1k"),
+     "image_size": 299, **_FLOAT32},
+    "retr-pipeline extract --extractor tencrop-irv2 --weights imagenet (Inception-ResNet-v2, ten 299-px crops)")
+
+#: JGCAR's image labels: `retr-pipeline labels` from the dataset's own box annotations
+JGCAR_LABELS = {
+    "coco": InputProvenance({"source": "coco-instances"}, "fallback labels (shared caption concepts)",
+                            "retr-pipeline labels coco --instances instances_train2014.json instances_val2014.json"),
+    "f30k": InputProvenance({"source": "f30k-entities"}, "fallback labels (shared caption concepts)",
+                            "retr-pipeline labels f30k-entities --sentences Flickr30kEntities/Sentences"),
+}
+#: SMFEA's referral trees and consensus concepts, built with the pipeline's defaults (docs/models-smfea.md)
+SMFEA_TREES = InputProvenance(
+    {"scheme": "ud2", "rules": {"verb_prep": "placeholder"}}, "no trees",
+    "retr-pipeline parse-trees --manifest M --out trees.h5 (default rules)")
+SMFEA_CONCEPTS = InputProvenance(
+    {"pos_source": "conllu", "requested": {"NOUN": 210, "ADJ": 60, "VERB": 30},
+     "graph": {"scale_base": 5.0, "offset": 0.02, "threshold": 0.3, "neighbour_weight": 0.25}},
+    "no concepts",
+    "retr-pipeline build-concepts --manifest M --conllu captions.conllu --out concepts.h5 (300 concepts: 210 "
+    "nouns, 60 adjectives, 30 verbs)")
+SMFEA_CONCEPT_VECTORS = InputProvenance(
+    {}, "concept vectors learned from U(±0.1) (CVSE's code, which SMFEA builds on, loads fixed GloVe vectors)",
+    "a GloVe-format text file of 300-d vectors (glove.840B.300d.txt) passed as --concept-vectors")
 
 SCAN_PAPER = "SCAN (Lee et al., ECCV 2018)"
 
@@ -198,7 +309,7 @@ for (_dataset, _variant), (_settings, _i2t, _t2i, _table, _label) in _JGCAR_ROWS
                 "Two-step retrieval (top 100 by the global score, re-ranked). Train with --labels (COCO instance "
                 "categories / Flickr30K Entities types: retr-pipeline labels). "
                 + ("The paper does not say whether its COCO 1,000 test images are one set or five folds; "
-                   "coco-1k (five folds) is used." if _dataset == "coco" else "")))
+                   "coco-1k (five folds) is used." if _dataset == "coco" else ""), {"labels": JGCAR_LABELS[_dataset]}))
 
 # ------------------------------------------------------------------------------------------------- SEAM
 SEAM_PAPER = "SEAM (Wehrmann et al., WACV 2018)"
@@ -253,16 +364,18 @@ for (_table, _feat, _row_name), (_i2t, _t2i) in _SEAM_ROWS.items():
 SMFEA_PAPER = "SMFEA (ACM MM 2021)"
 _SMFEA_F30K = Published((73.7, 92.5, 96.1), (54.7, 82.1, 88.4), f"{SMFEA_PAPER}, Table 1, 'SMFEA(ours)'",
                         printed_rsum=487.5)
+SMFEA_INPUTS = {"trees": SMFEA_TREES, "concepts": SMFEA_CONCEPTS, "concept_vectors": SMFEA_CONCEPT_VECTORS}
 _add(Recipe("smfea-f30k", "SMFEA on Flickr30K", BUTD, (Member("smfea-f30k", "smfea", "f30k"),), "f30k-1k",
-            _SMFEA_F30K, "Needs --trees (retr-pipeline parse-trees) and --concepts (retr-pipeline build-concepts)."))
+            _SMFEA_F30K, "Needs --trees (retr-pipeline parse-trees) and --concepts (retr-pipeline build-concepts).",
+            SMFEA_INPUTS))
 _add(Recipe("smfea-coco1k", "SMFEA on COCO 1K (5 folds)", BUTD, (Member("smfea-coco", "smfea", "coco"),), "coco-1k",
             Published((75.1, 95.4, 98.3), (62.5, 90.1, 96.2), f"{SMFEA_PAPER}, Table 2, 'SMFEA(ours)'",
                       printed_rsum=517.6),
-            "The paper does not name its 1K protocol; the rows it compares with are five-fold means."))
+            "The paper does not name its 1K protocol; the rows it compares with are five-fold means.", SMFEA_INPUTS))
 _add(Recipe("smfea-coco5k", "SMFEA on COCO 5K", BUTD, (Member("smfea-coco", "smfea", "coco"),), "coco-5k",
             Published((54.2, None, 89.9), (41.9, None, 83.7), f"{SMFEA_PAPER}, Table 3, 'SMFEA(ours)'",
                       printed_rsum=425.3),
-            "The 5K table prints R@1 and R@10 only; its rSum includes the unprinted R@5s."))
+            "The 5K table prints R@1 and R@10 only; its rSum includes the unprinted R@5s.", SMFEA_INPUTS))
 _SMFEA_ABLATIONS = {
     "no-trees": ({"use_trees": False}, (71.7, 91.5, 94.7), (51.3, 78.9, 87.2), "Table 5", "w/o trees",
                  "The paper ran 'w/o trees' with CVSE's code 'with slightly different parameters'; retr keeps SMFEA's "
@@ -279,7 +392,8 @@ _SMFEA_ABLATIONS = {
 for _variant, (_settings, _i2t, _t2i, _table, _label, _note) in _SMFEA_ABLATIONS.items():
     _add(Recipe(f"smfea-f30k-{_variant}", f"SMFEA ablation {_label} on Flickr30K", BUTD,
                 (Member(f"smfea-f30k-{_variant}", "smfea", "f30k", _settings),), "f30k-1k",
-                Published(_i2t, _t2i, f"{SMFEA_PAPER}, {_table}, '{_label}'"), _note))
+                Published(_i2t, _t2i, f"{SMFEA_PAPER}, {_table}, '{_label}'"), _note,
+                {k: v for k, v in SMFEA_INPUTS.items() if k != "trees" or _settings.get("use_trees", True)}))
 
 
 def get_recipe(name: str) -> Recipe:

@@ -1,18 +1,19 @@
 """``retr-train reproduce RECIPE`` and ``retr-train recipes``: a published row from one command.
 
 ``reproduce`` trains every member of a recipe (:mod:`retr.trainers.recipes`) into ``OUT/<member run>`` — a
-finished member is skipped, an interrupted one resumed — then evaluates each member alone and, for an ensemble,
-the members together, and prints and writes (``OUT/reproduce-<recipe>.json``) the measured numbers beside the
-published ones with their difference, single and ensemble rows labelled.
+finished member with the recipe's settings and data is reused, an interrupted one resumed, one made otherwise
+refused — then evaluates each member alone and, for an ensemble, the members together, and prints and writes
+(``OUT/reproduce-<recipe>.json``) the measured numbers beside the published ones with their difference.
 
-Overrides (``--epochs 1``, ``--set embed_size=64`` …) change every member's settings (only members whose model
-has the setting); they are recorded in the output, so a run on the synthetic data is never mistaken for a
-reproduction.
+The report says ``reproduction: yes`` only when nothing departs from the recipe: no override, the feature set's
+recorded provenance and the side files' attributes are the recipe's, and the split has the protocol's size.
+Otherwise it says ``no`` with every reason (README, "What reproduction: yes guarantees").
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,9 @@ import click
 from retr.common.cli import quiet_option
 from retr.common.errors import UserError
 from retr.trainers import checkpoint as ckpt
-from retr.trainers.config import TrainConfig, setting_fields
-from retr.trainers.recipes import Member, Published, Recipe, get_recipe, list_recipes
+from retr.trainers.config import RESUME_APPLIES, TrainConfig, setting_fields
+from retr.trainers.recipes import (FeatureProvenance, Member, Published, Recipe, accepts, get_recipe, list_recipes,
+                                   said)
 
 SIDES = ("i2t", "t2i")
 KEYS = ("r1", "r5", "r10")
@@ -65,7 +67,7 @@ def _check_overrides(recipe: Recipe, overrides: dict[str, Any]) -> None:
 
 
 def member_state(run: Path) -> str:
-    """``new`` (nothing there), ``finished`` (every epoch done, or stopped early), or ``interrupted``."""
+    """``new`` (no checkpoint yet), ``finished`` (every epoch done, or stopped early), or ``interrupted``."""
     checkpoints = ckpt.list_checkpoints(run) if run.is_dir() else []
     if not checkpoints:
         return "new"
@@ -78,9 +80,29 @@ def member_state(run: Path) -> str:
     return "interrupted"
 
 
-def train_member(member: Member, out: Path, data: dict, overrides: dict[str, Any], quiet: bool, log) -> Path:
-    """Train (or resume, or skip) one member; returns its run directory."""
-    from retr.trainers.loop import train
+#: settings a member run may hold other values of and still be the recipe's run: how it ran, not what it
+#: computed (``resume_applies`` settings), except early stopping; ``epochs`` is compared apart (fewer: resumed)
+_MAY_DIFFER = tuple(name for name in RESUME_APPLIES if name != "early_stop")
+
+
+@dataclass
+class PlannedMember:
+    """One member of a recipe, before anything is trained: its settings, run folder and what is there."""
+
+    member: Member
+    cfg: TrainConfig
+    run: Path
+    state: str                  #: :func:`member_state`, or ``new`` for a folder without a config
+    differences: list[str]      #: how the run in ``run`` differs from ``cfg`` (empty: reusable)
+
+
+def plan_member(member: Member, out: Path, data: dict, overrides: dict[str, Any]) -> PlannedMember:
+    """The member's settings (recipe + overrides) and how an existing run of it differs from them: every setting
+    the model and the loop read (the ``resume_applies`` ones that only say how it ran aside), the data it was
+    trained on (:func:`~retr.trainers.data.data_identity`), and more epochs than asked."""
+    from retr.store.features import FeatureSet as StoredFeatures
+    from retr.trainers.data import data_identity
+    from retr.trainers.loop import config_differences, data_differences
     from retr.trainers.models import get_spec
     from retr.trainers.train_command import gather_settings
 
@@ -92,15 +114,149 @@ def train_member(member: Member, out: Path, data: dict, overrides: dict[str, Any
         if data.get(side.name):
             values[side.name] = data[side.name]
     cfg, _ = gather_settings(spec, values, set(values) - {"config"})
-    state = member_state(run)
+    if not (run / ckpt.CONFIG).is_file():
+        return PlannedMember(member, cfg, run, "new", [])
+    saved = ckpt.read_config(run)
+    if saved.get("model") != cfg.model:
+        return PlannedMember(member, cfg, run, "new", [f"model {cfg.model} (run: {saved.get('model')})"])
+    differences = config_differences(cfg, saved, _MAY_DIFFER)
+    if saved.get("epochs", 0) > cfg.epochs:
+        differences.append(f"epochs {cfg.epochs} (run: {saved['epochs']})")
+    identity = data_identity(StoredFeatures(cfg.features), cfg.manifest, cfg.inputs)
+    differences += data_differences(run, identity)
+    return PlannedMember(member, cfg, run, member_state(run), differences)
+
+
+def set_aside(run: Path, log) -> Path:
+    """``--retrain``: move a member's run out of the way (nothing is deleted) and return where it went."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    target = run.with_name(f"{run.name}.replaced-{stamp}")
+    run.rename(target)
+    log(f"{run.name}: the earlier run moved to {target}")
+    return target
+
+
+def train_member(planned: PlannedMember, quiet: bool, log) -> Path:
+    """Train (or resume, or skip) one planned member whose run holds no differences; returns its folder."""
+    from retr.trainers.loop import train
+    from retr.trainers.models import get_spec
+
+    cfg, run, state = planned.cfg, planned.run, planned.state
     if state == "finished" and ckpt.read_config(run).get("epochs", 0) >= cfg.epochs:
-        log(f"{member.run}: finished, skipped")
+        log(f"{planned.member.run}: finished, skipped (same settings and data)")
         return run
-    log(f"{member.run}: {'resuming' if state != 'new' else 'training'} ({member.model}, preset {cfg.preset})")
-    train(cfg, resume=state != "new", quiet=quiet, log=log)
-    if spec.after_training is not None and state == "new":
+    resume = (run / ckpt.CONFIG).is_file()
+    log(f"{planned.member.run}: {'resuming' if state != 'new' else 'training'} ({cfg.model}, preset {cfg.preset})")
+    train(cfg, resume=resume, quiet=quiet, log=log)
+    spec = get_spec(cfg.model)
+    if spec.after_training is not None and state != "finished":
         spec.after_training(str(run), cfg, log)
     return run
+
+
+# ---------------------------------------------------------------------------------------------- provenance
+
+def _attr(attrs: dict, key: str) -> Any:
+    """A stored attribute; ``a.b`` reads key ``b`` of the JSON attribute ``a``; extraction settings recorded only
+    since a later version read as what older sets were made with."""
+    from retr.store.features import ATTRS_BEFORE_RECORDED
+
+    if "." in key:
+        outer, inner = key.split(".", 1)
+        value = attrs.get(outer)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return None
+        return value.get(inner) if isinstance(value, dict) else None
+    if key not in attrs and key in ATTRS_BEFORE_RECORDED:
+        return ATTRS_BEFORE_RECORDED[key]
+    return attrs.get(key)
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "not recorded"
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def feature_reasons(needed: FeatureProvenance, features, manifest_sha256: str) -> list[str]:
+    """Why the feature set (a :class:`retr.store.features.FeatureSet`) is not the one the recipe's number came
+    from: another extractor or shape, an importer the recipe does not accept, an extraction setting or weights
+    other than the recipe's, or another manifest. Empty: it is."""
+    attrs = features.attrs
+    reasons = []
+    if attrs.get("extractor") != needed.extractor:
+        reasons.append(f"features: extractor {attrs.get('extractor')} (recipe {needed.extractor})")
+    shape = tuple(int(x) for x in features.feature_shape)
+    if shape != tuple(needed.shape):
+        reasons.append(f"features: {'×'.join(map(str, shape))} per image (recipe {'×'.join(map(str, needed.shape))})")
+    source = attrs.get("source")
+    if source is not None:
+        if source not in needed.imported:
+            accepted = ", ".join(needed.imported) or "none"
+            reasons.append(f"features: imported from {source} (recipe: extracted by retr, or imported from {accepted})")
+    elif attrs.get("extractor") == needed.extractor:
+        for key, wanted in needed.extracted.items():
+            value = _attr(attrs, key)
+            if not accepts(wanted, value):
+                reasons.append(f"features: {key} {_shown(value)} (recipe {said(wanted)})")
+    if attrs.get("manifest_sha256") != manifest_sha256:
+        reasons.append("features: made from another manifest than --manifest")
+    return reasons
+
+
+def _input_attrs(name: str, path: str) -> dict:
+    """The attributes a side file carries (labels: its ``#attrs``; trees and concepts: their root attributes)."""
+    if name == "labels":
+        from retr.store.labels import read_label_attrs
+        return read_label_attrs(path)
+    if name == "trees":
+        from retr.store.trees import TreeSet
+        return TreeSet(path).attrs
+    from retr.store.concepts import ConceptSet
+    return ConceptSet(path).attrs
+
+
+def input_reasons(recipe: Recipe, data: dict, manifest_sha256: str) -> list[str]:
+    """Why the side files given (JGCAR's labels, SMFEA's trees, concepts, concept vectors) are not the ones the
+    recipe's number needs: absent (the model's fallback is named), built otherwise, or for another manifest."""
+    reasons = []
+    for name, needed in recipe.inputs.items():
+        flag = f"--{name.replace('_', '-')}"
+        path = data.get(name)
+        if not path:
+            reasons.append(f"no {flag}: {needed.without}")
+            continue
+        if not needed.attrs:
+            continue
+        attrs = _input_attrs(name, path)
+        for key, wanted in needed.attrs.items():
+            value = _attr(attrs, key)
+            if not accepts(wanted, value):
+                reasons.append(f"{flag}: {key} {_shown(value)} (recipe {said(wanted)})")
+        if attrs.get("manifest_sha256") not in (None, manifest_sha256):
+            reasons.append(f"{flag}: made from another manifest than --manifest")
+    return reasons
+
+
+def override_reasons(recipe: Recipe, overrides: dict[str, Any]) -> list[str]:
+    """One reason per override: ``override embed_size 64 (recipe 1024)`` (the recipe's value as its first member
+    resolves it)."""
+    from retr.trainers.models import get_spec
+
+    member = recipe.members[0]
+    spec = get_spec(member.model)
+    recipe_values = {**dataclasses.asdict(TrainConfig()), **spec.resolve_preset(member.preset, member.settings),
+                     **member.settings}
+    out = []
+    for key, value in overrides.items():
+        was = recipe_values.get(key)
+        if isinstance(was, tuple):
+            was = list(was)
+        out.append(f"override {key} {_shown(value)} (recipe {_shown(was)})")
+    return out
 
 
 def _numbers(result: dict) -> dict:
@@ -128,42 +284,98 @@ def compare(kind: str, label: str, result: dict, row: Published | None) -> dict:
 
 
 def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], split: str = "test",
-              device: str = "auto", allow_size_mismatch: bool = False, quiet: bool = False, log=print) -> dict:
-    """Train every member, evaluate singles and the ensemble, compare with the published numbers."""
+              device: str = "auto", allow_size_mismatch: bool = False, quiet: bool = False, log=print,
+              retrain: tuple[str, ...] = ()) -> dict:
+    """Train every member, evaluate singles and the ensemble, compare with the published numbers, and say
+    whether this was a reproduction (``reproduction``) and, if not, every reason why (``reasons``).
+
+    A member run already in ``out`` is reused (or resumed) only when its stored settings and data equal the
+    recipe's; otherwise nothing is trained and one line names each difference, unless ``retrain`` names the
+    member (its run is then moved aside, see :func:`set_aside`)."""
+    from retr.manifests.schema import manifest_sha256
+    from retr.store.features import FeatureSet as StoredFeatures
     from retr.trainers.eval_commands import evaluate_runs
 
     _check_overrides(recipe, overrides)
-    _check_data(data)
+    unknown = sorted(set(retrain) - {m.run for m in recipe.members})
+    if unknown:
+        raise UserError(f"--retrain {unknown[0]}: not a member of {recipe.name} "
+                        f"({', '.join(m.run for m in recipe.members)})")
+    features = _check_data(data)
+    manifest_digest = manifest_sha256(data["manifest"])
+    reasons = override_reasons(recipe, overrides)
+    reasons += feature_reasons(recipe.features, features, manifest_digest)
+    reasons += input_reasons(recipe, data, manifest_digest)
     out.mkdir(parents=True, exist_ok=True)
-    runs = [train_member(m, out, data, overrides, quiet, log) for m in recipe.members]
+    planned = [plan_member(m, out, data, overrides) for m in recipe.members]
+    refused = [p for p in planned if p.differences and p.member.run not in retrain]
+    if refused:
+        raise UserError("; ".join(f"member {p.member.run} in {p.run} was trained otherwise: "
+                                  f"{', '.join(_recipe_side(d) for d in p.differences)}" for p in refused)
+                        + "; nothing was trained: pass --retrain MEMBER to train it again (the old run is kept "
+                          "aside) or choose another --out")
+    for p in planned:
+        if p.member.run in retrain and p.run.exists():
+            set_aside(p.run, log)
+            p.state, p.differences = "new", []
+    del features
+    runs = [train_member(p, quiet, log) for p in planned]
     eval_args = dict(split=split, features=data["features"], manifest=data["manifest"], device=device,
                      quiet=True, allow_size_mismatch=allow_size_mismatch)
-    rows = []
+    rows, mismatch = [], None
     for member, run in zip(recipe.members, runs):
         result, _ = evaluate_runs([str(run)], recipe.protocol, **eval_args)
+        mismatch = mismatch or result.get("size_mismatch")
         rows.append(compare("single", member.run, result, member.published if recipe.ensemble else recipe.published))
     if recipe.ensemble:
         result, _ = evaluate_runs([str(r) for r in runs], recipe.protocol, **eval_args)
         rows.append(compare("ensemble", " + ".join(m.run for m in recipe.members), result, recipe.published))
+    if mismatch:
+        reasons.append(f"split size {mismatch['images']}, protocol {mismatch['expected']}")
+    if split != "test":
+        reasons.append(f"evaluated on split {split} (the published numbers are on test)")
     report = {"recipe": recipe.name, "title": recipe.title, "protocol": recipe.protocol, "split": split,
-              "features": {"given": data["features"], "needed": recipe.features.extractor},
-              "overrides": overrides, "reproduction": not overrides, "rows": rows,
+              "reproduction": not reasons, "reasons": reasons,
+              "features": {"given": data["features"], "extractor": features_summary(data["features"]),
+                           "needed": recipe.features.how},
+              "overrides": overrides, "rows": rows,
               "runs": [str(r) for r in runs], "notes": recipe.notes,
-              "size_mismatch": result.get("size_mismatch"),
+              "size_mismatch": mismatch,
               "evaluated": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     ckpt.write_json(out / f"reproduce-{recipe.name}.json", report)
     return report
 
 
-def _check_data(data: dict) -> None:
+def _recipe_side(difference: str) -> str:
+    """``"embed_size 1024 (run: 64)"`` (new value first, as the loop words it) → ``"embed_size 64 (recipe 1024)"``."""
+    name, sep, rest = difference.partition(" ")
+    new, sep2, old = rest.rpartition(" (run: ")
+    if not sep or not sep2:
+        return difference
+    return f"{name} {old.removesuffix(')')} (recipe {new})"
+
+
+def features_summary(path: str) -> dict:
+    """What the report records of the feature set used: extractor, weights (with the sha256 extraction
+    recorded), source when imported, and the extraction settings."""
+    from retr.store.features import FeatureSet as StoredFeatures
+
+    attrs = StoredFeatures(path).attrs
+    keys = ("extractor", "weights", "source", "image_size", "short_side", "max_side", "detector_settings",
+            "min_boxes", "max_boxes", "half", "half_precision", "autocast", "decode", "manifest_sha256")
+    return {k: attrs[k] for k in keys if k in attrs}
+
+
+def _check_data(data: dict):
     """Open the feature set and read the manifest before the first member starts (one error line, nothing
-    trained, when either is the wrong kind of file)."""
+    trained, when either is the wrong kind of file); returns the opened feature set."""
     from retr.manifests.schema import read_manifest
     from retr.store.features import FeatureSet
 
-    FeatureSet(data["features"])
+    features = FeatureSet(data["features"])
     if not read_manifest(data["manifest"]):
         raise UserError(f"{data['manifest']} holds no images")
+    return features
 
 
 def _fmt(value) -> str:
@@ -172,6 +384,14 @@ def _fmt(value) -> str:
 
 def _fmt_diff(value) -> str:
     return "" if value is None else f"{value:+.1f}"
+
+
+def reproduction_line(report: dict) -> str:
+    """``reproduction: yes``, or ``reproduction: no (N reasons): first; second; …``."""
+    reasons = report.get("reasons") or []
+    if report["reproduction"]:
+        return "reproduction: yes"
+    return f"reproduction: no ({len(reasons)} reason{'s' * (len(reasons) != 1)}): {'; '.join(reasons)}"
 
 
 def format_report(report: dict) -> list[str]:
@@ -187,9 +407,8 @@ def format_report(report: dict) -> list[str]:
             table.append([name if what == "measured" else "", what,
                           *(fmt(numbers[s][k]) for s in SIDES for k in KEYS), fmt(numbers["rsum"])])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
-    lines = [f"{report['recipe']} — {report['title']} ({report['protocol']} on {report['split']})"]
-    if report["overrides"]:
-        lines.append(f"overrides {json.dumps(report['overrides'])}: not the published settings")
+    lines = [reproduction_line(report),
+             f"{report['recipe']} — {report['title']} ({report['protocol']} on {report['split']})"]
     lines += ["  ".join(str(x).ljust(w) if i < 2 else str(x).rjust(w) for i, (x, w) in enumerate(zip(r, widths))).rstrip()
               for r in [header, *table]]
     for row in report["rows"]:
@@ -218,17 +437,23 @@ def format_report(report: dict) -> list[str]:
 @click.option("--val-images", type=int, default=None, help="Override the validation images.")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Override a setting of every member that has it (e.g. --set embed_size=64).")
+@click.option("--retrain", multiple=True, metavar="MEMBER",
+              help="Train this member again although OUT holds a run of it made otherwise (that run is moved "
+                   "aside to OUT/MEMBER.replaced-TIME, not deleted); repeatable.")
 @click.option("--split", default="test", show_default=True, help="Evaluation split.")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--allow-size-mismatch", is_flag=True,
               help="Evaluate a split whose size is not the protocol's (e.g. the synthetic data); recorded.")
 @quiet_option
 def reproduce_command(recipe, features, manifest, out, trees, concepts, concept_vectors, labels, epochs, batch_size,
-                      train_splits, val_images, settings, split, device, allow_size_mismatch, quiet) -> None:
+                      train_splits, val_images, settings, retrain, split, device, allow_size_mismatch,
+                      quiet) -> None:
     """Train every member of RECIPE, evaluate it, and print measured beside published numbers.
 
-    Finished members are skipped and interrupted ones resumed, so running the command again continues where
-    it stopped. The report is also written to OUT/reproduce-RECIPE.json.
+    Finished members are reused and interrupted ones resumed, so running the command again continues where
+    it stopped; a member run in OUT made with other settings or data is refused (--retrain MEMBER). The first
+    line says "reproduction: yes", or "no" with every reason. The report is also written to
+    OUT/reproduce-RECIPE.json.
 
     \b
     Example:
@@ -245,10 +470,20 @@ def reproduce_command(recipe, features, manifest, out, trees, concepts, concept_
     data = {"features": features, "manifest": manifest, "trees": trees, "concepts": concepts,
             "concept_vectors": concept_vectors, "labels": labels}
     log = lambda message: click.echo(message, err=True)  # noqa: E731
-    report = reproduce(chosen, data, Path(out), overrides, split, device, allow_size_mismatch, quiet, log)
+    report = reproduce(chosen, data, Path(out), overrides, split, device, allow_size_mismatch, quiet, log,
+                       tuple(retrain))
     for line in format_report(report):
         click.echo(line)
     click.echo(f"report written to {Path(out) / f'reproduce-{chosen.name}.json'}")
+
+
+def provenance_json(recipe: Recipe) -> dict:
+    """The provenance a recipe needs, as ``recipes --json`` prints it (each needed value in words)."""
+    f = recipe.features
+    return {"features": {"extractor": f.extractor, "shape": list(f.shape), "how": f.how,
+                         "extracted": {k: said(v) for k, v in f.extracted.items()}, "imported": dict(f.imported)},
+            "inputs": {name: {"attrs": {k: said(v) for k, v in need.attrs.items()}, "without": need.without,
+                              "how": need.how} for name, need in recipe.inputs.items()}}
 
 
 def markdown_table() -> str:
@@ -279,7 +514,8 @@ def recipes_command(as_json, markdown) -> None:
         return
     if as_json:
         click.echo(json.dumps([{"name": r.name, "title": r.title, "protocol": r.protocol,
-                                "features": dataclasses.asdict(r.features),
+                                "features": provenance_json(r)["features"],
+                                "inputs": provenance_json(r)["inputs"],
                                 "members": [{"run": m.run, "model": m.model, "preset": m.preset,
                                              "settings": dict(m.settings)} for m in r.members],
                                 "published": _published(r.published)} for r in recipes], indent=2))

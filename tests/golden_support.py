@@ -1,0 +1,20 @@
+"""Golden figures computed by the authors' code (``tools/golden/``) and stored in ``tests/data/golden/<name>/``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
+
+
+def load_golden(name: str) -> tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``(provenance, inputs, figures)`` of one golden set; arrays are read without pickle."""
+    folder = GOLDEN / name
+    provenance = json.loads((folder / "provenance.json").read_text(encoding="utf-8"))
+    with np.load(folder / "inputs.npz", allow_pickle=False) as f:
+        inputs = {k: f[k] for k in f.files}
+    with np.load(folder / "figures.npz", allow_pickle=False) as f:
+        figures = {k: f[k] for k in f.files}
+    return provenance, inputs, figures
