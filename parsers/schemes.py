@@ -44,7 +44,10 @@ SD / ClearNLP → UD v2
     UD's head-initial ``case`` + ``fixed``. A preposition without an object becomes ``advmod``.
     *Copula*: a clause headed by "be" with a predicate adjective or noun (ClearNLP ``acomp``/``attr``) or a
     prepositional predicate (SD and ClearNLP: "is on a bed") is re-headed on that predicate, "be" becoming
-    ``cop``; ClearNLP's ``attr`` of an existential "there is" is its ``nsubj``.
+    ``cop``; ClearNLP's ``attr`` of an existential "there is" is its ``nsubj``. An ``acomp`` that is a
+    participle (spaCy: "a man is diving", "the seabed is overgrown with coral reefs") heads the clause as its
+    verb instead, "be" becoming ``aux`` (VBG) or ``aux:pass`` (VBN, or VBD mis-tagged; the subject then
+    ``nsubj:pass``, a "by" phrase ``obl:agent``); only a real adjective (JJ) keeps the copula analysis.
     *Renames* (:data:`STANFORD_RENAMES`): ``nn``→``compound``, ``num``→``nummod``, ``poss``→``nmod:poss``,
     ``possessive``→``case``, ``rcmod``/``relcl``→``acl:relcl``, ``partmod``/``infmod``/``vmod``→``acl``
     (``advcl`` under a predicate), ``prt``→``compound:prt``, ``tmod``/``npadvmod``→``obl:tmod``/
@@ -675,7 +678,10 @@ def _prepositions(words: list[_Word], by_id: dict[int, _Word], counts: Counter, 
 
 def _copula(words: list[_Word], counts: Counter) -> None:
     """A clause headed by "be" with a predicate (``attr``/``acomp`` or a prepositional predicate) is
-    re-headed on that predicate and "be" becomes ``cop``."""
+    re-headed on that predicate and "be" becomes ``cop`` — unless the ``acomp`` is a participle (spaCy:
+    "a man is diving", "the seabed is overgrown with coral reefs"), which UD v2 reads as the verb of the
+    clause: "be" becomes its ``aux`` (VBG) or ``aux:pass`` (VBN; the subject then ``nsubj:pass``, a "by" phrase
+    ``obl:agent``), see :func:`_participle_auxiliary`."""
     kids = _children(words)
     for v in words:
         if v.upos not in ("VERB", "AUX") or not _is_be(v) or v.deprel in ("aux", "auxpass", "cop"):
@@ -693,13 +699,60 @@ def _copula(words: list[_Word], counts: Counter) -> None:
                               and any(g.deprel == "case" for g in kids.get(c.id, []))), None)
         if predicate is None:
             continue
+        auxiliary = _participle_auxiliary(predicate) if how == "acomp" else None
         predicate.head, predicate.deprel = v.head, v.deprel
         for c in children:
             if c is not predicate:
                 c.head = predicate.id
-        v.head, v.deprel = predicate.id, "cop"
-        counts[f"be+{how}→cop"] += 1
+        v.head, v.deprel = predicate.id, auxiliary or "cop"
+        if v.upos == "VERB":
+            v.upos = "AUX"  # UD v2: a copula or an auxiliary is AUX
+        if auxiliary is None:
+            counts[f"be+{how}→cop"] += 1
+        else:
+            counts[f"be+acomp {_participle_tag(predicate)}→{auxiliary}"] += 1
+            if auxiliary == "aux:pass":
+                for c in children + kids.get(predicate.id, []):
+                    if c.deprel in ("nsubj", "csubj"):
+                        _rename(c, f"{c.deprel}:pass", counts)
+                    elif c.deprel == "obl" and any(g.deprel == "case" and g.low == "by"
+                                                   for g in kids.get(c.id, [])):
+                        _rename(c, "obl:agent", counts)
         kids = _children(words)
+
+
+#: PTB tags of a participle after "be": VBD is a past participle the tagger took for a past tense
+#: ("is parked" tagged VBD): after "be" only the participle reading is possible.
+_PARTICIPLE_AUX = {"VBG": "aux", "VBN": "aux:pass", "VBD": "aux:pass"}
+
+
+def _participle_tag(w: _Word) -> str:
+    """``VBG``/``VBN``/``VBD`` (the PTB tag), or ``VERB`` for a parse without one (in the conversion's name)."""
+    return w.xpos.upper() if w.xpos.upper() in PTB_TO_UPOS else w.upos
+
+
+def _participle_auxiliary(w: _Word) -> str | None:
+    """What "be" is in UD v2 when its ClearNLP ``acomp`` is ``w``: ``aux`` for a present participle
+    (VBG, "a man is diving"), ``aux:pass`` for a past participle (VBN, "the seabed is overgrown with coral
+    reefs"), ``None`` for a real adjective (JJ, "the cat is black") — then "be" stays the ``cop`` of ``w``.
+
+    spaCy's English pipelines hang a participle on "be" as ``acomp`` when they take it for an adjective
+    complement; UD v2 (and stanza) analyse the participle as the verb heading the clause, "be" as its
+    auxiliary. The PTB tag decides; a parse without one (UPOS only) decides by UPOS ``VERB`` and FEATS
+    (``VerbForm=Ger``, ``Tense=Pres``/``Aspect=Prog`` → ``aux``; ``Tense=Past``/``Voice=Pass`` → ``aux:pass``),
+    else by an ``-ing`` ending.
+    """
+    tag = w.xpos.upper()
+    if tag in PTB_TO_UPOS:
+        return _PARTICIPLE_AUX.get(tag)
+    if w.upos != "VERB":
+        return None
+    feats = dict(f.split("=", 1) for f in w.feats.split("|") if "=" in f)
+    if feats.get("VerbForm") == "Ger" or feats.get("Tense") == "Pres" or feats.get("Aspect") == "Prog":
+        return "aux"
+    if feats.get("Tense") == "Past" or feats.get("Voice") == "Pass":
+        return "aux:pass"
+    return "aux" if w.form.lower().endswith("ing") else "aux:pass"
 
 
 class SchemeConverter:

@@ -18,6 +18,12 @@ scheme is detected from the CoNLL-U file's labels (``--scheme auto``) or given (
 clearnlp``); an unknown scheme is refused in one line naming the unexpected labels. The scheme is part of a
 shard's identity; the conversions applied are counted per shard and summed in the summary and in ``trees.h5``
 (``scheme``, ``conversions``). A sentence that cannot be converted is that caption's failure, with the reason.
+
+A run whose failures exceed ``--max-failures`` (a fraction of the manifest's captions, default
+:data:`DEFAULT_MAX_FAILURES`) stops before the encode step with one error line (:class:`TooManyFailures`):
+``trees.h5`` is not written (an existing one is left as it was), the parse shards stay, so a re-run with a
+higher threshold only re-encodes. A mostly-failed run is a wrong input (``--scheme``, ``--match``, another
+file), not a tree set a trainer should read.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ import numpy as np
 from nltk.tree import TreePrettyPrinter
 
 from retr.common.cli import progress, quiet_option
-from retr.common.errors import UserError
+from retr.common.errors import ParameterError, UserError
 from retr.manifests.schema import ManifestRecord, manifest_sha256, read_manifest
 from retr.parsers.backends import (CaptionItem, ConlluBackend, ParserBackend, StanzaBackend,
                                    fetch_parser_models)
@@ -47,6 +53,10 @@ from retr.store.trees import parse_shard_name, read_parse_shard, write_parse_sha
 
 DEFAULT_SHARD_SIZE = 5000
 DEFAULT_BATCH_SIZE = 64
+#: the share of captions that may fail (no tree) before a run is refused: far above what a sound parse loses
+#: (a few captions whose text or parse is odd) and far below a wrong input (wrong --scheme, --match or file:
+#: nearly every caption fails); see docs/referral-trees.md, "Too many failures".
+DEFAULT_MAX_FAILURES = 0.05
 DICTIONARY_SPLITS = ("train", "restval")
 #: Shard attributes that must match the current run for a finished shard to be reused.
 _IDENTITY = ("manifest_sha256", "backend_kind", "rules", "scheme", "shard_index", "num_shards", "first_caption",
@@ -70,10 +80,17 @@ class ParseTreesSummary:
     unmatched_parses: list[str] = field(default_factory=list)
     scheme: SchemeChoice = field(default_factory=lambda: SchemeChoice("ud2", "stanza"))
     conversions: dict[str, int] = field(default_factory=dict)  # conversion name → count, over every shard
+    max_failures: float = DEFAULT_MAX_FAILURES
+
+    @property
+    def failure_fraction(self) -> float:
+        """Failures over captions."""
+        return len(self.failures) / self.captions if self.captions else 0.0
 
     def lines(self) -> list[str]:
         lines = [f"wrote {self.trees} trees for {self.captions} captions to {self.out} "
-                 f"({len(self.failures)} failures; shards parsed {self.shards_parsed}, reused {self.shards_reused})",
+                 f"({len(self.failures)} failures, {percent(self.failure_fraction)} of the captions, threshold "
+                 f"{percent(self.max_failures)}; shards parsed {self.shards_parsed}, reused {self.shards_reused})",
                  f"scheme {self.scheme.describe()}; converted to UD v2: {conversion_summary(self.conversions)}",
                  f"dictionaries: {self.num_entities} entities, {self.num_relations} relations "
                  f"(null = {NULL_ID}, unknown = {UNKNOWN_ID}); known slots: entities {100 * self.entity_known:.1f}%, "
@@ -86,6 +103,36 @@ class ParseTreesSummary:
             lines.append(f"note: {len(self.unmatched_parses)} CoNLL-U sentences match no manifest caption "
                          f"(e.g. {self.unmatched_parses[0]})")
         return lines
+
+
+class TooManyFailures(UserError):
+    """More captions failed than ``max_failures`` allows; ``trees.h5`` was not written (the parse shards were).
+
+    Attributes: ``failures`` (caption key, reason), ``captions`` (the manifest's count), ``max_failures``.
+    """
+
+    def __init__(self, message: str, failures: list[tuple[str, str]], captions: int, max_failures: float):
+        super().__init__(message, parameters=("max_failures",))
+        self.failures, self.captions, self.max_failures = failures, captions, max_failures
+
+
+def percent(fraction: float) -> str:
+    """``0.05`` → ``5%``, ``89 / 93`` → ``95.7%``, ``2 / 121`` → ``1.65%``."""
+    return f"{100 * fraction:.3g}%"
+
+
+def check_failures(failures: Sequence[tuple[str, str]], captions: int, max_failures: float, out: Path,
+                   folder: Path) -> None:
+    """Raise :class:`TooManyFailures` (one line) when ``failures`` are more than ``max_failures`` of ``captions``."""
+    if not failures or len(failures) / captions <= max_failures:  # the division rounds like 0.29 does: 29/100
+        return
+    key, reason = failures[0]
+    reason = " ".join(reason.split())
+    raise TooManyFailures(
+        f"{len(failures)} of {captions} captions got no tree ({percent(len(failures) / captions)}), more than "
+        f"max_failures {max_failures:g} ({percent(max_failures)}) allows; {out} not written (the parses stay in "
+        f"{folder.name}/ beside it); first failure {key}: {reason}; check the input (its scheme, how sentences match "
+        "captions) or raise max_failures (1 writes the trees anyway)", list(failures), captions, max_failures)
 
 
 def caption_items(records: Sequence[ManifestRecord]) -> tuple[list[CaptionItem], list[str]]:
@@ -149,15 +196,20 @@ def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend
                     num_relations: int = DEFAULT_NUM_RELATIONS, min_count: int = 1,
                     rules: TreeRules | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
                     batch_size: int = DEFAULT_BATCH_SIZE, quiet: bool = True, restart: bool = False,
-                    scheme: str = "auto") -> ParseTreesSummary:
+                    scheme: str = "auto", max_failures: float = DEFAULT_MAX_FAILURES) -> ParseTreesSummary:
     """Parse every caption of ``manifest`` into ``out`` (``trees.h5``); see the module docstring.
 
     ``restart`` deletes the parse shards of an earlier run first (otherwise finished shards are reused and
     shards of a different run are refused). ``scheme``: the parses' label scheme, ``auto`` (detected) or one of
     :data:`retr.parsers.schemes.SCHEMES`; every sentence is converted to UD v2 before the tree rules.
+    ``max_failures``: the largest share of captions that may fail; above it :class:`TooManyFailures` is raised
+    after parsing (shards written) and ``out`` is not written.
     """
     if shard_size < 1 or batch_size < 1:
         raise UserError("--shard-size and --batch-size must be at least 1")
+    if not 0 <= max_failures <= 1:  # also refuses NaN
+        raise ParameterError(f"max_failures must be a fraction of the captions from 0 to 1, not {max_failures:g}",
+                             "max_failures")
     rules = rules or TreeRules()
     out = Path(out)
     records = read_manifest(manifest)
@@ -215,6 +267,7 @@ def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend
     keys = [k for s in shards for k in s.keys]
     trees = [ReferralTree.from_json(c) for s in shards for c in s.candidates]
     failures = [f for s in shards for f in s.failures]
+    check_failures(failures, len(items), max_failures, out, folder)
     conversions: Counter = Counter()
     for s in shards:
         conversions.update(json.loads(s.attrs.get("conversions") or "{}"))
@@ -235,10 +288,11 @@ def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend
         "manifest_sha256": identity["manifest_sha256"], "backend": "; ".join(backends), "rules": rules.to_json(),
         "dictionaries_source": source, "num_failures": len(failures), "shard_size": shard_size,
         "conllu_unmatched": len(unmatched), "scheme": choice.scheme, "scheme_how": choice.describe(),
+        "max_failures": max_failures,
         "conversions": json.dumps(dict(conversions), sort_keys=True)})
     return ParseTreesSummary(out, len(items), len(keys), failures, parsed, reused, len(dicts.entities),
                              len(dicts.relations), *_known_shares(nodes), unmatched_parses=unmatched,
-                             scheme=choice, conversions=dict(conversions))
+                             scheme=choice, conversions=dict(conversions), max_failures=max_failures)
 
 
 def _known_shares(nodes: np.ndarray) -> tuple[float, float]:
@@ -295,14 +349,18 @@ def _parser_options(f):
 @click.option("--shard-size", default=DEFAULT_SHARD_SIZE, show_default=True, help="captions per parse shard.")
 @click.option("--batch-size", default=DEFAULT_BATCH_SIZE, show_default=True, help="captions per parser call.")
 @click.option("--restart", is_flag=True, help="discard the parse shards of an earlier run and parse again.")
+@click.option("--max-failures", type=float, default=DEFAULT_MAX_FAILURES, show_default=True, metavar="FRACTION",
+              help="largest share of captions that may get no tree; above it the command exits 1 with one error "
+                   "line and does not write OUT (the parse shards stay). 0: no failure allowed, 1: no limit.")
 @quiet_option
 def parse_trees_command(manifest, out, verb_prep, conllu, stanza_dir, match, device, no_constituency, scheme,
                         dictionaries, num_entities, num_relations, min_count, shard_size, batch_size, restart,
-                        quiet):
+                        max_failures, quiet):
     """Parse every caption of a manifest into a referral tree [E1 R2 E3 R4 E5 R6 E7] (trees.h5).
 
     Sharded under OUT.shards/ and resumable: run the same command again after an interruption. Parses in UD
-    v1, Stanford basic dependencies or ClearNLP labels are detected and converted to UD v2 (--scheme).
+    v1, Stanford basic dependencies or ClearNLP labels are detected and converted to UD v2 (--scheme). Exits 1
+    without writing OUT when more than --max-failures of the captions get no tree.
 
     \b
     Example:
@@ -317,7 +375,8 @@ def parse_trees_command(manifest, out, verb_prep, conllu, stanza_dir, match, dev
     summary = run_parse_trees(manifest, out, backend, dictionaries=dictionaries, num_entities=num_entities,
                               num_relations=num_relations, min_count=min_count,
                               rules=TreeRules(verb_prep=verb_prep), shard_size=shard_size,
-                              batch_size=batch_size, quiet=quiet, restart=restart, scheme=scheme)
+                              batch_size=batch_size, quiet=quiet, restart=restart, scheme=scheme,
+                              max_failures=max_failures)
     for line in summary.lines():
         click.echo(line)
 

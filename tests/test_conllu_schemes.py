@@ -20,6 +20,7 @@ previous scheme's ``head:label``.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ from retr.parsers.referral_tree import TreeRules, build_tree
 from retr.parsers.schemes import (SCHEMES, ConversionError, LabelEvidence, accepts, choose_scheme,
                                   detect_scheme, to_ud2)
 from retr.pipeline.cli import cli
-from retr.pipeline.parse_trees import run_parse_trees
+from retr.pipeline.parse_trees import TooManyFailures, run_parse_trees
 from retr.store.trees import TreeSet
 
 #: caption → (expected tree, hand-made parses)
@@ -630,8 +631,11 @@ def test_unknown_scheme_refused_by_the_command(dataset, run_cli):
 def test_unconvertible_sentences_are_failures_with_reasons(dataset):
     """--scheme given against the labels: every sentence outside it is a failure with its reason, the
     rest get trees; a pobj without a preposition in an SD file is one caption's failure."""
+    with pytest.raises(TooManyFailures, match="13 of 24 captions got no tree"):  # more than 5 %
+        run_parse_trees(dataset / "manifest.jsonl", dataset / "forced.h5", ConlluBackend(dataset / "ud1.conllu"),
+                        scheme="ud2")
     summary = run_parse_trees(dataset / "manifest.jsonl", dataset / "forced.h5",
-                              ConlluBackend(dataset / "ud1.conllu"), scheme="ud2")
+                              ConlluBackend(dataset / "ud1.conllu"), scheme="ud2", max_failures=1)
     assert summary.scheme.how == "given" and "the labels look like ud1" in summary.lines()[1]
     reasons = dict(summary.failures)
     outside = [f"img{n:02d}#0" for n, text in enumerate(CAPTIONS)
@@ -699,3 +703,79 @@ def test_clearnlp_dative_noun_and_stranded_preposition():
                  "around around ADP IN 2 prep")
     converted, counts = to_ud2(around, "sd")
     assert arcs(converted)[2] == (2, "advmod") and counts == {"prep→advmod": 1}
+
+
+def test_parse_trees_with_the_wrong_scheme_exits_non_zero(dataset, run_cli):
+    """The audit's run: ClearNLP parses read with --scheme ud2 fail caption after caption; the command must
+    not exit 0 with a handful of trees."""
+    out = dataset / "forced.h5"
+    code, stdout, err = run_cli.as_user("pipeline", "parse-trees", "--manifest", dataset / "manifest.jsonl",
+                                        "--conllu", dataset / "clearnlp.conllu", "--scheme", "ud2", "--out", out,
+                                        "--quiet")
+    assert code == 1 and stdout == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: 24 of 24 captions got no tree (100%), more than --max-failures 0.05 (5%) "
+                          "allows"), err
+    assert "not in UD v2" in err and not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------------
+# spaCy's "be" + acomp on a participle
+
+SPACY = Path(__file__).parent / "data" / "schemes"
+SPACY_EXPECTED = json.loads((SPACY / "spacy_be_acomp.json").read_text())["sentences"]
+
+
+def test_spacy_be_acomp_on_a_participle_becomes_an_auxiliary():
+    """spaCy hangs "diving" / "overgrown" on "is" as acomp; UD v2 makes the participle the verb and "be" its
+    aux (VBG) or aux:pass (VBN, and VBD: a past participle tagged as past tense). A JJ acomp stays a copula."""
+    doc = CoNLL.conll2doc(input_file=str(SPACY / "spacy_be_acomp.conllu"))
+    assert [s.sent_id for s in doc.sentences] == list(SPACY_EXPECTED)
+    assert detect_scheme(doc.sentences).scheme == "clearnlp"
+    for sentence in doc.sentences:
+        want = SPACY_EXPECTED[sentence.sent_id]
+        converted, counts = to_ud2(sentence, "clearnlp")
+        assert [f"{h}:{label}" for h, label in arcs(converted)] == want["ud2"], converted.conllu()
+        assert dict(counts) == want["conversions"], sentence.sent_id
+        tree = build_tree(converted)
+        assert str(tree) == want["tree"], sentence.sent_id
+        be = next(w for w in converted.words if w.lemma == "be")
+        assert be.upos == "AUX" and tree.labels()[3] != "be"
+        acomp = next((w.xpos for w in sentence.words if w.deprel == "acomp"), "VBG")  # img08: spaCy's aux already
+        assert be.deprel == {"JJ": "cop", "VBG": "aux"}.get(acomp, "aux:pass"), sentence.sent_id
+    assert [key for key, want in SPACY_EXPECTED.items() if "4:aux" in want["ud2"] or "5:aux" in want["ud2"]] == [
+        "img00#0", "img02#0", "img04#0", "img08#0"]
+
+
+def test_participle_without_a_ptb_tag_is_read_from_upos_and_feats():
+    """A parse with UPOS only (XPOS ``_``): VERB + FEATS decide, a form in -ing without FEATS too."""
+    def one(form, lemma, upos, feats):
+        rows = [("a", "a", "DET", "2", "det"), ("man", "man", "NOUN", "3", "nsubj"), ("is", "be", "AUX", "0", "ROOT"),
+                (form, lemma, upos, "3", "acomp")]
+        text = "".join(f"{i}\t{f}\t{lem}\t{u}\t_\t{feats if i == 4 else '_'}\t{h}\t{d}\t_\t_\n"
+                       for i, (f, lem, u, h, d) in enumerate(rows, 1))
+        converted, _ = to_ud2(CoNLL.conll2doc(input_str=text + "\n").sentences[0], "clearnlp")
+        return converted.words[2].deprel, converted.words[1].deprel
+    assert one("diving", "dive", "VERB", "Aspect=Prog|Tense=Pres|VerbForm=Part") == ("aux", "nsubj")
+    assert one("injured", "injure", "VERB", "Aspect=Perf|Tense=Past|VerbForm=Part") == ("aux:pass", "nsubj:pass")
+    assert one("sleeping", "sleep", "VERB", "_") == ("aux", "nsubj")
+    assert one("tired", "tired", "ADJ", "Degree=Pos") == ("cop", "nsubj")
+
+
+def test_parse_trees_on_spacy_parses_with_participles(tmp_path):
+    records = [ManifestRecord(key.split("#")[0], f"{key.split('#')[0]}.jpg", "train", (want["text"],))
+               for key, want in SPACY_EXPECTED.items()]
+    write_manifest(tmp_path / "manifest.jsonl", records)
+    result = CliRunner().invoke(cli, ["parse-trees", "--manifest", str(tmp_path / "manifest.jsonl"), "--conllu",
+                                      str(SPACY / "spacy_be_acomp.conllu"), "--out", str(tmp_path / "t.h5"),
+                                      "--quiet"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("scheme "))
+    assert line.startswith("scheme clearnlp: detected, ClearNLP")
+    for name in ("be+acomp VBG→aux 3", "be+acomp VBN→aux:pass 2", "be+acomp VBD→aux:pass 1", "be+acomp→cop 2",
+                 "nsubj→nsubj:pass 3", "obl→obl:agent 1"):
+        assert name in line, (name, line)
+    trees = TreeSet(tmp_path / "t.h5")
+    assert trees.text[trees.keys.index("img01#0")] == "(overgrow_PREP (null seabed null) (null coral_reef null))"
+    assert [trees.labels(row)[3] for row in range(len(trees.keys))] == [
+        "dive_PREP", "overgrow_PREP", "smile_PREP", "cover_PREP", "run_PREP", "park_PREP", "null", "full_PREP",
+        "stand_PREP"]

@@ -15,7 +15,7 @@ from retr.manifests.synthetic import generate_synthetic
 from retr.parsers.backends import ConlluBackend
 from retr.store.trees import TreeSet, read_trees
 from retr.pipeline.cli import cli
-from retr.pipeline.parse_trees import run_parse_trees, shard_folder
+from retr.pipeline.parse_trees import TooManyFailures, run_parse_trees, shard_folder
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +168,66 @@ def test_stanza_without_models_is_one_error_line(synth, tmp_path, run_cli):
 def test_help_has_example(command):
     result = CliRunner().invoke(cli, [command, "--help"])
     assert result.exit_code == 0 and "Example:" in result.output and f"retr-pipeline {command}" in result.output
+
+
+def _with_unparsed_captions(synth, tmp_path, count):
+    """The synthetic manifest with the first caption of ``count`` images changed (their parses no longer match)."""
+    records = read_manifest(synth / "manifest.jsonl")
+    changed = [type(r)(r.id, r.path, r.split, (f"a caption nobody parsed {n}",) + r.captions[1:], r.extra)
+               if n < count else r for n, r in enumerate(records)]
+    manifest = tmp_path / "manifest.jsonl"
+    write_manifest(manifest, changed)
+    return manifest, [r.caption_key(0) for r in records[:count]]
+
+
+def test_too_many_failures_exit_non_zero_with_one_line(synth, tmp_path, run_cli):
+    """10 of 120 captions (8.3 %) without a tree: over the default threshold (5 %) the command exits 1 with one
+    error line and writes no trees.h5; the parse shards stay, so a re-run with a higher threshold re-encodes."""
+    manifest, failed = _with_unparsed_captions(synth, tmp_path, 10)
+    out = tmp_path / "trees.h5"
+    args = ["parse-trees", "--manifest", manifest, "--conllu", synth / "captions.conllu", "--out", out, "--quiet",
+            "--shard-size", "50"]
+    code, stdout, err = run_cli.as_user("pipeline", *args)
+    assert code == 1 and stdout == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: 10 of 120 captions got no tree (8.33%), more than --max-failures 0.05 (5%) "
+                          f"allows; {out} not written (the parses stay in trees.h5.shards/ beside it); "
+                          f"first failure {failed[0]}: "), err
+    assert "raise --max-failures" in err and "max_failures" not in err
+    assert not out.exists() and len(list(shard_folder(out).glob("shard-*.h5"))) == 3
+    with pytest.raises(TooManyFailures) as info:  # the same from Python, with the failures
+        run_parse_trees(manifest, out, ConlluBackend(synth / "captions.conllu"), shard_size=50)
+    assert sorted(k for k, _ in info.value.failures) == sorted(failed) and info.value.captions == 120
+    # under the threshold: exit 0, the summary names the failure fraction and the threshold
+    code, stdout, err = run_cli.as_user("pipeline", *args, "--max-failures", "0.1")
+    assert code == 0, err
+    assert stdout.splitlines()[0] == (f"wrote 110 trees for 120 captions to {out} (10 failures, 8.33% of the "
+                                      "captions, threshold 10%; shards parsed 0, reused 3)"), stdout
+    trees = TreeSet(out)
+    assert len(trees.keys) == 110 and trees.attrs["max_failures"] == 0.1
+    # exactly at the threshold is allowed; 0 allows no failure
+    summary = run_parse_trees(manifest, out, ConlluBackend(synth / "captions.conllu"), shard_size=50,
+                              max_failures=10 / 120)
+    assert summary.failure_fraction == 10 / 120
+    before = out.read_bytes()
+    with pytest.raises(TooManyFailures, match=r"more than max_failures 0 \(0%\)"):
+        run_parse_trees(manifest, out, ConlluBackend(synth / "captions.conllu"), shard_size=50, max_failures=0)
+    assert out.read_bytes() == before  # a refused run leaves an earlier trees.h5 as it was
+
+
+def test_under_the_default_threshold_exits_zero(synth, tmp_path, run_cli):
+    manifest, _ = _with_unparsed_captions(synth, tmp_path, 6)  # 6 of 120 = 5 %: not more than the default
+    out = tmp_path / "trees.h5"
+    code, stdout, err = run_cli.as_user("pipeline", "parse-trees", "--manifest", manifest, "--conllu",
+                                        synth / "captions.conllu", "--out", out, "--quiet")
+    assert code == 0 and err == "", err
+    assert stdout.splitlines()[0] == (f"wrote 114 trees for 120 captions to {out} (6 failures, 5% of the captions, "
+                                      "threshold 5%; shards parsed 1, reused 0)"), stdout
+    assert TreeSet(out).attrs["max_failures"] == 0.05
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "nan"])
+def test_max_failures_must_be_a_fraction(synth, tmp_path, run_cli, value):
+    code, _, err = run_cli.as_user("pipeline", "parse-trees", "--manifest", synth / "manifest.jsonl", "--conllu",
+                                   synth / "captions.conllu", "--out", tmp_path / "t.h5", "--max-failures", value)
+    assert code == 1 and err.startswith("error: --max-failures must be a fraction of the captions from 0 to 1")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "t.h5").exists()
