@@ -144,3 +144,22 @@ def test_official_tie_rule_equals_the_authors_loops_where_ties_differ():
     assert official["i2t"]["r1"] >= pessimistic["i2t"]["r1"] and official != pessimistic
     with pytest.raises(ValueError, match="ties must be one of"):
         retrieval_metrics(sims, caption_image, ties="optimistic")
+
+
+def test_the_hint_after_training_names_the_protocols_the_test_split_fits(tmp_path):
+    """Printed after `retr-train MODEL`: a 5,000-image test split is COCO (1K folds or 5K), 1,000 is Flickr30K,
+    another size says so (it was always `--protocol f30k-1k`, also for COCO runs)."""
+    from retr.manifests.schema import ManifestRecord, write_manifest
+    from retr.trainers.config import TrainConfig
+    from retr.trainers.evaluation import protocols_for
+    from retr.trainers.train_command import evaluate_hint
+
+    assert protocols_for(5000) == ["coco-1k", "coco-5k", "coco-1k-first"] and protocols_for(1000) == ["f30k-1k"]
+    for n, expected in ((1000, ["--protocol f30k-1k"]), (5000, ["--protocol coco-1k", "--protocol coco-5k"]),
+                        (7, ["--allow-size-mismatch", "7 images"])):
+        manifest = tmp_path / f"m{n}.jsonl"
+        write_manifest(manifest, [ManifestRecord(f"i{k}", f"{k}.jpg", "test", ("a cat",)) for k in range(n)]
+                       + [ManifestRecord("t0", "t.jpg", "train", ("a dog",))])
+        hint = evaluate_hint(TrainConfig(manifest=str(manifest), out="runs/x"))
+        assert all(part in hint for part in expected), hint
+        assert n != 5000 or "f30k-1k" not in hint

@@ -67,7 +67,7 @@ def test_recipes_command_lists_every_recipe(run_cli):
     out = run_cli("train", "recipes").output
     for name in RECIPES:
         assert name in out
-    listed = json.loads(run_cli("train", "recipes", "--json").output)
+    listed = json.loads(run_cli("train", "recipes", "--json").output)["recipes"]
     assert {r["name"] for r in listed} == set(RECIPES)
     ensemble = next(r for r in listed if r["name"] == "scan-f30k-ensemble")
     assert ensemble["published"]["rsum"] == 465.0 and len(ensemble["members"]) == 2
@@ -308,3 +308,49 @@ def test_the_first_line_says_yes_only_without_reasons():
     assert reproduction_line({"reproduction": True, "reasons": []}) == "reproduction: yes"
     assert reproduction_line({"reproduction": False, "reasons": ["no --labels: fallback labels"]}) == \
         "reproduction: no (1 reason): no --labels: fallback labels"
+
+
+@pytest.mark.slow
+def test_vocab_split_builds_the_vocabulary_from_train_and_dev_as_scan(tmp_path, run_cli):
+    """SCAN's vocab.py counts the train and dev captions; --vocab-split (the recipes' setting) does the same, the
+    default keeps the training splits only."""
+    from retr.manifests.schema import read_manifest, write_manifest
+    from trainer_synthetic import make_synthetic
+
+    from retr.trainers.recipes import RECIPES
+
+    assert RECIPES["scan-f30k-t2i-avg"].members[0].settings["vocab_splits"] == ("train", "restval", "val")
+    manifest, features = make_synthetic(tmp_path / "s", images=40, seed=0)
+    records = read_manifest(manifest)
+    records = [r if r.split != "val" else type(r)(r.id, r.path, r.split, tuple(c + " zebu" for c in r.captions),
+                                                  r.extra) for r in records]
+    write_manifest(manifest, records)
+    common = ["--features", features, "--manifest", manifest, "--epochs", "1", "--batch-size", "16",
+              "--embed-size", "8", "--word-dim", "8", "--val-images", "0", "--device", "cpu", "--quiet"]
+    run_cli("train", "vsepp", *common, "--out", tmp_path / "default")
+    run_cli("train", "vsepp", *common, "--out", tmp_path / "dev", "--vocab-split", "train,restval,val")
+    words = {name: json.loads((tmp_path / name / "vocab.json").read_text())["word2idx"] for name in ("default", "dev")}
+    assert "zebu" not in words["default"] and "zebu" in words["dev"]
+
+
+def test_rows_without_a_recipe_are_listed_with_their_reason_and_unmet_needs_are_reasons(run_cli):
+    from retr.trainers.recipes import NOT_EXPRESSED
+
+    listed = json.loads(run_cli("train", "recipes", "--json").output)
+    assert len(listed["not_expressed"]) == len(NOT_EXPRESSED) >= 5
+    assert all(row["source"] and row["reason"] for row in listed["not_expressed"])
+    ablation = next(r for r in listed["recipes"] if r["name"] == "sman-l3-table5-f30k")
+    assert ablation["unmet"] and "GloVe" in ablation["unmet"][0]
+    assert not next(r for r in listed["recipes"] if r["name"] == "sman-f30k")["unmet"]
+    assert ablation["inputs"] == {} and ablation["features"]["extractor"] == "resnet152-grid"
+    smfea = next(r for r in listed["recipes"] if r["name"] == "smfea-f30k")
+    assert set(smfea["inputs"]) == {"trees", "concepts", "concept_vectors"}
+
+
+def test_identified_table_rows_have_the_settings_the_text_names():
+    """SCAN Table 4's rows by the numbers §4.4 quotes; JGCAR's d sweeps; SMAN's Tables IV-V."""
+    assert RECIPES["scan-f30k-i2t-avg-uni-gru"].members[0].settings["bi_gru"] is False
+    assert RECIPES["scan-f30k-i2t-avg-sum-violation"].published.i2t[0] == 45.8
+    assert abs((67.9 / 45.8 - 1) - 0.482) < 1e-3        # "improving the model by 48.2%" (sentence R@1)
+    assert RECIPES["jgcar-v2-d16-coco"].members[0].settings == {"lambda4": 0.0, "embed_size": 16}
+    assert RECIPES["sman-l1-m0.15-table5-f30k"].members[0].settings["intra_pair_margin"] == 0.15

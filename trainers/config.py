@@ -99,6 +99,9 @@ class TrainConfig:
     val_split: str = setting("val", "Validation split.")
     val_images: int = setting(1000, "Validate on the first N validation images (0 = all).")
     vocab: str | None = setting(None, "Use this vocabulary (SCAN's {name}_vocab.json) instead of building one.")
+    vocab_splits: tuple[str, ...] = setting((), "Build the vocabulary from these splits' captions (default: the "
+                                                "training splits; SCAN's and VSE++'s vocab.py read train + dev: "
+                                                "--vocab-split train,restval,val).", flag="--vocab-split")
     vocab_threshold: int = setting(DEFAULT_THRESHOLD, "Keep words seen at least N times in training.")
     log_every: int = setting(10, "Steps between metrics lines.", resume_applies=True)
     log: tuple[str, ...] = setting((), "Also log to: tensorboard (RUN/tensorboard/; repeatable).",
@@ -108,6 +111,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # --train-split repeated or comma-separated (as every command's split option)
         self.train_splits = tuple(p.strip() for s in self.train_splits for p in str(s).split(",") if p.strip())
+        self.vocab_splits = tuple(p.strip() for s in self.vocab_splits for p in str(s).split(",") if p.strip())
         self.preload = preload_choice(self.preload)
 
 

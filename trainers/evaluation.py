@@ -33,6 +33,11 @@ PROTOCOLS = ("f30k-1k", "coco-1k", "coco-5k", "coco-1k-first")
 #: the number of images each protocol's split must have (the Karpathy test splits)
 EXPECTED_IMAGES = {"f30k-1k": 1000, "coco-1k": 5000, "coco-5k": 5000, "coco-1k-first": 5000}
 COCO_FOLDS = 5
+
+
+def protocols_for(num_images: int) -> list[str]:
+    """The protocols a test split of ``num_images`` images is evaluated with (none: its size is no protocol's)."""
+    return [p for p in PROTOCOLS if EXPECTED_IMAGES[p] == num_images]
 METRIC_KEYS = ("r1", "r5", "r10", "medr", "meanr")
 
 

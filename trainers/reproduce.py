@@ -24,8 +24,8 @@ from retr.common.cli import quiet_option
 from retr.common.errors import UserError
 from retr.trainers import checkpoint as ckpt
 from retr.trainers.config import RESUME_APPLIES, TrainConfig, setting_fields
-from retr.trainers.recipes import (FeatureProvenance, Member, Published, Recipe, accepts, get_recipe, list_recipes,
-                                   said)
+from retr.trainers.recipes import (NOT_EXPRESSED, FeatureProvenance, Member, Published, Recipe, accepts, get_recipe,
+                                   list_recipes, said)
 
 SIDES = ("i2t", "t2i")
 KEYS = ("r1", "r5", "r10")
@@ -303,7 +303,7 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
                         f"({', '.join(m.run for m in recipe.members)})")
     features = _check_data(data)
     manifest_digest = manifest_sha256(data["manifest"])
-    reasons = override_reasons(recipe, overrides)
+    reasons = [*recipe.unmet, *override_reasons(recipe, overrides)]
     reasons += feature_reasons(recipe.features, features, manifest_digest)
     reasons += input_reasons(recipe, data, manifest_digest)
     out.mkdir(parents=True, exist_ok=True)
@@ -513,12 +513,14 @@ def recipes_command(as_json, markdown) -> None:
         click.echo(markdown_table())
         return
     if as_json:
-        click.echo(json.dumps([{"name": r.name, "title": r.title, "protocol": r.protocol,
+        click.echo(json.dumps({"recipes": [{"name": r.name, "title": r.title, "protocol": r.protocol,
                                 "features": provenance_json(r)["features"],
                                 "inputs": provenance_json(r)["inputs"],
                                 "members": [{"run": m.run, "model": m.model, "preset": m.preset,
                                              "settings": dict(m.settings)} for m in r.members],
-                                "published": _published(r.published)} for r in recipes], indent=2))
+                                "published": _published(r.published), "notes": r.notes,
+                                "unmet": list(r.unmet)} for r in recipes],
+                               "not_expressed": [dataclasses.asdict(n) for n in NOT_EXPRESSED]}, indent=2))
         return
     rows = [[r.name, r.protocol, _fmt(r.published.i2t[0]), _fmt(r.published.t2i[0]), _fmt(r.published.rsum),
              r.features.extractor, r.published.source] for r in recipes]

@@ -115,6 +115,19 @@ def _flagged(message: str, flags: dict[str, str]) -> str:
     return message
 
 
+def evaluate_hint(cfg: TrainConfig) -> str:
+    """The ``retr-train eval`` command for a finished run, with the protocol(s) its test split's size fits."""
+    from retr.manifests.schema import read_manifest
+    from retr.trainers.evaluation import PROTOCOLS, protocols_for
+
+    num_images = len(read_manifest(cfg.manifest, splits=["test"]))
+    fitting = protocols_for(num_images)
+    if fitting:
+        return " or ".join(f"retr-train eval {cfg.out} --protocol {p}" for p in fitting if p != "coco-1k-first")
+    return (f"retr-train eval {cfg.out} --protocol {'|'.join(PROTOCOLS)} --allow-size-mismatch (the test split has "
+            f"{num_images} images, no protocol's size)")
+
+
 def gather_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> tuple[TrainConfig, dict]:
     """Merge defaults, preset, settings file and explicit options into a :class:`TrainConfig` (whose
     ``model_args`` is the model's full config) and the side files ``{input name: path}``."""
@@ -294,7 +307,7 @@ def training_command(spec: ModelSpec) -> click.Command:
         train(cfg, resume=values["resume"], quiet=values["quiet"], log=log, trust_checkpoint=values["trust_checkpoint"])
         if spec.after_training is not None:
             spec.after_training(cfg.out, cfg, log)
-        click.echo(f"run written to {cfg.out} (evaluate: retr-train eval {cfg.out} --protocol f30k-1k)")
+        click.echo(f"run written to {cfg.out} (evaluate: {evaluate_hint(cfg)})")
 
     return click.Command(spec.name, params=params, callback=callback, help=_help(spec),
                          short_help=spec.summary.split(". ")[0].rstrip("."))
