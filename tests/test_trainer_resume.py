@@ -39,3 +39,21 @@ def test_resume_gives_the_same_losses(tmp_path):
     assert [line.get("loss") for line in a] == [line.get("loss") for line in b]
     assert [line.get("val") for line in a] == [line.get("val") for line in b]
     assert sum("loss" in line for line in a) > 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("left", [[], ["run.lock"], None])
+def test_resume_of_a_run_killed_before_its_settings_starts_it(tmp_path, left):
+    """Requeue scripts always pass --resume: a run killed before config.json (nothing there, only run.lock, or
+    no folder at all) starts with a note and trains as a fresh run does."""
+    manifest, features = make_synthetic(tmp_path, images=40)
+    out = tmp_path / "run"
+    if left is not None:
+        out.mkdir()
+        for name in left:
+            (out / name).write_text("")
+    result = CliRunner().invoke(cli, ["scan", "--features", str(features), "--manifest", str(manifest), "--out",
+                                      str(out), "--epochs", "1", *ARGS, "--resume"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "nothing to resume" in result.stderr and "starting the run" in result.stderr
+    assert (out / "best.pt").is_file() and json.loads((out / "config.json").read_text())["epochs"] == 1

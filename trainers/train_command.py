@@ -25,6 +25,7 @@ from click.core import ParameterSource
 
 from retr.common.cli import quiet_option
 from retr.common.errors import UserError
+from retr.trainers.checkpoint import CONFIG
 from retr.trainers.config import (RESUME_APPLIES, TrainConfig, choices_of, field_types, read_settings_file,
                                    setting_fields)
 from retr.trainers.models.registry import DATA_SIZES, ModelSpec
@@ -291,6 +292,11 @@ def training_command(spec: ModelSpec) -> click.Command:
         explicit = {name for name in values if ctx.get_parameter_source(name) in _EXPLICIT}
         for settings_class in (TrainConfig, spec.config_class):
             apply_aliases(settings_class, values, explicit)
+        if values["resume"] and values.get("out") and not (Path(values["out"]) / CONFIG).is_file():
+            # a requeued job always passes --resume: a run killed before it wrote config.json starts now
+            click.echo(f"note: nothing to resume in {values['out']} (it stopped before its settings were written); "
+                       "starting the run", err=True)
+            values["resume"] = False
         if values["resume"]:
             cfg = resume_settings(spec, values, explicit)
         else:
