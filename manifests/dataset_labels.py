@@ -21,12 +21,24 @@ segmentation polygons (most of the 450 MB training file) are dropped object by o
 being held for the whole file.
 
 **Flickr30K Entities** (:func:`f30k_entity_labels`): ``Sentences/<image id>.txt``, five captions per image, each
-phrase written ``[/EN#<chain id>/<type>[/<type>…] words …]``. An image's labels are the union of the types of
-its phrases over its five sentences, sorted. ``notvisual`` is not a label: the dataset marks with it phrases that
-name nothing visible (their chain id is the null id 0 and they have no box), so it says nothing about what the
-image shows, and as a label it would make unrelated images "share a label". With ``annotations`` (the
-``Annotations/<image id>.xml`` folder) only chains with at least one bounding box count — the paper's "labels
-from the bounding box annotation" taken literally (scene chains, which have no box, then drop out).
+phrase written ``[/EN#<chain id>/<type>[/<type>…] words …]``. Two readings of the paper's "object labels from the
+bounding box annotation" (``reading``, the command's ``--f30k-labels``):
+
+* ``heads`` (default): an image's labels are the head nouns of its phrases over its five sentences, lower case
+  and singular (:func:`phrase_head`: ``[/EN#18/people A man]`` → man, "a group of young men" → man, "a man 's
+  arm" → arm). They name the annotated objects (man, shirt, dog, street), so two pictures share one when they
+  show the same kind of thing.
+* ``types``: the union of the phrases' coarse entity types (people, clothing, bodyparts, animals, vehicles,
+  instruments, scene, other). Nearly every picture has people, a scene and some other object, so almost every
+  pair of images shares a type and JGCAR's intra-modal losses, whose negatives share *no* label with the
+  anchor, see almost none (``bench/f30k_labels.py``: about 2.5 % of the pairs of a batch, against about 61 %
+  for ``heads``; ``docs/models-jgcar.md``).
+
+``notvisual`` phrases give no label in either reading: the dataset marks with it phrases that name nothing
+visible (their chain id is the null id 0 and they have no box), so they say nothing about what the image shows,
+and as labels they would make unrelated images "share a label". With ``annotations`` (the
+``Annotations/<image id>.xml`` folder) only phrases of chains with at least one bounding box count — the paper's
+"labels from the bounding box annotation" taken literally (scene chains, which have no box, then drop out).
 
 The join: the manifest path's file stem (``1000092795.jpg`` → ``1000092795``) names the sentence file; ids of
 Flickr manifests are ``f30k_<stem>`` of the same name. Only the manifest's files are opened.
@@ -39,7 +51,7 @@ import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from retr.common.errors import MissingResourceError, UserError
 from retr.manifests.schema import ManifestRecord
@@ -57,7 +69,7 @@ F30K_NOT_LABELS = ("notvisual",)
 _COCO_KEEP = frozenset({"images", "annotations", "categories", "id", "file_name", "image_id", "category_id",
                         "name"})
 _COCO_ID = re.compile(r"coco_(\d+)")
-_PHRASE = re.compile(r"\[/EN#(\d+)((?:/[A-Za-z]+)+) [^\[\]]*\]")
+_PHRASE = re.compile(r"\[/EN#(\d+)((?:/[A-Za-z]+)+) ([^\[\]]*)\]")
 
 
 @dataclass
@@ -170,26 +182,177 @@ def coco_instance_labels(records: Iterable[ManifestRecord], instances: CocoInsta
 
 # ------------------------------------------------------------------------------------ Flickr30K Entities
 
-def parse_entity_sentence(line: str, where: str = "") -> list[tuple[int, tuple[str, ...]]]:
-    """``(chain id, types)`` of every phrase of one Flickr30K Entities sentence, in order.
+class EntityPhrase(NamedTuple):
+    """One ``[/EN#<chain>/<type>… words]`` phrase of a Flickr30K Entities sentence."""
 
-    ``[/EN#18/people A man] with [/EN#19/clothing pierced ears] .`` → ``[(18, ("people",)), (19, ("clothing",))]``;
-    ``[/EN#123/people/bodyparts …]`` carries two types. Raises :class:`UserError` (prefixed ``where``) for a
+    chain: int                      #: coreference chain id (0: the null chain of ``notvisual`` phrases)
+    types: tuple[str, ...]          #: its entity types (``/people/bodyparts`` → two)
+    words: str                      #: the phrase's words as written (tokenised: ``a man 's arm``)
+
+
+def entity_phrases(line: str, where: str = "") -> list[EntityPhrase]:
+    """Every phrase of one Flickr30K Entities sentence, in order.
+
+    ``[/EN#18/people A man] with [/EN#19/clothing pierced ears] .`` → ``[EntityPhrase(18, ("people",), "A man"),
+    EntityPhrase(19, ("clothing",), "pierced ears")]``. Raises :class:`UserError` (prefixed ``where``) for a
     ``[/EN#`` that does not open a whole phrase, or an unknown type.
     """
-    phrases = [(int(m.group(1)), tuple(m.group(2)[1:].split("/"))) for m in _PHRASE.finditer(line)]
+    phrases = [EntityPhrase(int(m.group(1)), tuple(m.group(2)[1:].split("/")), m.group(3))
+               for m in _PHRASE.finditer(line)]
     if len(phrases) != line.count("[/EN#"):
         raise UserError(f"{where}: not a Flickr30K Entities sentence (expected phrases like "
                         f"'[/EN#18/people A man]'): {line.strip()[:80]!r}")
-    for _, types in phrases:
-        unknown = [t for t in types if t not in F30K_TYPES]
+    for phrase in phrases:
+        unknown = [t for t in phrase.types if t not in F30K_TYPES]
         if unknown:
             raise UserError(f"{where}: unknown entity type {unknown[0]!r} (Flickr30K Entities has "
                             f"{', '.join(F30K_TYPES)})")
     return phrases
 
 
-def _boxed_chains(path: Path) -> set[int]:
+def parse_entity_sentence(line: str, where: str = "") -> list[tuple[int, tuple[str, ...]]]:
+    """``(chain id, types)`` of every phrase of one Flickr30K Entities sentence, in order (see
+    :func:`entity_phrases`, which also gives the words).
+
+    ``[/EN#18/people A man] with [/EN#19/clothing pierced ears] .`` → ``[(18, ("people",)), (19, ("clothing",))]``;
+    ``[/EN#123/people/bodyparts …]`` carries two types.
+    """
+    return [(p.chain, p.types) for p in entity_phrases(line, where)]
+
+
+# Head nouns ------------------------------------------------------------------------------------------------
+
+#: Words that end a phrase's first noun group: its head is the last word before one of them. Commas and ``and``
+#: do not: inside Entities' (mostly base noun) phrases they join adjectives or nouns of one group ("a tall ,
+#: thin man", "a black and white dog").
+_HEAD_STOP = frozenset("""
+of with in on at from for to but while who whom whose that which where wearing holding near by under behind
+beside next into onto over through like as than about around across along against inside outside between during
+without above below beneath toward towards upon among ; : ( ) --
+""".split())
+#: Nouns that name a quantity, collection or part of what follows ``of``: the head is then taken after ``of``
+#: ("a group of young men" → men, "a piece of equipment" → equipment, "the side of the road" → road).
+_HEAD_TRANSPARENT = frozenset("""
+group groups couple pair pairs bunch number numbers lot lots crowd crowds team teams herd flock pack set sets pile
+piles stack stacks row rows line lines kind kinds sort sorts type types piece pieces part parts variety handful
+dozen dozens hundreds thousands collection array troop gang swarm school cluster mass sea member members rest
+majority few several many some all both each most one two three four five six seven eight nine ten front side
+sides top edge edges middle bottom end corner half
+""".split())
+#: Heads that are no label: pronouns, quantifiers, numerals, adverbs written as phrases.
+_HEAD_NOT_LABELS = frozenset("""
+he she it they them him her his hers its their theirs we us our you your i me my one ones someone somebody
+something anyone anybody anything everyone everybody everything another other others each both all either this
+that these those there here up down who what which some many several few lot lots none itself himself herself
+themselves yourself two three four five six seven eight nine ten eleven twelve dozen hundred thousand
+""".split())
+
+#: Irregular plurals (and ``-ves``/``-oes``/``-ches`` plurals the rules below would get wrong).
+_IRREGULAR_PLURALS = {
+    "men": "man", "women": "woman", "children": "child", "feet": "foot", "teeth": "tooth", "geese": "goose",
+    "mice": "mouse", "lice": "louse", "oxen": "ox", "cacti": "cactus", "fungi": "fungus", "persons": "person",
+    "leaves": "leaf", "knives": "knife", "wives": "wife", "lives": "life", "wolves": "wolf", "shelves": "shelf",
+    "halves": "half", "calves": "calf", "scarves": "scarf", "loaves": "loaf", "thieves": "thief", "elves": "elf",
+    "hooves": "hoof", "buses": "bus", "gases": "gas", "potatoes": "potato", "tomatoes": "tomato",
+    "heroes": "hero", "mosquitoes": "mosquito", "volcanoes": "volcano", "dominoes": "domino", "echoes": "echo",
+    "tornadoes": "tornado", "mustaches": "mustache", "moustaches": "moustache", "niches": "niche",
+    "headaches": "headache", "avalanches": "avalanche", "quiches": "quiche", "cliches": "cliche",
+    "axes": "axe", "dice": "die",
+}
+#: Nouns whose ``-s`` is no plural (or whose plural is the usual name: jeans, glasses, stairs).
+_INVARIANT_NOUNS = frozenset("""
+people police cattle sheep fish deer series species news glasses sunglasses eyeglasses goggles jeans pants shorts
+trousers tights leggings overalls pajamas pyjamas clothes scissors binoculars headphones earphones stairs trunks
+briefs bus gas dress grass glass chess tennis canvas lens physics athletics gymnastics acrobatics aerobics
+mathematics electronics graphics politics economics outdoors indoors texas christmas kansas paris
+""".split())
+#: ``-ies`` plurals of ``-ie`` nouns (the rule makes ``-ies`` → ``-y``).
+_IE_NOUNS = frozenset("""
+movies cookies hoodies brownies zombies goalies selfies rookies beanies hippies bowties neckties veggies smoothies
+pixies prairies calories aussies genies collies boogies
+""".split())
+_MAN_NOT_PLURAL = frozenset({"abdomen", "specimen", "stamen", "semen", "ramen", "omen"})
+
+
+def singular(word: str) -> str:
+    """The singular of a lower-case English noun, by rule (no dictionary): irregular plurals and invariant nouns
+    are listed; otherwise ``-men`` → ``-man``, ``-ies`` → ``-y``, ``-sses/-shes/-ches/-xes/-zzes`` lose ``es``,
+    and a final ``s`` goes unless the word ends in ``ss``, ``us``, ``is`` or ``ics``."""
+    if word in _INVARIANT_NOUNS:
+        return word
+    if word in _IRREGULAR_PLURALS:
+        return _IRREGULAR_PLURALS[word]
+    if word.endswith("men") and len(word) > 4 and word not in _MAN_NOT_PLURAL:
+        return word[:-3] + "man"                        # firemen, policemen, fishermen
+    if word.endswith("ies") and len(word) > 4:
+        return word[:-1] if word in _IE_NOUNS else word[:-3] + "y"
+    if word.endswith(("sses", "shes", "ches", "xes", "zzes")):
+        return word[:-2]
+    if word.endswith("s") and len(word) > 3 and not word.endswith(("ss", "us", "is", "ics", "'s")):
+        return word[:-1]
+    return word
+
+
+def phrase_head(words: str, lemma: bool = True) -> str | None:
+    """The head noun of a Flickr30K Entities phrase, lower case (singular with ``lemma``), or None when the
+    phrase names nothing (a pronoun, a bare numeral, punctuation).
+
+    The head is the last word of the phrase's first noun group — the words before the first preposition,
+    conjunction, relative pronoun or participle that attaches more (``of``, ``with``, ``in``, ``wearing``, …;
+    :data:`_HEAD_STOP`) — except that after a quantity, collection or part noun the group after ``of`` is read
+    instead (:data:`_HEAD_TRANSPARENT`): "A group of young men" → man, "a man 's arm" → arm, "The players of the
+    baseball team" → player, "a piece of equipment" → equipment, "several people" → people.
+    """
+    tokens = [t for t in words.lower().split() if t]
+    start = 0
+    while True:
+        end = start
+        while end < len(tokens) and (end == start or tokens[end] not in _HEAD_STOP):
+            end += 1
+        group = [t for t in tokens[start:end] if any(c.isalpha() for c in t) and t != "'s"]
+        if (end < len(tokens) - 1 and tokens[end] == "of" and
+                (not group or group[-1] in _HEAD_TRANSPARENT)):
+            start = end + 1                             # "a group of X", "the side of X": read X
+            continue
+        break
+    if not group:
+        return None
+    head = group[-1].strip("'\".,;:!?")
+    if not head or head in _HEAD_NOT_LABELS or not any(c.isalpha() for c in head):
+        return None
+    return singular(head) if lemma else head
+
+
+#: The label readings of ``retr-pipeline labels f30k-entities --f30k-labels`` (the first is the default).
+F30K_READINGS = ("heads", "types")
+F30K_READING_DESCRIPTIONS = {
+    "heads": "head nouns of the entity phrases (lower case, singular), notvisual phrases left out",
+    "types": "Flickr30K Entities' coarse entity types (people, clothing, bodyparts, animals, vehicles, "
+             "instruments, scene, other), notvisual left out",
+}
+
+
+def entity_labels(phrases: Iterable[EntityPhrase], reading: str = "heads") -> list[str]:
+    """The sorted labels of one image's phrases under ``reading`` (:data:`F30K_READINGS`); ``notvisual``
+    phrases never give one."""
+    if reading not in F30K_READINGS:
+        raise ValueError(f"reading must be one of {', '.join(F30K_READINGS)}, not {reading!r}")
+    visible = [p for p in phrases if not any(t in F30K_NOT_LABELS for t in p.types)]
+    if reading == "types":
+        return sorted({t for p in visible for t in p.types})
+    return sorted({h for p in visible if (h := phrase_head(p.words)) is not None})
+
+
+def read_entity_sentences(path: Path) -> list[EntityPhrase]:
+    """Every phrase of one ``Sentences/<image id>.txt`` (five sentences), in order."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a UTF-8 text file") from None
+    return [p for n, line in enumerate(lines, 1) if line.strip() for p in entity_phrases(line, f"{path}:{n}")]
+
+
+def boxed_chains(path: Path) -> set[int]:
     """Chain ids with at least one bounding box in one ``Annotations/<image id>.xml``."""
     try:
         root = ET.parse(path).getroot()
@@ -208,19 +371,23 @@ def _boxed_chains(path: Path) -> set[int]:
 
 
 def f30k_entity_labels(records: Iterable[ManifestRecord], sentences: str | os.PathLike,
-                       annotations: str | os.PathLike | None = None) -> LabelJoin:
-    """Each record's entity types (union over its sentences, ``notvisual`` left out), joined by file stem.
+                       annotations: str | os.PathLike | None = None, reading: str = "heads") -> LabelJoin:
+    """Each record's labels (``reading``: head nouns or entity types of its phrases, union over its sentences,
+    ``notvisual`` left out), joined by file stem.
 
-    ``annotations``: the ``Annotations`` folder; when given, only chains with a bounding box count.
+    ``annotations``: the ``Annotations`` folder; when given, only phrases of chains with a bounding box count.
     """
+    if reading not in F30K_READINGS:
+        raise UserError(f"unknown Flickr30K label reading {reading!r} (one of {', '.join(F30K_READINGS)})")
     sentences = Path(sentences)
     if not sentences.is_dir():
         raise MissingResourceError("Flickr30K Entities Sentences folder", str(sentences), F30K_ENTITIES_HOW)
     if annotations is not None and not Path(annotations).is_dir():
         raise MissingResourceError("Flickr30K Entities Annotations folder", str(annotations), F30K_ENTITIES_HOW)
-    result = LabelJoin(vocabulary=[t for t in F30K_TYPES if t not in F30K_NOT_LABELS],
+    what = "head nouns" if reading == "heads" else "types"
+    result = LabelJoin(vocabulary=[t for t in F30K_TYPES if t not in F30K_NOT_LABELS] if reading == "types" else [],
                        join="manifest path's file stem = Sentences/<stem>.txt"
-                            + (" (types of chains with a box in Annotations/<stem>.xml)" if annotations else ""))
+                            + (f" ({what} of chains with a box in Annotations/<stem>.xml)" if annotations else ""))
     any_phrase = False
     for record in records:
         stem = PurePosixPath(record.path).stem
@@ -228,22 +395,19 @@ def f30k_entity_labels(records: Iterable[ManifestRecord], sentences: str | os.Pa
         if not path.is_file():
             result.unmatched.append(record)
             continue
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError:
-            raise UserError(f"{path}: not a UTF-8 text file") from None
-        phrases = [p for n, line in enumerate(lines, 1) if line.strip()
-                   for p in parse_entity_sentence(line, f"{path}:{n}")]
+        phrases = read_entity_sentences(path)
         any_phrase = any_phrase or bool(phrases)
         if annotations is not None:
             xml = Path(annotations) / f"{stem}.xml"
             if not xml.is_file():
                 raise UserError(f"{xml} does not exist, but {path} does (is {annotations} the Annotations folder "
                                 f"of the same release?)")
-            boxed = _boxed_chains(xml)
-            phrases = [p for p in phrases if p[0] in boxed]
-        result.labels[record.id] = sorted({t for _, types in phrases for t in types if t not in F30K_NOT_LABELS})
+            boxed = boxed_chains(xml)
+            phrases = [p for p in phrases if p.chain in boxed]
+        result.labels[record.id] = entity_labels(phrases, reading)
     if result.labels and not any_phrase:
         raise UserError(f"no [/EN#…] phrase in any of the {len(result.labels)} sentence files read from {sentences}; "
                         f"is it the Sentences folder of Flickr30K Entities?")
+    if reading == "heads":
+        result.vocabulary = sorted({x for v in result.labels.values() for x in v})
     return result

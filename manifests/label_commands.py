@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from retr.common.errors import UserError
-from retr.manifests.dataset_labels import (F30K_NOT_LABELS, LabelJoin, coco_instance_labels, f30k_entity_labels,
-                                           read_coco_instances)
+from retr.manifests.dataset_labels import (F30K_NOT_LABELS, F30K_READING_DESCRIPTIONS, F30K_READINGS, LabelJoin,
+                                           coco_instance_labels, f30k_entity_labels, read_coco_instances)
 from retr.manifests.schema import manifest_sha256, read_manifest
 from retr.store.labels import write_label_file
 
@@ -27,6 +27,7 @@ def labels_group() -> None:
       retr-pipeline labels coco --instances instances_train2014.json instances_val2014.json \\
           --manifest data/coco/manifest.jsonl --out data/coco/instance_labels.json
       retr-pipeline labels f30k-entities --sentences Flickr30kEntities/Sentences \\
+          --annotations Flickr30kEntities/Annotations \\
           --manifest data/f30k/manifest.jsonl --out data/f30k/entity_labels.json
     """
 
@@ -82,25 +83,40 @@ def coco_command(instances: tuple[Path, ...], more_instances: tuple[Path, ...], 
 @click.option("--sentences", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Flickr30K Entities' Sentences folder (one <image id>.txt per image).")
 @click.option("--annotations", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Flickr30K Entities' Annotations folder: count only entities that have a bounding box.")
+              help="Flickr30K Entities' Annotations folder: count only entities that have a bounding box "
+                   "(recommended: the paper's labels come 'from the bounding box annotation').")
+@click.option("--f30k-labels", "reading", type=click.Choice(F30K_READINGS), default=F30K_READINGS[0],
+              show_default=True,
+              help="heads: the head noun of each entity phrase ('[/EN#18/people A man]' → man; lower case, "
+                   "singular); types: the 8 coarse entity types (people, clothing, …), which nearly every image "
+                   "shares, so JGCAR's intra-modal losses see almost no negatives.")
 @_manifest_option
 @_out_option
-def f30k_entities_command(sentences: Path, annotations: Path | None, manifest: Path, out: Path) -> None:
-    """Each manifest image's Flickr30K Entities types: the union over its five sentences ('notvisual' left out).
+def f30k_entities_command(sentences: Path, annotations: Path | None, reading: str, manifest: Path,
+                          out: Path) -> None:
+    """Each manifest image's Flickr30K Entities labels: the head nouns (default) or the entity types of the
+    phrases of its five sentences ('notvisual' phrases left out).
 
-    Images are joined by file stem: 1000092795.jpg reads Sentences/1000092795.txt.
+    Images are joined by file stem: 1000092795.jpg reads Sentences/1000092795.txt (and Annotations/1000092795.xml
+    with --annotations). The reading is recorded in the file's attributes (f30k_labels, label_reading).
 
     \b
     Example:
       retr-pipeline labels f30k-entities --sentences Flickr30kEntities/Sentences \\
+          --annotations Flickr30kEntities/Annotations \\
           --manifest data/f30k/manifest.jsonl --out data/f30k/entity_labels.json
     """
     records = read_manifest(manifest)
-    result = f30k_entity_labels(records, sentences, annotations)
+    result = f30k_entity_labels(records, sentences, annotations, reading)
     first = Path(records[0].path).stem if records else "-"
     _write(out, manifest, len(records), result,
            {"source": "f30k-entities", "inputs": [sentences.name] + ([annotations.name] if annotations else []),
-            "excluded_types": list(F30K_NOT_LABELS)},
+            "f30k_labels": reading, "label_reading": F30K_READING_DESCRIPTIONS[reading],
+            "boxed_only": annotations is not None, "excluded_types": list(F30K_NOT_LABELS)},
            f"none of the {len(records)} images of {manifest} has a sentence file in {sentences} (looked for "
            f"<file stem>.txt, e.g. {sentences / (first + '.txt')}); is it the Flickr30K Entities Sentences folder?",
            f"{sentences} lacks some of the manifest's images (is it the whole Sentences folder?)")
+    other = next(r for r in F30K_READINGS if r != reading)
+    click.echo(f"labels: {F30K_READING_DESCRIPTIONS[reading]}"
+               + ("" if annotations else "; all entities (--annotations: only those with a bounding box)")
+               + f"; --f30k-labels {other} for the other reading")

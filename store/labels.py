@@ -1,4 +1,4 @@
-"""Image-label files: a few labels per image (COCO's instance categories, Flickr30K Entities' types).
+"""Image-label files: a few labels per image (COCO's instance categories, Flickr30K Entities' head nouns or types).
 
 JGCAR's ``--labels`` reads one to decide which training images are intra-modal positives of each other
 (``docs/models-jgcar.md``); ``retr-pipeline labels coco`` / ``labels f30k-entities`` write them. Two forms::
@@ -63,7 +63,7 @@ def _entries(path: Path) -> tuple[list[tuple[Any, Any]], dict]:
 
 def read_label_file(path: str | os.PathLike) -> dict[str, list[str]]:
     """Image labels from JSON ``{"<image id>": ["label", …], …}`` or, for a ``.jsonl`` file, JSON Lines
-    ``{"id": …, "labels": […]}`` (e.g. COCO's instance categories or Flickr30K's entity types per image).
+    ``{"id": …, "labels": […]}`` (e.g. COCO's instance categories or Flickr30K Entities' head nouns per image).
 
     The attributes entry (:data:`ATTRS_KEY`), if any, is not an image and is left out.
     """

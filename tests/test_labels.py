@@ -1,15 +1,20 @@
-"""Image-label files: the store's writer/reader pair, the COCO instances and Flickr30K Entities readers, and
-``retr-pipeline labels coco|f30k-entities`` end to end on small annotation files written here."""
+"""Image-label files: the store's writer/reader pair, the COCO instances and Flickr30K Entities readers (both label
+readings: head nouns, entity types), and ``retr-pipeline labels coco|f30k-entities`` end to end on small annotation
+files written here (by hand, and Entities-format files from :mod:`retr.manifests.f30k_entities_synth`)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from retr.common.atomic import atomic_text, partial_path
 from retr.common.errors import ParameterError, UserError
-from retr.manifests.dataset_labels import parse_entity_sentence
+from retr.manifests.dataset_labels import (EntityPhrase, entity_labels, entity_phrases, f30k_entity_labels,
+                                           parse_entity_sentence, phrase_head, singular)
+from retr.manifests.f30k_entities_synth import write_entities_files
 from retr.manifests.schema import ManifestRecord, manifest_sha256, write_manifest
 from retr.store.labels import ATTRS_KEY, read_label_attrs, read_label_file, write_label_file
 
@@ -231,18 +236,46 @@ def test_entity_sentence_parsing():
         parse_entity_sentence("[/EN#1/robots A robot] .", "f:1")
 
 
+HEADS = {"f30k_10002456": ["equipment", "hat", "machine", "man", "rig", "structure", "system", "worker"],
+         "f30k_1000092795": ["bush", "friend", "garden", "guy", "hair", "hand", "male", "man", "shirt", "yard"]}
+
+
 def test_f30k_entity_labels_end_to_end(run_cli, f30k, tmp_path):
+    """The default reading: the head nouns of the phrases (lower case, singular), union over five sentences."""
     sentences, manifest = f30k
     out = tmp_path / "entity_labels.json"
     result = run_cli("pipeline", "labels", "f30k-entities", "--sentences", sentences, "--manifest", manifest,
                      "--out", out)
+    assert "labels for 2 of 3 manifest images (17 labels; 0 images with none); 1 images not found" in result.output
+    assert "labels: head nouns of the entity phrases" in result.output and "--f30k-labels types" in result.output
+    # "Two young , White males" → male, "their hands" → hand, "a piece of equipment" → equipment; "up" and the
+    # notvisual "time" give none.
+    assert read_label_file(out) == HEADS
+    attrs = read_label_attrs(out)
+    assert attrs["source"] == "f30k-entities" and attrs["excluded_types"] == ["notvisual"]
+    assert attrs["f30k_labels"] == "heads" and attrs["label_reading"].startswith("head nouns of the entity phrases")
+    assert attrs["boxed_only"] is False
+    assert attrs["vocabulary"] == sorted(set(HEADS["f30k_10002456"]) | set(HEADS["f30k_1000092795"]))
+
+
+def test_f30k_types_reading_is_an_option(run_cli, f30k, tmp_path):
+    sentences, manifest = f30k
+    out = tmp_path / "entity_types.jsonl"
+    result = run_cli("pipeline", "labels", "f30k-entities", "--sentences", sentences, "--manifest", manifest,
+                     "--out", out, "--f30k-labels", "types")
     assert "labels for 2 of 3 manifest images (8 labels; 0 images with none); 1 images not found" in result.output
+    assert "--f30k-labels heads" in result.output
     # Union over the five sentences; a phrase's several types all count; notvisual never does.
     assert read_label_file(out) == {"f30k_10002456": ["bodyparts", "clothing", "other", "people"],
                                     "f30k_1000092795": ["bodyparts", "clothing", "other", "people", "scene"]}
     attrs = read_label_attrs(out)
-    assert attrs["source"] == "f30k-entities" and attrs["excluded_types"] == ["notvisual"]
+    assert attrs["f30k_labels"] == "types" and attrs["label_reading"].startswith("Flickr30K Entities' coarse")
     assert "notvisual" not in attrs["vocabulary"] and len(attrs["vocabulary"]) == 8
+    code, stdout, err = run_cli.as_user("pipeline", "labels", "f30k-entities", "--sentences", sentences,
+                                        "--manifest", manifest, "--out", out, "--f30k-labels", "objects")
+    assert code == 2 and "'objects' is not one of 'heads', 'types'" in err
+    with pytest.raises(UserError, match="unknown Flickr30K label reading 'objects'"):
+        f30k_entity_labels([], sentences, reading="objects")
 
 
 def test_f30k_annotations_keep_only_boxed_entities(run_cli, f30k, tmp_path):
@@ -260,9 +293,103 @@ def test_f30k_annotations_keep_only_boxed_entities(run_cli, f30k, tmp_path):
     (annotations / "10002456.xml").write_text(xml([12, 14], []))
     out = tmp_path / "boxed.json"
     run_cli("pipeline", "labels", "f30k-entities", "--sentences", sentences, "--annotations", annotations,
-            "--manifest", manifest, "--out", out)
+            "--manifest", manifest, "--out", out, "--f30k-labels", "types")
     assert read_label_file(out) == {"f30k_10002456": ["bodyparts", "other", "people"],
                                     "f30k_1000092795": ["clothing", "people"]}
+    result = run_cli("pipeline", "labels", "f30k-entities", "--sentences", sentences, "--annotations", annotations,
+                     "--manifest", manifest, "--out", out)
+    assert "all entities" not in result.output
+    # Chain 1 ("Two young guys", "… males", "Two men", "Two friends"), 7 ("A man"), 8 ("a blue shirt"); 12, 14.
+    assert read_label_file(out) == {"f30k_10002456": ["man", "system", "worker"],
+                                    "f30k_1000092795": ["friend", "guy", "male", "man", "shirt"]}
+    attrs = read_label_attrs(out)
+    assert attrs["f30k_labels"] == "heads" and attrs["boxed_only"] is True
+    assert attrs["inputs"] == ["Sentences", "Annotations"] and "with a box" in attrs["join"]
+
+
+@pytest.mark.parametrize("words, head", [
+    ("A man", "man"), ("Two young , White males", "male"), ("A group of several young men", "man"),
+    ("a woman 's arm", "arm"), ("The members of the soccer team", "team"), ("a crowd of people", "people"),
+    ("a piece of machinery", "machinery"), ("the side of the road", "road"), ("one of the dogs", "dog"),
+    ("A dog with a ball in its mouth", "dog"), ("A man wearing a hat", "man"), ("a black and white dog", "dog"),
+    ("salt and pepper hair", "hair"), ("a little girl 's pink tutu", "tutu"), ("some sort of stew", "stew"),
+    ("their hands", "hand"), ("black sunglasses", "sunglasses"), ("blue jeans", "jeans"), ("dresses", "dress"),
+    ("two police officers", "officer"), ("firemen", "fireman"), ("children", "child"), ("puppies", "puppy"),
+    ("hoodies", "hoodie"), ("leaves", "leaf"), ("sleeves", "sleeve"), ("benches", "bench"), ("horses", "horse"),
+    ("buses", "bus"), ("shoes", "shoe"), ("grass", "grass"), ("a T-shirt", "t-shirt"), ("outdoors", "outdoors"),
+    ("He", None), ("each other", None), ("Four", None), ("up", None), ("it", None), (",", None),
+])
+def test_phrase_head(words, head):
+    assert phrase_head(words) == head
+
+
+def test_phrase_head_without_lemma_and_singular():
+    assert phrase_head("Two young men", lemma=False) == "men" and phrase_head("Two young men") == "man"
+    assert [singular(w) for w in ("women", "ladies", "glasses", "boxes", "cacti", "movies", "tomatoes", "bus")] == [
+        "woman", "lady", "glasses", "box", "cactus", "movie", "tomato", "bus"]
+
+
+def test_entity_phrases_keep_words_and_labels_by_reading():
+    line = ("[/EN#255543/people A bride] holds [/EN#255545/bodyparts/people a groom 's hand] at "
+            "[/EN#255549/scene a formal reception] with [/EN#0/notvisual each other] .")
+    phrases = entity_phrases(line)
+    assert phrases == [EntityPhrase(255543, ("people",), "A bride"),
+                       EntityPhrase(255545, ("bodyparts", "people"), "a groom 's hand"),
+                       EntityPhrase(255549, ("scene",), "a formal reception"),
+                       EntityPhrase(0, ("notvisual",), "each other")]
+    assert parse_entity_sentence(line)[1] == (255545, ("bodyparts", "people"))
+    assert entity_labels(phrases) == ["bride", "hand", "reception"]
+    assert entity_labels(phrases, "types") == ["bodyparts", "people", "scene"]
+    with pytest.raises(ValueError, match="reading must be one of heads, types"):
+        entity_labels(phrases, "chains")
+
+
+def _no_shared_fraction(labels: dict[str, list[str]]) -> float:
+    sets = [set(v) for v in labels.values()]
+    pairs = [(a, b) for i, a in enumerate(sets) for b in sets[i + 1:]]
+    return sum(1 for a, b in pairs if not a & b) / len(pairs)
+
+
+def test_generated_entities_files_heads_give_negatives_types_do_not(run_cli, tmp_path):
+    """Entities-format files of 150 made-up images: both readings parse them; sharing no entity type is rare
+    (JGCAR's intra-modal negatives), sharing no head noun common; --annotations drops unboxed (scene) chains."""
+    folder = tmp_path / "Flickr30kEntities"
+    stems = write_entities_files(folder, 150, seed=3)
+    assert stems == write_entities_files(tmp_path / "again", 150, seed=3)     # deterministic
+    text = (folder / "Sentences" / f"{stems[0]}.txt").read_text()
+    assert len(text.splitlines()) == 5 and text.count("[/EN#") >= 5
+    manifest = tmp_path / "manifest.jsonl"
+    write_manifest(manifest, [_record(f"f30k_{s}", f"flickr30k-images/{s}.jpg") for s in stems])
+    readings = {}
+    for reading in ("heads", "types"):
+        for boxed in (False, True):
+            out = tmp_path / f"{reading}-{boxed}.json"
+            extra = ["--annotations", folder / "Annotations"] if boxed else []
+            run_cli("pipeline", "labels", "f30k-entities", "--sentences", folder / "Sentences", *extra,
+                    "--manifest", manifest, "--out", out, "--f30k-labels", reading)
+            readings[reading, boxed] = read_label_file(out)
+            assert list(readings[reading, boxed]) == [f"f30k_{s}" for s in stems]
+    heads, types = readings["heads", False], readings["types", False]
+    assert all(set(v) <= {"people", "clothing", "bodyparts", "animals", "vehicles", "instruments", "scene", "other"}
+               for v in types.values())
+    assert len({x for v in heads.values() for x in v}) > 100
+    assert _no_shared_fraction(types) < 0.08 < 0.4 < _no_shared_fraction(heads)
+    assert _no_shared_fraction(readings["heads", True]) > _no_shared_fraction(heads)
+    assert sum(map(len, readings["heads", True].values())) < sum(map(len, heads.values()))
+    assert sum("scene" in v for v in readings["types", True].values()) < sum("scene" in v for v in types.values())
+
+
+def test_bench_f30k_labels_prints_json_lines():
+    bench = Path(__file__).resolve().parents[1] / "bench" / "f30k_labels.py"
+    done = subprocess.run([sys.executable, str(bench), "--images", "60", "--batch", "20", "--batches", "3"],
+                          capture_output=True, text=True, check=True, timeout=300)
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert rows[0]["reading"] == "dataset" and rows[0]["images"] == 60 and rows[-1]["reading"] == "done"
+    by = {r["reading"]: r for r in rows[1:-1]}
+    assert set(by) == {f"{r}{b}" for r in ("types", "heads", "heads-raw", "chain-heads", "heads-2sent")
+                       for b in ("", "/boxed")}
+    assert by["types"]["batch_negative_fraction"] < by["heads"]["batch_negative_fraction"]
+    assert 0 <= by["heads/boxed"]["pairs_no_shared_label"] <= 1 and by["types"]["vocabulary"] <= 8
 
 
 def test_f30k_errors_are_one_line(run_cli, f30k, tmp_path):

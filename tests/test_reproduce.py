@@ -239,8 +239,15 @@ def test_side_inputs_absent_or_built_otherwise_are_reasons(tmp_path):
     assert input_reasons(jgcar, {}, "m" * 64) == ["no --labels: fallback labels (shared caption concepts)"]
     coco_labels = tmp_path / "coco.json"
     write_label_file(coco_labels, {"a": ["dog"]}, {"source": "coco-instances", "manifest_sha256": "m" * 64})
-    assert input_reasons(jgcar, {"labels": str(coco_labels)}, "m" * 64) == \
-        ["--labels: source coco-instances (recipe \"f30k-entities\")"]
+    assert input_reasons(jgcar, {"labels": str(coco_labels)}, "m" * 64)[0] == \
+        "--labels: source coco-instances (recipe \"f30k-entities\")"
+    entities = {"source": "f30k-entities", "f30k_labels": "heads", "boxed_only": True, "manifest_sha256": "m" * 64}
+    f30k_labels = tmp_path / "f30k.json"
+    write_label_file(f30k_labels, {"a": ["dog"]}, entities)
+    assert input_reasons(jgcar, {"labels": str(f30k_labels)}, "m" * 64) == []
+    write_label_file(f30k_labels, {"a": ["animals"]}, {**entities, "f30k_labels": "types"})
+    assert input_reasons(jgcar, {"labels": str(f30k_labels)}, "m" * 64) == \
+        ["--labels: f30k_labels types (recipe \"heads\")"]
     assert input_reasons(RECIPES["jgcar-coco"], {"labels": str(coco_labels)}, "m" * 64) == []
     assert input_reasons(RECIPES["jgcar-coco"], {"labels": str(coco_labels)}, "other") == \
         ["--labels: made from another manifest than --manifest"]

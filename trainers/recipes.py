@@ -187,8 +187,10 @@ TENCROP_IRV2 = FeatureProvenance(
 JGCAR_LABELS = {
     "coco": InputProvenance({"source": "coco-instances"}, "fallback labels (shared caption concepts)",
                             "retr-pipeline labels coco --instances instances_train2014.json instances_val2014.json"),
-    "f30k": InputProvenance({"source": "f30k-entities"}, "fallback labels (shared caption concepts)",
-                            "retr-pipeline labels f30k-entities --sentences Flickr30kEntities/Sentences"),
+    "f30k": InputProvenance({"source": "f30k-entities", "f30k_labels": "heads", "boxed_only": True},
+                            "fallback labels (shared caption concepts)",
+                            "retr-pipeline labels f30k-entities --sentences Flickr30kEntities/Sentences "
+                            "--annotations Flickr30kEntities/Annotations (head nouns of the boxed entities)"),
 }
 #: SMFEA's referral trees and consensus concepts, built with the pipeline's defaults (docs/models-smfea.md)
 SMFEA_TREES = InputProvenance(
@@ -383,7 +385,7 @@ for (_dataset, _variant), (_settings, _i2t, _t2i, _table, _label) in _JGCAR_ROWS
                 Published(_i2t, _t2i, f"{JGCAR_PAPER}, {_table}, '{_label}'"),
                 _JGCAR_NOTES.get((_dataset, _variant), "") +
                 "Two-step retrieval (top 100 by the global score, re-ranked). Train with --labels (COCO instance "
-                "categories / Flickr30K Entities types: retr-pipeline labels). "
+                "categories / head nouns of Flickr30K Entities' boxed phrases: retr-pipeline labels, docs/models-jgcar.md). "
                 + ("The paper does not say whether its COCO 1,000 test images are one set or five folds; "
                    "coco-1k (five folds) is used." if _dataset == "coco" else ""), {"labels": JGCAR_LABELS[_dataset]}))
 

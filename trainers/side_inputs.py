@@ -4,7 +4,7 @@ Each model's :class:`~retr.trainers.models.registry.ModelSpec` points its ``load
 themselves read no file and receive what these functions return (:class:`~retr.trainers.models.registry.ModelInputs`).
 
 JGCAR (:func:`load_jgcar_inputs`): the intra-modal labels of each training image, from a label file
-(``--labels``: COCO's instance categories, Flickr30K Entities' types, made by ``retr-pipeline labels coco`` /
+(``--labels``: COCO's instance categories, Flickr30K Entities' phrase head nouns, made by ``retr-pipeline labels coco`` /
 ``retr-pipeline labels f30k-entities``) or, without one, the caption-concept fallback (:func:`caption_concepts`),
 with a note at training start that the caption-side loss J3 is then nearly inert.
 
@@ -84,7 +84,7 @@ def no_labels_note(data) -> str:
     pairs = same_image_pairs_per_batch(data.caption_image)
     return (f"no --labels: J3 has positives only between captions of one image (about {pairs:.2g} such pairs per "
             f"batch of {JGCAR_BATCH} here, so it is nearly inert) and J2 uses shared caption words; the paper used "
-            "COCO's 80 categories / Flickr30K Entities' types — make a label file with `retr-pipeline labels "
+            "COCO's 80 categories / Flickr30K Entities' boxed objects — make a label file with `retr-pipeline labels "
             "coco` or `retr-pipeline labels f30k-entities` and pass it with --labels")
 
 

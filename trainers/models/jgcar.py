@@ -27,7 +27,7 @@ Global branch (§2.2) — ``J_G = J1 + λ2 J2 + λ3 J3 + λ4 J4`` (Eq. 10, λ = 
   :func:`~retr.trainers.losses.hinge_triplet_loss` with ``max_violation=False``; captions of the same image in
   the batch are not negatives of each other. Margin ``m`` (paper silent): 0.2, ``margin``.
 * J2/J3 (Eq. 7–8): intra-modal triplets ``[m − Ω_kk⁺ + Ω_kk⁻]₊`` among the batch's images / captions.
-  Positives share a label, negatives share none (the paper: COCO's 80 categories, Flickr30K's entity types,
+  Positives share a label, negatives share none (the paper: COCO's 80 categories, Flickr30K's boxed objects,
   "instances with no identical label" are negatives); an instance is always a positive of another row of the
   same image. Labels come from a label file (``--labels``); without one the **fallback** is: two captions are
   positives iff they describe the same image; two images are positives iff they share a *caption concept*
