@@ -406,11 +406,12 @@ def format_report(report: dict) -> list[str]:
             fmt = _fmt_diff if what == "difference" else _fmt
             table.append([name if what == "measured" else "", what,
                           *(fmt(numbers[s][k]) for s in SIDES for k in KEYS), fmt(numbers["rsum"])])
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
+    from tabulate import tabulate
+
     lines = [reproduction_line(report),
              f"{report['recipe']} — {report['title']} ({report['protocol']} on {report['split']})"]
-    lines += ["  ".join(str(x).ljust(w) if i < 2 else str(x).rjust(w) for i, (x, w) in enumerate(zip(r, widths))).rstrip()
-              for r in [header, *table]]
+    lines += tabulate(table, headers=header, tablefmt="simple", disable_numparse=True,
+                      colalign=("left", "left", *["right"] * 7)).splitlines()
     for row in report["rows"]:
         if "published" in row:
             lines.append(f"{row['kind']} {row['label']}: published in {row['published']['source']}")
@@ -522,9 +523,9 @@ def recipes_command(as_json, markdown) -> None:
                                 "unmet": list(r.unmet)} for r in recipes],
                                "not_expressed": [dataclasses.asdict(n) for n in NOT_EXPRESSED]}, indent=2))
         return
+    from tabulate import tabulate
+
     rows = [[r.name, r.protocol, _fmt(r.published.i2t[0]), _fmt(r.published.t2i[0]), _fmt(r.published.rsum),
              r.features.extractor, r.published.source] for r in recipes]
     header = ["recipe", "protocol", "i2t R@1", "t2i R@1", "rSum", "features", "published in"]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    for row in [header, *rows]:
-        click.echo("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
+    click.echo(tabulate(rows, headers=header, tablefmt="simple", disable_numparse=True))

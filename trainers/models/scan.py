@@ -26,7 +26,7 @@ from retr.trainers.config import (embed_size_setting, margin_setting, setting, v
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import lengths_mask, l2norm
+from retr.trainers.models.layers import EPS, lengths_mask, l2norm
 from retr.trainers.models.text import GRUWordEncoder
 from retr.trainers.models.xattn import AGGREGATIONS, DIRECTIONS, NORMS, xattn_block
 
@@ -36,8 +36,10 @@ ENCODER_TYPES = ("basic", "weight_norm")
 class RegionEncoder(nn.Module):
     """``[B, K, D_in]`` region features → ``[B, K, d]`` (SCAN's ``EncoderImagePrecomp``)."""
 
-    def __init__(self, img_dim: int, embed_size: int, no_imgnorm: bool = False, precomp_enc_type: str = "basic"):
+    def __init__(self, img_dim: int, embed_size: int, no_imgnorm: bool = False, precomp_enc_type: str = "basic",
+                 eps: float = EPS):
         super().__init__()
+        self.eps = eps                 # of the l2norm: SCAN's ‖x‖ + 1e-8; VSE++'s code divides by ‖x‖ alone (0)
         if precomp_enc_type not in ENCODER_TYPES:
             raise ValueError(f"precomp_enc_type must be one of {', '.join(ENCODER_TYPES)}")
         self.no_imgnorm = no_imgnorm
@@ -53,7 +55,7 @@ class RegionEncoder(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         x = self.fc(features)
-        return x if self.no_imgnorm else l2norm(x, dim=-1)
+        return x if self.no_imgnorm else l2norm(x, dim=-1, eps=self.eps)
 
 
 class SCAN(MatchingModel):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from retr.trainers.models.layers import l2norm
+from retr.trainers.models.layers import EPS, l2norm
 
 
 class GRUWordEncoder(nn.Module):
@@ -51,9 +51,9 @@ class GRUSentenceEncoder(GRUWordEncoder):
     """
 
     def __init__(self, vocab_size: int, word_dim: int = 300, embed_size: int = 1024, num_layers: int = 1,
-                 bidirectional: bool = False, normalize: bool = True):
+                 bidirectional: bool = False, normalize: bool = True, eps: float = EPS):
         super().__init__(vocab_size, word_dim, embed_size, num_layers, bidirectional, normalize=False)
-        self.normalize_sentence = normalize
+        self.normalize_sentence, self.eps = normalize, eps   # eps of the l2norm (VSE++'s code: 0)
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -64,4 +64,4 @@ class GRUSentenceEncoder(GRUWordEncoder):
         sentence = out.gather(1, last).squeeze(1)
         if self.bidirectional:
             sentence = (sentence[:, :self.embed_size] + out[:, 0, self.embed_size:]) / 2
-        return l2norm(sentence, dim=-1) if self.normalize_sentence else sentence
+        return l2norm(sentence, dim=-1, eps=self.eps) if self.normalize_sentence else sentence

@@ -39,9 +39,10 @@ class VSEPP(MatchingModel):
         embed_size, word_dim, bi_gru = cfg.embed_size, cfg.word_dim, cfg.bi_gru
         no_imgnorm, precomp_enc_type = cfg.no_imgnorm, cfg.precomp_enc_type
         self.crops = cfg.crops
-        self.img_enc = RegionEncoder(img_dim, embed_size, no_imgnorm, precomp_enc_type)
+        # VSE++'s l2norm is x / ‖x‖ (no epsilon, unlike SCAN's): eps 0, as tests/test_golden_vsepp.py checks
+        self.img_enc = RegionEncoder(img_dim, embed_size, no_imgnorm, precomp_enc_type, eps=0.0)
         self.txt_enc = GRUSentenceEncoder(vocab_size, word_dim, embed_size, num_layers=cfg.num_layers,
-                                          bidirectional=bi_gru)
+                                          bidirectional=bi_gru, eps=0.0)
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
         """``features`` [B, K, D_in], ``mask`` [B, K] → ``{"vector": [B, d]}`` (masked mean over K — or, with
