@@ -33,7 +33,6 @@ whose path would leave the destination.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import http.client
 import os
@@ -46,13 +45,14 @@ import urllib.parse
 import urllib.request
 import zipfile
 import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator
+from typing import Callable
 
+from retr.common.atomic import PARTIAL_SUFFIX, partial_path
 from retr.common.cli import progress
 from retr.common.errors import MissingResourceError, UserError
+from retr.common.locks import waiting_lock
 
 #: set to 1 (or true/yes/on) and retr never opens a network connection
 OFFLINE_ENV = "RETR_OFFLINE"
@@ -65,7 +65,6 @@ DEFAULT_RETRY_WAIT = 2.0
 #: seconds a connection may stay silent
 DEFAULT_TIMEOUT = 60.0
 CHUNK_BYTES = 1 << 20
-PARTIAL_SUFFIX = ".partial"
 #: HTTP statuses worth another attempt (the server is busy or failed, not the request)
 RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 USER_AGENT = "retr-downloader (python urllib)"
@@ -184,11 +183,6 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} bytes"
 
 
-def partial_path(dest: str | os.PathLike) -> Path:
-    dest = Path(dest)
-    return dest.with_name(dest.name + PARTIAL_SUFFIX)
-
-
 def ensure_free_space(folder: str | os.PathLike, needed: int, what: str) -> None:
     """One-line :class:`UserError` when the file system of ``folder`` has less than ``needed`` bytes free."""
     probe = Path(folder).absolute()
@@ -200,16 +194,10 @@ def ensure_free_space(folder: str | os.PathLike, needed: int, what: str) -> None
                         f"{format_bytes(free)} free; free some space or choose another folder")
 
 
-@contextmanager
-def writer_lock(dest: Path) -> Iterator[None]:
-    """Exclusive (blocking) ``flock`` on ``.<name>.lock`` beside ``dest``: one process downloads a file at once."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(dest.with_name(f".{dest.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+def writer_lock(dest: Path):
+    """The lock on ``.<name>.lock`` beside ``dest`` (:func:`retr.common.locks.waiting_lock`): one process
+    downloads a file at once."""
+    return waiting_lock(dest.with_name(f".{dest.name}.lock"))
 
 
 # ------------------------------------------------------------------------------------------------ download

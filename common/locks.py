@@ -39,16 +39,17 @@ def describe_holder(text: str) -> str:
         return "pid unknown: it has only just started"
 
 
-def acquire_lock(path: str | os.PathLike, create: bool = True) -> int | None:
+def acquire_lock(path: str | os.PathLike, create: bool = True, wait: bool = False) -> int | None:
     """Take the exclusive lock on the file ``path`` and record this process in it; returns the open descriptor
     (closing it releases the lock). With ``create=False`` a lock file that does not exist is not made and None
-    is returned. Raises :class:`LockHeldError` when another process holds the lock."""
+    is returned. Raises :class:`LockHeldError` when another process holds the lock, or with ``wait`` waits until
+    it is released."""
     path = Path(path)
     if not create and not path.is_file():
         return None
     fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
         holder = describe_holder(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
         os.close(fd)
@@ -71,6 +72,19 @@ def exclusive_lock(path: str | os.PathLike, what: str,
         fd = acquire_lock(path)
     except LockHeldError as exc:
         raise UserError(f"{what} is in use by {exc.holder}; {advice}") from None
+    try:
+        yield path
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def waiting_lock(path: str | os.PathLike) -> Iterator[Path]:
+    """Hold the lock on ``path`` (created with its folder if absent) for the ``with`` block, waiting while another
+    process holds it: one downloader of a file at a time, the others then find it complete."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = acquire_lock(path, wait=True)
     try:
         yield path
     finally:

@@ -29,7 +29,7 @@ from retr.trainers.checkpoint import load_run_model
 from retr.trainers.data import SplitData
 from retr.trainers.evaluation import (i2t_ranks, i2t_ranks_official, protocol_metrics, t2i_ranks,
                                       t2i_ranks_official)
-from retr.trainers.loop import train_step
+from retr.trainers.loop import lr_schedule, train_step
 from retr.trainers.optim import apply_implementation
 from retr.trainers.scan_import import import_vsepp_checkpoint
 from retr.trainers.similarity import similarity_matrix
@@ -160,7 +160,7 @@ def test_training_steps(tmp_path, variant):
     net = WidenFeatures(model)
     optimizer = model.configure_optimizer(OPT["learning_rate"])
     apply_implementation(optimizer, "auto", CPU)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, OPT["lr_update"]), gamma=0.1)
+    scheduler = lr_schedule(optimizer, OPT["lr_update"])           # what build_run uses
     losses, lrs, after_first = [], [], None
     for epoch in range(OPT["num_epochs"]):
         for b in range(INPUTS["train.images"].shape[0]):

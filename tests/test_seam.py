@@ -154,19 +154,61 @@ def test_authors_padding_reproduces_the_public_seam_c_arithmetic():
     assert (masked.encode_captions(tokens, lengths)["vector"] - expected).abs().max() > 1e-3
     assert (masked.txt_enc.bn3.running_mean - stats["bn3"][0]).abs().max() > 1e-4
 
-    # evaluation (running statistics): every caption as the public code encodes it next to a longer caption,
-    # i.e. with at least one <pad> after it, whatever the batch
+    # evaluation (running statistics): the public arithmetic on this very batch — the longest caption's last
+    # trigram reads the convolution's zero padding, every shorter caption's the <pad> row
     authors.eval()
     stats = bn_stats(authors)
     with torch.no_grad():
         got = authors.encode_captions(tokens, lengths)["vector"]
-        expected = public_seam_c(authors, F.pad(tokens, (0, 1)), False, stats)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, public_seam_c(authors, tokens, False, stats), rtol=1e-5, atol=1e-6)
         for j in range(6):
             alone = authors.encode_captions(tokens[j:j + 1, :int(lengths[j])], lengths[j:j + 1])["vector"]
-            torch.testing.assert_close(alone[0], got[j], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(alone, public_seam_c(authors, tokens[j:j + 1, :int(lengths[j])], False, stats),
+                                       rtol=1e-5, atol=1e-6)
+            if lengths[j] == lengths.max():          # the longest reads zeros in its batch as alone
+                torch.testing.assert_close(alone[0], got[j], rtol=1e-5, atol=1e-6)
+            else:                                     # a shorter one reads the <pad> row in the batch, zeros alone
+                assert (alone[0] - got[j]).abs().max() > 1e-4
         masked.eval().load_state_dict(authors.state_dict())
-        assert (masked.encode_captions(tokens, lengths)["vector"] - expected).abs().max() > 1e-4
+        assert (masked.encode_captions(tokens, lengths)["vector"] - got).abs().max() > 1e-4
+    assert authors.captions_in_split_order and not masked.captions_in_split_order
+    assert not tiny("e", padding="authors").captions_in_split_order        # E and G: no convolution, no effect
+
+
+def test_authors_padding_is_evaluated_in_the_authors_batches():
+    """SEAM-C with padding="authors" is encoded for evaluation as the authors' encode_data does: consecutive
+    batches in split order (not length-sorted blocks), each caption where it stands (identical captions are not
+    merged: each is encoded in its own batch); the default keeps length-sorted blocks and merged duplicates."""
+    from retr.trainers.data import SplitData, pad_tokens
+    from retr.trainers.similarity import SplitEmbeddings
+
+    class Features:                                                     # the two methods encode_split uses
+        def __init__(self, n):
+            self.array = torch.rand(n, CROPS, D_IN, generator=torch.Generator().manual_seed(3))
+
+        def get(self, idx):
+            return self.array[torch.as_tensor(idx)], torch.ones(len(idx), CROPS, dtype=torch.bool)
+
+    g = torch.Generator().manual_seed(4)
+    lengths = [5, 9, 4, 6, 3, 7, 5, 6, 8, 4, 8, 5, 6, 3, 7, 4, 10, 9]
+    tokens = [[1] + torch.randint(4, VOCAB, (n - 2,), generator=g).tolist() + [2] for n in lengths]
+    tokens[17] = list(tokens[1])          # one caption twice: the longest of batch 0, not of batch 2 (16 is longer)
+    data = SplitData([f"i{j}" for j in range(6)], ["x"] * 18, np.arange(18) // 3, tokens)
+    authors = tiny("c", padding="authors").eval()
+    embeddings = SplitEmbeddings.encode(authors, data, Features(6), batch_size=8, quiet=True)
+    assert [list(idx) for idx, _ in embeddings.caption_blocks] == [list(range(0, 8)), list(range(8, 16)), [16, 17]]
+    assert (embeddings.sources == np.arange(18)).all()
+    with torch.no_grad():
+        for (idx, block), start in zip(embeddings.caption_blocks, (0, 8, 16)):
+            batch = pad_tokens(tokens[start:start + 8])
+            torch.testing.assert_close(block["vector"], authors.encode_captions(*batch)["vector"])
+    twins = embeddings.caption_blocks[0][1]["vector"][1], embeddings.caption_blocks[2][1]["vector"][1]
+    assert (twins[0] - twins[1]).abs().max() > 1e-4                     # as in the authors' evaluation
+    masked = tiny("c").eval()
+    embeddings = SplitEmbeddings.encode(masked, data, Features(6), batch_size=8, quiet=True)
+    assert embeddings.sources[17] == 1                                  # merged with its twin
+    lengths_in_blocks = [[lengths[m] for m in idx] for idx, _ in embeddings.caption_blocks]
+    assert [sorted(b) for b in lengths_in_blocks] == lengths_in_blocks   # length-sorted blocks
 
 
 def test_init_authors_keeps_pytorch_default_text_biases_zero_bias_zeroes_them():

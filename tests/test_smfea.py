@@ -549,3 +549,19 @@ def test_runs_without_the_new_settings_keep_their_old_behaviour():
     # a config that has the fields keeps them
     kept, _ = _smfea_upgrade({"word_dropout": 0.4, "concept_kl_reduction": "sum"})
     assert kept["word_dropout"] == 0.4 and kept["concept_kl_reduction"] == "sum"
+
+
+def test_smfea_drops_the_last_smaller_batch_as_cvse_and_other_models_keep_it():
+    """CVSE's training loader has drop_last=True (docs/models-smfea.md C13): SMFEA's presets set drop_last; the
+    sampler then yields only full batches (a single, smaller batch is still kept: there is nothing else)."""
+    from retr.trainers.data import EpochBatchSampler
+    from retr.trainers.models import preset
+
+    assert preset("smfea", "f30k")["drop_last"] is True and preset("smfea", "coco")["drop_last"] is True
+    assert "drop_last" not in preset("scan", "f30k")
+    kept = EpochBatchSampler(10, 4, seed=0)
+    dropped = EpochBatchSampler(10, 4, seed=0, drop_last=True)
+    assert [len(b) for b in kept] == [4, 4, 2] and [len(b) for b in dropped] == [4, 4]
+    assert list(dropped) == list(kept)[:2]                         # the same order, the tail left out
+    assert [len(b) for b in EpochBatchSampler(3, 4, seed=0, drop_last=True)] == [3]
+    assert [len(b) for b in EpochBatchSampler(8, 4, seed=0, drop_last=True)] == [4, 4]

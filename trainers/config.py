@@ -91,6 +91,8 @@ class TrainConfig:
         "the losses equal eager's to rounding.", flag_value="default", resume_applies=True)
     ema: float = setting(0.0, "Keep an exponential moving average of the weights with this decay (e.g. 0.999), "
                               "saved as ema.pt (eval --checkpoint ema.pt); 0 = off.")
+    drop_last: bool = setting(False, "Drop each epoch's last, smaller training batch (CVSE's loader does; SMFEA's "
+                                     "presets).", flag="--drop-last/--keep-last")
     accum_steps: int = setting(1, "Split each batch into N micro-batches, one backward each, one optimiser step "
                                   "(a negative is then another pair of the same micro-batch: B/N−1 of them).")
     train_splits: tuple[str, ...] = setting(("train", "restval"),
@@ -119,7 +121,7 @@ class TrainConfig:
 RESUME_APPLIES = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("resume_applies"))
 
 #: the schedule settings a model's preset may set besides the model's own
-SCHEDULE_KEYS = ("epochs", "batch_size", "lr", "lr_update", "grad_clip", "early_stop", "warmup_epochs")
+SCHEDULE_KEYS = ("epochs", "batch_size", "lr", "lr_update", "grad_clip", "early_stop", "warmup_epochs", "drop_last")
 
 
 def setting_fields(cls: type) -> list[dataclasses.Field]:

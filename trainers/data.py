@@ -223,12 +223,14 @@ class CaptionBatches(torch.utils.data.Dataset):
 class EpochBatchSampler(torch.utils.data.Sampler):
     """Batches of caption indices: a permutation drawn from ``(seed, epoch)``, cut into global batches of
     ``batch_size``; with ``world_size`` > 1 each rank gets its contiguous part of every global batch (so a
-    DDP step sees exactly the global batch a single process would). The last, smaller batch is kept."""
+    DDP step sees exactly the global batch a single process would). The last, smaller batch is kept unless
+    ``drop_last`` (and there is a full one)."""
 
-    def __init__(self, num_items: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, num_items: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 drop_last: bool = False):
         if batch_size % world_size:
             raise UserError(f"batch size {batch_size} is not divisible by the {world_size} processes")
-        self.num_items, self.batch_size, self.seed = num_items, batch_size, seed
+        self.num_items, self.batch_size, self.seed, self.drop_last = num_items, batch_size, seed, drop_last
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
 
@@ -239,6 +241,8 @@ class EpochBatchSampler(torch.utils.data.Sampler):
         generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
         order = torch.randperm(self.num_items, generator=generator).numpy()
         batches = [order[i:i + self.batch_size] for i in range(0, self.num_items, self.batch_size)]
+        if self.drop_last and len(batches) > 1 and len(batches[-1]) < self.batch_size:
+            batches.pop()
         return [b for b in batches if len(b) >= self.world_size]
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -170,6 +170,12 @@ class Run:
         return is_best
 
 
+def lr_schedule(optimizer: torch.optim.Optimizer, lr_update: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning rate ×0.1 every ``lr_update`` epochs (the authors' ``adjust_learning_rate``), stepped after each
+    epoch."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, lr_update), gamma=0.1)
+
+
 def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistInfo, log,
               trust_checkpoint: bool = False) -> Run:
     """Open (or resume) the run directory, load the data, build the model, optimiser and data loader."""
@@ -232,7 +238,7 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     optimizer_impls = apply_implementation(optimizer, cfg.optimizer_impl, device)
     if cfg.compile != "off":
         model.compile_scoring(mode=cfg.compile)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, cfg.lr_update), gamma=0.1)
+    scheduler = lr_schedule(optimizer, cfg.lr_update)
     if cfg.amp == "fp16" and device.type != "cuda" and info.is_main:
         log("note: --amp fp16 needs CUDA; training in float32 on " + str(device) + " (--amp bf16 runs on CPU)")
     if cfg.accum_steps < 1 or cfg.batch_size % cfg.accum_steps:
@@ -242,7 +248,8 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     if info.enabled:
         net = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
-    sampler = EpochBatchSampler(train_data.num_captions, cfg.batch_size, cfg.seed, info.rank, info.world_size)
+    sampler = EpochBatchSampler(train_data.num_captions, cfg.batch_size, cfg.seed, info.rank, info.world_size,
+                                cfg.drop_last)
     # batches leave the loader in the stored dtype (float16: half the bytes over the bus), pinned on CUDA so the
     # copy is asynchronous; train_step converts them to float32 on the device. --preload gpu gathers them there.
     loader = torch.utils.data.DataLoader(CaptionBatches(train_data, train_feats, as_stored=True), sampler=sampler,

@@ -396,6 +396,7 @@ _SEAM_ENCODERS = {  # row name → settings (hops and λ inferred where the row 
     "SEAM-E(λ = 0.5)": {"text_encoder": "e", "hops": 30, "penalty_weight": 0.5},
     "SEAM-C": {"text_encoder": "c", "hops": 10, "penalty_weight": 0.0, "padding": "authors"},
     "SEAM-C(λ = 0.5)": {"text_encoder": "c", "hops": 10, "penalty_weight": 0.5, "padding": "authors"},
+    # λ 0.5: the public README's --att_coef (assumed; the public code never applies it)
     "SEAM-G (512)": {"text_encoder": "g", "hops": 30, "gru_size": 512, "penalty_weight": 0.5},
 }
 _SEAM_RUN = {"SEAM-E": "e-l0", "SEAM-E(λ = 0.5)": "e-l0.5", "SEAM-C": "c-l0", "SEAM-C(λ = 0.5)": "c-l0.5",
@@ -432,9 +433,13 @@ for (_table, _feat, _row_name), (_i2t, _t2i) in _SEAM_ROWS.items():
                 f"{_label} on {_where}", _features,
                 (Member(f"seam-coco-{_SEAM_RUN[_row_name]}-{_feat}", "seam", "coco", _SEAM_ENCODERS[_row_name]),),
                 _protocol, Published(_i2t, _t2i, f"{SEAM_PAPER}, Table {_table}, '{_label}'"),
-                "Rows not marked λ = 0.5 are read as λ = 0 and the hops as E 30 / C 10 (the paper's validation "
-                "tables); SEAM-G's λ is not printed (0.5, the authors' code). SEAM-C convolves and batch-normalises "
-                "the padding as the authors' code does (--padding authors), which the published numbers came from. "
+                "Rows not marked λ = 0.5 are read as λ = 0 (Table 2's unmarked hop runs repeat Table 1's λ = 0 rows), "
+                "hops E 30 / C 10 (where the paper's λ study ran); SEAM-G's λ is not printed: 0.5 is taken from the "
+                "public README's training arguments (--att_coef 0.5), which the public code never applies. λ > 0 "
+                "adds the paper's attention penalty (Eq. 3), which the public code adds in no SEAM run. SEAM-C uses "
+                "the public code's padding arithmetic (--padding authors, evaluated in its 128-caption batches); the "
+                "paper's own code is not public, so whether the published models padded this way is an assumption "
+                "(docs/models-seam-sman.md). "
                 + ("Table 3's 'COCO-1k' is one 1K set: the first fold of the 5K test." if _table == 3 else
                    "Table 4's 'COCO-5cv' is the mean over the five 1K folds.")))
 

@@ -39,6 +39,7 @@ import click
 import numpy as np
 import torch
 
+from retr.common.atomic import atomic_text
 from retr.common.cli import quiet_option
 from retr.common.errors import ParameterError, UserError
 from retr.common.version import __version__
@@ -716,9 +717,8 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
     page = _page(runs, members, result, protocol, split, sections, attention_html, curves, images, root,
                  two_step, samples, top, seed, sims)
     index = out / "index.html"
-    tmp = index.with_name("index.html.partial")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(index)
+    with atomic_text(index) as handle:
+        handle.write(page)
     if not quiet:
         log(f"report: evaluation {t_eval - t0:.1f} s, queries/attention/curves {t_done - t_eval:.1f} s")
     return index

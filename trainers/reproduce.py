@@ -293,7 +293,6 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
     recipe's; otherwise nothing is trained and one line names each difference, unless ``retrain`` names the
     member (its run is then moved aside, see :func:`set_aside`)."""
     from retr.manifests.schema import manifest_sha256
-    from retr.store.features import FeatureSet as StoredFeatures
     from retr.trainers.eval_commands import evaluate_runs
 
     _check_overrides(recipe, overrides)

@@ -8,7 +8,9 @@ ensemble: their matrices are averaged.
 Identical captions (the same token ids; COCO and Flickr30K have some across images) are encoded and scored
 once and share one column. Encoded separately, their scores would differ in the last bits with the padding of
 the block each sat in, and which side of their tie a rank counts would be an accident of batching; shared,
-they tie exactly and the tie counts against the query, as :mod:`retr.trainers.evaluation` defines.
+they tie exactly and the tie counts against the query, as :mod:`retr.trainers.evaluation` defines. (A model
+whose caption embeddings depend on their batch by design — SEAM-C with the authors' padding — is encoded in the
+authors' batches instead, every caption where it stands: :func:`encode_split`.)
 
 Precision (``--precision``):
 
@@ -97,6 +99,11 @@ def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.
 
     Returns ``(image_blocks, caption_blocks)``; each caption block is ``(caption indices, embeddings)``.
     ``captions``: encode only these caption indices (default: all).
+
+    A model whose caption embeddings depend on the other captions of their batch (``captions_in_split_order``
+    True: SEAM-C with the authors' padding) is given the authors' evaluation batches instead: ``batch_size``
+    consecutive captions in split order, each caption encoded where it stands (those not in ``captions`` are
+    dropped after encoding).
     """
     model.eval()
     image_blocks = []
@@ -105,8 +112,19 @@ def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.
         feats, mask = features.get(idx)
         image_blocks.append(model.encode_images(feats.to(device), mask.to(device)))
     chosen = np.arange(data.num_captions) if captions is None else np.asarray(captions, dtype=np.int64)
-    order = chosen[np.argsort([len(data.tokens[m]) for m in chosen], kind="stable")]
     caption_blocks = []
+    if getattr(model, "captions_in_split_order", False):
+        wanted = np.zeros(data.num_captions, dtype=bool)
+        wanted[chosen] = True
+        for start in progress(range(0, data.num_captions, batch_size), desc="encode captions", quiet=quiet):
+            idx = np.arange(start, min(start + batch_size, data.num_captions))
+            if wanted[idx].any():
+                tokens, lengths = pad_tokens([data.tokens[m] for m in idx])
+                block = model.encode_captions(tokens.to(device), lengths.to(device))
+                keep = np.flatnonzero(wanted[idx])
+                caption_blocks.append((idx[keep], _slice(block, torch.as_tensor(keep, device=device))))
+        return image_blocks, caption_blocks
+    order = chosen[np.argsort([len(data.tokens[m]) for m in chosen], kind="stable")]
     for start in progress(range(0, len(order), batch_size), desc="encode captions", quiet=quiet):
         idx = order[start:start + batch_size]
         tokens, lengths = pad_tokens([data.tokens[m] for m in idx])
@@ -147,7 +165,10 @@ class SplitEmbeddings:
     @classmethod
     def encode(cls, model, data: SplitData, features: ImageFeatures, device: torch.device | str = "cpu",
                batch_size: int = 128, quiet: bool = False) -> "SplitEmbeddings":
-        source = caption_sources(data.tokens)
+        # identical captions share one column, unless their embeddings depend on their batch (every caption then
+        # stands where the authors' evaluation encodes it: encode_split)
+        source = (np.arange(data.num_captions) if getattr(model, "captions_in_split_order", False)
+                  else caption_sources(data.tokens))
         image_blocks, caption_blocks = encode_split(model, data, features, torch.device(device), batch_size, quiet,
                                                     captions=np.flatnonzero(source == np.arange(len(source))))
         return cls(_concat(image_blocks), caption_blocks, source)

@@ -23,10 +23,10 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from retr.common.cli import quiet_option
+from retr.common.cli import quiet_option, with_flags
 from retr.common.errors import UserError
 from retr.trainers.checkpoint import CONFIG
-from retr.trainers.config import (RESUME_APPLIES, TrainConfig, choices_of, field_types, read_settings_file,
+from retr.trainers.config import (TrainConfig, choices_of, field_types, read_settings_file,
                                    setting_fields)
 from retr.trainers.models.registry import DATA_SIZES, ModelSpec
 
@@ -108,14 +108,6 @@ def _flag_names(spec: ModelSpec) -> dict[str, str]:
     return names
 
 
-def _flagged(message: str, flags: dict[str, str]) -> str:
-    """``"agg must be one of …"`` → ``"--agg must be one of …"`` (the library names parameters, the CLI flags)."""
-    for name in sorted(flags, key=len, reverse=True):
-        if message.startswith(name + " ") or f" {name} " in message or message.endswith(" " + name):
-            return message.replace(name, flags[name], 1)
-    return message
-
-
 def evaluate_hint(cfg: TrainConfig) -> str:
     """The ``retr-train eval`` command for a finished run, with the protocol(s) its test split's size fits."""
     from retr.manifests.schema import read_manifest
@@ -174,7 +166,7 @@ def gather_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> tuple[
         cfg = TrainConfig(model=spec.name, model_args=asdict(model_config),
                           **{**train_values, "preset": preset_name})
     except ValueError as exc:
-        raise UserError(_flagged(str(exc), flags)) from None
+        raise UserError(with_flags(str(exc), flags, flags)) from None
     inputs = {k: v for k, v in {**{k: from_file.get(k) for k in input_names}, **given_inputs}.items() if v}
     missing = [i.name for i in spec.inputs if i.required and i.name not in inputs]
     if missing:
@@ -199,10 +191,12 @@ def resume_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> TrainC
 
     if not (Path(out) / ckpt.CONFIG).is_file():
         raise UserError(f"nothing to resume in {out} (no run there); start without --resume")
-    saved = ckpt.read_config(out)
+    saved = ckpt.upgrade_config(ckpt.read_config(out))
     if saved.get("model") != spec.name:
         raise UserError(f"{out} is a {saved.get('model')} run; continue it with `retr-train {saved.get('model')} "
                         f"--resume --out {out}`")
+    from retr.trainers.loop import config_differences
+
     train_names = {f.name for f in setting_fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(TrainConfig)}})
     flags = _flag_names(spec)
@@ -211,24 +205,18 @@ def resume_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> TrainC
     for flag, (_, overrides) in spec.shortcuts.items():
         if _shortcut_name(flag) in explicit and values[_shortcut_name(flag)]:
             given.update(overrides)
-    differences = [f"{flags.get(k, k)} {v!r} (run: {cfg.model_args.get(k)!r})" for k, v in sorted(given.items())
-                   if cfg.model_args.get(k) != v]
+    # the run's folder is where it is now, wherever it started; --features/--manifest: the loop checks the data
+    changes: dict[str, Any] = {"out": out}
+    for name in explicit & train_names - {"out"}:
+        changes[name] = tuple(values[name]) if isinstance(getattr(cfg, name), tuple) else values[name]
+    asked = dataclasses.replace(cfg, model_args={**cfg.model_args, **given}, **changes)
+    differences = [with_flags(d, flags, flags) for d in config_differences(asked, saved)]
     differences += [f"{flags.get(i.name, i.name)} {values[i.name]} (run: {cfg.inputs.get(i.name)})"
                     for i in spec.inputs if i.name in explicit and not _same_path(values[i.name], cfg.inputs.get(i.name))]
-    changes: dict[str, Any] = {"out": out}          # the run's folder is where it is now, wherever it started
-    for name in sorted(explicit & train_names - {"out"}):
-        new = tuple(values[name]) if isinstance(getattr(cfg, name), tuple) else values[name]
-        old = getattr(cfg, name)
-        if name in ("features", "manifest"):
-            changes[name] = new          # the loop refuses other data than the run's
-        elif name in RESUME_APPLIES:
-            changes[name] = new
-        elif new != old:
-            differences.append(f"{flags.get(name, name)} {new!r} (run: {old!r})")
     if differences:
         raise UserError(f"{out} cannot change on resume: {'; '.join(differences)}; resume with the run's settings "
                         "(leave those options out) or choose another --out")
-    return dataclasses.replace(cfg, **changes)
+    return asked
 
 
 def _same_path(a: str | None, b: str | None) -> bool:
@@ -292,12 +280,14 @@ def training_command(spec: ModelSpec) -> click.Command:
         explicit = {name for name in values if ctx.get_parameter_source(name) in _EXPLICIT}
         for settings_class in (TrainConfig, spec.config_class):
             apply_aliases(settings_class, values, explicit)
-        if values["resume"] and values.get("out") and not (Path(values["out"]) / CONFIG).is_file():
+        out = Path(values["out"]) if values.get("out") else None
+        if values["resume"] and out is not None and not out.is_file() and not (out / CONFIG).is_file():
             # a requeued job always passes --resume: a run killed before it wrote config.json starts now
-            click.echo(f"note: nothing to resume in {values['out']} (it stopped before its settings were written); "
+            cfg, _ = gather_settings(spec, values, explicit)
+            click.echo(f"note: nothing to resume in {out} (it stopped before its settings were written); "
                        "starting the run", err=True)
             values["resume"] = False
-        if values["resume"]:
+        elif values["resume"]:
             cfg = resume_settings(spec, values, explicit)
         else:
             cfg, _ = gather_settings(spec, values, explicit)

@@ -2,7 +2,9 @@
 
 * :class:`ConceptGCN` — concept word vectors ``[C, 300]`` → GC(300→512) → LeakyReLU(0.2) → GC(512→d), no bias,
   l2norm per concept; ``GC(X) = Â · X · W`` with ``Â`` the fixed normalised co-occurrence graph
-  (:func:`retr.pipeline.concepts.concept_graph`). One GCN serves both modalities.
+  (:func:`retr.pipeline.concepts.concept_graph`). One GCN serves both modalities. CVSE's hidden width is
+  ``embed_size / 2``, i.e. 512 at its 1024; SMFEA passes 512. ``tests/test_golden_cvse.py`` matches this branch
+  (graph, GCN, attention, mixing, consensus vector, KL) against CVSE's own code.
 * :class:`ConceptAttention` — per sample, a distribution over the C concepts
   ``w = softmax(λ · fc3(tanh(BN(fc1 C)) ⊙ tanh(BN(fc2 x))))`` (λ = 10), where ``C`` [C, d] are the GCN's concept
   vectors and ``x`` [B, d] the instance feature.

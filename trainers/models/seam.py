@@ -15,7 +15,9 @@ words (``<start>`` … ``<end>``), ``hops`` attention views, ``d`` = 1024 joint 
 * SEAM-G (``"g"``): GRU(300 → k, one direction) → attention over all its outputs (hops 30) → Linear(k·hops → d).
 * Both sides end with l2norm then absolute value: ``f(x) = |x / ‖x‖|`` (order embeddings need non-negative
   coordinates). Image: ``|l2norm(Linear(D_in → d)(x))|``. Words are embedded from scratch (U(−0.1, 0.1));
-  Linear/Conv weights Xavier-uniform.
+  Linear/Conv weights Xavier-uniform. The norm is the bare one the public code divides by (``_unit``): the
+  shared ``layers.l2norm`` adds 1e-8 to it (SCAN's convention), which moved every SEAM embedding by ~1e-8
+  relative to the authors' arithmetic.
 * Score: order violation ``S(i, c) = −‖max(0, c − i)‖₂`` (image i, caption c): a caption, the more abstract
   item, must lie below its image coordinate-wise.
 * Loss: ``Σ hinge`` in both directions over **all** negatives of the batch (margin 0.05) ``+ λ · mean_B P``
@@ -23,7 +25,8 @@ words (``<start>`` … ``<end>``), ``hops`` attention views, ``d`` = 1024 joint 
 
 Decisions (``docs/models-seam-sman.md``):
 
-* The penalty is **added to the loss** as the paper says (the public code computes it and never adds it).
+* The penalty is **added to the loss** as the paper says (the public code never adds it: its penalty branch
+  runs only for encoders named ``attentive…``, and returns the loss without it).
   It is the paper's squared Frobenius norm, averaged over the batch; ``penalty_norm="plain"`` takes the
   plain norm as the public code and Lin et al.'s code do. ``penalty_weight=0`` removes it.
 * Order violation: the public code's form (caption − image, not squared); the paper prints the image − text
@@ -34,26 +37,28 @@ Decisions (``docs/models-seam-sman.md``):
 * SEAM-C's padding (``padding``). ``"masked"`` (default): padded embeddings are zeroed before the
   convolutions (they see the zero padding an unpadded caption sees) and BatchNorm takes its statistics over
   real words only, so a caption's embedding does not depend on its batch. ``"authors"``: the public code's
-  arithmetic. Its ``<pad>`` row (id 0) is an ordinary embedding row (U(−0.1, 0.1), no ``padding_idx``,
-  trained through the convolutions); the convolutions read it at padded positions (the trigram of a
-  caption's last word reads it unless the caption is the longest of its batch, which reads the convolution's
-  zero padding); BatchNorm normalises every position, padded ones included — in training its statistics
-  come from B×T positions (trigram) and B×(T+1) (bigram: the public code crops the extra output *after*
-  BatchNorm). Attention gives padded positions weight exactly 0 in both modes, so SEAM-E and SEAM-G have no
-  such difference. In evaluation (BatchNorm on running statistics) the ``"authors"`` encoder appends one
-  ``<pad>`` column, so every caption's trigram reads the ``<pad>`` row: the authors' arithmetic for every
-  caption that shares its evaluation batch with a longer one (all but one in 128 in their evaluation),
-  whatever retr's length-sorted evaluation blocks hold. The published numbers come from the authors'
-  behaviour (their recipe: ``padding="authors"``); ``"masked"`` stays the default because it makes scores
-  independent of batching (``docs/models-seam-sman.md``).
+  arithmetic, batch for batch (``ConvAttentiveTextEncoder``): the batch is cut to its longest caption; padded
+  positions hold the ``<pad>`` (id 0) row, an ordinary embedding row (U(−0.1, 0.1), no ``padding_idx``, trained
+  through the convolutions), which the convolutions read (a caption's last trigram reads the ``<pad>`` row,
+  except for the batch's longest captions, whose last trigram reads the convolution's zero padding); BatchNorm
+  normalises every position, padded ones included — in training its statistics come from B×T positions
+  (trigram) and B×(T+1) (bigram: the public code crops the extra output *after* BatchNorm). Attention gives
+  padded positions weight exactly 0 in both modes, so SEAM-E and SEAM-G have no such difference. A caption's
+  ``"authors"`` embedding therefore depends on whether it is the longest of its batch (its last trigram reads
+  zeros, or the ``<pad>`` row); :attr:`SEAM.captions_in_split_order` tells the evaluator
+  (``trainers/similarity.py``) to encode such a model's captions as the authors' ``evaluation.encode_data`` does:
+  consecutive batches of ``batch_size`` (128) in split order, not length-sorted blocks. Checked against the
+  authors' code in float64 (``tests/test_golden_seam.py``). ``"masked"`` stays the default because it makes
+  scores independent of batching (``docs/models-seam-sman.md``).
 * Initialisation (``init``). ``"authors"`` (default): Xavier-uniform weights, and the text encoder's Linear
   and Conv1d biases left at PyTorch's default U(±1/√fan_in), as the public code's initialiser leaves them;
   the image Linear's bias is zero, as the public image encoder sets it. ``"zero_bias"``: every bias zero
   (retr before this option). Both draw the same random numbers, so with one seed they differ only in those
   biases. Existing runs need no upgrade: evaluation and ``--resume`` load every parameter (and the RNG
   state) from the checkpoint, so the initialisation no longer matters for them.
-* SEAM-G's GRU size: 1024 in the authors' code default; the paper's reported model is SEAM-G (512), which
-  the presets use (``gru_size``).
+* SEAM-G's GRU size: the public code's GRU is ``embed_size`` (1024) wide whatever ``--gru_units`` says
+  (``get_text_encoder`` reads ``opt.norm_words``, which ``train.py`` never defines, and falls back to
+  ``embed_size``); the paper's reported model is SEAM-G (512), which the presets use (``gru_size``).
 """
 from __future__ import annotations
 
@@ -69,7 +74,7 @@ from retr.trainers.config import (embed_size_setting, margin_setting, setting, v
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean
+from retr.trainers.models.layers import lengths_mask, masked_mean
 from retr.store.vocab import PAD_ID
 
 TEXT_ENCODERS = ("e", "c", "g")
@@ -129,10 +134,15 @@ class MaskedBatchNorm1d(nn.BatchNorm1d):
         return out.transpose(1, 2)
 
 
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """``x / ‖x‖`` over the last dim, the bare norm as the public code's ``l2norm`` divides (a zero vector stays
+    zero: the norm is clamped at 1e-12, far below any norm SEAM's vectors have)."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=1e-12)
+
+
 class SEAMTextEncoder(nn.Module):
-    """Caption ``[B, T]`` → ``(vector [B, d] before normalisation, [attention [B, hops, T'] per module],
-    mask [B, T'])``: the mask of the positions the modules attend over (T' = T, or T + 1 for SEAM-C's
-    ``padding="authors"`` in evaluation, whose extra ``<pad>`` column is never a real word)."""
+    """Caption ``[B, T]`` → ``(vector [B, d] before normalisation, [attention [B, hops, T] per module],
+    mask [B, T])``: the mask of the positions the modules attend over (T = the batch's longest caption)."""
 
     def __init__(self, vocab_size: int, kind: str, embed_size: int = 1024, word_dim: int = 300,
                  hops: int | None = None, attention_hidden: int = 300, conv_filters: int = 100,
@@ -169,8 +179,8 @@ class SEAMTextEncoder(nn.Module):
         return self.fc(torch.cat(pooled, dim=1)), list(attentions), mask
 
     def views(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """What the attention modules attend over: one ``[B, T', z]`` per module (E: the word embeddings; C: the
-        bigram and trigram features and the embeddings; G: the GRU outputs), and their mask ``[B, T']``."""
+        """What the attention modules attend over: one ``[B, T, z]`` per module (E: the word embeddings; C: the
+        bigram and trigram features and the embeddings; G: the GRU outputs), and their mask ``[B, T]``."""
         length = int(lengths.max())
         tokens = tokens[:, :length]
         mask = lengths_mask(lengths.to(tokens.device), length)
@@ -191,19 +201,17 @@ class SEAMTextEncoder(nn.Module):
         return views, mask
 
     def _authors_conv_views(self, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """SEAM-C's three views with the public code's padding (``padding="authors"``, module docstring).
+        """SEAM-C's three views with the public code's padding (``padding="authors"``, module docstring), in
+        training and evaluation alike: the public ``ConvAttentiveTextEncoder`` on this very batch.
 
         ``tokens`` [B, T] cut to the longest caption, ``mask`` [B, T]. Padded positions hold the ``<pad>`` row's
-        embedding; BatchNorm sees every position (the bigram's T+1 outputs, cropped afterwards). In evaluation
-        one more ``<pad>`` column is appended, so no caption's trigram reads the convolution's zero padding.
-        Returns the views ``[B, T', 100 | 100 | 300]`` and their mask ``[B, T']`` (T' = T, or T + 1 in eval).
+        embedding; the convolutions' own zero padding lies beyond T, where only the batch's longest captions'
+        last trigram reaches; BatchNorm sees every position (the bigram's T+1 outputs, cropped afterwards).
+        Returns the views ``[B, T, 100 | 100 | 300]`` and their mask ``[B, T]``.
         """
-        if not self.training:
-            tokens = F.pad(tokens, (0, 1), value=PAD_ID)
-            mask = F.pad(mask, (0, 1), value=False)
         words = self.embed(tokens.masked_fill(~mask, PAD_ID))                    # <pad> row where padded
-        x = words.transpose(1, 2)                                                 # [B, 300, T']
-        bigram = self.bn2(F.relu(self.conv2(x)))[..., :x.shape[-1]]              # BN over T'+1, then crop
+        x = words.transpose(1, 2)                                                 # [B, 300, T]
+        bigram = self.bn2(F.relu(self.conv2(x)))[..., :x.shape[-1]]              # BN over T+1, then crop
         trigram = self.bn3(F.relu(self.conv3(x)))
         return [bigram.transpose(1, 2), trigram.transpose(1, 2), words], mask
 
@@ -247,7 +255,7 @@ class SEAM(MatchingModel):
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
         """``features`` [B, K crops, D_in], ``mask`` [B, K] → ``{"vector": [B, d]}`` (non-negative, unit norm)."""
-        features, mask = features.float(), mask.bool()
+        features, mask = features.to(self.img_fc.weight.dtype), mask.bool()     # float16/32 → the model's dtype
         if self.crops == "random" and self.training:
             # one valid crop per image, uniformly
             choice = torch.multinomial(mask.float(), 1).squeeze(1)
@@ -255,17 +263,26 @@ class SEAM(MatchingModel):
         else:
             pooled = masked_mean(features, mask)
         if self.input_l2norm:
-            pooled = l2norm(pooled)
-        return {"vector": l2norm(self.img_fc(pooled)).abs()}
+            pooled = _unit(pooled)
+        return {"vector": _unit(self.img_fc(pooled)).abs()}
 
     def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
         """``tokens`` [B, T], ``lengths`` [B] → ``{"vector": [B, d], "penalty": [B]}`` (penalty summed over modules),
-        ``"attention"`` [B, modules·hops, T'] (each module's ``A``, stacked in module order) and ``"mask"``
-        [B, T'] (the positions attended over; T' = T, or T + 1 for SEAM-C's authors padding in evaluation)."""
+        ``"attention"`` [B, modules·hops, T] (each module's ``A``, stacked in module order) and ``"mask"``
+        [B, T] (the positions attended over)."""
         vector, attentions, mask = self.txt_enc(tokens, lengths)
         penalty = sum(attention_penalty(a, self.penalty_squared) for a in attentions)
-        return {"vector": l2norm(vector).abs(), "penalty": penalty, "attention": torch.cat(attentions, dim=1),
+        return {"vector": _unit(vector).abs(), "penalty": penalty, "attention": torch.cat(attentions, dim=1),
                 "mask": mask}
+
+    @property
+    def captions_in_split_order(self) -> bool:
+        """Whether a caption's embedding depends on the other captions of its batch: SEAM-C with
+        ``padding="authors"`` (the batch's longest captions read the convolution's zero padding, the others the
+        ``<pad>`` row). The evaluator then encodes captions as the authors' ``encode_data`` does — consecutive
+        batches of ``batch_size`` in split order, every caption where it stands — instead of length-sorted
+        blocks (``trainers/similarity.py``: ``encode_split``)."""
+        return self.text_encoder == "c" and self.txt_enc.padding == "authors"
 
     @property
     def explains(self) -> tuple[str, ...]:
@@ -337,7 +354,7 @@ class SEAMConfig:
     padding: Literal[PADDINGS] = setting(
         "masked", "SEAM-C's padded positions: masked (zeroed before the convolutions, BatchNorm over real words; "
                   "scores independent of batching) or authors (the <pad> embedding is convolved and BatchNorm "
-                  "sees padded positions: the public code's arithmetic, which made the published numbers).")
+                  "sees padded positions: the public code's arithmetic, batch for batch, evaluated in its batches).")
     init: Literal[INITS] = setting(
         "authors", "Initial biases: authors (text Linear/Conv biases at PyTorch's default, image Linear bias 0, "
                    "as the public code) or zero_bias (every bias 0).")

@@ -213,7 +213,7 @@ class SMAN(MatchingModel):
         ``keys``/``values`` (only with the multi-modal step) are ``w_h ⊙ tanh(W2_v I_m)`` and ``P2 I_m``
         without P2's bias: all the multi-modal step needs of the cells.
         """
-        x = self.feature_dropout(features.float())
+        x = self.feature_dropout(features.to(self.img_global.weight.dtype))   # float16 storage → the model's dtype
         mask = mask.bool()
         v0 = torch.tanh(self.img_global(masked_mean(x, mask)))
         if self.img_location is not None:

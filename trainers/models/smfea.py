@@ -17,10 +17,12 @@ Image side (``encode_images``), regions ``[B, K, D_in]`` with mask ``[B, K]``:
 Caption side (``encode_captions``), tokens ``[B, L]``: word embeddings with CVSE's dropout 0.4 (``word_dropout``),
 bi-GRU words (directions averaged, l2norm per word), the same attention without batch norm, padding masked and
 the mean query l2-normalised (``text_query_l2norm``, CVSE's ``l2norm(mean)``). CVSE masks nothing, but its padded
-word vectors are 0 and its output is l2-normalised, so with the normalised query this *is* CVSE's text attention
-(``tests/test_smfea.py`` checks it against CVSE's form). TCS-Tree, concepts with the text label mixing
-``w_t = r·softmax(10·y) + (1−r)·w`` and ``S_F`` likewise. The concept attention has no dropout (CVSE's, with its
-batch norm and tanh, has none either).
+word vectors are 0 and its output is l2-normalised, so with the normalised query this gives CVSE's text embedding
+(``tests/test_smfea.py`` checks it against CVSE's form, ``tests/test_golden_cvse.py`` against CVSE's code). Its
+attention *map* is CVSE's over the real words, renormalised: CVSE's softmax also gives the padding weight, which
+depends on the batch's longest caption; retr has no option for that map (``docs/models-smfea.md``, C11).
+TCS-Tree, concepts with the text label mixing ``w_t = r·softmax(10·y) + (1−r)·w`` and ``S_F`` likewise. The
+concept attention has no dropout (CVSE's, with its batch norm and tanh, has none either).
 
 The concept labels ``y`` of a caption come from **its own tokens** through the buffer ``token_concepts`` [V]
 (vocabulary id → concept id, −1 for none; set by the training command from ``concepts.h5``). So at evaluation a
@@ -160,7 +162,9 @@ class SMFEA(MatchingModel):
 
     * ``"region_attention"`` ``[K]``: the instance attention ``α`` over the regions (Eq. 1–3), whose weighted
       sum is the instance feature ``V_D`` every branch starts from (sums to 1);
-    * ``"word_attention"`` ``[L]``: the text side's instance attention over the words (``S_D``; sums to 1);
+    * ``"word_attention"`` ``[L]``: the text side's instance attention over the words (``S_D``; sums to 1). CVSE's
+      code spreads part of this weight over the batch's padding; over the real words its map is this one,
+      renormalised (``docs/models-smfea.md``, C11);
     * with trees (``use_trees``): ``"image_tree_nodes"`` and ``"text_tree_nodes"`` ``[7]`` long — the VCS-Tree's
       and TCS-Tree's predicted node ids in slot order ``[E1 R2 E3 R4 E5 R6 E7]`` (leaves: entity ids, inner
       nodes: relation ids; the argmax of each node's classifier, the paper's Fig. 4), to show beside the
@@ -357,8 +361,8 @@ class SMFEA(MatchingModel):
         [B, C]: the concept labels of each caption's image (used when ``train_text_labels="image"``). From the
         loop, ``caption_index`` [B] looks both up in the tables :meth:`prepare_training` installed."""
         if features.shape[0] < 2 and gather is None:
-            # a one-pair batch (the loop keeps a last, smaller batch) has no negatives, and batch norm cannot
-            # take its statistics from one sample: it contributes nothing
+            # a one-pair batch (the loop keeps a last, smaller batch; CVSE drops it: docs C13) has no negatives,
+            # and batch norm cannot take its statistics from one sample: it contributes nothing
             return features.new_zeros((), requires_grad=True)
         if caption_index is not None:
             index = caption_index.cpu()
@@ -458,7 +462,8 @@ SMFEA_OLD_DEFAULTS = {"tree_residual": False, "fused_rank_weight": 1.0, "instanc
 
 
 #: SMFEA §4.2: Adam 2e-4 ×0.1 every 25 epochs, 50 epochs; CVSE's label ratio r: 0.4 COCO, 0.35 Flickr30K.
-SMFEA_SCHEDULE = {"batch_size": 128, "grad_clip": 2.0, "epochs": 50, "lr": 2e-4, "lr_update": 25}
+SMFEA_SCHEDULE = {"batch_size": 128, "grad_clip": 2.0, "epochs": 50, "lr": 2e-4, "lr_update": 25,
+                  "drop_last": True}   # CVSE's training loader drops the last batch (docs/models-smfea.md C13)
 
 
 def _smfea_inputs(data, files, config, vocab_size):

@@ -104,8 +104,9 @@ class StructuredTreeEncoder(nn.Module):
     * Eq. 14: ``tree = Σ_t W_t h_t`` with a separate ``Linear(hidden → d)`` per node, then l2-normalised so it
       is on the scale of the instance and concept vectors it is fused with (the paper does not say; option
       ``normalize``). ``residual=True`` adds the instance feature before normalising (the paper's sentence on
-      S_T "the sum of the hidden states … and the original instance-level feature S_D"; off by default so the
-      image and text trees are built the same way, as Eq. 14 writes V_T).
+      S_T "the sum of the hidden states … and the original instance-level feature S_D"). This module's own
+      default is off (Eq. 14 as it writes V_T); SMFEA passes its ``tree_residual`` setting, which is **on** by
+      default, for both trees alike (``docs/models-smfea.md``, C6; runs written before that default keep it off).
     """
 
     def __init__(self, embed_size: int, num_entities: int, num_relations: int, hidden_size: int = 128,
