@@ -8,11 +8,12 @@ DATASET ?= synthetic
 DEMO_DIR ?= demo-out
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo extract clean-demo help
+.PHONY: setup test test-matrix demo extract clean-demo help
 
 help:
 	@echo "make setup                 create .venv and install retr (editable, dev extra, pinned torch)"
-	@echo "make test                  run the test suite (sets up first if needed)"
+	@echo "make test                  run the test suite in a shuffled order (sets up first if needed)"
+	@echo "make test-matrix           the numerical tests again with 1 and 4 threads (CI runs both)"
 	@echo "make demo                  run every stage on the synthetic dataset and print the results table"
 	@echo "make extract DATASET=coco  run every extractor of a dataset preset (coco, f30k, synthetic)"
 
@@ -25,8 +26,14 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
+# pytest-randomly shuffles the order; it prints its seed, and PYTEST_ARGS=--randomly-seed=N repeats that order.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# A reduction's rounding depends on the thread count: every numerical test must pass with any.
+test-matrix: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m numerical -p no:randomly $(PYTEST_ARGS)
+	OMP_NUM_THREADS=4 $(BIN)/python -m pytest -q -m numerical $(PYTEST_ARGS)
 
 # Every stage that exists, run on the synthetic dataset; each line is a command a user can copy.
 demo: $(STAMP)
