@@ -5,21 +5,19 @@
   the parameter) is such a user error, printed with the command's flag in place of the parameter name
   (:func:`flags_in_errors`);
 * usage errors (bad option) print click's usage hint, then ``error: …``, and exit with status 2;
-* progress bars are tqdm bars that switch themselves off when stderr is not a terminal or with ``--quiet``.
+* progress bars: :mod:`retr.common.progress` (library code uses them without this module).
 """
 from __future__ import annotations
 
 import functools
 import re
 import sys
-from typing import Callable, Iterable, Iterator, Mapping, TypeVar
+from typing import Callable, Iterable, Mapping
 
 import click
-from tqdm import tqdm
 
 from retr.common.errors import ParameterError, RetrError, UserError
 
-T = TypeVar("T")
 _WRAPPED = "_retr_flags_in_errors"
 
 
@@ -164,41 +162,6 @@ class LazyChoice(click.Choice):
     @choices.setter
     def choices(self, value: Iterable[str]) -> None:  # click.Choice.__init__ assigns (); the names win
         pass
-
-
-#: seconds between progress lines when stderr is not a terminal (a log file, SLURM, nohup)
-PROGRESS_SECONDS_ENV = "RETR_PROGRESS_SECONDS"
-DEFAULT_PROGRESS_SECONDS = 30.0
-
-
-class _Lines:
-    """A file for tqdm that turns its carriage-return redraws into whole lines (for logs, not terminals)."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text: str) -> None:
-        text = text.replace("\r", "").strip("\n")
-        if text.strip():
-            self.stream.write(text + "\n")
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-def progress(iterable: Iterable[T] | None = None, *, total: int | None = None, desc: str = "",
-             unit: str = "it", quiet: bool = False, **kwargs) -> Iterator[T] | tqdm:
-    """A tqdm bar (rate and ETA) on a terminal; elsewhere (stderr is a file or a pipe) one line of the same
-    every ``RETR_PROGRESS_SECONDS`` seconds (default 30), the first after that long, so short stages print
-    nothing; nothing at all with ``quiet``."""
-    if quiet or sys.stderr.isatty():
-        return tqdm(iterable, total=total, desc=desc, unit=unit, disable=quiet, dynamic_ncols=True,
-                    smoothing=0.05, **kwargs)
-    import os
-
-    every = float(os.environ.get(PROGRESS_SECONDS_ENV, DEFAULT_PROGRESS_SECONDS))
-    return tqdm(iterable, total=total, desc=desc, unit=unit, file=_Lines(sys.stderr), mininterval=every,
-                maxinterval=max(every, 1.0), delay=every, ascii=True, ncols=100, smoothing=0.05, **kwargs)
 
 
 def split_list(values: Iterable[str] | str | None) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ features" table is this table.
   final name half-written;
 * **one writer** — an exclusive ``flock`` on ``.<name>.lock`` beside the file: ranks of one ``torchrun`` job
   that need the same file wait for the first one's download instead of writing the same partial file;
-* **progress** — :func:`retr.common.cli.progress` (a bar on a terminal, a line every 30 s in a log);
+* **progress** — :func:`retr.common.progress.progress` (a bar on a terminal, a line every 30 s in a log);
 * **offline** — with ``RETR_OFFLINE=1`` (the commands' ``--offline`` sets it) no socket is ever opened: a file
   that is not already complete raises the usual one-line :class:`MissingResourceError` (what, where retr
   looked, the command that fetches it);
@@ -50,7 +50,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from retr.common.atomic import PARTIAL_SUFFIX, partial_path
-from retr.common.cli import progress
+from retr.common.progress import progress
 from retr.common.errors import MissingResourceError, UserError
 from retr.common.locks import waiting_lock
 

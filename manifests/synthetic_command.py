@@ -5,7 +5,8 @@ from pathlib import Path
 
 import click
 
-from retr.common.cli import progress, quiet_option
+from retr.common.cli import quiet_option
+from retr.common.progress import progress
 from retr.manifests.synthetic import MAX_SCENES, generate_synthetic
 
 

@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from retr.common.cli import progress
+from retr.common.progress import progress
 from retr.common.errors import ParameterError, UserError
 from retr.common.locks import LockHeldError, acquire_lock
 from retr.common.torchrun import TorchrunEnv

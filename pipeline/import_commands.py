@@ -5,7 +5,8 @@ from pathlib import Path
 
 import click
 
-from retr.common.cli import progress, quiet_option, splits_option
+from retr.common.cli import quiet_option, splits_option
+from retr.common.progress import progress
 from retr.pipeline.importers import SCAN_SPLITS, ImportSummary, import_npz, import_scan, import_tsv
 from retr.store.features import FEATURE_DTYPES
 

@@ -39,7 +39,8 @@ import click
 import numpy as np
 from nltk.tree import TreePrettyPrinter
 
-from retr.common.cli import progress, quiet_option
+from retr.common.cli import quiet_option
+from retr.common.progress import progress
 from retr.common.errors import ParameterError, UserError
 from retr.manifests.schema import ManifestRecord, manifest_sha256, read_manifest
 from retr.parsers.backends import (CaptionItem, ConlluBackend, ParserBackend, StanzaBackend,

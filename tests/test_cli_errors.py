@@ -131,7 +131,7 @@ def test_a_parameter_name_inside_a_path_stays():
 def test_progress_off_a_terminal_is_a_line_every_few_seconds(monkeypatch, capsys):
     import time
 
-    from retr.common.cli import progress
+    from retr.common.progress import progress
 
     monkeypatch.setenv("RETR_PROGRESS_SECONDS", "0.05")
     for _ in progress(range(8), desc="stage", unit="img"):

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from retr.common.atomic import atomic_text
-from retr.common.cli import progress
+from retr.common.progress import progress
 from retr.common.devices import resolve_device
 from retr.common.errors import UserError
 from retr.common.locks import exclusive_lock

@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from retr.common.cli import progress
+from retr.common.progress import progress
 from retr.common.errors import UserError
 from retr.trainers.data import ImageFeatures, SplitData, pad_tokens
 from retr.trainers.models.base import MatchingModel
