@@ -4,7 +4,7 @@ Data: 1,000 images × 5,000 captions (default), 36 regions, d = 1024, captions o
 vectors (the cost does not depend on the values). Both sides score the same embeddings with t-i LSE
 (λ_softmax 9, λ_lse 6, clipped_l2norm), or with ``--direction i2t`` i-t LSE (λ_softmax 4, λ_lse 20).
 
-* ``retr``: the evaluator as ``retr-train eval`` runs it — :func:`retr.trainers.similarity.combined_matrix`
+* ``retr``: the evaluator as ``retr-train eval`` runs it — :func:`retr.trainers.evaluation.similarity.combined_matrix`
   over a real SCAN model's ``score``: length-sorted caption blocks × image blocks, one GEMM per chunk for the
   region–word dot products, attended vectors never formed (Gram matrices), at each ``--precision``
   (``refined``: float32, then float64 for every near-tie; ``float32``; ``float64``).
@@ -32,9 +32,9 @@ import time
 import numpy as np
 import torch
 
-from retr.trainers.evaluation import i2t_ranks, t2i_ranks
+from retr.trainers.evaluation.metrics import i2t_ranks, t2i_ranks
 from retr.trainers.models import create_model
-from retr.trainers.similarity import PRECISIONS, Scorer, SplitEmbeddings, combined_matrix
+from retr.trainers.evaluation.similarity import PRECISIONS, Scorer, SplitEmbeddings, combined_matrix
 
 
 def baseline(images: torch.Tensor, captions: list[torch.Tensor], direction: str, lsm: float, lse: float,

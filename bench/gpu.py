@@ -14,7 +14,7 @@ data and weights (random weights: the arithmetic of real ones, nothing to downlo
 * ``butd`` — ``butd-regions`` detection of preprocessed images (:func:`retr.extractors.butd.model.run_detector`)
   ``--detector-batch`` images per forward, against one image per forward (the original's), with the largest
   box and feature differences and the share of images that keep the same boxes (within 0.01 px).
-* ``train`` (per model) — training steps as ``retr-train`` runs them (:func:`retr.trainers.loop.train_step` over
+* ``train`` (per model) — training steps as ``retr-train`` runs them (:func:`retr.trainers.training.loop.train_step` over
   the loop's :class:`CaptionBatches` loader; on CUDA: features held on the GPU, ``--preload gpu``, the fused
   optimiser, ``--amp bf16``; with ``--compile``, also compiled), in steps/s, against an authors'-style loop:
   float32 everywhere, features indexed from a float32 array in host memory and copied per batch, the
@@ -218,7 +218,7 @@ def _training_set(folder: Path, name: str, sizes: Sizes, seed: int = 0):
     manifest of 5 random captions per image, and the model built at ``sizes``' settings with its side tensors."""
     from retr.store.features import FeatureSet, ShardWriter, shard_name, write_index
     from retr.store.vocab import Vocabulary
-    from retr.trainers.data import load_split
+    from retr.trainers.training.data import load_split
     from retr.trainers.models import create_model
 
     rng = np.random.default_rng(seed)
@@ -263,9 +263,9 @@ def bench_train(name: str, folder: Path, device: torch.device, sizes: Sizes, com
     """Training steps of ``name`` as the loop runs them against an authors'-style loop (module docstring)."""
     import copy
 
-    from retr.trainers.data import CaptionBatches, EpochBatchSampler, ImageFeatures, pad_tokens
-    from retr.trainers.loop import train_step
-    from retr.trainers.optim import apply_implementation
+    from retr.trainers.training.data import CaptionBatches, EpochBatchSampler, ImageFeatures, pad_tokens
+    from retr.trainers.training.loop import train_step
+    from retr.trainers.training.optim import apply_implementation
 
     features, data, model = _training_set(folder, name, sizes)
     model.max_violation = False                        # the sum of violations: no collapse to time
@@ -339,9 +339,9 @@ def bench_eval(device: torch.device, sizes: Sizes) -> dict:
     """SCAN t-i over COCO 5K's sizes as ``retr-train eval`` scores it, against the authors'-style loop."""
     from eval import baseline, embeddings  # noqa: E402  (bench/eval.py: the authors' loop, the encoder outputs)
 
-    from retr.trainers.evaluation import i2t_ranks, t2i_ranks
+    from retr.trainers.evaluation.metrics import i2t_ranks, t2i_ranks
     from retr.trainers.models import create_model
-    from retr.trainers.similarity import Scorer, SplitEmbeddings, combined_matrix
+    from retr.trainers.evaluation.similarity import Scorer, SplitEmbeddings, combined_matrix
 
     g = torch.Generator().manual_seed(0)
     norm = torch.nn.functional.normalize

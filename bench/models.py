@@ -7,7 +7,7 @@ result carries the baseline it is compared with, measured in the same run:
   (random features of the model's input kind and random captions of 8–16 tokens), the model's own optimiser.
   Baseline: VSE++ (the global-vector reference every paper compares to) on the same features and batch.
 * ``eval_pairs_per_s`` — encode ``--images`` images and ``5 ×`` as many captions, then fill the full
-  similarity matrix with the evaluator's blockwise scorer (:func:`retr.trainers.similarity.score_blocks`);
+  similarity matrix with the evaluator's blockwise scorer (:func:`retr.trainers.evaluation.similarity.score_blocks`);
   pairs = images × captions. Baseline: for pair-specific models (SMAN), scoring pairs one by one
   (``score`` on 1 × 1 blocks, timed on ``--pair-baseline`` pairs); for SEAM, VSE++'s dot products.
 
@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from retr.trainers.similarity import score_blocks
+from retr.trainers.evaluation.similarity import score_blocks
 from retr.trainers.models import create_model
 
 VOCAB = 5000
@@ -77,7 +77,7 @@ def train_steps_per_s(model, features, mask, tokens, lengths, steps: int, lr: fl
 @torch.no_grad()
 def encode(model, features, mask, tokens, lengths, batch: int = 128):
     """Image embeddings (one dict) and length-sorted caption blocks, as the evaluator makes them."""
-    from retr.trainers.similarity import _concat
+    from retr.trainers.evaluation.similarity import _concat
     model.eval()
     images = _concat([model.encode_images(features[s:s + batch], mask[s:s + batch])
                       for s in range(0, features.shape[0], batch)])
@@ -185,8 +185,8 @@ def bench_jgcar(args) -> list[dict]:
     Two-step: the shortlist is the same fraction of the candidates as the paper's 100 of a 1K test (10 %);
     its time (global scores + re-ranking the shortlists) is compared with scoring every pair, same embeddings.
     """
-    from retr.trainers.similarity import _concat
-    from retr.trainers.two_step import full_scores, rerank_matrices
+    from retr.trainers.evaluation.similarity import _concat
+    from retr.trainers.evaluation.two_step import full_scores, rerank_matrices
     s = sizes(args, dict(k=196, img_dim=512, d=64, l=64), dict(k=196, img_dim=64, d=16, l=16))
     batch = min(args.batch, 32)
     train_inputs = (random_features(batch, s["k"], s["img_dim"]), random_captions(batch))

@@ -81,7 +81,7 @@ class CliRunnerHelper:
     @staticmethod
     def _group(program: str):
         if program == "train":
-            from retr.trainers.cli import cli
+            from retr.trainers.commands import cli
         elif program == "pipeline":
             from retr.pipeline.cli import cli
         else:

@@ -8,7 +8,7 @@ def simulated_ddp_grads(model, features, mask, tokens, lengths, monkeypatch=None
     """(single-process gradients, Σ over two simulated DDP ranks of their gradients) of ``model.forward``.
 
     Rank r encodes its half of the batch; the fake gather puts the other half's embeddings (no gradient)
-    around it, as ``retr.trainers.distributed.gather_embeddings`` does. The loop scales each rank's loss by
+    around it, as ``retr.trainers.training.distributed.gather_embeddings`` does. The loop scales each rank's loss by
     the world size and DDP averages gradients, so the update follows the sum of the ranks' gradients.
     """
     def grads():

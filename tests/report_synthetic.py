@@ -84,7 +84,7 @@ def make_images(folder: Path, images: int = 100, seed: int = 0) -> Path:
 
 
 def train_tiny(model: str, features: Path, manifest: Path, out: Path, *extra: str) -> Path:
-    from retr.trainers.cli import cli
+    from retr.trainers.commands import cli
 
     args = [model, "--features", str(features), "--manifest", str(manifest), "--out", str(out), "--embed-size", "32",
             "--word-dim", "32", "--batch-size", "32", "--lr", "2e-3", "--log-every", "2", "--quiet", *extra]

@@ -8,10 +8,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from retr.trainers import checkpoint as ckpt
-from retr.trainers.cli import cli
-from retr.trainers.loop import autocast_dtype, train_step
-from retr.trainers.losses import hinge_triplet_loss
+from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.commands import cli
+from retr.trainers.training.loop import autocast_dtype, train_step
+from retr.trainers.training.losses import hinge_triplet_loss
 from retr.trainers.models import create_model
 from trainer_synthetic import make_synthetic
 
@@ -108,7 +108,7 @@ def test_runs_from_before_amp_modes_read_as_fp16_or_off():
 
 @pytest.mark.slow
 def test_ema_checkpoint_follows_the_weights_resumes_and_evaluates(tmp_path):
-    from retr.trainers.checkpoint import load_checkpoint
+    from retr.trainers.training.checkpoint import load_checkpoint
 
     manifest, features = make_synthetic(tmp_path, images=40)
     common = ["vsepp", "--features", str(features), "--manifest", str(manifest), "--embed-size", "16",

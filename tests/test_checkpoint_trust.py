@@ -6,7 +6,7 @@ import pathlib
 import pytest
 import torch
 
-from retr.trainers import checkpoint as ckpt
+from retr.trainers.training import checkpoint as ckpt
 from trainer_synthetic import make_synthetic
 
 
@@ -24,7 +24,7 @@ class Payload:
 def trained_run(tmp_path_factory):
     from click.testing import CliRunner
 
-    from retr.trainers.cli import cli
+    from retr.trainers.commands import cli
 
     folder = tmp_path_factory.mktemp("trust")
     manifest, features = make_synthetic(folder / "s", images=30, seed=0)

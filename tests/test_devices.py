@@ -35,7 +35,7 @@ def test_cuda_without_cuda_names_the_parameter():
 def test_every_user_shares_the_one_resolver():
     import retr.extractors.backbone as backbone
     import retr.parsers.backends as backends
-    import retr.trainers.loop as loop
+    import retr.trainers.training.loop as loop
     assert backends.resolve_device is resolve_device and loop.resolve_device is resolve_device
     assert backbone.resolve_common_device is resolve_device    # plus the extractors' half-precision check
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from retr.trainers.data import SplitData
-from retr.trainers.evaluation import (coco_folds, i2t_ranks, protocol_metrics, rank_metrics, retrieval_metrics,
+from retr.trainers.training.data import SplitData
+from retr.trainers.evaluation.metrics import (coco_folds, i2t_ranks, protocol_metrics, rank_metrics, retrieval_metrics,
                                       t2i_ranks)
 
 
@@ -99,7 +99,7 @@ def test_coco_five_fold_slicing():
 
 
 def test_protocols_refuse_another_split_size_unless_allowed():
-    from retr.trainers.evaluation import EXPECTED_IMAGES, check_split_size
+    from retr.trainers.evaluation.metrics import EXPECTED_IMAGES, check_split_size
 
     assert EXPECTED_IMAGES == {"f30k-1k": 1000, "coco-1k": 5000, "coco-5k": 5000, "coco-1k-first": 5000}
     for protocol, size in EXPECTED_IMAGES.items():
@@ -129,7 +129,7 @@ def _authors_i2t_t2i(sims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_official_tie_rule_equals_the_authors_loops_where_ties_differ():
-    from retr.trainers.evaluation import i2t_ranks_official, t2i_ranks_official
+    from retr.trainers.evaluation.metrics import i2t_ranks_official, t2i_ranks_official
 
     rng = np.random.default_rng(4)
     sims = np.round(rng.standard_normal((30, 150)), 1)        # coarse values: many exact ties
@@ -151,8 +151,8 @@ def test_the_hint_after_training_names_the_protocols_the_test_split_fits(tmp_pat
     another size says so (it was always `--protocol f30k-1k`, also for COCO runs)."""
     from retr.manifests.schema import ManifestRecord, write_manifest
     from retr.trainers.config import TrainConfig
-    from retr.trainers.evaluation import protocols_for
-    from retr.trainers.train_command import evaluate_hint
+    from retr.trainers.evaluation.metrics import protocols_for
+    from retr.trainers.commands.train import evaluate_hint
 
     assert protocols_for(5000) == ["coco-1k", "coco-5k", "coco-1k-first"] and protocols_for(1000) == ["f30k-1k"]
     for n, expected in ((1000, ["--protocol f30k-1k"]), (5000, ["--protocol coco-1k", "--protocol coco-5k"]),

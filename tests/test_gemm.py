@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-import retr.trainers.gemm as gemm
+import retr.trainers.evaluation.gemm as gemm
 
 
 def _operands(dtype=torch.float32):

@@ -45,13 +45,13 @@ import torch
 
 from golden_support import GOLDEN, load_golden
 from retr.store.vocab import Vocabulary
-from retr.trainers.checkpoint import load_run_model
-from retr.trainers.data import ImageFeatures, SplitData
-from retr.trainers.evaluation import protocol_metrics
-from retr.trainers.loop import lr_schedule, train_step
-from retr.trainers.optim import apply_implementation
-from retr.trainers.scan_import import import_scan_checkpoint
-from retr.trainers.similarity import Scorer, SplitEmbeddings, combined_matrix, similarity_matrix
+from retr.trainers.training.checkpoint import load_run_model
+from retr.trainers.training.data import ImageFeatures, SplitData
+from retr.trainers.evaluation.metrics import protocol_metrics
+from retr.trainers.training.loop import lr_schedule, train_step
+from retr.trainers.training.optim import apply_implementation
+from retr.trainers.training.official_checkpoints import import_scan_checkpoint
+from retr.trainers.evaluation.similarity import Scorer, SplitEmbeddings, combined_matrix, similarity_matrix
 
 SETTINGS = ("t2i_lse", "t2i_avg", "i2t_lse", "i2t_avg")
 ENSEMBLE = ("t2i_lse", "i2t_lse")        # the paper's ensemble: a t-i and an i-t model, matrices averaged

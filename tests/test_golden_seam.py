@@ -29,11 +29,11 @@ import numpy as np
 import pytest
 import torch
 
-from retr.trainers.data import ImageFeatures, SplitData
-from retr.trainers.evaluation import i2t_ranks, retrieval_metrics, t2i_ranks
-from retr.trainers.loop import train_step
+from retr.trainers.training.data import ImageFeatures, SplitData
+from retr.trainers.evaluation.metrics import i2t_ranks, retrieval_metrics, t2i_ranks
+from retr.trainers.training.loop import train_step
 from retr.trainers.models.seam import SEAM, attention_penalty
-from retr.trainers.similarity import SplitEmbeddings, similarity_matrix
+from retr.trainers.evaluation.similarity import SplitEmbeddings, similarity_matrix
 from tests.golden_support import load_golden
 
 PROVENANCE, INPUTS, FIGURES = load_golden("seam")

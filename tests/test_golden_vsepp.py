@@ -6,8 +6,8 @@ in float64 on the CPU (``tools/golden/vsepp.py``, run by hand; ``provenance.json
 patch). Here the same state enters retr through the project's importer (an official-format checkpoint written to
 ``tmp_path`` → :func:`import_vsepp_checkpoint` → :func:`load_run_model`, so the authors' state-dict names and
 ``opt`` go through :func:`vsepp_args_from_opt`), then retr's model, loss, training step
-(:func:`retr.trainers.loop.train_step`, with the loop's optimiser and ``StepLR`` schedule) and evaluation
-(:func:`similarity_matrix`, :mod:`retr.trainers.evaluation`) run in float64 on the same batches.
+(:func:`retr.trainers.training.loop.train_step`, with the loop's optimiser and ``StepLR`` schedule) and evaluation
+(:func:`similarity_matrix`, :mod:`retr.trainers.evaluation.metrics`) run in float64 on the same batches.
 
 Finding F1, fixed: retr's VSE++ l2-normalised with ``x / (‖x‖ + 1e-8)`` (SCAN's ``l2norm``, shared through
 ``RegionEncoder`` and ``GRUSentenceEncoder``) where the authors' VSE++ divides by ``‖x‖`` alone (a relative gap of
@@ -25,14 +25,14 @@ import torch
 
 from golden_support import load_golden
 from retr.store.vocab import Vocabulary
-from retr.trainers.checkpoint import load_run_model
-from retr.trainers.data import SplitData
-from retr.trainers.evaluation import (i2t_ranks, i2t_ranks_official, protocol_metrics, t2i_ranks,
+from retr.trainers.training.checkpoint import load_run_model
+from retr.trainers.training.data import SplitData
+from retr.trainers.evaluation.metrics import (i2t_ranks, i2t_ranks_official, protocol_metrics, t2i_ranks,
                                       t2i_ranks_official)
-from retr.trainers.loop import lr_schedule, train_step
-from retr.trainers.optim import apply_implementation
-from retr.trainers.scan_import import import_vsepp_checkpoint
-from retr.trainers.similarity import similarity_matrix
+from retr.trainers.training.loop import lr_schedule, train_step
+from retr.trainers.training.optim import apply_implementation
+from retr.trainers.training.official_checkpoints import import_vsepp_checkpoint
+from retr.trainers.evaluation.similarity import similarity_matrix
 
 PROVENANCE, INPUTS, FIGURES = load_golden("vsepp")
 OPT = json.loads(str(INPUTS["opt_json"]))

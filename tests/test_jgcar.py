@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from retr.store.labels import read_label_file
-from retr.trainers.losses import hinge_triplet_loss
+from retr.trainers.training.losses import hinge_triplet_loss
 from retr.trainers.models import create_model, preset
 from retr.trainers.models.jgcar import JGCAR, decorrelation_loss, intra_modal_triplet
-from retr.trainers.side_inputs import caption_concepts, labels_to_multihot
-from retr.trainers.two_step import rerank_matrices
+from retr.trainers.training.side_inputs import caption_concepts, labels_to_multihot
+from retr.trainers.evaluation.two_step import rerank_matrices
 
 torch.set_num_threads(1)
 
@@ -285,7 +285,7 @@ def test_two_step_shortlist_placement():
 
 def test_same_image_pairs_per_batch_is_the_exact_expectation():
     import itertools
-    from retr.trainers.side_inputs import same_image_pairs_per_batch
+    from retr.trainers.training.side_inputs import same_image_pairs_per_batch
     owner = np.array([0, 0, 0, 1, 1, 2, 3])
     subsets = list(itertools.combinations(range(7), 3))
     brute = np.mean([sum(owner[a] == owner[b] for a, b in itertools.combinations(c, 2)) for c in subsets])
@@ -295,8 +295,8 @@ def test_same_image_pairs_per_batch_is_the_exact_expectation():
 
 
 def test_training_without_labels_notes_that_j3_is_nearly_inert(tmp_path):
-    from retr.trainers.data import SplitData
-    from retr.trainers.side_inputs import load_jgcar_inputs
+    from retr.trainers.training.data import SplitData
+    from retr.trainers.training.side_inputs import load_jgcar_inputs
     data = SplitData(["a", "b"], ["a red circle", "the red circle", "a blue star", "one blue star"],
                      np.array([0, 0, 1, 1]), [[1, 4, 5, 2]] * 4)
     notes = load_jgcar_inputs(data, None).notes
@@ -370,10 +370,10 @@ def test_jgcar_learns_on_synthetic_maps(tmp_path):
     """Through the shared loop: a short run reaches a two-step test R@1 many times chance, both directions."""
     from retr.manifests.synthetic import generate_synthetic
     from retr.store.features import FeatureSet
-    from retr.trainers import checkpoint as ckpt
-    from retr.trainers.data import ImageFeatures, load_split
-    from retr.trainers.loop import TrainConfig, train
-    from retr.trainers.two_step import two_step_split
+    from retr.trainers.training import checkpoint as ckpt
+    from retr.trainers.training.data import ImageFeatures, load_split
+    from retr.trainers.training.loop import TrainConfig, train
+    from retr.trainers.evaluation.two_step import two_step_split
 
     generate_synthetic(tmp_path / "synth", 200, 0)
     features = write_scene_maps(tmp_path / "synth")

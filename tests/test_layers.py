@@ -174,7 +174,7 @@ def test_checker_finds_every_kind_of_import(tmp_path):
         "pipeline/sub/__init__.py": "",
         "pipeline/sub/helper.py": "from ..stage import run\n",
         "trainers/__init__.py": "",
-        "trainers/loop.py": ("import importlib\n"
+        "trainers/training/loop.py": ("import importlib\n"
                              "class Loop:\n"
                              "    def go(self):\n"
                              "        return importlib.import_module('retr.pipeline.stage')\n"),
@@ -187,7 +187,7 @@ def test_checker_finds_every_kind_of_import(tmp_path):
     assert violations(edges, ALLOWED) == [
         ("retr.pipeline.stage", "retr.trainers"),
         ("retr.store.files", "retr.pipeline.stage"),
-        ("retr.trainers.loop", "retr.pipeline.stage"),
+        ("retr.trainers.training.loop", "retr.pipeline.stage"),
     ]
     assert package_cycles(edges) == [["pipeline", "store", "trainers"]]
 

@@ -285,8 +285,8 @@ def test_one_training_step_through_the_loop(name, synthetic_side_files):
     """The spec's side files → tensors → ``prepare_training``; one ``train_step`` changes the parameters."""
     from retr.store.features import FeatureSet
     from retr.store.vocab import Vocabulary
-    from retr.trainers.data import CaptionBatches, EpochBatchSampler, ImageFeatures, load_split
-    from retr.trainers.loop import train_step
+    from retr.trainers.training.data import CaptionBatches, EpochBatchSampler, ImageFeatures, load_split
+    from retr.trainers.training.loop import train_step
     from retr.trainers.models import ModelInputs
     from retr.manifests.schema import read_manifest
 
@@ -325,7 +325,7 @@ def test_presets_resolve_and_every_setting_has_help(name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_generated_command_lists_every_setting(name):
-    from retr.trainers.train_command import flag_of, training_command
+    from retr.trainers.commands.train import flag_of, training_command
 
     spec = get_spec(name)
     command = training_command(spec)

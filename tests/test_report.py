@@ -1,4 +1,4 @@
-"""``retr-train show`` (trainers/report.py, trainers/report_draw.py): the drawing is faithful to the numbers
+"""``retr-train show`` (trainers/reporting/report.py, trainers/reporting/draw.py): the drawing is faithful to the numbers
 (pixels read back), the queries are eval's ranks and the worst really are the largest, and the report folder is
 self-contained (every ``<img>`` is a file in it, no external URL)."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from retr.trainers import report as rp
-from retr.trainers import report_draw as draw
-from retr.trainers.data import SplitData
-from retr.trainers.evaluation import i2t_ranks, protocol_metrics, retrieval_metrics, t2i_ranks
+from retr.trainers.reporting import report as rp
+from retr.trainers.reporting import draw as draw
+from retr.trainers.training.data import SplitData
+from retr.trainers.evaluation.metrics import i2t_ranks, protocol_metrics, retrieval_metrics, t2i_ranks
 
 GREY = (100, 120, 140)
 
@@ -243,7 +243,7 @@ def test_report_is_complete_and_self_contained(tiny, monkeypatch, tmp_path):
     panels = [s for s in srcs if s.startswith("assets/att-m0-0-0-") and not s.endswith("image.jpg")]
     assert len(panels) == words                                     # one panel per caption token
     # the numbers: the report's matrix is eval's, its rank list gives eval's R@1
-    from retr.trainers.eval_commands import evaluate_runs
+    from retr.trainers.commands.evaluate import evaluate_runs
 
     result, _ = evaluate_runs([str(scan)], "f30k-1k", allow_size_mismatch=True, quiet=True)
     assert f"<td>{result['i2t']['r1']:.1f}</td>" in page and f"<td colspan='5'>{result['rsum']:.1f}</td>" in page
@@ -268,7 +268,7 @@ def test_report_without_image_files_draws_blank_canvases_of_the_stored_size(tiny
 
 
 def test_models_without_explain_say_so_and_two_step_ranks_are_evals(tiny, tmp_path):
-    from retr.trainers.eval_commands import evaluate_runs
+    from retr.trainers.commands.evaluate import evaluate_runs
     from retr.trainers.models.sman import SMAN
 
     folder, manifest, _, sman = tiny
@@ -290,7 +290,7 @@ def test_ensemble_report_names_its_members(tiny, tmp_path):
     folder, manifest, scan, sman = tiny
     from click.testing import CliRunner
 
-    from retr.trainers.cli import cli
+    from retr.trainers.commands import cli
 
     out = tmp_path / "ens"
     result = CliRunner().invoke(cli, ["show", str(scan), str(sman), "--protocol", "coco-1k", "--samples", "2",
@@ -306,7 +306,7 @@ def test_a_saved_matrix_is_ranked_instead_of_evaluating_again(tiny, tmp_path):
     from click.testing import CliRunner
 
     from retr.common.errors import ParameterError
-    from retr.trainers.cli import cli
+    from retr.trainers.commands import cli
 
     folder, manifest, scan, sman = tiny
     saved = tmp_path / "scan.npy"

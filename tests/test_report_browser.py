@@ -54,7 +54,7 @@ def test_the_report_renders_in_a_browser(tmp_path, monkeypatch):
         pytest.skip("chromium not installed (apt-get install -y chromium): the report is not rendered in a browser")
     from report_synthetic import make_images, train_tiny, write_scene_boxes
 
-    from retr.trainers.cli import cli
+    from retr.trainers.commands import cli
     from retr.trainers.models.scan import SCAN
 
     manifest = make_images(tmp_path / "data", images=100)

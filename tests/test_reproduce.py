@@ -7,7 +7,7 @@ import json
 import pytest
 
 from retr.trainers.models import get_spec, preset
-from retr.trainers.recipes import RECIPES
+from retr.trainers.reproduction.recipes import RECIPES
 
 #: The authors' flags for SCAN (kuanghuei/SCAN README; reference/scan.md), written out here on purpose:
 #: (dataset, direction, aggregation) → λ_softmax, λ_lse (None: AVG has none); dataset → epochs, lr, lr step.
@@ -49,7 +49,7 @@ def test_scan_dataset_presets_pick_the_published_best_aggregation():
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_every_recipe_is_runnable_data(name):
-    from retr.trainers.evaluation import PROTOCOLS
+    from retr.trainers.evaluation.metrics import PROTOCOLS
 
     recipe = RECIPES[name]
     assert recipe.protocol in PROTOCOLS
@@ -128,7 +128,7 @@ def test_reproduce_refuses_settings_no_member_has(tmp_path, run_cli):
 def test_readme_table_is_the_recipes_table():
     from pathlib import Path
 
-    from retr.trainers.reproduce import markdown_table
+    from retr.trainers.reproduction.reproduce import markdown_table
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     assert markdown_table() in readme, "README's recipe table is stale: paste `retr-train recipes --markdown`"
@@ -158,10 +158,10 @@ def test_the_butd_extractor_defaults_are_what_the_recipes_need():
     """The recipe's provenance is stated as data; the extractor's defaults must still satisfy it (so neither can
     drift alone): every attribute the recipe names is what a default extraction records."""
     from retr.extractors.butd.model import DetectorSettings
-    from retr.trainers.recipes import BUTD, accepts
+    from retr.trainers.reproduction.recipes import BUTD, accepts
 
     recorded = {**BUTD_DEFAULT_ATTRS, "detector_settings": json.dumps(DetectorSettings().__dict__, sort_keys=True)}
-    from retr.trainers.reproduce import _attr
+    from retr.trainers.reproduction.reproduce import _attr
     for key, wanted in BUTD.extracted.items():
         assert accepts(wanted, _attr(recorded, key)), key
 
@@ -171,8 +171,8 @@ def test_backbone_extractor_defaults_are_what_the_recipes_need(extractor, monkey
     """Built with random weights (no download), a default extractor's attributes satisfy its recipe provenance
     except for the weights, which are then the one reason."""
     from retr.extractors.base import build_extractor
-    from retr.trainers import recipes
-    from retr.trainers.reproduce import feature_reasons
+    from retr.trainers.reproduction import recipes
+    from retr.trainers.reproduction.reproduce import feature_reasons
 
     needed = next(p for p in (recipes.RESNET_GRID, recipes.VGG_MAPS, recipes.TENCROP_RESNET, recipes.TENCROP_VGG19)
                   if p.extractor == extractor)
@@ -185,7 +185,7 @@ def test_backbone_extractor_defaults_are_what_the_recipes_need(extractor, monkey
 def test_smfea_recipe_inputs_are_the_pipeline_defaults():
     from retr.parsers.referral_tree import TreeRules
     from retr.pipeline.concepts import DEFAULT_ADJECTIVES, DEFAULT_NOUNS, DEFAULT_VERBS, GRAPH_DEFAULTS
-    from retr.trainers.recipes import SMFEA_CONCEPTS, SMFEA_TREES
+    from retr.trainers.reproduction.recipes import SMFEA_CONCEPTS, SMFEA_TREES
 
     assert SMFEA_TREES.attrs["rules"] == json.loads(TreeRules().to_json())
     assert SMFEA_CONCEPTS.attrs["requested"] == {"NOUN": DEFAULT_NOUNS, "ADJ": DEFAULT_ADJECTIVES,
@@ -211,8 +211,8 @@ def test_smfea_recipe_inputs_are_the_pipeline_defaults():
                                                  "imported from scan-precomp)"),
 ])
 def test_each_feature_departure_is_a_reason(change, reason):
-    from retr.trainers.recipes import BUTD
-    from retr.trainers.reproduce import feature_reasons
+    from retr.trainers.reproduction.recipes import BUTD
+    from retr.trainers.reproduction.reproduce import feature_reasons
 
     assert feature_reasons(BUTD, _features(**BUTD_DEFAULT_ATTRS), "m" * 64) == []
     reasons = feature_reasons(BUTD, _features(**{**BUTD_DEFAULT_ATTRS, **change}), "m" * 64)
@@ -220,8 +220,8 @@ def test_each_feature_departure_is_a_reason(change, reason):
 
 
 def test_features_of_another_width_and_scan_precomp_imports():
-    from retr.trainers.recipes import BUTD
-    from retr.trainers.reproduce import feature_reasons
+    from retr.trainers.reproduction.recipes import BUTD
+    from retr.trainers.reproduction.reproduce import feature_reasons
 
     assert "features: 36×1024 per image (recipe 36×2048)" in \
         feature_reasons(BUTD, _features((36, 1024), **BUTD_DEFAULT_ATTRS), "m" * 64)
@@ -232,8 +232,8 @@ def test_features_of_another_width_and_scan_precomp_imports():
 
 def test_side_inputs_absent_or_built_otherwise_are_reasons(tmp_path):
     from retr.store.labels import write_label_file
-    from retr.trainers.recipes import RECIPES
-    from retr.trainers.reproduce import input_reasons
+    from retr.trainers.reproduction.recipes import RECIPES
+    from retr.trainers.reproduction.reproduce import input_reasons
 
     jgcar = RECIPES["jgcar-f30k"]
     assert input_reasons(jgcar, {}, "m" * 64) == ["no --labels: fallback labels (shared caption concepts)"]
@@ -258,8 +258,8 @@ def test_side_inputs_absent_or_built_otherwise_are_reasons(tmp_path):
 
 
 def test_trees_and_concepts_built_otherwise_are_reasons(tmp_path, monkeypatch):
-    from retr.trainers import reproduce
-    from retr.trainers.recipes import RECIPES
+    from retr.trainers.reproduction import reproduce
+    from retr.trainers.reproduction.recipes import RECIPES
 
     stored = {"trees": {"scheme": "clearnlp", "rules": '{"verb_prep": "placeholder"}', "manifest_sha256": "m" * 64},
               "concepts": {"pos_source": "frequency", "requested": '{"NOUN": 210, "ADJ": 60, "VERB": 30}',
@@ -310,7 +310,7 @@ def test_a_member_run_made_otherwise_is_refused_and_retrain_sets_it_aside(tmp_pa
 
 
 def test_the_first_line_says_yes_only_without_reasons():
-    from retr.trainers.reproduce import reproduction_line
+    from retr.trainers.reproduction.reproduce import reproduction_line
 
     assert reproduction_line({"reproduction": True, "reasons": []}) == "reproduction: yes"
     assert reproduction_line({"reproduction": False, "reasons": ["no --labels: fallback labels"]}) == \
@@ -324,7 +324,7 @@ def test_vocab_split_builds_the_vocabulary_from_train_and_dev_as_scan(tmp_path, 
     from retr.manifests.schema import read_manifest, write_manifest
     from trainer_synthetic import make_synthetic
 
-    from retr.trainers.recipes import RECIPES
+    from retr.trainers.reproduction.recipes import RECIPES
 
     assert RECIPES["scan-f30k-t2i-avg"].members[0].settings["vocab_splits"] == ("train", "restval", "val")
     manifest, features = make_synthetic(tmp_path / "s", images=40, seed=0)
@@ -341,7 +341,7 @@ def test_vocab_split_builds_the_vocabulary_from_train_and_dev_as_scan(tmp_path, 
 
 
 def test_rows_without_a_recipe_are_listed_with_their_reason_and_unmet_needs_are_reasons(run_cli):
-    from retr.trainers.recipes import NOT_EXPRESSED
+    from retr.trainers.reproduction.recipes import NOT_EXPRESSED
 
     listed = json.loads(run_cli("train", "recipes", "--json").output)
     assert len(listed["not_expressed"]) == len(NOT_EXPRESSED) >= 5

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from retr.trainers.cli import cli
-from retr.trainers.run_log import read_metrics, record_type
+from retr.trainers.commands import cli
+from retr.trainers.training.run_log import read_metrics, record_type
 from trainer_synthetic import make_synthetic
 
 

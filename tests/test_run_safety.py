@@ -20,13 +20,13 @@ from click.testing import CliRunner
 
 from retr.common.errors import UserError
 from retr.common.locks import exclusive_lock
-from retr.trainers import checkpoint as ckpt
-from retr.trainers.cli import cli
+from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.commands import cli
 from trainer_synthetic import make_synthetic, write_uninformative_regions
 
 TINY = ["--embed-size", "16", "--word-dim", "8", "--batch-size", "16", "--quiet", "--log-every", "1",
         "--val-images", "10", "--device", "cpu"]
-RETR_TRAIN = [sys.executable, "-c", "from retr.trainers.cli import main; main()"]
+RETR_TRAIN = [sys.executable, "-c", "from retr.trainers.commands import main; main()"]
 
 
 @pytest.fixture(scope="module")

@@ -179,8 +179,8 @@ def test_authors_padding_is_evaluated_in_the_authors_batches():
     """SEAM-C with padding="authors" is encoded for evaluation as the authors' encode_data does: consecutive
     batches in split order (not length-sorted blocks), each caption where it stands (identical captions are not
     merged: each is encoded in its own batch); the default keeps length-sorted blocks and merged duplicates."""
-    from retr.trainers.data import SplitData, pad_tokens
-    from retr.trainers.similarity import SplitEmbeddings
+    from retr.trainers.training.data import SplitData, pad_tokens
+    from retr.trainers.evaluation.similarity import SplitEmbeddings
 
     class Features:                                                     # the two methods encode_split uses
         def __init__(self, n):
@@ -367,10 +367,10 @@ def test_seam_learns_the_synthetic_scenes(tmp_path, kind):
     """Through the shared loop with the paper's loss: test R@1 (both directions) many times chance."""
     from retr.manifests.synthetic import generate_synthetic
     from retr.store.features import FeatureSet
-    from retr.trainers.data import ImageFeatures, load_split
-    from retr.trainers.evaluation import retrieval_metrics
-    from retr.trainers.similarity import similarity_matrix
-    from retr.trainers.loop import TrainConfig, train
+    from retr.trainers.training.data import ImageFeatures, load_split
+    from retr.trainers.evaluation.metrics import retrieval_metrics
+    from retr.trainers.evaluation.similarity import similarity_matrix
+    from retr.trainers.training.loop import TrainConfig, train
     from retr.store.vocab import Vocabulary
 
     dataset = tmp_path / "synth"

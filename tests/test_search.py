@@ -9,11 +9,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from retr.trainers import checkpoint as ckpt
-from retr.trainers.cli import cli
-from retr.trainers.data import ImageFeatures, load_split
-from retr.trainers.retrieval import CACHE_DIR, Retriever
-from retr.trainers.two_step import encode_all, rerank_matrices
+from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.commands import cli
+from retr.trainers.training.data import ImageFeatures, load_split
+from retr.trainers.search.retrieval import CACHE_DIR, Retriever
+from retr.trainers.evaluation.two_step import encode_all, rerank_matrices
 from retr.store.features import FeatureSet
 from trainer_synthetic import make_synthetic
 
@@ -105,7 +105,7 @@ def test_gallery_is_cached_per_checkpoint_and_reused(runs, monkeypatch):
     Retriever.from_run(run["vsepp"], device="cpu")
     made = sorted(cache.glob("*.pt"))
     assert len(made) == 1
-    import retr.trainers.retrieval as retrieval
+    import retr.trainers.search.retrieval as retrieval
 
     def no_encoding(*args, **kwargs):
         raise AssertionError("the gallery should come from the cache")
@@ -146,7 +146,7 @@ def _faiss_installed() -> bool:
 @pytest.mark.parametrize("use_faiss", [False, pytest.param(True, marks=pytest.mark.skipif(
     not _faiss_installed(), reason="faiss-cpu is not installed (pip install faiss-cpu)"))])
 def test_inner_product_index_holds_the_exact_top_k(use_faiss):
-    from retr.trainers.retrieval import InnerProductIndex
+    from retr.trainers.search.retrieval import InnerProductIndex
 
     gen = torch.Generator().manual_seed(0)
     vectors = torch.nn.functional.normalize(torch.randn(3000, 24, generator=gen), dim=1)

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from retr.trainers.data import ImageFeatures, SplitData, pad_tokens
+from retr.trainers.training.data import ImageFeatures, SplitData, pad_tokens
 from retr.trainers.models import create_model
 from retr.trainers.models.base import MatchingModel
-from retr.trainers.evaluation import i2t_ranks, retrieval_metrics, t2i_ranks
-from retr.trainers.similarity import (Scorer, SplitEmbeddings, caption_sources, combined_matrix, rank_deciding_pairs,
+from retr.trainers.evaluation.metrics import i2t_ranks, retrieval_metrics, t2i_ranks
+from retr.trainers.evaluation.similarity import (Scorer, SplitEmbeddings, caption_sources, combined_matrix, rank_deciding_pairs,
                                       similarity_matrix, with_shared_captions)
 from retr.store.vocab import Vocabulary
 
@@ -148,7 +148,7 @@ def test_refined_ensemble_ranks_the_average_of_float64_matrices():
 
 
 def test_refine_gives_up_loudly_when_the_margin_stops_growing(monkeypatch):
-    import retr.trainers.similarity as similarity
+    import retr.trainers.evaluation.similarity as similarity
     from retr.common.errors import UserError
     monkeypatch.setattr(similarity, "MAX_ROUNDS", 1)
     n, m = 60, 300
@@ -214,7 +214,7 @@ def test_evaluation_at_every_precision_leaves_the_model_as_it_was(case):
     """The scoring dtype is passed, not set: after float64, refined and float32 evaluation (and two-step, for
     models with a global stage) the model has the same attributes, parameter dtypes and values, and scores the
     same numbers as before."""
-    from retr.trainers.two_step import two_step_split
+    from retr.trainers.evaluation.two_step import two_step_split
 
     name, args, (k, dim) = MODELS[case]
     torch.manual_seed(0)
@@ -276,7 +276,7 @@ def test_the_near_tie_search_on_a_device_equals_numpy():
 
 
 def test_block_sizes_follow_the_device():
-    from retr.trainers.similarity import CPU_PAIR_BUDGET, GPU_PAIR_BUDGET_MAX, gpu_image_block, gpu_pair_budget
+    from retr.trainers.evaluation.similarity import CPU_PAIR_BUDGET, GPU_PAIR_BUDGET_MAX, gpu_image_block, gpu_pair_budget
     scorer = _table_scorer(np.zeros((4, 8)), np.zeros((4, 8)))
     assert scorer.block_sizes(torch.float32) == (128, CPU_PAIR_BUDGET)
     assert scorer.block_sizes(torch.float32, 7, 99) == (7, 99)
@@ -309,7 +309,7 @@ def test_gpu_sized_blocks_give_the_cpu_blocks_matrix():
 def test_gpu_block_sizes_come_from_the_measured_memory_per_pair(monkeypatch):
     """Scorer.block_sizes' CUDA branch with the device's answers stubbed: the budget is half the free memory at
     the measured bytes per pair, and the image block fills it against the widest caption block."""
-    import retr.trainers.similarity as similarity
+    import retr.trainers.evaluation.similarity as similarity
     scorer = _table_scorer(np.zeros((300, 40)), np.zeros((300, 40)), block=16)
     seen = {}
 

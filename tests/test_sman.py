@@ -104,7 +104,7 @@ def test_blockwise_scoring_equals_scoring_pairs_one_by_one_and_chunks_do_not_mat
 
 def test_two_step_hooks_score_listed_pairs_like_the_block():
     """``pair_score`` equals ``score`` on listed pairs; with a shortlist covering everything, two-step = one-step."""
-    from retr.trainers.two_step import rerank_matrices
+    from retr.trainers.evaluation.two_step import rerank_matrices
     for mode in ("sum", "concat"):
         m = tiny(eval_score=mode)
         features, mask, tokens, lengths = batch(n_img=3, n_cap=6)
@@ -321,10 +321,10 @@ def test_sman_learns_the_synthetic_scenes(tmp_path):
     """Through the shared loop: test R@1 (both directions) many times chance after a short CPU run."""
     from retr.manifests.synthetic import generate_synthetic
     from retr.store.features import FeatureSet
-    from retr.trainers.data import ImageFeatures, load_split
-    from retr.trainers.evaluation import retrieval_metrics
-    from retr.trainers.similarity import similarity_matrix
-    from retr.trainers.loop import TrainConfig, train
+    from retr.trainers.training.data import ImageFeatures, load_split
+    from retr.trainers.evaluation.metrics import retrieval_metrics
+    from retr.trainers.evaluation.similarity import similarity_matrix
+    from retr.trainers.training.loop import TrainConfig, train
 
     dataset = tmp_path / "synth"
     generate_synthetic(dataset, num_images=200, seed=0)

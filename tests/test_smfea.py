@@ -133,7 +133,7 @@ def test_loss_is_eq_20_and_ablations_drop_terms():
     captions = model.encode_captions(tokens, lengths)
     scores = model.score(images, captions)
     terms = model.loss_terms(scores, images, captions, nodes)
-    from retr.trainers.losses import hinge_triplet_loss
+    from retr.trainers.training.losses import hinge_triplet_loss
     torch.testing.assert_close(terms["rank"], hinge_triplet_loss(scores, 0.2, True))
     ce = (node_cross_entropy(images["entity_logits"], images["relation_logits"], nodes)
           + node_cross_entropy(captions["entity_logits"], captions["relation_logits"], nodes))
@@ -153,7 +153,7 @@ def test_loss_is_eq_20_and_ablations_drop_terms():
 
 def test_default_objective_adds_cvse_terms():
     """3·Rank(fused) + 5·Rank(instance) + 1·Rank(concept) + 2·KL(w_t ‖ w_v), plus the tree terms."""
-    from retr.trainers.losses import hinge_triplet_loss
+    from retr.trainers.training.losses import hinge_triplet_loss
 
     features, mask, tokens, lengths, nodes = _batch()
     model = _model().train()
@@ -308,12 +308,12 @@ TINY = ["--embed-size", "64", "--word-dim", "32", "--tree-hidden", "16", "--batc
 def test_smfea_learns_the_synthetic_scenes_and_reports_node_accuracy(tmp_path):
     from click.testing import CliRunner
 
-    from retr.trainers.cli import cli as train_cli
-    from retr.trainers.data import ImageFeatures, load_split
-    from retr.trainers.evaluation import retrieval_metrics
-    from retr.trainers.similarity import similarity_matrix
+    from retr.trainers.commands import cli as train_cli
+    from retr.trainers.training.data import ImageFeatures, load_split
+    from retr.trainers.evaluation.metrics import retrieval_metrics
+    from retr.trainers.evaluation.similarity import similarity_matrix
     from retr.store.features import FeatureSet
-    from retr.trainers import checkpoint as ckpt
+    from retr.trainers.training import checkpoint as ckpt
 
     manifest, features = _prepare_synthetic(tmp_path, images=200)
     run = tmp_path / "run"
@@ -337,7 +337,7 @@ def test_smfea_learns_the_synthetic_scenes_and_reports_node_accuracy(tmp_path):
     assert accuracy["split"] == "test" and accuracy["captions"] == test.num_captions
     # the trained trees against the same untrained network (random classifiers over the dictionaries)
     from retr.trainers.models import create_model
-    from retr.trainers.tree_accuracy import tree_node_accuracy
+    from retr.trainers.evaluation.tree_accuracy import tree_node_accuracy
     torch.manual_seed(0)
     untrained = create_model("smfea", **config["model_args"]).eval()
     before = tree_node_accuracy(untrained, test, ImageFeatures(fs, test.image_ids), str(tmp_path / "trees.h5"))
@@ -350,7 +350,7 @@ def test_smfea_learns_the_synthetic_scenes_and_reports_node_accuracy(tmp_path):
 def test_smfea_ablation_without_trees_and_errors(tmp_path):
     from click.testing import CliRunner
 
-    from retr.trainers.cli import cli as train_cli
+    from retr.trainers.commands import cli as train_cli
 
     manifest, features = _prepare_synthetic(tmp_path, images=60)
     common = ["--features", str(features), "--manifest", str(manifest), "--concepts", str(tmp_path / "concepts.h5"),
@@ -370,8 +370,8 @@ def test_token_concepts_agree_with_concepts_file(tmp_path):
     """The labels a caption gets from its own tokens are the ones build-concepts wrote for it."""
     from retr.store.concepts import ConceptSet
     from retr.store.features import FeatureSet
-    from retr.trainers.data import load_split
-    from retr.trainers.side_inputs import caption_keys, read_training_inputs
+    from retr.trainers.training.data import load_split
+    from retr.trainers.training.side_inputs import caption_keys, read_training_inputs
     from retr.store.vocab import Vocabulary
     from retr.manifests.schema import read_manifest
 
@@ -384,7 +384,7 @@ def test_token_concepts_agree_with_concepts_file(tmp_path):
     model = SMFEA(vocab_size=len(vocab), num_entities=5, num_relations=5, num_concepts=len(concepts), img_dim=16,
                   embed_size=8, word_dim=4, tree_hidden=4)
     model.set_token_concepts(inputs.token_concepts)
-    from retr.trainers.data import pad_tokens
+    from retr.trainers.training.data import pad_tokens
     tokens, lengths = pad_tokens(data.tokens)
     from_tokens = model.caption_concept_labels(tokens, lengths).numpy()
     np.testing.assert_array_equal(from_tokens, concepts.labels_for_captions(caption_keys(data)))
@@ -397,8 +397,8 @@ def test_smfea_with_glove_format_concept_vectors(tmp_path):
     from click.testing import CliRunner
 
     from retr.store.concepts import ConceptSet
-    from retr.trainers import checkpoint as ckpt
-    from retr.trainers.cli import cli as train_cli
+    from retr.trainers.training import checkpoint as ckpt
+    from retr.trainers.commands import cli as train_cli
 
     manifest, features = _prepare_synthetic(tmp_path, images=60)
     concepts = ConceptSet(tmp_path / "concepts.h5").concepts
@@ -554,7 +554,7 @@ def test_runs_without_the_new_settings_keep_their_old_behaviour():
 def test_smfea_drops_the_last_smaller_batch_as_cvse_and_other_models_keep_it():
     """CVSE's training loader has drop_last=True (docs/models-smfea.md C13): SMFEA's presets set drop_last; the
     sampler then yields only full batches (a single, smaller batch is still kept: there is nothing else)."""
-    from retr.trainers.data import EpochBatchSampler
+    from retr.trainers.training.data import EpochBatchSampler
     from retr.trainers.models import preset
 
     assert preset("smfea", "f30k")["drop_last"] is True and preset("smfea", "coco")["drop_last"] is True

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from retr.store.features import FeatureSet
-from retr.trainers import checkpoint as ckpt
-from retr.trainers.data import CaptionBatches, ImageFeatures, fits_on_device, load_split
-from retr.trainers.loop import train_step
+from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.training.data import CaptionBatches, ImageFeatures, fits_on_device, load_split
+from retr.trainers.training.loop import train_step
 from retr.trainers.models import create_model
-from retr.trainers.optim import apply_implementation, resolve_implementation
+from retr.trainers.training.optim import apply_implementation, resolve_implementation
 from retr.store.vocab import Vocabulary
 from trainer_synthetic import make_synthetic
 
@@ -79,7 +79,7 @@ def test_features_that_do_not_fit_on_the_gpu_stay_in_host_memory(synthetic, monk
     assert fits_on_device(10 * gib, cuda, (60 * gib, 80 * gib))           # 50 GiB left, 20 GiB kept free
     assert not fits_on_device(45 * gib, cuda, (60 * gib, 80 * gib))       # would leave 15 GiB < 25 % of 80
     assert fits_on_device(10 ** 15, CPU)
-    import retr.trainers.data as data_module
+    import retr.trainers.training.data as data_module
     monkeypatch.setattr(data_module, "fits_on_device", lambda nbytes, device: False)
     _, _, path = synthetic
     fs = FeatureSet(path)
@@ -292,7 +292,7 @@ def test_the_prefetcher_moves_the_model_inputs_and_leaves_the_extras():
     """The loop wraps its loader in common.prefetch.DevicePrefetcher with loop.to_device: on CUDA the next batch's
     copy runs on a side stream during the current step; on the CPU the same batches come out, in order."""
     from retr.common.prefetch import DevicePrefetcher
-    from retr.trainers.loop import DEVICE_KEYS, to_device
+    from retr.trainers.training.loop import DEVICE_KEYS, to_device
 
     batches = [_batch(4, seed=s) for s in range(3)]
     for b in batches:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from retr.trainers.cli import cli
+from retr.trainers.commands import cli
 from test_pipeline_wrong_inputs import KINDS, assert_one_error_line
 from trainer_synthetic import make_synthetic
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from retr.trainers.distributed import DistInfo
-from retr.trainers.loop import train_step
+from retr.trainers.training.distributed import DistInfo
+from retr.trainers.training.loop import train_step
 from retr.trainers.models import create_model
 
 

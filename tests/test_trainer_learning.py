@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from retr.trainers.cli import cli
+from retr.trainers.commands import cli
 from trainer_synthetic import make_synthetic
 
 TINY = ["--embed-size", "64", "--word-dim", "32", "--batch-size", "32", "--lr", "2e-3", "--quiet",

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from retr.common.errors import UserError
-from retr.trainers.cli import cli
+from retr.trainers.commands import cli
 from trainer_synthetic import make_synthetic
 
 ARGS = ["--embed-size", "16", "--word-dim", "8", "--batch-size", "16", "--quiet", "--log-every", "1",

@@ -1,7 +1,7 @@
 """Settings as dataclasses: the one definition of every training and model setting.
 
 A setting is a dataclass field made with :func:`setting`: its name, type annotation, default and help are the
-only place it is defined. The training command (:mod:`retr.trainers.train_command`) builds its options from
+only place it is defined. The training command (:mod:`retr.trainers.commands.train`) builds its options from
 these fields, ``config.json`` stores them, and presets (:class:`~retr.trainers.models.registry.ModelSpec`) are
 named overrides of them.
 
@@ -144,7 +144,7 @@ def choices_of(annotation: Any) -> tuple | None:
     return None
 
 
-#: where the training features may be held (``TrainConfig.preload``, :class:`retr.trainers.data.ImageFeatures`)
+#: where the training features may be held (``TrainConfig.preload``, :class:`retr.trainers.training.data.ImageFeatures`)
 PRELOAD_CHOICES = choices_of(field_types(TrainConfig)["preload"])   # its Literal
 
 

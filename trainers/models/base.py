@@ -15,11 +15,11 @@ A model is an ``nn.Module``; the loop and the evaluator call only the methods an
   global batch, score, loss), a single forward call for DDP; ``batch_extras`` names the batch entries it takes;
 * ``prepare_training(inputs)`` — per-run tensors from the spec's ``load_inputs`` (default: none);
 * ``configure_optimizer(lr) -> torch.optim.Optimizer`` — the optimiser (default: Adam on every parameter; the
-  loop then picks its fused/foreach/loop implementation, :func:`retr.trainers.optim.apply_implementation`);
+  loop then picks its fused/foreach/loop implementation, :func:`retr.trainers.training.optim.apply_implementation`);
 * ``compiled_functions`` / ``compile_scoring(**options)`` / ``scoring(name)`` — ``--compile``: the methods
   ``forward`` scores the batch with (default ``("score",)``), compiled with ``torch.compile`` and called through
   ``scoring``;
-* two-step evaluation (:mod:`retr.trainers.two_step`): ``shortlist`` — candidates re-ranked per query (default
+* two-step evaluation (:mod:`retr.trainers.evaluation.two_step`): ``shortlist`` — candidates re-ranked per query (default
   0: every pair is scored with ``score``); ``has_global_stage`` — class attribute, True when
   ``global_score(images, captions, dtype=None) -> [n_img, n_cap]`` is a cheap pair-independent score to
   shortlist by (JGCAR, SMAN; default: False, and ``global_score`` raises); ``pair_score(images, captions,
@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from retr.trainers.losses import BatchRanking, hinge_triplet_loss, in_batch_ranking
+from retr.trainers.training.losses import BatchRanking, hinge_triplet_loss, in_batch_ranking
 
 
 Embeddings = dict[str, torch.Tensor]
@@ -75,7 +75,7 @@ class MatchingModel(nn.Module):
     name: str = ""
     #: batch entries (besides the four tensors) the loop passes to :meth:`forward` by name, e.g. ``image_index``
     batch_extras: tuple[str, ...] = ()
-    #: two-step evaluation: candidates re-ranked per query (0: score every pair); see :mod:`retr.trainers.two_step`
+    #: two-step evaluation: candidates re-ranked per query (0: score every pair); see :mod:`retr.trainers.evaluation.two_step`
     shortlist: int = 0
     #: True when :meth:`global_score` is a pair-independent first stage that :meth:`pair_score` re-ranks
     has_global_stage: bool = False
@@ -86,7 +86,7 @@ class MatchingModel(nn.Module):
         self.max_violation = bool(max_violation)
         #: set by the loop during ``--warmup-epochs``: the hinge sums every violation (VSE∞'s warm-up)
         self.warming_up = False
-        #: the last training batch's :class:`~retr.trainers.losses.BatchRanking` (None before the first step)
+        #: the last training batch's :class:`~retr.trainers.training.losses.BatchRanking` (None before the first step)
         self.batch_ranking: BatchRanking | None = None
 
     @property

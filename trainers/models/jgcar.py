@@ -24,7 +24,7 @@ Global branch (§2.2) — ``J_G = J1 + λ2 J2 + λ3 J3 + λ4 J4`` (Eq. 10, λ = 
   ``global_similarity="dot"`` is the paper's printed dot product; ``"cosine"`` l2-normalises ``V̂``/``Ŝ`` first
   (the paper gives no margin for its unnormalised scores, see ``margin``).
 * J1 (Eq. 6): the bidirectional triplet loss, summed over every (anchor, negative) — the shared
-  :func:`~retr.trainers.losses.hinge_triplet_loss` with ``max_violation=False``; captions of the same image in
+  :func:`~retr.trainers.training.losses.hinge_triplet_loss` with ``max_violation=False``; captions of the same image in
   the batch are not negatives of each other. Margin ``m`` (paper silent): 0.2, ``margin``.
 * J2/J3 (Eq. 7–8): intra-modal triplets ``[m − Ω_kk⁺ + Ω_kk⁻]₊`` among the batch's images / captions.
   Positives share a label, negatives share none (the paper: COCO's 80 categories, Flickr30K's boxed objects,
@@ -78,7 +78,7 @@ fades, and α never meets the close candidates it must order at test time — 52
 ``"dissimilar"`` keeps the literal reading (the M′ least similar); runs written before this default keep it.
 
 Joint objective (Eq. 17): ``J = β J_G + (1 − β) J_C``, β = 0.5. At test time retrieval is two-step
-(:mod:`retr.trainers.two_step`): :meth:`JGCAR.global_score` shortlists, :meth:`JGCAR.score` re-ranks.
+(:mod:`retr.trainers.evaluation.two_step`): :meth:`JGCAR.global_score` shortlists, :meth:`JGCAR.score` re-ranks.
 """
 from __future__ import annotations
 
@@ -93,9 +93,9 @@ from torch.utils.checkpoint import checkpoint
 
 from retr.common.errors import UserError
 from retr.trainers.config import embed_size_setting, margin_setting, setting, violation_setting, word_dim_setting
-from retr.trainers.distributed import world_size
+from retr.trainers.training.distributed import world_size
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
-from retr.trainers.optim import PerGroupOptimizer
+from retr.trainers.training.optim import PerGroupOptimizer
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean, masked_softmax
 
@@ -531,7 +531,7 @@ class JGCAR(MatchingModel):
 
     def prepare_training(self, inputs: dict[str, torch.Tensor]) -> None:
         """Install the intra-modal label table of the training images (built by
-        :func:`retr.trainers.side_inputs.load_jgcar_inputs`): ``image_labels`` [N_train_images, L] bool, and
+        :func:`retr.trainers.training.side_inputs.load_jgcar_inputs`): ``image_labels`` [N_train_images, L] bool, and
         ``labels_are_captions`` (a 0-d bool tensor: True when the labels come from a label file, so a caption has
         its image's labels; False for the caption-concept fallback, where captions are positives iff same image)."""
         self.image_label_table = inputs["image_labels"].bool()
@@ -638,7 +638,7 @@ JGCAR_SCHEDULE = {"batch_size": 200, "epochs": 128, "early_stop": 5, "lr": 4e-4,
 
 
 def _jgcar_inputs(data, files, config, vocab_size):
-    from retr.trainers.side_inputs import load_jgcar_inputs
+    from retr.trainers.training.side_inputs import load_jgcar_inputs
     return load_jgcar_inputs(data, files.get("labels"), config.concept_min_captions)
 
 

@@ -10,7 +10,7 @@ A spec names everything the trainer needs to know about a model and nothing is d
 * ``inputs`` and ``load_inputs`` — for models that need more than features and captions: the side files
   (trees, concepts, labels) and the function that reads them into tensors (:class:`ModelInputs`).
 
-``retr-train MODEL`` is generated from the spec (:mod:`retr.trainers.train_command`); every module in this
+``retr-train MODEL`` is generated from the spec (:mod:`retr.trainers.commands.train`); every module in this
 package is imported on first use, so a new model is one module that calls :func:`register_model`.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class ModelSpec:
     """Everything the trainer knows about one model (see the module docstring).
 
     ``load_inputs(data, files, config, vocab_size) -> ModelInputs``: ``data`` is the training split
-    (:class:`~retr.trainers.data.SplitData`), ``files`` ``{input name: path or None}``, ``config`` the model's
+    (:class:`~retr.trainers.training.data.SplitData`), ``files`` ``{input name: path or None}``, ``config`` the model's
     config dataclass, ``vocab_size`` the caption vocabulary's size. ``preset_name(name, explicit) -> name`` lets a model pick a finer preset from explicit
     settings (SCAN: the dataset's preset for the chosen direction and aggregation). ``shortcuts`` are extra
     flags that set several settings (``{"--no-kl": ("help", {"kl_weight": 0.0})}``). ``upgrade_args`` turns

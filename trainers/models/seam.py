@@ -46,7 +46,7 @@ Decisions (``docs/models-seam-sman.md``):
   padded positions weight exactly 0 in both modes, so SEAM-E and SEAM-G have no such difference. A caption's
   ``"authors"`` embedding therefore depends on whether it is the longest of its batch (its last trigram reads
   zeros, or the ``<pad>`` row); :attr:`SEAM.captions_in_split_order` tells the evaluator
-  (``trainers/similarity.py``) to encode such a model's captions as the authors' ``evaluation.encode_data`` does:
+  (``trainers/evaluation/similarity.py``) to encode such a model's captions as the authors' ``evaluation.encode_data`` does:
   consecutive batches of ``batch_size`` (128) in split order, not length-sorted blocks. Checked against the
   authors' code in float64 (``tests/test_golden_seam.py``). ``"masked"`` stays the default because it makes
   scores independent of batching (``docs/models-seam-sman.md``).
@@ -281,7 +281,7 @@ class SEAM(MatchingModel):
         ``padding="authors"`` (the batch's longest captions read the convolution's zero padding, the others the
         ``<pad>`` row). The evaluator then encodes captions as the authors' ``encode_data`` does — consecutive
         batches of ``batch_size`` in split order, every caption where it stands — instead of length-sorted
-        blocks (``trainers/similarity.py``: ``encode_split``)."""
+        blocks (``trainers/evaluation/similarity.py``: ``encode_split``)."""
         return self.text_encoder == "c" and self.txt_enc.padding == "authors"
 
     @property

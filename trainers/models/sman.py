@@ -55,7 +55,7 @@ Scoring cost: the attention logits of the multi-modal step are ``(w_h ⊙ tanh(W
 batched matrix product per block, and ``P2 Σ a I = Σ a (P2 I)`` (the weights sum to one), so each image keeps
 its projected cells ``[M, d]`` (not ``[M, D_in]``) and a block costs ``O(n_img · n_cap · (M + L) · d)``
 without ever forming ``[n_img, n_cap, M, d]``. ``shortlist=K`` (off by default: the paper scores every pair)
-evaluates in two steps through :mod:`retr.trainers.two_step`: the pair-independent levels 0 and 1
+evaluates in two steps through :mod:`retr.trainers.evaluation.two_step`: the pair-independent levels 0 and 1
 (``global_score``) shortlist K candidates per query, ``pair_score`` re-scores them with all three levels.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from retr.trainers.distributed import scale_grad, world_size
+from retr.trainers.training.distributed import scale_grad, world_size
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
                                    word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
@@ -171,7 +171,7 @@ class SMAN(MatchingModel):
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
         self.optimizer_name, self.rho, self.weight_decay = optimizer, float(rho), float(weight_decay)
         self.adadelta_eps = float(cfg.adadelta_eps)
-        #: > 0: evaluate in two steps (``retr.trainers.two_step``) — shortlist by the pair-independent levels
+        #: > 0: evaluate in two steps (``retr.trainers.evaluation.two_step``) — shortlist by the pair-independent levels
         #: 0 and 1, re-score the top ``shortlist`` with all three levels; 0 scores every pair (the paper)
         self.shortlist = int(shortlist)
         if not 0.0 <= alpha <= 1.0:
@@ -292,7 +292,7 @@ class SMAN(MatchingModel):
         ``[n_i, n_cap, L]`` over the words (``score`` keeps the first, ``explain`` the other two).
 
         The attention runs in the parameters' dtype (float64 evaluation scores with a float64 copy of the model,
-        :class:`retr.trainers.similarity.Scorer`); the final cosine uses ``dtype``.
+        :class:`retr.trainers.evaluation.similarity.Scorer`); the final cosine uses ``dtype``.
         """
         w = self.img_memory.weight.dtype
         images = {k: (v[rows].to(w) if v.is_floating_point() else v[rows]) for k, v in images.items()}

@@ -155,7 +155,7 @@ def node_kl(image: Embeddings, text: Embeddings) -> torch.Tensor:
 class SMFEA(MatchingModel):
     """SMFEA: instance + tree + consensus-concept embeddings fused by β, trained with Eq. 20; settings:
     :class:`SMFEAConfig`. ``num_entities``/``num_relations``/``num_concepts`` are the sizes of the run's
-    dictionaries and concept set (:func:`retr.trainers.side_inputs.load_smfea_inputs` reads them).
+    dictionaries and concept set (:func:`retr.trainers.training.side_inputs.load_smfea_inputs` reads them).
 
     Attention maps (:meth:`explain`; ``K`` = the image's real regions, 36 bottom-up boxes; ``L`` = the caption's
     real tokens, ``<start>``/``<end>`` included):
@@ -223,7 +223,7 @@ class SMFEA(MatchingModel):
 
     # ---------------------------------------------------------------------------------------------- inputs
     def prepare_training(self, inputs: dict[str, torch.Tensor]) -> None:
-        """Install the run's side data (:func:`retr.trainers.side_inputs.load_smfea_inputs`): the concept graph
+        """Install the run's side data (:func:`retr.trainers.training.side_inputs.load_smfea_inputs`): the concept graph
         ``adjacency`` [C, C] and fixed ``vectors`` [C, D] (if any), the token map ``token_concepts`` [V], and for
         the training captions the node targets ``nodes`` [M, 7] and image labels ``image_labels`` [M, C]."""
         device = self.token_concepts.device
@@ -467,7 +467,7 @@ SMFEA_SCHEDULE = {"batch_size": 128, "grad_clip": 2.0, "epochs": 50, "lr": 2e-4,
 
 
 def _smfea_inputs(data, files, config, vocab_size):
-    from retr.trainers.side_inputs import load_smfea_inputs
+    from retr.trainers.training.side_inputs import load_smfea_inputs
     return load_smfea_inputs(data, files, config, vocab_size)
 
 
@@ -484,7 +484,7 @@ def _smfea_upgrade(model_args: dict) -> tuple[dict, dict]:
 
 
 def _smfea_after_training(run, cfg, log) -> None:
-    from retr.trainers.tree_accuracy import report_tree_accuracy
+    from retr.trainers.evaluation.tree_accuracy import report_tree_accuracy
     report_tree_accuracy(run, cfg, log)
 
 

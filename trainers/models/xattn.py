@@ -24,7 +24,7 @@ only when the block has padding. Blocks with one image or one-word captions are 
 
 Precision: everything runs in ``dtype`` (default: the inputs'); the aggregation over the query axis runs in
 ``agg_dtype`` (the evaluator's fast pass uses float32 work with float64 aggregation, then rescores the pairs
-that decide ranks in float64 throughout: :mod:`retr.trainers.similarity`).
+that decide ranks in float64 throughout: :mod:`retr.trainers.evaluation.similarity`).
 
 Attention: :func:`xattn_block` is the scoring function; with ``keep_attention`` it also returns the weights
 ``α`` of every pair of the block (SCAN's ``explain`` reads one pair's), and :func:`xattn_scores` is it with the
@@ -32,7 +32,7 @@ weights dropped — the scores and the maps come from one computation and cannot
 
 Speed (no gradient needed, i.e. evaluation): the block is scored in chunks of about ``CHUNK_ELEMENTS`` entries of
 ``D`` so the ``[I, K, C, L]`` temporaries stay in the CPU's L2/L3 cache, the chunk's temporaries are updated in
-place, and float32 products go through :func:`retr.trainers.gemm.dot_products`. With gradients the same
+place, and float32 products go through :func:`retr.trainers.evaluation.gemm.dot_products`. With gradients the same
 arithmetic runs out of place on the whole block. ``bench/eval.py`` measures it.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from retr.trainers.gemm import dot_products
+from retr.trainers.evaluation.gemm import dot_products
 
 NORMS = ("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")
 AGGREGATIONS = ("lse", "avg", "max", "sum")

@@ -26,7 +26,7 @@ def main(scratch: str) -> None:
     sys.path.insert(0, str(here.parent.parent))              # tests/, for trainer_synthetic
     from trainer_synthetic import make_synthetic
     from retr.pipeline.cli import cli as pipeline
-    from retr.trainers.cli import cli as train
+    from retr.trainers.commands import cli as train
 
     scratch = Path(scratch)
     manifest, features = make_synthetic(scratch / "s", images=60, seed=0)

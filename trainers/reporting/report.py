@@ -8,12 +8,12 @@ PNG, relative links only: no server, no external URL; the folder can be copied o
    same code as ``retr-train eval``), or read from a matrix ``eval --save-sims`` wrote (``sims=``); the results
    already stored in the runs' ``eval.json``.
 2. **curves** — the training loss at every logged step and validation R@1 / rSum after every epoch, from each
-   member's ``metrics.jsonl`` (:func:`retr.trainers.report_draw.curves_png`).
+   member's ``metrics.jsonl`` (:func:`retr.trainers.reporting.draw.curves_png`).
 3. **queries** — text→image and image→text: ``samples`` queries drawn with ``seed`` and the ``samples`` worst
    (the largest 0-based rank of the ground truth, ties by query order), each with its ``top`` retrieved items,
-   their scores, the ground truth framed/marked and its rank. Ranks are eval's (:mod:`retr.trainers.evaluation`:
+   their scores, the ground truth framed/marked and its rank. Ranks are eval's (:mod:`retr.trainers.evaluation.metrics`:
    ties against the query, i2t the best true caption) on the matrix eval ranks: the averaged matrix of an
-   ensemble; for a two-step run (JGCAR) each direction's re-ranked matrix (:func:`retr.trainers.two_step.
+   ensemble; for a two-step run (JGCAR) each direction's re-ranked matrix (:func:`retr.trainers.evaluation.two_step.
    rerank_matrices`); within each 1K fold for ``coco-1k`` and in the first fold only for ``coco-1k-first``.
 4. **attention** — per member, the maps ``model.explain(image, caption)`` returns for the first ``attention``
    sampled text→image queries, with their true image and, when the model ranked another image first, that one
@@ -43,9 +43,9 @@ from retr.common.atomic import atomic_text
 from retr.common.cli import quiet_option
 from retr.common.errors import ParameterError, UserError
 from retr.common.version import __version__
-from retr.trainers import checkpoint as ckpt
-from retr.trainers import report_draw as draw
-from retr.trainers.evaluation import PROTOCOLS, coco_folds, i2t_ranks, t2i_ranks
+from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.reporting import draw as draw
+from retr.trainers.evaluation.metrics import PROTOCOLS, coco_folds, i2t_ranks, t2i_ranks
 
 ASSETS = "assets"
 THUMB, QUERY_SIDE, PANEL_SIDE = 120, 180, 150     # longest side (pixels) of retrieved, query and attention images
@@ -79,7 +79,7 @@ class Ranking:
 
 def rank_all(i2t_sims: np.ndarray, t2i_sims: np.ndarray, caption_image: np.ndarray,
              parts: list[tuple[int, int, np.ndarray]]) -> Ranking:
-    """Eval's ranks (:func:`~retr.trainers.evaluation.i2t_ranks` / ``t2i_ranks``) of every query, each within
+    """Eval's ranks (:func:`~retr.trainers.evaluation.metrics.i2t_ranks` / ``t2i_ranks``) of every query, each within
     its gallery: images ranked by ``t2i_sims``' columns, captions by ``i2t_sims``' rows (the same array for a
     one-step model)."""
     n_img, n_cap = i2t_sims.shape
@@ -239,7 +239,7 @@ class Member:
 
 
 def _read_metrics(run: str) -> list[dict]:
-    from retr.trainers.run_log import read_metrics
+    from retr.trainers.training.run_log import read_metrics
 
     try:
         return read_metrics(run)
@@ -249,8 +249,8 @@ def _read_metrics(run: str) -> list[dict]:
 
 def _load_members(runs: Sequence[str], split: str, which: str, device: torch.device, trust: bool,
                   features: str | None, manifest: str | None) -> list[Member]:
-    """Each run opened on ``split`` as eval opens it (:func:`retr.trainers.data.open_run_split`)."""
-    from retr.trainers.data import open_run_split
+    """Each run opened on ``split`` as eval opens it (:func:`retr.trainers.training.data.open_run_split`)."""
+    from retr.trainers.training.data import open_run_split
 
     members = []
     for run in runs:
@@ -322,7 +322,7 @@ class Explainer:
     @torch.no_grad()
     def maps(self, pair: Pair) -> tuple[dict[str, torch.Tensor], list[str], int]:
         """(explain's maps, the caption's token words, the image's real positions) of ``pair``."""
-        from retr.trainers.data import ImageFeatures, pad_tokens
+        from retr.trainers.training.data import ImageFeatures, pad_tokens
 
         model, vocab = self.m.model, self.m.vocab
         feats, mask = ImageFeatures(self.m.feature_set, [self.ids[pair.image]], preload=True).get([0])
@@ -463,7 +463,7 @@ def tree_html(title: str, nodes: Sequence[int], entities: list[str], relations: 
 
 def word_strip(rows: np.ndarray, labels: Sequence[str], words: Sequence[str]) -> str:
     """Weights over words ``[R, L]`` as a table: one line per row (a hop), each word's background
-    :data:`~retr.trainers.report_draw.HIGHLIGHT` at opacity w / the row's largest (the raw weight in its tooltip)."""
+    :data:`~retr.trainers.reporting.draw.HIGHLIGHT` at opacity w / the row's largest (the raw weight in its tooltip)."""
     r, g, b = draw.HIGHLIGHT
     lines = []
     for label, row in zip(labels, rows):
@@ -492,7 +492,7 @@ def _metrics_table(result: dict) -> str:
 
 
 def _stored_results(runs: Sequence[str]) -> str:
-    from retr.trainers.eval_commands import table_rows
+    from retr.trainers.commands.evaluate import table_rows
 
     with_eval = [r for r in runs if (Path(r) / ckpt.EVAL).is_file()]
     if not with_eval:
@@ -577,8 +577,8 @@ def _i2t_html(q: Query, ids, captions, keys, images: ImageSource, assets: Assets
 
 def _two_step_matrices(member: Member, data, parts, device: torch.device, precision: str):
     """(i2t matrix, t2i matrix) ``[N_img, M]`` of a two-step run, as eval builds them, per gallery."""
-    from retr.trainers.data import ImageFeatures
-    from retr.trainers.two_step import encode_all, rerank_matrices
+    from retr.trainers.training.data import ImageFeatures
+    from retr.trainers.evaluation.two_step import encode_all, rerank_matrices
 
     model = member.model
     dtype = torch.float32 if precision == "float32" else torch.float64
@@ -635,8 +635,8 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
     Sections and options: module docstring."""
     from retr.common.devices import resolve_device
     from retr.manifests.schema import read_manifest, resolve_image_root
-    from retr.trainers.eval_commands import evaluate_runs
-    from retr.trainers.evaluation import protocol_metrics
+    from retr.trainers.commands.evaluate import evaluate_runs
+    from retr.trainers.evaluation.metrics import protocol_metrics
 
     for name, value, least in (("samples", samples, 0), ("top", top, 1), ("attention", attention, 0)):
         if value < least:

@@ -8,7 +8,7 @@ recipes that share a model share its run: ``scan-coco1k-ensemble`` and ``scan-co
 same COCO models once.
 
 ``retr-train recipes`` lists them; ``retr-train reproduce NAME`` trains, evaluates and compares
-(:mod:`retr.trainers.reproduce`). Numbers are transcribed from ``papers/*.txt``; where the text lost a number
+(:mod:`retr.trainers.reproduction.reproduce`). Numbers are transcribed from ``papers/*.txt``; where the text lost a number
 (OCR), it is ``None`` and the recipe says so — never filled in from memory.
 """
 from __future__ import annotations

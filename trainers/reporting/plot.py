@@ -20,7 +20,7 @@ def plot_runs(runs: list[str], out: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from retr.trainers.run_log import read_metrics
+    from retr.trainers.training.run_log import read_metrics
 
     fig, (loss_ax, val_ax) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
     for run in runs:

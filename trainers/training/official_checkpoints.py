@@ -17,7 +17,7 @@ import torch
 
 from retr.common.errors import UserError
 from retr.common.version import __version__
-from retr.trainers import checkpoint as ckpt
+from retr.trainers.training import checkpoint as ckpt
 from retr.trainers.models import create_model
 from retr.store.vocab import Vocabulary
 

@@ -25,7 +25,7 @@ from click.core import ParameterSource
 
 from retr.common.cli import quiet_option, with_flags
 from retr.common.errors import UserError
-from retr.trainers.checkpoint import CONFIG
+from retr.trainers.training.checkpoint import CONFIG
 from retr.trainers.config import (TrainConfig, choices_of, field_types, read_settings_file,
                                    setting_fields)
 from retr.trainers.models.registry import DATA_SIZES, ModelSpec
@@ -111,7 +111,7 @@ def _flag_names(spec: ModelSpec) -> dict[str, str]:
 def evaluate_hint(cfg: TrainConfig) -> str:
     """The ``retr-train eval`` command for a finished run, with the protocol(s) its test split's size fits."""
     from retr.manifests.schema import read_manifest
-    from retr.trainers.evaluation import PROTOCOLS, protocols_for
+    from retr.trainers.evaluation.metrics import PROTOCOLS, protocols_for
 
     num_images = len(read_manifest(cfg.manifest, splits=["test"]))
     fitting = protocols_for(num_images)
@@ -187,7 +187,7 @@ def resume_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> TrainC
         raise UserError("--resume needs --out (the run to continue)")
     if values.get("config"):
         raise UserError("--resume continues from the run's own config.json; leave out --config")
-    from retr.trainers import checkpoint as ckpt
+    from retr.trainers.training import checkpoint as ckpt
 
     if not (Path(out) / ckpt.CONFIG).is_file():
         raise UserError(f"nothing to resume in {out} (no run there); start without --resume")
@@ -195,7 +195,7 @@ def resume_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> TrainC
     if saved.get("model") != spec.name:
         raise UserError(f"{out} is a {saved.get('model')} run; continue it with `retr-train {saved.get('model')} "
                         f"--resume --out {out}`")
-    from retr.trainers.loop import config_differences
+    from retr.trainers.training.loop import config_differences
 
     train_names = {f.name for f in setting_fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(TrainConfig)}})
@@ -274,7 +274,7 @@ def training_command(spec: ModelSpec) -> click.Command:
     params.append(_quiet_param())
 
     def callback(**values) -> None:
-        from retr.trainers.loop import train
+        from retr.trainers.training.loop import train
 
         ctx = click.get_current_context()
         explicit = {name for name in values if ctx.get_parameter_source(name) in _EXPLICIT}

@@ -324,7 +324,7 @@ def open_run_split(run, split: str, features: str | None = None, manifest: str |
                    which: str = "best", device="cpu", trust_checkpoint: bool = False) -> RunSplit:
     """Load ``run``'s ``which`` checkpoint and ``split`` of its feature set and manifest (or the ones given),
     every image of the split required (evaluation and search see the whole split)."""
-    from retr.trainers import checkpoint as ckpt
+    from retr.trainers.training import checkpoint as ckpt
 
     model, vocab, config = ckpt.load_run_model(run, which, device, trust=trust_checkpoint)
     features = features or config.get("features")

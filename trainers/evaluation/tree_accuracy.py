@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from retr.common.errors import UserError
-from retr.trainers.side_inputs import caption_keys, read_tree_nodes
+from retr.trainers.training.side_inputs import caption_keys, read_tree_nodes
 
 
 @torch.no_grad()
@@ -21,7 +21,7 @@ def tree_node_accuracy(model, data, features, trees_path: str, device: torch.dev
     Each side: ``all`` (7 slots), ``entities`` (4 leaves), ``relations`` (3 inner nodes). Captions without a
     tree are left out.
     """
-    from retr.trainers.data import pad_tokens
+    from retr.trainers.training.data import pad_tokens
 
     model.eval()
     targets, _, _ = read_tree_nodes(trees_path, caption_keys(data))
@@ -49,8 +49,8 @@ def tree_node_accuracy(model, data, features, trees_path: str, device: torch.dev
 def run_tree_accuracy(run: str | Path, split: str = "test", which: str = "best", device: str = "cpu") -> dict:
     """Tree-node accuracy of a finished SMFEA run on ``split``; also written to ``RUN/tree_accuracy.json``."""
     from retr.store.features import FeatureSet
-    from retr.trainers import checkpoint as ckpt
-    from retr.trainers.data import ImageFeatures, load_split
+    from retr.trainers.training import checkpoint as ckpt
+    from retr.trainers.training.data import ImageFeatures, load_split
 
     model, vocab, config = ckpt.load_run_model(run, which, device)
     trees = config.get("inputs", {}).get("trees") if config["model_args"].get("use_trees", True) else None

@@ -1,4 +1,4 @@
-"""``retr-train search``: the command over :class:`retr.trainers.retrieval.Retriever`."""
+"""``retr-train search``: the command over :class:`retr.trainers.search.retrieval.Retriever`."""
 from __future__ import annotations
 
 import json
@@ -36,7 +36,7 @@ def search_command(run, queries, images, top, split, features, manifest, checkpo
       retr-train search runs/scan-f30k --query "a dog jumps into a lake" --top 5
       retr-train search runs/scan-f30k --image 1000092795 --json
     """
-    from retr.trainers.retrieval import Retriever
+    from retr.trainers.search.retrieval import Retriever
 
     if not queries and not images:
         raise UserError("give --query TEXT or --image ID (or several)")

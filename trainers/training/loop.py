@@ -16,7 +16,7 @@ Models that need side files (SMFEA's trees and concepts, JGCAR's labels) get the
 ``load_inputs`` (tensors, handed to ``prepare_training``). Mixed precision (``--amp``) runs the forward pass
 under ``torch.autocast``: ``bf16`` on CPU and CUDA, ``fp16`` with a gradient scaler on CUDA only
 (``GradScaler(enabled=False)`` elsewhere). ``--accum-steps N`` backpropagates N micro-batches per optimiser
-step (:func:`train_step`). DDP: see :mod:`retr.trainers.distributed`.
+step (:func:`train_step`). DDP: see :mod:`retr.trainers.training.distributed`.
 
 On the GPU: ``--preload gpu`` holds the features on the device and gathers each batch there; otherwise batches
 leave the loader in the stored dtype, pinned, and the next one is copied on a side stream while the current step
@@ -48,19 +48,19 @@ from retr.common.locks import exclusive_lock
 from retr.common.prefetch import DevicePrefetcher
 from retr.common.version import __version__
 from retr.store.features import FeatureSet
-from retr.trainers import checkpoint as ckpt
-from retr.trainers.collapse import (CollapseMonitor, StepRanking, collapse_message, recall_at_chance,
+from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.training.collapse import (CollapseMonitor, StepRanking, collapse_message, recall_at_chance,
                                     val_at_chance_message)
 from retr.trainers.config import RESUME_APPLIES, TrainConfig
-from retr.trainers.run_log import RunLog, epoch_index
-from retr.trainers.data import (CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData,
+from retr.trainers.training.run_log import RunLog, epoch_index
+from retr.trainers.training.data import (CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData,
                                 check_feature_contract, data_identity, load_split)
-from retr.trainers.distributed import DistInfo, barrier, cleanup, gather_embeddings, init_from_env
-from retr.trainers.evaluation import retrieval_metrics
+from retr.trainers.training.distributed import DistInfo, barrier, cleanup, gather_embeddings, init_from_env
+from retr.trainers.evaluation.metrics import retrieval_metrics
 from retr.trainers.models import ModelInputs, create_model, get_spec
 from retr.trainers.models.base import MatchingModel
-from retr.trainers.optim import apply_implementation
-from retr.trainers.similarity import similarity_matrix
+from retr.trainers.training.optim import apply_implementation
+from retr.trainers.evaluation.similarity import similarity_matrix
 from retr.store.vocab import Vocabulary
 
 __all__ = ["TrainConfig", "train", "train_step", "resolve_device"]
@@ -380,7 +380,7 @@ def _resumed_config(cfg: TrainConfig, saved: dict, folder: Path) -> TrainConfig:
 
 
 def data_differences(folder: Path, identity: dict) -> list[str]:
-    """What in ``identity`` (:func:`~retr.trainers.data.data_identity` of the data given now) differs from the data
+    """What in ``identity`` (:func:`~retr.trainers.training.data.data_identity` of the data given now) differs from the data
     the run in ``folder`` was trained on, as ``"name new… (run: old…)"`` (runs from before identities were
     recorded: nothing)."""
     config_path = folder / ckpt.CONFIG
@@ -499,7 +499,7 @@ def train_step(model, batch: dict, optimizer, scaler: torch.amp.GradScaler | Non
 
 def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]:
     """One pass over the training captions; a metrics line every ``log_every`` steps, the collapse monitor
-    after every step (:mod:`retr.trainers.collapse`). Returns the losses.
+    after every step (:mod:`retr.trainers.training.collapse`). Returns the losses.
 
     The first ``warmup_epochs`` epochs train on the sum of violations (``model.warming_up``)."""
     cfg, info = run.cfg, run.info
@@ -568,7 +568,7 @@ def validate(run: Run) -> dict:
     """Validation metrics of the model as it is evaluated: two-step for models with a shortlist."""
     model = run.model
     if model.shortlist:
-        from retr.trainers.two_step import two_step_split
+        from retr.trainers.evaluation.two_step import two_step_split
         return two_step_split(model, run.val_data, run.val_feats, run.device, model.shortlist, "mixed")["two_step"]
     sims = similarity_matrix(model, run.val_data, run.val_feats, run.device, precision="refined", quiet=True)
     return retrieval_metrics(sims, run.val_data.caption_image)

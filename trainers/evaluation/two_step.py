@@ -17,7 +17,7 @@ How each direction is shortlisted and ranked (``shortlist`` = k, 100 in the pape
   the shortlist therefore keeps its global rank (≥ k): R@K for K ≤ k is decided by the re-rank alone, and
   the recall at k is the shortlist's.
 * i2t metrics come from the i2t matrix and t2i metrics from the t2i matrix, with the shared rank
-  definitions of :mod:`retr.trainers.evaluation` (best true caption, ties pessimistic). With k ≥ the number
+  definitions of :mod:`retr.trainers.evaluation.metrics` (best true caption, ties pessimistic). With k ≥ the number
   of candidates the two-step numbers equal full re-ranking (``score`` on every pair).
 
 COCO 1K folds shortlist within each fold (the candidates of a fold query are that fold's items).
@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from retr.common.errors import UserError
-from retr.trainers.data import ImageFeatures, SplitData
-from retr.trainers.evaluation import (COCO_FOLDS, METRIC_KEYS, PROTOCOLS, check_split_size, coco_folds, i2t_ranks,
+from retr.trainers.training.data import ImageFeatures, SplitData
+from retr.trainers.evaluation.metrics import (COCO_FOLDS, METRIC_KEYS, PROTOCOLS, check_split_size, coco_folds, i2t_ranks,
                                      rank_metrics, retrieval_metrics, t2i_ranks)
-from retr.trainers.similarity import _concat, encode_split
+from retr.trainers.evaluation.similarity import _concat, encode_split
 
 DEFAULT_SHORTLIST = 100
 

@@ -42,7 +42,7 @@ def hinge_triplet_loss(scores: torch.Tensor, margin: float = 0.2, max_violation:
 class BatchRanking:
     """How the matching pairs of one training batch rank among its other pairs (tensors, no gradient).
 
-    The collapse monitor (:mod:`retr.trainers.collapse`) reads these after each step: a model whose scores have
+    The collapse monitor (:mod:`retr.trainers.training.collapse`) reads these after each step: a model whose scores have
     collapsed to equal values ranks the matching pair first no more often than chance, whatever its loss.
 
     * ``hits`` — 0-d: rows (images) whose matching caption outscores every negative caption, plus columns

@@ -8,7 +8,7 @@ ensemble: their matrices are averaged.
 Identical captions (the same token ids; COCO and Flickr30K have some across images) are encoded and scored
 once and share one column. Encoded separately, their scores would differ in the last bits with the padding of
 the block each sat in, and which side of their tie a rank counts would be an accident of batching; shared,
-they tie exactly and the tie counts against the query, as :mod:`retr.trainers.evaluation` defines. (A model
+they tie exactly and the tie counts against the query, as :mod:`retr.trainers.evaluation.metrics` defines. (A model
 whose caption embeddings depend on their batch by design — SEAM-C with the authors' padding — is encoded in the
 authors' batches instead, every caption where it stands: :func:`encode_split`.)
 
@@ -46,7 +46,7 @@ import torch
 
 from retr.common.progress import progress
 from retr.common.errors import UserError
-from retr.trainers.data import ImageFeatures, SplitData, pad_tokens
+from retr.trainers.training.data import ImageFeatures, SplitData, pad_tokens
 from retr.trainers.models.base import MatchingModel
 
 PRECISIONS = ("refined", "float64", "float32")

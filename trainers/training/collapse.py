@@ -6,7 +6,7 @@ ranks at chance (fartashf/vsepp#27, kuanghuei/SCAN#36). Neither the loss nor the
 this apart from a run that learns slowly: a run that learns sits at the same loss for epochs, with a score
 spread just as small. What differs is the *ordering*, so the monitor watches that.
 
-**In-batch retrieval.** After every step the model's :class:`~retr.trainers.losses.BatchRanking` says how many
+**In-batch retrieval.** After every step the model's :class:`~retr.trainers.training.losses.BatchRanking` says how many
 rows (images) and columns (captions) of the batch rank their matching pair strictly first, and how many would
 by chance (``1 / (n + 1)`` for a row with ``n`` negatives: ``1/B`` for a batch of ``B``). Over the last
 :data:`STRETCH` steps the counts are summed; the run is *at chance* when the hits exceed the chance
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from retr.trainers.losses import BatchRanking
+from retr.trainers.training.losses import BatchRanking
 
 #: steps summed per check, and the first step checked
 STRETCH = 20

@@ -1,4 +1,4 @@
-"""Retrieval metrics and evaluation protocols (the similarity matrices they rank: :mod:`retr.trainers.similarity`).
+"""Retrieval metrics and evaluation protocols (the similarity matrices they rank: :mod:`retr.trainers.evaluation.similarity`).
 
 Metrics (``reference/scan.md`` "Evaluation", identical to the authors' ``i2t``/``t2i`` for distinct scores):
 
@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from retr.common.errors import UserError
-from retr.trainers.data import SplitData
+from retr.trainers.training.data import SplitData
 
 PROTOCOLS = ("f30k-1k", "coco-1k", "coco-5k", "coco-1k-first")
 #: the number of images each protocol's split must have (the Karpathy test splits)

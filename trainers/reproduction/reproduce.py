@@ -1,6 +1,6 @@
 """``retr-train reproduce RECIPE`` and ``retr-train recipes``: a published row from one command.
 
-``reproduce`` trains every member of a recipe (:mod:`retr.trainers.recipes`) into ``OUT/<member run>`` — a
+``reproduce`` trains every member of a recipe (:mod:`retr.trainers.reproduction.recipes`) into ``OUT/<member run>`` — a
 finished member with the recipe's settings and data is reused, an interrupted one resumed, one made otherwise
 refused — then evaluates each member alone and, for an ensemble, the members together, and prints and writes
 (``OUT/reproduce-<recipe>.json``) the measured numbers beside the published ones with their difference.
@@ -22,9 +22,9 @@ import click
 
 from retr.common.cli import quiet_option
 from retr.common.errors import UserError
-from retr.trainers import checkpoint as ckpt
+from retr.trainers.training import checkpoint as ckpt
 from retr.trainers.config import RESUME_APPLIES, TrainConfig, setting_fields
-from retr.trainers.recipes import (NOT_EXPRESSED, FeatureProvenance, Member, Published, Recipe, accepts, get_recipe,
+from retr.trainers.reproduction.recipes import (NOT_EXPRESSED, FeatureProvenance, Member, Published, Recipe, accepts, get_recipe,
                                    list_recipes, said)
 
 SIDES = ("i2t", "t2i")
@@ -99,12 +99,12 @@ class PlannedMember:
 def plan_member(member: Member, out: Path, data: dict, overrides: dict[str, Any]) -> PlannedMember:
     """The member's settings (recipe + overrides) and how an existing run of it differs from them: every setting
     the model and the loop read (the ``resume_applies`` ones that only say how it ran aside), the data it was
-    trained on (:func:`~retr.trainers.data.data_identity`), and more epochs than asked."""
+    trained on (:func:`~retr.trainers.training.data.data_identity`), and more epochs than asked."""
     from retr.store.features import FeatureSet as StoredFeatures
-    from retr.trainers.data import data_identity
-    from retr.trainers.loop import config_differences, data_differences
+    from retr.trainers.training.data import data_identity
+    from retr.trainers.training.loop import config_differences, data_differences
     from retr.trainers.models import get_spec
-    from retr.trainers.train_command import gather_settings
+    from retr.trainers.commands.train import gather_settings
 
     spec = get_spec(member.model)
     run = out / member.run
@@ -138,7 +138,7 @@ def set_aside(run: Path, log) -> Path:
 
 def train_member(planned: PlannedMember, quiet: bool, log) -> Path:
     """Train (or resume, or skip) one planned member whose run holds no differences; returns its folder."""
-    from retr.trainers.loop import train
+    from retr.trainers.training.loop import train
     from retr.trainers.models import get_spec
 
     cfg, run, state = planned.cfg, planned.run, planned.state
@@ -293,7 +293,7 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
     recipe's; otherwise nothing is trained and one line names each difference, unless ``retrain`` names the
     member (its run is then moved aside, see :func:`set_aside`)."""
     from retr.manifests.schema import manifest_sha256
-    from retr.trainers.eval_commands import evaluate_runs
+    from retr.trainers.commands.evaluate import evaluate_runs
 
     _check_overrides(recipe, overrides)
     unknown = sorted(set(retrain) - {m.run for m in recipe.members})

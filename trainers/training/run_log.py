@@ -7,7 +7,7 @@
   pair;
 * ``{"type": "epoch", "epoch", "step", "train_loss", "train_loss_mean", "lr", "val", "best", "seconds"}`` after
   each epoch;
-* ``{"type": "event", "event": "collapse" | "val_at_chance", …}`` (:mod:`retr.trainers.collapse`).
+* ``{"type": "event", "event": "collapse" | "val_at_chance", …}`` (:mod:`retr.trainers.training.collapse`).
 
 ``epoch`` counts from 1, as the console does (the checkpoint files keep their 0-based names:
 ``checkpoint-000.pt`` is written after epoch 1). Lines written before records carried their ``type`` counted
@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 from retr.common.errors import UserError
-from retr.trainers.checkpoint import METRICS
+from retr.trainers.training.checkpoint import METRICS
 
 TENSORBOARD = "tensorboard"
 LOG_TARGETS = ("tensorboard",)

@@ -45,10 +45,10 @@ from retr.common.devices import resolve_device
 from retr.common.errors import UserError
 from retr.common.hashing import sha256_file
 from retr.store.vocab import Vocabulary, tokenize
-from retr.trainers import checkpoint as ckpt
-from retr.trainers.data import ImageFeatures, SplitData, data_identity, open_run_split, pad_tokens
-from retr.trainers.similarity import SplitEmbeddings, _concat, score_blocks
-from retr.trainers.two_step import encode_all
+from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.training.data import ImageFeatures, SplitData, data_identity, open_run_split, pad_tokens
+from retr.trainers.evaluation.similarity import SplitEmbeddings, _concat, score_blocks
+from retr.trainers.evaluation.two_step import encode_all
 
 #: float32 candidates within this much of the k-th float32 score are rescored in float64 (float32 scoring errors
 #: of the models are below 1e-5 on cosine-scale scores; see ``bench/eval.py``'s refined mode)

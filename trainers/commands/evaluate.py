@@ -11,10 +11,10 @@ import torch
 
 from retr.common.cli import quiet_option
 from retr.common.errors import UserError
-from retr.trainers import checkpoint as ckpt
-from retr.trainers.data import ImageFeatures, open_run_split
-from retr.trainers.evaluation import PROTOCOLS, TIE_RULES, protocol_metrics
-from retr.trainers.similarity import DEFAULT_PRECISION, PRECISIONS, Scorer, SplitEmbeddings, combined_matrix
+from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.training.data import ImageFeatures, open_run_split
+from retr.trainers.evaluation.metrics import PROTOCOLS, TIE_RULES, protocol_metrics
+from retr.trainers.evaluation.similarity import DEFAULT_PRECISION, PRECISIONS, Scorer, SplitEmbeddings, combined_matrix
 from retr.common.devices import resolve_device
 
 
@@ -39,7 +39,7 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
         reference = key
         image_features = ImageFeatures(feature_set, data.image_ids, preload)
         if model.shortlist and len(runs) == 1:   # two-step models (MatchingModel.shortlist > 0), see two_step.py
-            from retr.trainers.two_step import two_step_protocol
+            from retr.trainers.evaluation.two_step import two_step_protocol
             if ties != "pessimistic":
                 raise UserError("--ties official applies to one-step scoring; a two-step run ranks its shortlists")
             result = two_step_protocol(model, data, image_features, protocol, dev, model.shortlist, precision,

@@ -1,0 +1,1 @@
+"""Evaluation: similarity matrices, the field's protocols and metrics, two-step retrieval."""

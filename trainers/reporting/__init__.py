@@ -1,0 +1,1 @@
+"""Looking at runs: the HTML report, its drawings, training curves."""

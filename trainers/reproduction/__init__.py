@@ -1,0 +1,1 @@
+"""Published rows as recipes, and reproducing them."""

@@ -1,0 +1,1 @@
+"""Using a trained model: search a gallery with sentences or images."""

@@ -1,0 +1,1 @@
+"""The training engine: the loop, its data, losses, optimisers, checkpoints and run records."""
