@@ -10,13 +10,12 @@
 from __future__ import annotations
 
 import functools
-import re
 import sys
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable
 
 import click
 
-from retr.common.errors import ParameterError, RetrError, UserError
+from retr.common.errors import ParameterError, RetrError, UserError, with_flags
 
 _WRAPPED = "_retr_flags_in_errors"
 
@@ -39,19 +38,6 @@ def parameter_flags(ctx: click.Context | None) -> dict[str, str]:
                 flags[param.name] = param.human_readable_name
         ctx = ctx.parent
     return flags
-
-
-def with_flags(message: str, parameters: Iterable[str], flags: Mapping[str, str]) -> str:
-    """``message`` with each whole-word occurrence of a name in ``parameters`` replaced by ``flags[name]``.
-
-    Whole word: not part of a longer identifier, flag, dotted name or path (``half`` in ``half-precision``,
-    ``self.half`` or ``/data/half/x`` stays). Names the command has no flag for stay as they are.
-    """
-    known = sorted((name for name in parameters if name in flags), key=len, reverse=True)
-    if not known:
-        return message
-    pattern = re.compile(r"(?<![\w./\\-])(" + "|".join(map(re.escape, known)) + r")(?![\w/\\-])")
-    return pattern.sub(lambda match: flags[match.group(1)], message)
 
 
 def error_message(exc: BaseException, ctx: click.Context | None = None) -> str:

@@ -7,7 +7,9 @@ Library code names *parameters*, never command-line flags: ``ParameterError("ima
 """
 from __future__ import annotations
 
-from typing import Iterable
+import re
+
+from typing import Iterable, Mapping
 
 
 class RetrError(Exception):
@@ -60,3 +62,16 @@ class MissingResourceError(RetrError):
         places = looked_in if isinstance(looked_in, str) else ", ".join(str(p) for p in looked_in)
         self.what, self.looked_in, self.how = what, places, how
         super().__init__(f"{what} not found (looked in {places}); {how}")
+
+
+def with_flags(message: str, parameters: Iterable[str], flags: Mapping[str, str]) -> str:
+    """``message`` with each whole-word occurrence of a name in ``parameters`` replaced by ``flags[name]``.
+
+    Whole word: not part of a longer identifier, flag, dotted name or path (``half`` in ``half-precision``,
+    ``self.half`` or ``/data/half/x`` stays). Names the command has no flag for stay as they are.
+    """
+    known = sorted((name for name in parameters if name in flags), key=len, reverse=True)
+    if not known:
+        return message
+    pattern = re.compile(r"(?<![\w./\\-])(" + "|".join(map(re.escape, known)) + r")(?![\w/\\-])")
+    return pattern.sub(lambda match: flags[match.group(1)], message)

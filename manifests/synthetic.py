@@ -1,6 +1,6 @@
 """The synthetic dataset: coloured-shape scenes, five unambiguous captions each, and their gold parses.
 
-``retr-pipeline synth --out DIR`` (see :mod:`retr.manifests.synthetic_command`) calls
+``retr-pipeline synth --out DIR`` (see :mod:`retr.pipeline.commands.synth`) calls
 :func:`generate_synthetic`, which writes::
 
     DIR/images/synth_00000.jpg …   224×224 RGB JPEGs (quality 95, no chroma subsampling)

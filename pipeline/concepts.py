@@ -3,7 +3,7 @@
 ``retr-pipeline build-concepts --manifest M --out concepts.h5 [--conllu F]`` writes, once per dataset, what
 every SMFEA run reuses: the concept vocabulary, the caption and image labels and the graph. The file's layout,
 its writer and its reader (:class:`~retr.store.concepts.ConceptSet`) live in :mod:`retr.store.concepts`; this
-module is the stage that computes the contents.
+module is the stage that computes the contents (the command: :mod:`retr.pipeline.commands.concepts`).
 
 Vocabulary (CVSE: 300 concepts = 210 nouns + 60 adjectives + 30 verbs, the most frequent in the training
 captions). The part of speech needs a tagger; retr downloads none, so:
@@ -249,58 +249,3 @@ def build_concepts_file(manifest: str | os.PathLike, out: str | os.PathLike, con
     write_concepts(out, data, {"manifest_sha256": manifest_sha256(manifest), "manifest": str(manifest),
                                "conllu": str(conllu) if conllu else ""})
     return data
-
-
-# ---------------------------------------------------------------------------------------------------------
-# retr-pipeline build-concepts
-
-import click  # noqa: E402  (kept next to the command it serves)
-
-from retr.common.cli import quiet_option, splits_option  # noqa: E402
-
-
-@click.command("build-concepts")
-@click.option("--manifest", "manifest", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="The dataset's manifest.jsonl (labels are written for every caption of every split).")
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="concepts.h5 to write.")
-@click.option("--conllu", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="CoNLL-U of every caption (# sent_id = <image id>#<k>): lemmas and POS. "
-                   "Required unless --select frequency.")
-@click.option("--nouns", type=click.IntRange(min=0), default=DEFAULT_NOUNS, show_default=True)
-@click.option("--adjectives", type=click.IntRange(min=0), default=DEFAULT_ADJECTIVES, show_default=True)
-@click.option("--verbs", type=click.IntRange(min=0), default=DEFAULT_VERBS, show_default=True)
-@splits_option("--train-split", "--train-splits", "train_splits", default=("train", "restval"),
-               help="Splits whose captions define the vocabulary and the graph.")
-@click.option("--select", type=click.Choice(["pos", "frequency"]), default="pos", show_default=True,
-              help="pos: CVSE's nouns/adjectives/verbs from --conllu (the reading that reproduces CVSE/SMFEA); "
-                   "frequency: the most frequent non-function words, without part-of-speech tags or lemmas.")
-@quiet_option
-def build_concepts_command(manifest: Path, out: Path, conllu: Path | None, nouns: int, adjectives: int,
-                           verbs: int, train_splits: tuple[str, ...], select: str, quiet: bool) -> None:
-    """Build SMFEA/CVSE concept data: vocabulary, caption/image multi-hot labels, co-occurrence graph.
-
-    The vocabulary is the most frequent training nouns, adjectives and verbs (CVSE: 210/60/30); the graph is
-    CVSE's thresholded conditional-probability graph. Every `retr-train smfea` run reuses the file.
-
-    \b
-    Example:
-      retr-pipeline build-concepts --manifest data/synthetic/manifest.jsonl \\
-          --conllu data/synthetic/captions.conllu --out data/synthetic/concepts.h5
-    """
-    if select == "pos" and conllu is None:
-        raise UserError("build-concepts needs part-of-speech tags for CVSE's 210 nouns / 60 adjectives / 30 verbs: "
-                        "give --conllu FILE (the captions tagged with UPOS and lemmas, e.g. by stanza's "
-                        "tokenize,pos,lemma with the models of `retr-pipeline fetch-parser-models`), or "
-                        "--select frequency for the POS-free fallback")
-    if select == "frequency":
-        conllu = None
-    splits = train_splits
-    data = build_concepts_file(manifest, out, conllu, nouns, adjectives, verbs, splits)
-    parts = Counter(data.pos)
-    edges = int(((data.adjacency > 0) & ~np.eye(len(data.concepts), dtype=bool)).sum())
-    click.echo(f"wrote {out}: {len(data.concepts)} concepts ("
-               + ", ".join(f"{n} {p}" for p, n in parts.items())
-               + f"; POS from {data.attrs['pos_source']}), {edges} graph edges, labels for "
-               f"{len(data.caption_keys)} captions / {len(data.image_ids)} images")
-    if select == "frequency":  # said once the inputs were read: a bad input is then one error line, alone
-        click.echo("note: --select frequency: concepts are the most frequent words, not CVSE's POS split", err=True)

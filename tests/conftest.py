@@ -24,10 +24,10 @@ os.environ["RETR_OFFLINE"] = "1"
 #: rounding, and minutes of emulated bf16 convolutions on a CPU without bf16 units) and test_golden_butd (a
 #: 600-px float32 detector against MILVLG's at tolerances 30-100× its measured gap, checked with 1, 2 and 4 threads
 #: when it was written; 90 s a run).
-NUMERICAL = ("test_golden_scan", "test_golden_vsepp", "test_golden_seam", "test_golden_cvse", "test_similarity", "test_evaluation", "test_gemm", "test_train_gpu_paths",
-             "test_amp_accum", "test_explain", "test_model_registry", "test_scan", "test_seam", "test_sman",
-             "test_smfea", "test_jgcar", "test_vsepp", "test_butd_core", "test_butd_model", "test_butd_batched",
-             "test_concepts")
+NUMERICAL = ("test_golden_scan", "test_golden_vsepp", "test_golden_seam", "test_golden_cvse", "test_similarity",
+             "test_evaluation", "test_gemm", "test_train_gpu_paths", "test_amp_accum", "test_explain",
+             "test_model_registry", "test_scan", "test_seam", "test_sman", "test_smfea", "test_jgcar", "test_vsepp",
+             "test_butd_core", "test_butd_model", "test_butd_batched", "test_concepts")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -201,7 +201,7 @@ def test_detector_batch_option_default_record_and_refusal(images):
 def test_detector_batch_is_a_command_line_option_with_its_default():
     from click.testing import CliRunner
 
-    from retr.pipeline.extract_command import extract_command
+    from retr.pipeline.commands.extract import extract_command
 
     result = CliRunner().invoke(extract_command, ["--help"], terminal_width=200)
     assert result.exit_code == 0

@@ -7,7 +7,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from retr.common.cli import LazyChoice, flags_in_errors, parameter_flags, run, with_flags
+from retr.common.cli import LazyChoice, flags_in_errors, parameter_flags, run
+from retr.common.errors import with_flags
 from retr.common.errors import MissingResourceError, ParameterError, RetrError, UserError
 
 
@@ -93,7 +94,7 @@ def test_outside_a_command_the_library_text_stays():
 
 def test_real_commands_map_their_own_names(tmp_path, capsys):
     """``retr-pipeline synth --images`` is the parameter ``num_images`` of :func:`generate_synthetic`."""
-    from retr.pipeline.cli import cli
+    from retr.pipeline.commands import cli
 
     with pytest.raises(SystemExit) as exited:
         run(cli, ["synth", "--out", str(tmp_path / "s"), "--images", "2"])
@@ -155,7 +156,7 @@ def test_split_options_take_repeats_and_commas_alike(tmp_path):
 
     assert split_list(["train,restval", "val"]) == ("train", "restval", "val") and split_list(None) == ()
     assert TrainConfig(train_splits=("train,restval",)).train_splits == ("train", "restval")
-    from retr.pipeline.cli import cli as pipeline_cli
+    from retr.pipeline.commands import cli as pipeline_cli
 
     for command, flag in (("build-concepts", "--train-split"), ("import-scan", "--split")):
         params = {p.name: p for p in pipeline_cli.commands[command].params}

@@ -109,7 +109,7 @@ def test_word_vectors_glove_format(tmp_path):
 
 def test_build_concepts_command_on_synthetic(tmp_path):
     from retr.manifests.synthetic import generate_synthetic
-    from retr.pipeline.cli import cli
+    from retr.pipeline.commands import cli
 
     generate_synthetic(tmp_path / "s", 30, seed=1)
     out = tmp_path / "concepts.h5"

@@ -33,7 +33,7 @@ from retr.parsers.backends import ConlluBackend
 from retr.parsers.referral_tree import TreeRules, build_tree
 from retr.parsers.schemes import (SCHEMES, ConversionError, LabelEvidence, accepts, choose_scheme,
                                   detect_scheme, to_ud2)
-from retr.pipeline.cli import cli
+from retr.pipeline.commands import cli
 from retr.pipeline.parse_trees import TooManyFailures, run_parse_trees
 from retr.store.trees import TreeSet
 

@@ -26,8 +26,8 @@ from PIL import Image
 from retr.common.cli import run
 from retr.common.errors import ParameterError
 from retr.extractors.base import build_extractor
-from retr.pipeline.cli import cli
-from retr.pipeline.extract_command import _builder_options
+from retr.pipeline.commands import cli
+from retr.pipeline.commands.extract import _builder_options
 
 AUTOCAST_MIN_COSINE = 0.999
 AUTOCAST_RELATIVE = 0.03

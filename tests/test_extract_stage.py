@@ -19,7 +19,7 @@ from retr.common.errors import UserError
 from retr.extractors.base import available_extractors, build_extractor
 from retr.manifests.schema import manifest_sha256
 from retr.manifests.synthetic import generate_synthetic
-from retr.pipeline.cli import cli
+from retr.pipeline.commands import cli
 from retr.pipeline.extract import DistributedEnv, extract_features, plan_shards, shard_ranges
 from retr.store.features import ROOT_ATTRS, decode_str, shard_name
 from retr.pipeline.verify import verify_feature_set
@@ -276,7 +276,7 @@ def test_extract_preset_runs_every_available_extractor(tmp_path, monkeypatch):
         calls.append((name, Path(manifest), Path(out), kwargs["image_root"], kwargs["options"]))
         return Summary(name)
 
-    import retr.pipeline.extract_command as command
+    import retr.pipeline.commands.extract as command
     monkeypatch.setattr(command, "extract_features", fake_extract)
     write_one_image_manifest(tmp_path / "m.jsonl")  # read once up front: a bad one is one error, not one each
     monkeypatch.setattr(command, "available_extractors",
@@ -304,7 +304,7 @@ def test_extract_preset_gives_the_image_path_options_to_the_backbones_only(tmp_p
         calls[name] = kwargs["options"]
         return Summary()
 
-    import retr.pipeline.extract_command as command
+    import retr.pipeline.commands.extract as command
     monkeypatch.setattr(command, "extract_features", fake_extract)
     write_one_image_manifest(tmp_path / "m.jsonl")
     result = CliRunner().invoke(cli, ["extract-preset", "synthetic", "--manifest", str(tmp_path / "m.jsonl"),
@@ -321,7 +321,7 @@ def test_extract_preset_gives_the_image_path_options_to_the_backbones_only(tmp_p
 
 def test_extract_preset_reports_each_failure_in_flags(tmp_path, monkeypatch):
     from retr.common.errors import ParameterError
-    import retr.pipeline.extract_command as command
+    import retr.pipeline.commands.extract as command
 
     def refuse(manifest, name, out, **kwargs):
         raise ParameterError("half needs device cuda (half-precision convolutions are slow or missing on CPU)",

@@ -332,7 +332,7 @@ def test_cpu_passes_of_a_few_images_give_the_whole_batch_features(jpeg, monkeypa
 
 # ------------------------------------------------------------------------------------------ library only
 def test_no_extractor_module_imports_click():
-    """Command-line options live on the pipeline side (``pipeline/butd_options.py``); extractors are a library."""
+    """Command-line options live on the pipeline side (``pipeline/commands/extract.py``); extractors are a library."""
     import ast
 
     import retr.extractors

@@ -177,7 +177,7 @@ def test_flickr30k_takes_the_archive_the_user_was_sent(mirror, tmp_path, run_cli
 
 def test_extract_preset_fetches_a_missing_dataset_then_extracts(mirror, tmp_path, run_cli, monkeypatch):
     """`make extract DATASET=coco` on a fresh machine: fetch-data, then the extractors (faked here)."""
-    import retr.pipeline.extract_command as command
+    import retr.pipeline.commands.extract as command
 
     calls = []
 
@@ -209,7 +209,7 @@ def test_extract_preset_fetches_a_missing_dataset_then_extracts(mirror, tmp_path
 def test_extract_preset_synthetic_needs_no_network(tmp_path, run_cli, monkeypatch):
     import socket
 
-    import retr.pipeline.extract_command as command
+    import retr.pipeline.commands.extract as command
 
     opened = []
     monkeypatch.setattr(socket, "socket", lambda *a, **k: opened.append(a))

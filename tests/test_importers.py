@@ -22,7 +22,7 @@ def run_cli(*args: str):
     """Run a retr-pipeline command in this process (fast); returns click's result."""
     from click.testing import CliRunner
 
-    from retr.pipeline.cli import cli
+    from retr.pipeline.commands import cli
     return CliRunner().invoke(cli, list(args))
 
 
@@ -198,7 +198,7 @@ def test_import_scan_takes_its_folder_as_an_argument_like_the_other_importers(tm
     import click
     from click.testing import CliRunner
 
-    from retr.pipeline.cli import cli as pipeline_cli
+    from retr.pipeline.commands import cli as pipeline_cli
 
     data = tmp_path / "precomp"
     data.mkdir()

@@ -1,4 +1,6 @@
-"""The layer rule of docs/DESIGN.md ("Layout"): which retr package may import which, and no cycles.
+"""The layer rule of docs/DESIGN.md ("Layout"): which retr package may import which, and no cycles; and the library
+apart from the commands: click only in a command layer (``common/cli.py``, ``<package>/commands/``), which no library
+module imports.
 
 Every ``.py`` file of every package folder mapped in ``pyproject.toml`` is parsed with :mod:`ast` (nothing is
 imported); every import of a ``retr`` module counts, wherever it is written — module top, inside a function, under
@@ -7,6 +9,7 @@ imported); every import of a ``retr`` module counts, wherever it is written — 
 from __future__ import annotations
 
 import ast
+import functools
 import tomllib
 from pathlib import Path
 
@@ -219,3 +222,132 @@ def test_checker_passes_a_clean_tree_and_finds_a_cycle_the_rule_would_allow(tmp_
 ])
 def test_imported_modules(source, expected):
     assert imported_modules(source, "retr.store.vocab") == expected
+
+
+# ------------------------------------------------------------------------------------------------- the command layer
+# The library apart from its commands (docs/DESIGN.md, Layout): click is imported only by a package's command layer
+# — ``common/cli.py`` (the conventions both console scripts share) and ``<package>/commands/`` (every command, one
+# module per command or group) — and no library module imports a command layer: the commands import the library,
+# never the other way, so ``import retr.<package>.<module>`` never drags in click.
+
+#: package → its command layer: paths inside the package folder (a module, or a folder and everything below it)
+COMMAND_LAYER: dict[str, tuple[str, ...]] = {
+    "common": ("cli.py",),
+    "pipeline": ("commands",),
+    "trainers": ("commands",),
+}
+
+#: Packages whose library is not checked (a package being split into library and commands would be listed here
+#: while the split is under way; none is now).
+NOT_CHECKED_YET: frozenset[str] = frozenset()
+
+
+def in_command_layer(package: str, folder: Path, path: Path) -> bool:
+    """Whether ``path`` (a file of ``package``'s ``folder``) belongs to the package's command layer."""
+    rel = path.relative_to(folder)
+    return any(rel == Path(layer) or Path(layer) in rel.parents for layer in COMMAND_LAYER.get(package, ()))
+
+
+def command_layer_modules(folders: dict[str, Path]) -> set[str]:
+    """The dotted names of every command layer (``retr.common.cli``, ``retr.pipeline.commands``, …)."""
+    return {module_name(package, folder, folder / layer) if layer.endswith(".py")
+            else ".".join(["retr", package, *Path(layer).parts])
+            for package, folder in folders.items() for layer in COMMAND_LAYER.get(package, ())}
+
+
+def click_imports(source: str) -> set[str]:
+    """The ``click`` modules ``source`` imports, at any depth (``import click``, ``from click.testing import …``,
+    ``importlib.import_module("click")``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.add(node.args[0].value)
+    return {m for m in found if m == "click" or m.startswith("click.")}
+
+
+def imported_names(source: str, module: str, is_package: bool = False) -> set[str]:
+    """:func:`imported_modules` plus every ``package.name`` of ``from package import name`` (the name may be a
+    submodule: ``from retr.pipeline import commands``)."""
+    found = imported_modules(source, module, is_package)
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            base = (".".join(here[:len(here) - node.level + 1] + [node.module]) if node.level else node.module)
+            found.update(f"{base}.{alias.name}" for alias in node.names if base.startswith("retr."))
+    return found
+
+
+def command_layer_violations(folders: dict[str, Path], skip: frozenset[str] = frozenset()) -> list[Edge]:
+    """``(library module, what it imports)`` for every import of click or of a command layer by a module outside
+    the command layers (packages in ``skip`` are not read), sorted."""
+    layers = command_layer_modules(folders)
+    bad = set()
+    for package, folder in folders.items():
+        if package in skip:
+            continue
+        for path in sorted(folder.rglob("*.py")):
+            if in_command_layer(package, folder, path):
+                continue
+            module = module_name(package, folder, path)
+            source = path.read_text(encoding="utf-8")
+            bad.update((module, name) for name in click_imports(source))
+            hits = {target for target in imported_names(source, module, path.name == "__init__.py")
+                    if any(target == layer or target.startswith(layer + ".") for layer in layers)}
+            # ``from .commands.extract import x`` names retr.pipeline.commands.extract(.x): report the module once
+            bad.update((module, hit) for hit in hits if not any(hit.startswith(other + ".") for other in hits))
+    return sorted(bad)
+
+
+@functools.cache
+def _repo_command_layer_violations() -> tuple[Edge, ...]:
+    return tuple(command_layer_violations(package_folders(ROOT), skip=NOT_CHECKED_YET))
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_library_modules_import_no_command_layer(package):
+    folders = package_folders(ROOT)
+    if package in NOT_CHECKED_YET:
+        pytest.skip(f"{package}/ is not checked yet: its split into a library and {package}/commands/ is under way "
+                    f"(remove {package!r} from NOT_CHECKED_YET in tests/test_layers.py once it is done)")
+    for layer in COMMAND_LAYER.get(package, ()):
+        assert (folders[package] / layer).exists(), f"{package}/{layer}, the command layer, is missing"
+    bad = [(src, dst) for src, dst in _repo_command_layer_violations() if package_of(src) == package]
+    home = ", ".join(f"{package}/{layer}" for layer in COMMAND_LAYER.get(package, ())) or "another package's commands"
+    assert not bad, (f"library modules that import click or a command layer (command code belongs in {home}; "
+                     "docs/DESIGN.md, Layout):\n" + _report(bad))
+
+
+def test_command_layer_checker(tmp_path):
+    folders = _tree(tmp_path, {
+        "common/__init__.py": "",
+        "common/cli.py": "import click\n",
+        "common/util.py": "def f():\n    from click.testing import CliRunner\n",        # nested: still counts
+        "store/__init__.py": "import clickhouse\n",                                       # not click
+        "pipeline/__init__.py": "",
+        "pipeline/commands/__init__.py": "import click\nfrom retr.pipeline import stage\n",
+        "pipeline/commands/extract.py": "import click\nfrom retr.common.cli import run\n",
+        "pipeline/stage.py": "from retr.pipeline import commands\n",
+        "pipeline/verify.py": "from .commands.extract import x\n",
+        "pipeline/report.py": "import importlib\nimportlib.import_module('click')\n",
+        "pipeline/progress.py": "from retr.common import cli\n",
+        "trainers/__init__.py": "",
+        "trainers/loop.py": "import click\nimport retr.trainers.commands.train\n",
+    })
+    assert command_layer_modules(folders) == {"retr.common.cli", "retr.pipeline.commands", "retr.trainers.commands"}
+    assert command_layer_violations(folders) == [
+        ("retr.common.util", "click.testing"),
+        ("retr.pipeline.progress", "retr.common.cli"),
+        ("retr.pipeline.report", "click"),
+        ("retr.pipeline.stage", "retr.pipeline.commands"),
+        ("retr.pipeline.verify", "retr.pipeline.commands.extract"),
+        ("retr.trainers.loop", "click"),
+        ("retr.trainers.loop", "retr.trainers.commands.train"),
+    ]
+    assert [src for src, _ in command_layer_violations(folders, skip=frozenset({"trainers"}))
+            if src.startswith("retr.trainers")] == []

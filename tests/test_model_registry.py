@@ -262,7 +262,7 @@ def synthetic_side_files(tmp_path_factory):
     """A small synthetic dataset, its scene-region features, trees, concepts and a label file."""
     from click.testing import CliRunner
 
-    from retr.pipeline.cli import cli as pipeline
+    from retr.pipeline.commands import cli as pipeline
     from trainer_synthetic import make_synthetic
 
     folder = tmp_path_factory.mktemp("registry")
@@ -325,7 +325,8 @@ def test_presets_resolve_and_every_setting_has_help(name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_generated_command_lists_every_setting(name):
-    from retr.trainers.commands.train import flag_of, training_command
+    from retr.trainers.commands.train import training_command
+    from retr.trainers.training.settings import flag_of
 
     spec = get_spec(name)
     command = training_command(spec)

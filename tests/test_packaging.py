@@ -35,7 +35,7 @@ def _commands(group: click.Group, prefix: tuple[str, ...] = ()):
 
 
 def _all_commands():
-    from retr.pipeline.cli import cli as pipeline_cli
+    from retr.pipeline.commands import cli as pipeline_cli
     from retr.trainers.commands import cli as train_cli
     return ([("retr-pipeline", path, c) for path, c in _commands(pipeline_cli)]
             + [("retr-train", path, c) for path, c in _commands(train_cli)])

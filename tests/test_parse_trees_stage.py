@@ -14,7 +14,7 @@ from retr.manifests.schema import read_manifest, write_manifest
 from retr.manifests.synthetic import generate_synthetic
 from retr.parsers.backends import ConlluBackend
 from retr.store.trees import TreeSet, read_trees
-from retr.pipeline.cli import cli
+from retr.pipeline.commands import cli
 from retr.pipeline.parse_trees import TooManyFailures, run_parse_trees, shard_folder
 
 

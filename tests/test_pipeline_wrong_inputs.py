@@ -147,7 +147,7 @@ def test_a_folder_of_wrong_files_is_one_error_line(files, run_cli, slot, folder)
 
 
 def test_every_command_is_covered():
-    from retr.pipeline.cli import cli
+    from retr.pipeline.commands import cli
 
     commands = {name if not hasattr(command, "commands") else f"{name} {sub}"
                 for name, command in cli.commands.items()

@@ -243,7 +243,7 @@ def test_report_is_complete_and_self_contained(tiny, monkeypatch, tmp_path):
     panels = [s for s in srcs if s.startswith("assets/att-m0-0-0-") and not s.endswith("image.jpg")]
     assert len(panels) == words                                     # one panel per caption token
     # the numbers: the report's matrix is eval's, its rank list gives eval's R@1
-    from retr.trainers.commands.evaluate import evaluate_runs
+    from retr.trainers.evaluation.runs import evaluate_runs
 
     result, _ = evaluate_runs([str(scan)], "f30k-1k", allow_size_mismatch=True, quiet=True)
     assert f"<td>{result['i2t']['r1']:.1f}</td>" in page and f"<td colspan='5'>{result['rsum']:.1f}</td>" in page
@@ -268,7 +268,7 @@ def test_report_without_image_files_draws_blank_canvases_of_the_stored_size(tiny
 
 
 def test_models_without_explain_say_so_and_two_step_ranks_are_evals(tiny, tmp_path):
-    from retr.trainers.commands.evaluate import evaluate_runs
+    from retr.trainers.evaluation.runs import evaluate_runs
     from retr.trainers.models.sman import SMAN
 
     folder, manifest, _, sman = tiny

@@ -286,7 +286,7 @@ def _prepare_synthetic(tmp_path, images):
     object, noise regions, K = 4), gold-parse referral trees and concepts — through the real commands."""
     from click.testing import CliRunner
 
-    from retr.pipeline.cli import cli as pipeline
+    from retr.pipeline.commands import cli as pipeline
     from trainer_synthetic import make_synthetic
 
     manifest, features = make_synthetic(tmp_path / "s", images=images, seed=0)

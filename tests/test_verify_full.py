@@ -192,7 +192,7 @@ def test_verify_json_is_one_object_per_feature_set(tmp_path, make_feature_set):
 
     from click.testing import CliRunner
 
-    from retr.pipeline.cli import cli as pipeline_cli
+    from retr.pipeline.commands import cli as pipeline_cli
 
     path, _ = make_feature_set(num_shards=2, rows_per_shard=2)
     result = CliRunner().invoke(pipeline_cli, ["verify", str(path), "--json"])

@@ -26,13 +26,13 @@ def cli() -> None:
 def _register() -> None:
     """One training command per registered model (generated from its spec), then the tools."""
     from retr.trainers.commands.evaluate import eval_command, table_command
-    from retr.trainers.models import get_spec, list_models
-    from retr.trainers.reporting.plot import plot_command
-    from retr.trainers.reporting.report import show_command
-    from retr.trainers.reproduction.reproduce import recipes_command, reproduce_command
-    from retr.trainers.training.official_checkpoints import import_scan_command, import_vsepp_command
+    from retr.trainers.commands.import_checkpoint import import_scan_command, import_vsepp_command
+    from retr.trainers.commands.plot import plot_command
+    from retr.trainers.commands.reproduce import recipes_command, reproduce_command
     from retr.trainers.commands.search import search_command
+    from retr.trainers.commands.show import show_command
     from retr.trainers.commands.train import training_command
+    from retr.trainers.models import get_spec, list_models
 
     for name in list_models():
         cli.add_command(training_command(get_spec(name)))

@@ -47,7 +47,7 @@ import torch
 from retr.common.progress import progress
 from retr.common.errors import UserError
 from retr.trainers.training.data import ImageFeatures, SplitData, pad_tokens
-from retr.trainers.models.base import MatchingModel
+from retr.trainers.models.base import Embeddings, MatchingModel, cast_embeddings, slice_embeddings
 
 PRECISIONS = ("refined", "float64", "float32")
 DEFAULT_PRECISION = "refined"
@@ -59,15 +59,6 @@ GPU_MEMORY_SHARE = 0.5      # on CUDA, one score call may use this share of the 
 GPU_PAIR_BUDGET_MAX = 1 << 24   # … and hold at most this many pairs
 PAIR_STRATEGIES = ("auto", "image", "block")
 
-Embeddings = dict[str, torch.Tensor]
-
-
-def _slice(embeddings: Embeddings, index) -> Embeddings:
-    return {k: v[index] for k, v in embeddings.items()}
-
-
-def _cast(embeddings: Embeddings, dtype: torch.dtype) -> Embeddings:
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in embeddings.items()}
 
 
 def _concat(blocks: Sequence[Embeddings]) -> Embeddings:
@@ -122,7 +113,7 @@ def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.
                 tokens, lengths = pad_tokens([data.tokens[m] for m in idx])
                 block = model.encode_captions(tokens.to(device), lengths.to(device))
                 keep = np.flatnonzero(wanted[idx])
-                caption_blocks.append((idx[keep], _slice(block, torch.as_tensor(keep, device=device))))
+                caption_blocks.append((idx[keep], slice_embeddings(block, torch.as_tensor(keep, device=device))))
         return image_blocks, caption_blocks
     order = chosen[np.argsort([len(data.tokens[m]) for m in chosen], kind="stable")]
     for start in progress(range(0, len(order), batch_size), desc="encode captions", quiet=quiet):
@@ -223,10 +214,10 @@ class Scorer:
         if self.device.type != "cuda":
             return image_block or 128, pair_budget or CPU_PAIR_BUDGET
         if pair_budget is None:
-            probe = _cast(_slice(self.embeddings.images, slice(0, 64)), dtype)
+            probe = cast_embeddings(slice_embeddings(self.embeddings.images, slice(0, 64)), dtype)
             measured = self._with_dtype(dtype, lambda model: bytes_per_pair(
                 lambda im, cap: model.score(im, cap, dtype=dtype), probe,
-                _cast(self.embeddings.caption_blocks[-1][1], dtype)))
+                cast_embeddings(self.embeddings.caption_blocks[-1][1], dtype)))
             free, _ = torch.cuda.mem_get_info(self.device)
             pair_budget = gpu_pair_budget(free, measured)
         widest = max(len(idx) for idx, _ in self.embeddings.caption_blocks)
@@ -238,7 +229,7 @@ class Scorer:
         :meth:`block_sizes`)."""
         e = self.embeddings
         image_block, pair_budget = self.block_sizes(dtype, image_block, pair_budget)
-        images = _cast(e.images, dtype)
+        images = cast_embeddings(e.images, dtype)
         sims = self._with_dtype(dtype, lambda model: score_blocks(
             lambda im, cap: model.score(im, cap, dtype=dtype), images, e.caption_blocks, e.num_images, e.num_captions, image_block, pair_budget,
             cast=dtype, quiet=quiet))
@@ -256,11 +247,11 @@ class Scorer:
         for b in np.unique(blocks):
             block = self.embeddings.caption_blocks[b][1]
             index = torch.as_tensor(rows[blocks == b], device=next(iter(block.values())).device)
-            parts.append(_slice(block, index))
+            parts.append(slice_embeddings(block, index))
         joined = _concat(parts)                                     # rows in ``order``
         back = np.empty_like(order)
         back[order] = np.arange(len(order))
-        return _slice(joined, torch.as_tensor(back, device=next(iter(joined.values())).device))
+        return slice_embeddings(joined, torch.as_tensor(back, device=next(iter(joined.values())).device))
 
     def pairs(self, image_rows: np.ndarray, captions: np.ndarray, strategy: str = "auto") -> np.ndarray:
         """float64 scores ``[P]`` of the listed pairs (``image_rows[p]``, ``captions[p]``).
@@ -288,7 +279,7 @@ class Scorer:
     def _wide_images(self) -> Embeddings:
         """Every image's embeddings in float64 (made once: the block strategy rescores from all of them)."""
         if self._images64 is None:
-            self._images64 = _cast(self.embeddings.images, torch.float64)
+            self._images64 = cast_embeddings(self.embeddings.images, torch.float64)
         return self._images64
 
     def _pairs_by_image(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
@@ -298,8 +289,8 @@ class Scorer:
         for start, stop in zip(starts, np.r_[starts[1:], len(order)]):
             listed = order[start:stop]
             row = int(image_rows[listed[0]])
-            image = _cast(_slice(self.embeddings.images, slice(row, row + 1)), torch.float64)
-            caps = _cast(self._captions(captions[listed]), torch.float64)
+            image = cast_embeddings(slice_embeddings(self.embeddings.images, slice(row, row + 1)), torch.float64)
+            caps = cast_embeddings(self._captions(captions[listed]), torch.float64)
             scores = self._with_dtype(torch.float64, lambda model: model.score(image, caps, dtype=torch.float64))
             out[listed] = scores[0].double().cpu().numpy()
         return out
@@ -311,7 +302,7 @@ class Scorer:
         blocks = self._caption_block[captions]
         for b in np.unique(blocks):
             listed = np.flatnonzero(blocks == b)
-            caps = _cast(self.embeddings.caption_blocks[b][1], torch.float64)
+            caps = cast_embeddings(self.embeddings.caption_blocks[b][1], torch.float64)
             img_idx = torch.as_tensor(image_rows[listed], device=device)
             cap_idx = torch.as_tensor(self._caption_row[captions[listed]], device=device)
             scores = self._with_dtype(torch.float64, lambda model: model.pair_score(
@@ -359,12 +350,12 @@ def score_blocks(score, images: Embeddings, caption_blocks, num_images: int, num
     work = []
     for idx, caps in caption_blocks:
         for s in range(0, len(idx), caption_step):
-            work.append((idx[s:s + caption_step], _slice(caps, slice(s, s + caption_step))))
+            work.append((idx[s:s + caption_step], slice_embeddings(caps, slice(s, s + caption_step))))
     for cap_idx, caps in progress(work, desc="score", unit="block", quiet=quiet):
         if cast is not None:
-            caps = _cast(caps, cast)
+            caps = cast_embeddings(caps, cast)
         for start in range(0, num_images, image_block):
-            block = _slice(images, slice(start, start + image_block))
+            block = slice_embeddings(images, slice(start, start + image_block))
             scores = score(block, caps)
             sims[start:start + scores.shape[0], cap_idx] = scores.double().cpu().numpy()
     return sims

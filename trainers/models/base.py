@@ -43,6 +43,16 @@ from retr.trainers.training.losses import BatchRanking, hinge_triplet_loss, in_b
 Embeddings = dict[str, torch.Tensor]
 
 
+def slice_embeddings(embeddings: Embeddings, index) -> Embeddings:
+    """Rows ``index`` of every tensor of ``embeddings`` (a block's items)."""
+    return {k: v[index] for k, v in embeddings.items()}
+
+
+def cast_embeddings(embeddings: Embeddings, dtype: torch.dtype) -> Embeddings:
+    """Every floating tensor of ``embeddings`` in ``dtype`` (masks and lengths stay as they are)."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in embeddings.items()}
+
+
 def check_one_pair(images: Embeddings, captions: Embeddings) -> None:
     """Raise ``ValueError`` unless ``images`` and ``captions`` (encoder outputs) each hold exactly one row: what
     :meth:`MatchingModel.explain` takes."""

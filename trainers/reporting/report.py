@@ -35,12 +35,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
-import click
 import numpy as np
 import torch
 
 from retr.common.atomic import atomic_text
-from retr.common.cli import quiet_option
 from retr.common.errors import ParameterError, UserError
 from retr.common.version import __version__
 from retr.trainers.training import checkpoint as ckpt
@@ -492,7 +490,7 @@ def _metrics_table(result: dict) -> str:
 
 
 def _stored_results(runs: Sequence[str]) -> str:
-    from retr.trainers.commands.evaluate import table_rows
+    from retr.trainers.evaluation.runs import table_rows
 
     with_eval = [r for r in runs if (Path(r) / ckpt.EVAL).is_file()]
     if not with_eval:
@@ -635,7 +633,7 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
     Sections and options: module docstring."""
     from retr.common.devices import resolve_device
     from retr.manifests.schema import read_manifest, resolve_image_root
-    from retr.trainers.commands.evaluate import evaluate_runs
+    from retr.trainers.evaluation.runs import evaluate_runs
     from retr.trainers.evaluation.metrics import protocol_metrics
 
     for name, value, least in (("samples", samples, 0), ("top", top, 1), ("attention", attention, 0)):
@@ -797,44 +795,3 @@ text→image queries: the caption with its true image, and with the model's top-
 
 # ----------------------------------------------------------------------------------------------- command
 
-@click.command("show")
-@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
-@click.option("--protocol", type=click.Choice(PROTOCOLS), required=True, help="The protocol ranks and numbers follow.")
-@click.option("--out", default="report", show_default=True, type=click.Path(file_okay=False),
-              help="Folder to write index.html and assets/ into.")
-@click.option("--split", default="test", show_default=True)
-@click.option("--samples", default=5, show_default=True, type=int,
-              help="Queries drawn per direction, and as many worst queries.")
-@click.option("--top", default=5, show_default=True, type=int, help="Retrieved items shown per query.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampled queries.")
-@click.option("--attention", default=2, show_default=True, type=int,
-              help="Sampled text→image queries whose attention maps are drawn (per model).")
-@click.option("--image-root", type=click.Path(file_okay=False), default=None,
-              help="Folder the manifest's image paths are relative to (default: the manifest's folder).")
-@click.option("--features", type=click.Path(dir_okay=False), default=None, help="Override the run's feature set.")
-@click.option("--manifest", type=click.Path(dir_okay=False), default=None, help="Override the run's manifest.")
-@click.option("--sims", type=click.Path(dir_okay=False), default=None,
-              help="Rank this matrix from `retr-train eval --save-sims` instead of evaluating again.")
-@click.option("--checkpoint", "which", default="best", show_default=True, help="best, last, or a file in the run.")
-@click.option("--device", default="auto", show_default=True)
-@click.option("--allow-size-mismatch", is_flag=True,
-              help="Accept a split whose size is not the protocol's (e.g. the synthetic data); said in the report.")
-@click.option("--trust-checkpoint", is_flag=True,
-              help="Read checkpoints that hold Python objects besides tensors (only for files you trust).")
-@quiet_option
-def show_command(runs, protocol, out, split, samples, top, seed, attention, image_root, features, manifest, sims,
-                 which, device, allow_size_mismatch, trust_checkpoint, quiet) -> None:
-    """Write a static HTML report of a run (or an ensemble): summary and numbers, training curves, sampled and
-    worst queries both ways with their top results, and each model's attention maps.
-
-    The folder holds index.html and assets/ (images only, relative links): open it in a browser, no server.
-
-    \b
-    Example:
-      retr-train show runs/scan-f30k --protocol f30k-1k --image-root data/f30k --out report/scan
-      retr-train show runs/scan-t2i runs/scan-i2t --protocol coco-1k --samples 10 --out report/ens
-    """
-    index = write_report(list(runs), protocol, out, split, samples, top, seed, attention, image_root, features,
-                         manifest, which, device, sims=sims, allow_size_mismatch=allow_size_mismatch,
-                         trust_checkpoint=trust_checkpoint, quiet=quiet, log=click.echo)
-    click.echo(f"report written to {index}")

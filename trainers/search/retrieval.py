@@ -49,13 +49,13 @@ from retr.trainers.training import checkpoint as ckpt
 from retr.trainers.training.data import ImageFeatures, SplitData, data_identity, open_run_split, pad_tokens
 from retr.trainers.evaluation.similarity import SplitEmbeddings, _concat, score_blocks
 from retr.trainers.evaluation.two_step import encode_all
+from retr.trainers.models.base import Embeddings, cast_embeddings, slice_embeddings
 
 #: float32 candidates within this much of the k-th float32 score are rescored in float64 (float32 scoring errors
 #: of the models are below 1e-5 on cosine-scale scores; see ``bench/eval.py``'s refined mode)
 RESCORE_MARGIN = 1e-3
 CACHE_DIR = "search-cache"
 
-Embeddings = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -79,14 +79,6 @@ class SearchResult:
     def to_json(self) -> dict:
         return {"query": self.query, "unknown_words": self.unknown_words,
                 "hits": [{k: v for k, v in vars(h).items() if v is not None} for h in self.hits]}
-
-
-def _slice(embeddings: Embeddings, index) -> Embeddings:
-    return {k: v[index] for k, v in embeddings.items()}
-
-
-def _cast(embeddings: Embeddings, dtype: torch.dtype) -> Embeddings:
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in embeddings.items()}
 
 
 class Retriever:
@@ -153,7 +145,7 @@ class Retriever:
         n = self.data.num_images
         results = []
         for q, text in enumerate(texts):
-            caption = _slice(queries, slice(q, q + 1))
+            caption = slice_embeddings(queries, slice(q, q + 1))
             vector = self.model.index_vectors(caption, "caption") if self.image_index is not None else None
             if self.two_step:
                 rows, scores = self._two_step(images, caption, n, image_side=False, index=self.image_index,
@@ -164,7 +156,7 @@ class Retriever:
                 else:
                     rows = _candidates(score_blocks(lambda im, cap: self.model.score(im, cap), images,
                                                     [(np.array([0]), caption)], n, 1)[:, 0], k)
-                scores = self._score64(_slice(images, torch.from_numpy(rows).to(self.device)), caption)[:, 0]
+                scores = self._score64(slice_embeddings(images, torch.from_numpy(rows).to(self.device)), caption)[:, 0]
             order = _best(scores, rows, k)
             results.append(SearchResult(text, [Hit(r + 1, float(scores[i]), self.data.image_ids[rows[i]])
                                                for r, i in enumerate(order)], unknown[q]))
@@ -179,7 +171,7 @@ class Retriever:
             if image_id not in row_of:
                 raise UserError(f"image {image_id!r} is not in the gallery (split of {self.data.num_images} images)")
             row = row_of[image_id]
-            image = _slice(self.gallery["images"], slice(row, row + 1))
+            image = slice_embeddings(self.gallery["images"], slice(row, row + 1))
             vector = self.model.index_vectors(image, "image") if self.caption_index is not None else None
             if self.two_step:
                 cols, scores = self._two_step(image, self.gallery["captions"], self.data.num_captions,
@@ -210,7 +202,7 @@ class Retriever:
         parts = []
         for c in source:
             block, row = self.gallery["where"][int(c)]
-            parts.append(_slice(self.gallery["caption_blocks"][block][1], slice(row, row + 1)))
+            parts.append(slice_embeddings(self.gallery["caption_blocks"][block][1], slice(row, row + 1)))
         return _concat(parts)
 
     def _model64(self):
@@ -220,7 +212,7 @@ class Retriever:
 
     def _score64(self, images: Embeddings, captions: Embeddings) -> np.ndarray:
         """float64 ``score`` ``[n_img, n_cap]`` with a float64 copy of the model (as eval's float64 pass)."""
-        wide = _cast(images, torch.float64), _cast(captions, torch.float64)
+        wide = cast_embeddings(images, torch.float64), cast_embeddings(captions, torch.float64)
         return self._model64().score(*wide, dtype=torch.float64).double().cpu().numpy()
 
     def _two_step(self, images: Embeddings, captions: Embeddings, n: int, image_side: bool,
@@ -228,15 +220,15 @@ class Retriever:
         """Eval's two-step rule for one query: shortlist by ``global_score`` (float64; with an ``index``, among
         the float32 index's candidates, which hold every item the float64 shortlist can), re-rank with
         ``pair_score`` (float64, eval's default). Returns (candidate rows, their scores)."""
-        images64, captions64 = _cast(images, torch.float64), _cast(captions, torch.float64)
+        images64, captions64 = cast_embeddings(images, torch.float64), cast_embeddings(captions, torch.float64)
         shortlist = min(self.model.shortlist, n)
         pool = torch.arange(n, device=self.device)
         if index is not None and query is not None:
             pool = torch.from_numpy(index.candidates(query, shortlist)).to(self.device)
         if image_side:
-            g = self.model.global_score(images64, _slice(captions64, pool), dtype=torch.float64)[0]
+            g = self.model.global_score(images64, slice_embeddings(captions64, pool), dtype=torch.float64)[0]
         else:
-            g = self.model.global_score(_slice(images64, pool), captions64, dtype=torch.float64)[:, 0]
+            g = self.model.global_score(slice_embeddings(images64, pool), captions64, dtype=torch.float64)[:, 0]
         cands = pool[_top_stable(g, shortlist)]
         zeros = torch.zeros_like(cands)
         img_idx, cap_idx = (zeros, cands) if image_side else (cands, zeros)

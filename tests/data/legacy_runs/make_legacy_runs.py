@@ -25,7 +25,7 @@ def main(scratch: str) -> None:
     here = Path(__file__).resolve().parent
     sys.path.insert(0, str(here.parent.parent))              # tests/, for trainer_synthetic
     from trainer_synthetic import make_synthetic
-    from retr.pipeline.cli import cli as pipeline
+    from retr.pipeline.commands import cli as pipeline
     from retr.trainers.commands import cli as train
 
     scratch = Path(scratch)

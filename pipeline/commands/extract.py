@@ -5,11 +5,13 @@ manifest is missing it fetches the dataset (``coco``; ``f30k`` needs its gated i
 (``synthetic``); it then fetches every missing weight file the extractors need, and extracts. Offline
 (``--offline`` / ``RETR_OFFLINE=1``) a missing dataset or missing weights stop it before anything runs, in ONE
 line naming the command that fetches them.
+
+The ``butd-regions`` extractor's own options (:data:`BUTD_OPTIONS`) are added to ``extract`` here too.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -17,9 +19,53 @@ from retr.common.cli import LazyChoice, error_message, quiet_option
 from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError, RetrError, UserError
 from retr.manifests.schema import read_manifest
-from retr.pipeline.butd_options import butd_options
-from retr.pipeline.fetch_commands import (EXTRACTOR_WEIGHTS, apply_network_options, ensure_weights,
-                                          network_options, weights_items)
+from retr.pipeline.commands.fetch import apply_network_options, network_options
+from retr.pipeline.weights import EXTRACTOR_WEIGHTS, ensure_weights, weights_items
+
+
+# ------------------------------------------------------------------------------------------------ butd-regions
+# The options of the ``butd-regions`` extractor, added to ``extract``. The extractor itself
+# (:func:`retr.extractors.butd.extractor.build_butd_regions`) takes these as plain keyword arguments; each option's
+# parameter name is the builder's, so the command passes them on unchanged and the builder's errors
+# (``post_nms_topk … must be at least max_boxes``) come back in these flags. Every option defaults to None (or
+# off), meaning "the extractor's own default"; the original's settings are the defaults, and the
+# size/proposal/pool options below them are documented speed options.
+
+BUTD_OPTIONS = [
+    click.option("--short-side", type=int, default=None,
+                 help="butd-regions: Caffe scaling target of the short side (default 600)."),
+    click.option("--max-side", type=int, default=None,
+                 help="butd-regions: cap on the long side (default 1000)."),
+    click.option("--pre-nms-topk", type=int, default=None,
+                 help="butd-regions: RPN boxes kept before NMS (default 6000)."),
+    click.option("--post-nms-topk", type=int, default=None,
+                 help="butd-regions: proposals kept after NMS (default 300; fewer is faster, must be >= --max-boxes)."),
+    click.option("--pooled-size", type=int, default=None,
+                 help="butd-regions: ROI pool side before res5 (default 14; 7 is ~4x faster, not the original)."),
+    click.option("--min-boxes", type=int, default=None, help="butd-regions: MIN_BOXES (default 36)."),
+    click.option("--max-boxes", type=int, default=None, help="butd-regions: MAX_BOXES (default 36)."),
+    click.option("--conf-threshold", type=float, default=None,
+                 help="butd-regions: max_conf threshold of the box selection (default 0.2)."),
+    click.option("--object-vocab", type=click.Path(dir_okay=False), default=None,
+                 help="butd-regions: objects_vocab.txt (1600 lines), recorded in the feature set."),
+    click.option("--attr-vocab", type=click.Path(dir_okay=False), default=None,
+                 help="butd-regions: attributes_vocab.txt (400 lines), recorded in the feature set."),
+    click.option("--detector-batch", type=click.IntRange(min=1), default=None,
+                 help="butd-regions: images per detector forward, padded to the largest (default 4 on CUDA, 1 on "
+                      "CPU; at most --batch-size). Each image's regions are its one-image forward's up to the "
+                      "convolution library's summation order; recorded in the feature set."),
+    click.option("--allow-partial", is_flag=True,
+                 help="butd-regions: load a checkpoint even if keys are missing or unexpected."),
+    click.option("--trust-checkpoint", is_flag=True,
+                 help="butd-regions: allow a checkpoint holding Python objects beyond tensors (trusted files only)."),
+]
+
+
+def butd_options(f: Callable) -> Callable:
+    """Decorate a click command with :data:`BUTD_OPTIONS` (passed on as keyword arguments)."""
+    for option in reversed(BUTD_OPTIONS):
+        f = option(f)
+    return f
 
 
 # torch (behind the extractors and the stage) is imported when an extraction runs or its choices are listed,

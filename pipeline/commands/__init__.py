@@ -1,7 +1,11 @@
 """``retr-pipeline``: every offline stage as one click command.
 
-Each command lives in the module that owns its job and is registered here, so this file stays a table of
-contents. Run ``retr-pipeline COMMAND --help`` for an example of each.
+Every command of ``retr-pipeline`` lives in this package, one module per command or command group, named by
+the command (``extract.py``: ``extract`` and ``extract-preset``; ``manifest.py``: the ``manifest`` group; …). The
+modules are thin: they parse flags and print, and call the library modules of :mod:`retr.pipeline`,
+:mod:`retr.manifests`, :mod:`retr.store`, which import no click and nothing of this package. This file holds the
+group and the console script's entry point, so it stays a table of contents. Run ``retr-pipeline COMMAND
+--help`` for an example of each.
 """
 from __future__ import annotations
 
@@ -25,16 +29,15 @@ def cli() -> None:
 
 def _register() -> None:
     # One line per command module; keep alphabetical by module.
-    from retr.manifests.commands import manifest_group
-    from retr.manifests.label_commands import labels_group
-    from retr.manifests.synthetic_command import synth_command
-    from retr.pipeline.concepts import build_concepts_command
-    from retr.pipeline.extract_command import extract_command, extract_preset_command
-    from retr.pipeline.fetch_commands import fetch_data_command, fetch_weights_command
-    from retr.pipeline.import_commands import import_npz_command, import_scan_command, import_tsv_command
-    from retr.pipeline.parse_trees import (fetch_parser_models_command, parse_trees_command,
-                                           show_tree_command)
-    from retr.pipeline.store_commands import index_command, inspect_command, verify_command
+    from retr.pipeline.commands.concepts import build_concepts_command
+    from retr.pipeline.commands.extract import extract_command, extract_preset_command
+    from retr.pipeline.commands.fetch import fetch_data_command, fetch_parser_models_command, fetch_weights_command
+    from retr.pipeline.commands.imports import import_npz_command, import_scan_command, import_tsv_command
+    from retr.pipeline.commands.labels import labels_group
+    from retr.pipeline.commands.manifest import manifest_group
+    from retr.pipeline.commands.parse_trees import parse_trees_command, show_tree_command
+    from retr.pipeline.commands.store import index_command, inspect_command, verify_command
+    from retr.pipeline.commands.synth import synth_command
 
     for command in (manifest_group, labels_group, synth_command, verify_command, inspect_command,
                     index_command, parse_trees_command, show_tree_command, fetch_parser_models_command,

@@ -1,0 +1,59 @@
+"""``retr-train import-scan-checkpoint`` and ``import-vsepp-checkpoint``: the authors' released checkpoints as runs
+(:mod:`retr.trainers.training.official_checkpoints`)."""
+from __future__ import annotations
+
+import click
+
+from retr.trainers.training.official_checkpoints import import_scan_checkpoint, import_vsepp_checkpoint
+
+
+def _import_options(f):
+    """The options both importers take: the vocabulary, the run to create, the trust opt-in."""
+    for option in reversed([
+            click.option("--vocab", "vocab_path", required=True, type=click.Path(dir_okay=False),
+                         help="The {name}_vocab.json the model was trained with."),
+            click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory to create."),
+            click.option("--trust-checkpoint", is_flag=True,
+                         help="Read a checkpoint that holds Python objects besides tensors and the official "
+                              "argparse Namespace (they can run code: only for files you trust).")]):
+        f = option(f)
+    return f
+
+
+@click.command("import-scan-checkpoint")
+@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@_import_options
+def import_scan_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
+    """Turn an official SCAN checkpoint into a run that `retr-train eval` can evaluate.
+
+    The file is read without running code (tensors and the official argparse Namespace only).
+
+    \b
+    Example:
+      retr-train import-scan-checkpoint runs/coco_scan/model_best.pth.tar --vocab vocab/coco_precomp_vocab.json \\
+          --out runs/scan-official-coco
+      retr-train eval runs/scan-official-coco --protocol coco-1k --features data/coco/features/butd-regions.h5 \\
+          --manifest data/coco/manifest.jsonl
+    """
+    import_scan_checkpoint(checkpoint, vocab_path, out, trust_checkpoint)
+    click.echo(f"imported {checkpoint} → {out}")
+
+
+@click.command("import-vsepp-checkpoint")
+@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@_import_options
+def import_vsepp_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
+    """Turn an official VSE++ checkpoint (fartashf/vsepp, *_precomp model) into a run `retr-train eval` evaluates.
+
+    A command of its own (not an option of import-scan-checkpoint): the two files look alike but hold other
+    encoders and options, and a wrong guess would load silently.
+
+    \b
+    Example:
+      retr-train import-vsepp-checkpoint runs/coco_vse++_resnet_restval/model_best.pth.tar \\
+          --vocab vocab/coco_precomp_vocab.json --out runs/vsepp-official-coco
+      retr-train eval runs/vsepp-official-coco --protocol coco-1k --features data/coco/features/resnet-precomp.h5 \\
+          --manifest data/coco/manifest.jsonl
+    """
+    import_vsepp_checkpoint(checkpoint, vocab_path, out, trust_checkpoint)
+    click.echo(f"imported {checkpoint} → {out}")
