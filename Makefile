@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 .PHONY: setup test test-matrix demo extract clean-demo help
 
 help:
-	@echo "make setup                 create .venv and install retr (editable, dev extra, pinned torch)"
+	@echo "make setup                 create .venv and install retr (editable, every extra + test tools: .[dev], pinned torch)"
 	@echo "make test                  run the test suite in a shuffled order (sets up first if needed)"
 	@echo "make test-matrix           the numerical tests again with 1 and 4 threads (CI runs both)"
 	@echo "make demo                  run every stage on the synthetic dataset and print the results table"

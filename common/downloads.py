@@ -1,8 +1,8 @@
 """Downloads: what retr fetches on a connected machine, from where, and how a transfer is made safe.
 
 :data:`SOURCES` is the one table of every file retr downloads itself: its public URL, its size in bytes and a
-checksum where one is published, and (for archives) what unpacking it takes. The README's "From nothing to
-features" table is this table.
+checksum where one is published, and (for archives) what unpacking it takes. The download table of
+``docs/extraction.md`` ("Downloads") is this table.
 
 :func:`download` moves one file over HTTP(S) with :mod:`urllib` (no other dependency):
 

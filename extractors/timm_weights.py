@@ -36,22 +36,19 @@ from torch import nn
 from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.common.hashing import sha256_file
+from retr.common.optional import require
 from retr.extractors.weights import RANDOM_SEED, LoadedWeights, first_line, load_checked, read_state_dict
 
 #: The tag ``--weights imagenet`` means (timm's default for ``inception_resnet_v2``).
 TIMM_DEFAULT_TAG = "tf_in1k"
 #: Files of a timm weight folder in the Hugging Face cache, in the order they are looked for.
 HUB_FILES = ("model.safetensors", "pytorch_model.bin")
+#: what needs timm, huggingface_hub and safetensors (the ``pipeline`` extra), in their one-line error
+WHAT = "the tencrop-irv2 extractor and its weights"
 
 
 def _timm():
-    try:
-        import timm
-    except ImportError:
-        raise MissingResourceError("the Python package timm", "this environment",
-                                   "install it with pip install -c constraints.txt timm (a dependency of retr)") \
-            from None
-    return timm
+    return require("timm", "pipeline", WHAT)
 
 
 def hf_hub_cache() -> Path:
@@ -89,19 +86,19 @@ def read_weights_file(path: Path) -> dict[str, torch.Tensor]:
     """A state dict from a ``.safetensors`` file or a ``torch.save`` file (tensors only)."""
     if path.suffix != ".safetensors":
         return read_state_dict(path)
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    safetensors = require("safetensors", "pipeline", WHAT)
+    load_file = require("safetensors.torch", "pipeline", WHAT).load_file
     try:
         return load_file(str(path), device="cpu")
-    except (SafetensorError, OSError, ValueError) as exc:
+    except (safetensors.SafetensorError, OSError, ValueError) as exc:
         raise UserError(f"cannot read {path} as a safetensors file ({first_line(exc)})") from None
 
 
 def cached_hub_file(repo_id: str) -> Path | None:
     """The first of :data:`HUB_FILES` of ``repo_id`` present in the Hugging Face cache, or ``None``."""
-    from huggingface_hub import try_to_load_from_cache
+    hub = require("huggingface_hub", "pipeline", WHAT)
     for name in HUB_FILES:
-        found = try_to_load_from_cache(repo_id, name, cache_dir=hf_hub_cache())
+        found = hub.try_to_load_from_cache(repo_id, name, cache_dir=hf_hub_cache())
         if isinstance(found, str) and Path(found).is_file():
             return Path(found)
     return None
@@ -123,8 +120,9 @@ def fetch_timm_weights(arch: str, tag: str = TIMM_DEFAULT_TAG, quiet: bool = Fal
             f"timm weights {arch}.{tag} ({HUB_FILES[0]})", str(folder),
             f"{run} and copy {folder.name} into {folder.parent} (HF_HUB_CACHE or HF_HOME name another cache), or "
             f"pass --weights PATH to its {HUB_FILES[0]}")
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    hf_hub_download = require("huggingface_hub", "pipeline", WHAT).hf_hub_download
+    hub_utils = require("huggingface_hub.utils", "pipeline", WHAT)
+    disable_progress_bars, enable_progress_bars = hub_utils.disable_progress_bars, hub_utils.enable_progress_bars
 
     if quiet:
         disable_progress_bars()

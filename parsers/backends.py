@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 from retr.common.devices import resolve_device
 from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError, UserError
+from retr.common.optional import require
 from retr.parsers.schemes import Detection, LabelEvidence
 
 STANZA_PROCESSORS = "tokenize,pos,lemma,depparse,constituency"
@@ -116,7 +117,7 @@ class _Block:
 
 
 def _conll_to_sentences(text: str) -> list[Any]:
-    from stanza.utils.conll import CoNLL
+    CoNLL = require("stanza.utils.conll", "pipeline", "the CoNLL-U reader").CoNLL
 
     return list(CoNLL.conll2doc(input_str=text).sentences)
 
@@ -325,7 +326,7 @@ def stanza_model_dir(model_dir: str | os.PathLike | None = None) -> tuple[Path, 
     env = os.environ.get("STANZA_RESOURCES_DIR")
     if env:
         return Path(env), "STANZA_RESOURCES_DIR"
-    from stanza.resources.common import DEFAULT_MODEL_DIR
+    DEFAULT_MODEL_DIR = require("stanza.resources.common", "pipeline", "the caption parser").DEFAULT_MODEL_DIR
 
     return Path(DEFAULT_MODEL_DIR), "stanza's default folder"
 
@@ -372,7 +373,7 @@ class StanzaBackend(ParserBackend):
                 raise missing_models_error(folder, source)
             # first use on a connected machine: stanza's own download into the folder, then load as usual
             fetch_parser_models(folder, constituency=self.processors == STANZA_PROCESSORS)
-        import stanza
+        stanza = require("stanza", "pipeline", "the caption parser")
 
         try:
             return stanza.Pipeline(STANZA_LANGUAGE, dir=str(folder), processors=self.processors,
@@ -424,7 +425,7 @@ class StanzaBackend(ParserBackend):
 
 def fetch_parser_models(model_dir: str | os.PathLike, constituency: bool = True) -> Path:
     """Download stanza's English models into ``model_dir`` (needs internet; for connected machines)."""
-    import stanza
+    stanza = require("stanza", "pipeline", "the caption parser")
 
     folder = Path(model_dir)
     folder.mkdir(parents=True, exist_ok=True)

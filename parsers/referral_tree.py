@@ -1,83 +1,13 @@
 """From one dependency-parsed caption to SMFEA's shared referral tree ``[E1 R2 E3 R4 E5 R6 E7]``.
 
-The tree (SMFEA §3.2.1, DESIGN "Referral trees") is a fixed three-layer binary tree read in in-order::
+:func:`build_tree` takes one parsed sentence in UD v2 (a stanza ``Sentence`` or anything shaped like one; parses in
+other label schemes are converted first by :mod:`retr.parsers.schemes`) and returns a :class:`ReferralTree`: seven
+slots in in-order, entity slots 0, 2, 4, 6 holding candidate labels (most specific first), relation slots 1, 3, 5
+at most one label, an empty slot ``null``. ``a dog runs on the grass near a fence`` →
+``[dog null null run_PREP grass near fence]``.
 
-                 R4                      main predicate
-            /          \\
-          R2            R6               relation modifying the subject / the object
-         /  \\          /  \\
-       E1    E3      E5    E7            E1 subject, E3 R2's noun, E5 object, E7 R6's noun
-
-Entity slots (even positions 0, 2, 4, 6) hold nouns; relation slots (1, 3, 5) hold a verb, ``verb_PREP``, a
-preposition or a conjunction. The paper fixes the shape but not the rules that fill it; these are the
-project's own, deterministic, and read only the dependency layer (UD v2, as stanza's English EWT models
-produce it; parses in UD v1, Stanford basic dependencies or ClearNLP labels are converted to UD v2 first by
-:mod:`retr.parsers.schemes`). The constituency layer, when present, is not needed by any rule.
-
-Labels
-------
-* Words are lower-cased lemmas (``dogs`` → ``dog``, ``sits`` → ``sit``); a missing lemma (``_`` in CoNLL-U)
-  falls back to WordNet's lemmatizer when NLTK's WordNet data is installed, else to the lower-cased form.
-* An entity slot holds *candidates*, most specific first: the compound noun (``tennis_racket``, modifiers
-  as written, head as lemma), the adjective–noun pair (the ``amod`` adjective nearest the noun, e.g.
-  ``a small red circle`` → ``red_circle``; an adjectival participle keeps its form: ``parked_car``), then
-  the noun lemma (``circle``). The dictionary decides: the
-  first candidate it knows is the slot's id. An empty candidate list is ``null``. Only nouns (``NOUN``,
-  ``PROPN``) are entities; pronouns and numbers are ``null``.
-* A relation slot holds one label: a verb lemma (``ride``), a verb with particle (``pick_up``), a verb that
-  takes a prepositional complement (``run_PREP`` — the paper's Figure 4 spelling, default — or, with
-  ``verb_prep="word"``, ``run_on``), a preposition (``on``), a multi-word preposition (``next_to`` from a
-  ``fixed`` expression; ``to_left_of``, ``in_front_of``, ``on_top_of`` from a :data:`RELATIONAL_NOUNS` noun
-  between a preposition and ``of``), a conjunction (``and``), ``be`` for a copula with a noun predicate.
-
-Rules, in the order they are applied
-------------------------------------
-1. **Framing and quantity nouns are transparent.** ``an image of X``, ``a group of X``, ``two of the X``:
-   a :data:`FRAME_NOUNS` / :data:`QUANTITY_NOUNS` noun, or a number, with an ``of`` dependent stands for
-   that dependent (recursively).
-2. **Main predicate (R4) and object (E5)**, from the root:
-   * *Verb root*: subject = ``nsubj`` / ``nsubj:pass`` (passives keep the surface subject; the agent
-     ``by X`` is a prepositional complement like any other). With an ``obj``: R4 = verb, E5 = object. Else with
-     a prepositional complement (``obl`` with a ``case`` word, ``obl:agent``): R4 = ``verb_PREP``, E5 = its
-     noun. Else R4 = verb, E5 = ``null``. A verb with neither but an ``xcomp`` verb
-     (``tries to catch a frisbee``) takes the ``xcomp``'s predicate. Temporal/bare ``obl:tmod``/
-     ``obl:npmod`` are not complements.
-   * *Copula* (root with a ``cop`` child): a prepositional predicate (``is on the grass``) gives R4 = the
-     preposition, E5 = its noun; a noun predicate (``is a chef``) gives R4 = ``be``, E5 = the noun; an
-     adjective with a prepositional complement (``is full of food``) is treated like a verb (``full_PREP``);
-     a bare adjective (``is black``) leaves R4 ``null`` and becomes the subject's adjective when the subject
-     has none (``black_cat``).
-   * *Existential* (``there is/are``, a root with an ``expl`` child): subject = the ``nsubj``; the predicate
-     is the root's first prepositional complement, else the subject's own first modifier is promoted as in
-     a verbless caption. So ``there is a cat on a bed`` ≡ ``a cat is on a bed`` ≡ ``a cat on a bed``.
-   * *Verbless caption* (a noun root without ``cop``): subject = the root; its first clausal modifier
-     (``acl``, ``acl:relcl``: ``a man riding a horse``, ``a circle that is above a star``), else its first
-     prepositional ``nmod``, is promoted to the main predicate (R4, E5). If the root has none, its noun
-     conjuncts are searched the same way.
-3. **Modifier of a noun** (gives R2/E3 for the subject, R6/E7 for the object), the first in word order of:
-   a prepositional ``nmod`` (R = preposition, E = its noun; possessives ``nmod:poss`` are ignored), a clausal
-   modifier ``acl``/``acl:relcl`` (R, E = that clause's predicate and object by rule 2), a noun conjunct
-   ``conj`` (R = its ``cc`` word, default ``and``; E = the conjunct). A modifier promoted to R4 is not reused.
-4. **Right subtree fallback**: when the object has no modifier, R6/E7 is the predicate's next prepositional
-   complement (``throws a frisbee in the park`` → R6 ``in``, E7 ``park``).
-5. Anything not placed by these rules is dropped; a slot left empty is ``null`` (id 0 in the dictionaries),
-   a label the dictionaries do not know is ``unknown`` (id 1). Numerals (``nummod``), determiners, adverbs,
-   punctuation, conjoined second predicates and possessives never fill a slot.
-
-Worked examples (verified in ``tests/test_referral_trees.py`` with their CoNLL-U parses)::
-
-    a dog runs on the grass near a fence
-        → [dog null null run_PREP grass near fence]
-    a man in a red shirt is riding a bike down the street
-        → [man in red_shirt ride bike down street]
-    there are two dogs playing with a frisbee
-        → [dog null null play_PREP frisbee null null]
-    a small red circle is placed below a large blue square
-        → [red_circle null null place_PREP blue_square null null]
-    an image of a cat that is sitting on a couch
-        → [cat null null sit_PREP couch null null]
-    a man and a woman sitting on a bench next to a dog
-        → [man and woman sit_PREP bench next_to dog]
+The tree's shape, the labels and the rules, in the order they are applied, with worked examples:
+``docs/referral-trees.md``, "The rules" (the "Rule 1", "Rule 2" … of the methods below are its numbering).
 """
 from __future__ import annotations
 
@@ -278,7 +208,7 @@ class _Predicate:
 
 
 class TreeBuilder:
-    """Applies the rules of this module's docstring to one parsed sentence at a time."""
+    """Applies the rules of ``docs/referral-trees.md`` ("The rules") to one parsed sentence at a time."""
 
     def __init__(self, rules: TreeRules | None = None):
         self.rules = rules or TreeRules()
@@ -472,7 +402,7 @@ class TreeBuilder:
 
 
 def build_tree(sentence: Any, rules: TreeRules | None = None) -> ReferralTree:
-    """The referral tree of one parsed sentence (see the module docstring for the rules)."""
+    """The referral tree of one parsed sentence (rules: ``docs/referral-trees.md``, "The rules")."""
     return TreeBuilder(rules).build(sentence)
 
 

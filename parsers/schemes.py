@@ -1,63 +1,15 @@
 """Dependency label schemes: which one a CoNLL-U file uses, and its conversion to UD v2.
 
-The tree rules (:mod:`retr.parsers.referral_tree`) are written for one scheme, UD v2 (as stanza's English
-models produce it). Parses made elsewhere come in other schemes; read as UD v2 they give poorer trees without a
-word (a UD v1 ``nmod`` on a verb is not a prepositional complement, a Stanford ``prep`` heads its noun, …). So
-``parse-trees --conllu`` first names the scheme, then converts each sentence to UD v2 before the rules run:
+The tree rules (:mod:`retr.parsers.referral_tree`) read one scheme, UD v2; ``parse-trees --conllu`` first names
+the scheme of its input, then converts each sentence to UD v2 before the rules run. Schemes: ``ud2``, ``ud1``
+(UD v1), ``sd`` (Stanford basic dependencies), ``clearnlp`` (ClearNLP labels). :func:`detect_scheme` returns a
+:class:`Detection`, and :func:`choose_scheme` refuses ``unknown`` in one line naming the unexpected labels.
+:func:`to_ud2` converts one sentence and counts each conversion it applied; a sentence it cannot convert raises
+:class:`ConversionError` with the reason, which the stage records as that caption's failure. The mapping is the
+tables below plus a few structural rewrites.
 
-========== ===================================================== ============================================
-name       what                                                  who emits it
-========== ===================================================== ============================================
-``ud2``    Universal Dependencies v2 (37 relations + subtypes)   stanza, UDPipe 2, CoreNLP ≥ 4.0, Trankit
-``ud1``    Universal Dependencies v1 (40 relations + subtypes)   CoreNLP 3.5.2–3.9, spaCy/UDPipe 1 models
-                                                                 trained on UD ≤ 1.4
-``sd``     Stanford basic dependencies (de Marneffe & Manning)   the Stanford Parser (SMFEA §3.2.1), CoreNLP
-                                                                 before 3.5.2
-``clearnlp`` ClearNLP labels (Choi & Palmer 2012): SD's          ClearNLP, spaCy's English pipelines
-           ``prep``/``pobj`` plus ``attr``, ``dative``, ``oprd``,
-           ``agent``, ``relcl``, …; the copula heads its clause
-========== ===================================================== ============================================
-
-:func:`detect_scheme` reads labels (and, between UD v1 and v2, two structural cues: ``nmod`` under a
-predicate, ``cc`` on the first or on the following conjunct) and returns a :class:`Detection`; anything that
-none of the four inventories covers is ``unknown`` and refused in one line naming the unexpected labels
-(:func:`choose_scheme`). :func:`to_ud2` converts one sentence and counts each conversion it applied; a
-sentence that cannot be converted raises :class:`ConversionError` with the reason, which the stage records
-as that caption's failure. The mapping, as data, is the tables below plus a few structural rewrites; it
-follows the published UD v1→v2 changes and the SD→UD correspondences (sources in docs/referral-trees.md):
-
-UD v1 → v2
-    ``dobj``→``obj``; ``nsubjpass``/``csubjpass``/``auxpass``→``nsubj:pass``/``csubj:pass``/``aux:pass``;
-    ``mwe``→``fixed``; ``name``→``flat``; ``foreign``→``flat:foreign``; ``neg``→``advmod`` (``det`` for a
-    determiner, "no"); ``nmod`` (and ``nmod:tmod``/``:npmod``/``:agent``) under a predicate (VERB, AUX,
-    ADJ, ADV) → ``obl`` (same subtype); ``cc`` and the commas between conjuncts move from the first conjunct
-    to the conjunct that follows them. ``remnant`` (v1 ellipsis) has no one-to-one v2 relation: failure.
-SD / ClearNLP → UD v2
-    *Prepositions* (``prep``, ``agent``, ``dative`` with a ``pobj``): the object takes the preposition's
-    place, as ``obl`` under a predicate, ``nmod`` under a nominal, ``obl:agent`` for ``agent`` (and SD's
-    "by" under a passive verb), ``conj``
-    for a preposition coordinated with another; the preposition becomes its ``case`` dependent. A
-    preposition whose complement is a clause (``pcomp``: "after eating") becomes ``mark`` of that clause,
-    ``advcl``/``acl``; one whose complement is another preposition ("from under the bed") becomes a second
-    ``case``. Two-word prepositions (:data:`TWO_WORD_PREPOSITIONS`: "next to", "because of", …), however the
-    parser hung them (``advmod``/``amod``/``prep`` + ``prep``/``pcomp``, or SD's head-final ``mwe``), become
-    UD's head-initial ``case`` + ``fixed``. A preposition without an object becomes ``advmod``.
-    *Copula*: a clause headed by "be" with a predicate adjective or noun (ClearNLP ``acomp``/``attr``) or a
-    prepositional predicate (SD and ClearNLP: "is on a bed") is re-headed on that predicate, "be" becoming
-    ``cop``; ClearNLP's ``attr`` of an existential "there is" is its ``nsubj``. An ``acomp`` that is a
-    participle (spaCy: "a man is diving", "the seabed is overgrown with coral reefs") heads the clause as its
-    verb instead, "be" becoming ``aux`` (VBG) or ``aux:pass`` (VBN, or VBD mis-tagged; the subject then
-    ``nsubj:pass``, a "by" phrase ``obl:agent``); only a real adjective (JJ) keeps the copula analysis.
-    *Renames* (:data:`STANFORD_RENAMES`): ``nn``→``compound``, ``num``→``nummod``, ``poss``→``nmod:poss``,
-    ``possessive``→``case``, ``rcmod``/``relcl``→``acl:relcl``, ``partmod``/``infmod``/``vmod``→``acl``
-    (``advcl`` under a predicate), ``prt``→``compound:prt``, ``tmod``/``npadvmod``→``obl:tmod``/
-    ``obl:npmod`` (``nmod:…`` under a nominal), ``acomp``/``attr``/``oprd``→``xcomp`` (other verbs than
-    "be"), ``dative``→``iobj``, the infinitive ``aux`` "to"→``mark``, plus the UD v1 renames above; the
-    coordination rule of UD v1 applies too.
-Both
-    A UPOS column that holds Penn Treebank tags or nothing (the Stanford Parser's CoNLL-X output) is filled
-    from the XPOS tag (:data:`PTB_TO_UPOS`). After conversion every label must be a UD v2 relation, otherwise
-    the sentence is a failure: nothing unconverted reaches the tree rules.
+Which parser emits which scheme, how detection decides, the mapping as tables, and its sources:
+``docs/referral-trees.md``, "Parses made elsewhere: label schemes".
 """
 from __future__ import annotations
 

@@ -44,6 +44,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from retr.common.errors import UserError
+from retr.common.optional import require
 from retr.manifests.schema import ManifestRecord, manifest_sha256, read_manifest
 from retr.store.concepts import ConceptData, write_concepts
 from retr.store.vocab import FUNCTION_WORDS, tokenize
@@ -68,7 +69,7 @@ def read_conllu_words(path: str | os.PathLike, forms: Counter | None = None) -> 
     (``_``) falls back to the lower-cased form. ``forms``, when given, counts ``(lower-cased form, lemma)`` pairs
     (the trainer maps caption tokens to concepts through them).
     """
-    from stanza.utils.conll import CoNLL
+    CoNLL = require("stanza.utils.conll", "pipeline", "the CoNLL-U reader").CoNLL
 
     path = Path(path)
     if not path.is_file():

@@ -24,7 +24,7 @@ from retr.extractors.base import Extractor, register
 from retr.extractors.butd.checkpoint import LoadReport, fetch_checkpoint, load_weights
 from retr.extractors.butd.heads import FEATURE_DIM
 from retr.extractors.butd.model import BottomUpAttention, DetectorSettings, Regions, empty_detector, run_detector
-from retr.extractors.butd.preprocess import MAX_SIDE, SHORT_SIDE, CaffeImage, load_caffe_image
+from retr.extractors.butd.preprocess import MAX_SIDE, SHORT_SIDE, CaffeImage, load_caffe_image, opencv
 from retr.extractors.butd.random_weights import randomize_
 from retr.extractors.butd.vocab import NUM_ATTRIBUTES, NUM_OBJECTS, read_vocab
 
@@ -105,6 +105,7 @@ class BottomUpRegionExtractor(Extractor):
                  max_side: int = MAX_SIDE, exif_orientation: bool = False, object_vocab: str | None = None,
                  attr_vocab: str | None = None, allow_partial: bool = False, trust_checkpoint: bool = False,
                  detector_batch: int | None = None):
+        opencv()  # the pipeline extra, checked here: DataLoader workers read the images with it
         if detector_batch is not None and detector_batch < 1:
             raise ParameterError(f"detector_batch must be at least 1, not {detector_batch}", "detector_batch")
         if settings.min_boxes < 1 or settings.max_boxes < settings.min_boxes:

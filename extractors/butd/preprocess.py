@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import cv2
 import numpy as np
 import torch
 
+from retr.common.optional import require
 from retr.extractors.base import ImageError
 
 #: BGR means subtracted from 0–255 pixels (Caffe ``cfg.PIXEL_MEANS``)
@@ -33,6 +33,11 @@ class CaffeImage:
     pixels: torch.Tensor
     scale: float
     original_hw: tuple[int, int]
+
+
+def opencv():
+    """OpenCV (the ``pipeline`` extra), imported on first use."""
+    return require("cv2", "pipeline", "the butd-regions extractor")
 
 
 def caffe_scale(height: int, width: int, short_side: int = SHORT_SIDE, max_side: int = MAX_SIDE) -> float:
@@ -57,6 +62,7 @@ def read_bgr(path: str | Path, exif: bool = False) -> np.ndarray:
         raise ImageError(f"cannot read file ({exc.strerror or exc})") from None
     if data.size == 0:
         raise ImageError("empty file")
+    cv2 = opencv()
     raw = data.tobytes()
     if raw[:2] == b"\xff\xd8" and raw.rstrip(b"\x00")[-2:] != b"\xff\xd9":
         raise ImageError("truncated JPEG (no end-of-image marker)")
@@ -71,6 +77,7 @@ def read_bgr(path: str | Path, exif: bool = False) -> np.ndarray:
 
 def preprocess_bgr(image: np.ndarray, short_side: int = SHORT_SIDE, max_side: int = MAX_SIDE) -> CaffeImage:
     """``[H, W, 3]`` uint8 BGR → :class:`CaffeImage` (mean subtraction, then bilinear resize)."""
+    cv2 = opencv()
     height, width = image.shape[:2]
     scale = caffe_scale(height, width, short_side, max_side)
     pixels = image.astype(np.float32) - np.asarray(PIXEL_MEANS_BGR, dtype=np.float32)

@@ -1,84 +1,14 @@
 """JGCAR — Joint Global and Co-Attentive Representation learning (ACM MM 2018; ``papers/jgcar.txt``).
 
-There is no public code: the paper is the specification, and every choice it leaves open is listed below
-(and in ``docs/models-jgcar.md``) with the option that changes it.
+Shapes: ``N`` regions (196 = 14×14 VGG-16 pool5 cells), ``T`` words (≤ ``max_words``), ``d`` the joint dimension
+(256), ``l`` the co-attention hidden size (512), ``B`` the batch, ``I``/``C`` images/captions of a scoring block.
+:meth:`JGCAR.encode_images`: features ``[B, N, 512]`` → ``V`` ``[B, N, d]`` and ``V̂`` ``[B, d]``;
+:meth:`JGCAR.encode_captions`: tokens ``[B, L]`` → ``S^s`` ``[B, T, d]`` and ``Ŝ`` ``[B, d]``;
+:meth:`JGCAR.global_score` Ω ``[I, C]`` (the shortlist) and :meth:`JGCAR.score` the co-attentive α ``[I, C]`` (the
+re-rank) of two-step retrieval (:mod:`retr.trainers.evaluation.two_step`); :meth:`JGCAR.forward` the joint loss.
 
-Shapes: ``N`` regions (196 = 14×14 VGG-16 pool5 cells), ``T`` words, ``d`` the joint dimension (256),
-``l`` the co-attention hidden size (512), ``B`` the batch, ``I``/``C`` images/captions of a scoring block.
-
-Component representations (§2.1)
---------------------------------
-* Image: ``V_i = tanh(W_I r_i(n) + b_I)`` per region (Eq. 5) → ``[B, N, d]``.
-* Text: ``S^w = W_e g`` (Eq. 1, word_dim 512) → three convolutions of width 1, 2, 3 with ``tanh`` (Eq. 2, 512
-  channels each; the window ``t : t+c-1`` looks forward and the words are zero-padded after the caption, so
-  every caption keeps its length and padding words never leak in) → element-wise max over the three (Eq. 3)
-  → bi-LSTM with hidden size ``d``, the two directions **summed** (Eq. 4) → ``S^s`` ``[B, T, d]``, zero at
-  padding positions. Captions are cut to ``max_words`` tokens (``<start>``/``<end>`` count; 20 COCO, 15
-  Flickr30K, the paper's "maximum word numbers").
-* Dropout 0.5 "on each layer": applied to the region features before ``W_I``, to the word embeddings and to the
-  phrase features before the LSTM (``dropout``); not to ``V``/``S^s`` themselves, which the losses compare.
-
-Global branch (§2.2) — ``J_G = J1 + λ2 J2 + λ3 J3 + λ4 J4`` (Eq. 10, λ = 1)
----------------------------------------------------------------------------
-* ``V̂``/``Ŝ``: mean of ``V`` over regions / of ``S^s`` over real words; ``Ω_ij = V̂_iᵀ Ŝ_j``.
-  ``global_similarity="dot"`` is the paper's printed dot product; ``"cosine"`` l2-normalises ``V̂``/``Ŝ`` first
-  (the paper gives no margin for its unnormalised scores, see ``margin``).
-* J1 (Eq. 6): the bidirectional triplet loss, summed over every (anchor, negative) — the shared
-  :func:`~retr.trainers.training.losses.hinge_triplet_loss` with ``max_violation=False``; captions of the same image in
-  the batch are not negatives of each other. Margin ``m`` (paper silent): 0.2, ``margin``.
-* J2/J3 (Eq. 7–8): intra-modal triplets ``[m − Ω_kk⁺ + Ω_kk⁻]₊`` among the batch's images / captions.
-  Positives share a label, negatives share none (the paper: COCO's 80 categories, Flickr30K's boxed objects,
-  "instances with no identical label" are negatives); an instance is always a positive of another row of the
-  same image. Labels come from a label file (``--labels``); without one the **fallback** is: two captions are
-  positives iff they describe the same image; two images are positives iff they share a *caption concept*
-  (:func:`caption_concepts`). Reduction (paper: a sum over all triplets, which grows as B³ and would
-  outweigh J1 by a factor ≈ B): ``intra_reduction="mean_positive"`` (default) sums over anchors and negatives
-  and averages over the anchor's positives — J1's scale, one positive per anchor; ``"sum"`` is the literal
-  sum over every triplet. Without a label file J3 is nearly inert: a batch of 200 of COCO's ≈567k training
-  captions holds about 0.14 same-image pairs, so almost no caption anchor has a positive (J2 still works on
-  the concepts); training then prints a note pointing to ``retr-pipeline labels coco|f30k-entities``.
-* J4 (Eq. 9): de-correlation on the batch covariance **per spatial location**:
-  ``C(d1, d2) = 1/B Σ_k Σ_n (V_k(n, d1) − μ(n, d1)) (V_k(n, d2) − μ(n, d2))`` with ``μ`` the batch mean at each
-  location, ``J4 = ½(‖C_v‖²_F − ‖diag C_v‖²) + ½(‖C_t‖²_F − ‖diag C_t‖²)``; for text a location is a word
-  position and the mean at position t is over the captions that have a word there.
-
-Co-attention (§2.3, Eq. 11–15), for a pair (image i, caption j)
----------------------------------------------------------------
-``A = S_j W_b V_iᵀ`` [T, N]; ``H^v = tanh(V_i W_vᵀ + b_v) ⊙ tanh(Aᵀ S_j W_sᵀ)`` [N, l];
-``H^s = tanh(S_j W_sᵀ + b_s) ⊙ tanh(A V_i W_vᵀ)`` [T, l]; ``a^v = softmax_N(H^v w_hv)``,
-``a^s = softmax_T(H^s w_hs)`` (padding masked); ``v̄ = Σ a^v V``, ``s̄ = Σ a^s S``; score ``α = cos(v̄, s̄)``.
-``b_v`` ∈ R^{l×N} and ``b_s`` ∈ R^{l×T} are per-position biases as printed (``position_bias=False`` uses one
-bias vector each; per-position ``b_s`` needs ``max_words`` rows). The scalar biases ``b_hv``/``b_hs`` of Eq. 13
-are left out: a constant added before a softmax changes nothing. Computation never forms ``A`` per pair:
-``Aᵀ S_j W_sᵀ = V_i Q_j`` with ``Q_j = W_bᵀ S_jᵀ S_j W_sᵀ`` [d, l] per caption and ``A V_i W_vᵀ = S_j R_i``
-with ``R_i = W_b V_iᵀ V_i W_vᵀ`` [d, l] per image, so a pair costs two ``[N, d]×[d, l]``-sized products.
-
-Bi-rank loss (Eq. 16) — ``J_C``
--------------------------------
-Every ``α`` is a co-attentive image–caption score (the co-attention defines no image–image score), so the
-second ("intra-modal") term of Eq. 16 is read as: the anchor's positive caption ranks the anchor image among
-the anchor's intra-modal negative images. For an image anchor i with positive caption j:
-``P_i = 2 − softmax_γ(α(i, s) : s ∈ {j} ∪ S⁻_i)[j] − softmax_γ(α(v, j) : v ∈ {i} ∪ V⁻_i)[i]``, where S⁻_i are
-the ``num_negatives`` (M′ = 30) captions of other images with the highest global score ``Ω_i·`` and V⁻_i the M′
-other images most similar to i by ``V̂ᵀV̂`` (which similarity is not said — the global one is used: it is cheap
-and it is what the test-time shortlist ranks by). The caption anchor j is "defined in a similar way": V⁻_j by
-``Ω_·j``, S⁻_j by ``ŜᵀŜ``, ``P_j = 2 − softmax(α(v, j))[i] − softmax(α(i, s))[j]``. ``J_C = Σ_i P_i + Σ_j P_j``
-(a sum over the batch, like the other terms). ``gamma``: the text says 10 in §3.1 and 20 in §3.4; default 10.
-
-Which negatives (``negative_mining``). §2.3 says "To obtain representative non-matching pairs, we select the top
-M′ most dissimilar sentences and top M′ most dissimilar images in each mini-batch". Default ``"similar"``: the
-M′ *most similar* non-matching items (the hardest), reading "dissimilar" as "non-matching" (the sets are the
-anchor's negatives S⁻/V⁻) and "top M′" as the top of the similarity ranking, because (1) the sentence asks for
-*representative* non-matching pairs; (2) at test time α only re-ranks the 100 candidates *most similar* by Ω
-(§2.4, §3.1), and the paper credits the co-attention with the R@1 gain over GRL (45.6 → 52.7 i2t on COCO,
-"specially effective to find the best match"), which needs α trained to separate the true match from close
-candidates; (3) taken literally, the M′ = 30 least similar of a batch of 200 are the easiest negatives: their α
-soon lies far below the positive's, so with γ = 10 they take a vanishing share of the softmax, J_C's gradient
-fades, and α never meets the close candidates it must order at test time — 52.7/40.2 is unlikely that way.
-``"dissimilar"`` keeps the literal reading (the M′ least similar); runs written before this default keep it.
-
-Joint objective (Eq. 17): ``J = β J_G + (1 − β) J_C``, β = 0.5. At test time retrieval is two-step
-(:mod:`retr.trainers.evaluation.two_step`): :meth:`JGCAR.global_score` shortlists, :meth:`JGCAR.score` re-ranks.
+The paper has no public code. The equations as implemented, every choice the paper leaves open (with the
+option that changes it) and the cost: ``docs/models-jgcar.md``.
 """
 from __future__ import annotations
 
@@ -341,7 +271,7 @@ def mine_negatives(sims: torch.Tensor, valid: torch.Tensor, count: int, mode: st
 # --------------------------------------------------------------------------------------------------- model
 
 class JGCAR(MatchingModel):
-    """JGCAR on VGG-16 14×14 maps (see the module docstring for every equation and choice); settings:
+    """JGCAR on VGG-16 14×14 maps (every equation and choice: ``docs/models-jgcar.md``); settings:
     :class:`JGCARConfig`.
 
     Attention maps (:meth:`explain`): the parallel co-attention of the pair (Eq. 13), as the paper's Figs. 2–4
@@ -598,7 +528,7 @@ def split_parameters(model: "JGCAR") -> Mapping[str, list[nn.Parameter]]:
 
 @dataclass
 class JGCARConfig:
-    """JGCAR's settings (defaults: the paper's §3.1; the module docstring gives every decision)."""
+    """JGCAR's settings (defaults: the paper's §3.1; ``docs/models-jgcar.md`` gives every decision)."""
 
     embed_size: int = embed_size_setting(256)
     word_dim: int = word_dim_setting(512)

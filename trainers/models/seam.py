@@ -1,64 +1,14 @@
 """SEAM — Self-attentive Embeddings for Aligning Modalities (Wehrmann et al.; ``papers/seam.txt``).
 
-Three caption encoders share one self-attention module (Lin et al. 2017); images are 10-crop global vectors;
-both sides live in the non-negative orthant and are compared by order violation. Shapes: ``B`` batch, ``T``
-words (``<start>`` … ``<end>``), ``hops`` attention views, ``d`` = 1024 joint space, ``D_in`` image features
-(4096 VGG-19 fc7, 2048 ResNet-152 pool).
+Three caption encoders (SEAM-E, SEAM-C, SEAM-G) share one self-attention module (Lin et al. 2017); images are
+10-crop global vectors; both sides live in the non-negative orthant and are compared by order violation.
+Shapes: ``B`` batch, ``T`` words (``<start>`` … ``<end>``), ``hops`` attention views, ``d`` = 1024 joint space,
+``D_in`` image features (4096 VGG-19 fc7, 2048 ResNet-152 pool). :meth:`SEAM.encode_images`: ``[B, 10, D_in]``
+→ ``[B, d]``; :meth:`SEAM.encode_captions`: ``[B, T]`` → ``[B, d]``, the attention penalty ``[B]`` and the
+attention ``[B, modules·hops, T]``; :meth:`SEAM.score`: ``[n_img, n_cap]``; :meth:`SEAM.forward`: the loss.
 
-* Self-attention (:class:`SelfAttention`): ``A = softmax_T(W2 · tanh(W1 · H))`` (W1: z → 300, W2: 300 → hops,
-  no biases), padded words get −10000 before the softmax; output ``M = A·H`` flattened to ``hops·z``;
-  penalty ``P = ‖AAᵀ − I‖_F²`` per caption.
-* SEAM-E (``text_encoder="e"``): attention over the 300-d word embeddings (hops 30) → Linear(300·hops → d).
-* SEAM-C (``"c"``): Conv1d(300 → 100, k=2, pad 1, cropped back to T) → ReLU → BatchNorm, Conv1d(300 → 100,
-  k=3, pad 1) → ReLU → BatchNorm, and the embeddings themselves: three attention modules (hops 10 each),
-  concatenated → Linear((100 + 100 + 300)·hops → d).
-* SEAM-G (``"g"``): GRU(300 → k, one direction) → attention over all its outputs (hops 30) → Linear(k·hops → d).
-* Both sides end with l2norm then absolute value: ``f(x) = |x / ‖x‖|`` (order embeddings need non-negative
-  coordinates). Image: ``|l2norm(Linear(D_in → d)(x))|``. Words are embedded from scratch (U(−0.1, 0.1));
-  Linear/Conv weights Xavier-uniform. The norm is the bare one the public code divides by (``_unit``): the
-  shared ``layers.l2norm`` adds 1e-8 to it (SCAN's convention), which moved every SEAM embedding by ~1e-8
-  relative to the authors' arithmetic.
-* Score: order violation ``S(i, c) = −‖max(0, c − i)‖₂`` (image i, caption c): a caption, the more abstract
-  item, must lie below its image coordinate-wise.
-* Loss: ``Σ hinge`` in both directions over **all** negatives of the batch (margin 0.05) ``+ λ · mean_B P``
-  (λ = 0.5), summed over SEAM-C's three attention modules.
-
-Decisions (``docs/models-seam-sman.md``):
-
-* The penalty is **added to the loss** as the paper says (the public code never adds it: its penalty branch
-  runs only for encoders named ``attentive…``, and returns the loss without it).
-  It is the paper's squared Frobenius norm, averaged over the batch; ``penalty_norm="plain"`` takes the
-  plain norm as the public code and Lin et al.'s code do. ``penalty_weight=0`` removes it.
-* Order violation: the public code's form (caption − image, not squared); the paper prints the image − text
-  order and a square. ``order_squared=True`` squares it (the original order-embedding paper).
-* 10 crops: the features of the crops are averaged (``crops="mean"``, the public pipeline, train and test);
-  ``crops="random"`` trains on one random crop per image and still evaluates on the mean. The averaged vector
-  is l2-normalised before the linear map, as the public pipeline stores it (``input_l2norm=False`` skips it).
-* SEAM-C's padding (``padding``). ``"masked"`` (default): padded embeddings are zeroed before the
-  convolutions (they see the zero padding an unpadded caption sees) and BatchNorm takes its statistics over
-  real words only, so a caption's embedding does not depend on its batch. ``"authors"``: the public code's
-  arithmetic, batch for batch (``ConvAttentiveTextEncoder``): the batch is cut to its longest caption; padded
-  positions hold the ``<pad>`` (id 0) row, an ordinary embedding row (U(−0.1, 0.1), no ``padding_idx``, trained
-  through the convolutions), which the convolutions read (a caption's last trigram reads the ``<pad>`` row,
-  except for the batch's longest captions, whose last trigram reads the convolution's zero padding); BatchNorm
-  normalises every position, padded ones included — in training its statistics come from B×T positions
-  (trigram) and B×(T+1) (bigram: the public code crops the extra output *after* BatchNorm). Attention gives
-  padded positions weight exactly 0 in both modes, so SEAM-E and SEAM-G have no such difference. A caption's
-  ``"authors"`` embedding therefore depends on whether it is the longest of its batch (its last trigram reads
-  zeros, or the ``<pad>`` row); :attr:`SEAM.captions_in_split_order` tells the evaluator
-  (``trainers/evaluation/similarity.py``) to encode such a model's captions as the authors' ``evaluation.encode_data`` does:
-  consecutive batches of ``batch_size`` (128) in split order, not length-sorted blocks. Checked against the
-  authors' code in float64 (``tests/test_golden_seam.py``). ``"masked"`` stays the default because it makes
-  scores independent of batching (``docs/models-seam-sman.md``).
-* Initialisation (``init``). ``"authors"`` (default): Xavier-uniform weights, and the text encoder's Linear
-  and Conv1d biases left at PyTorch's default U(±1/√fan_in), as the public code's initialiser leaves them;
-  the image Linear's bias is zero, as the public image encoder sets it. ``"zero_bias"``: every bias zero
-  (retr before this option). Both draw the same random numbers, so with one seed they differ only in those
-  biases. Existing runs need no upgrade: evaluation and ``--resume`` load every parameter (and the RNG
-  state) from the checkpoint, so the initialisation no longer matters for them.
-* SEAM-G's GRU size: the public code's GRU is ``embed_size`` (1024) wide whatever ``--gru_units`` says
-  (``get_text_encoder`` reads ``opt.norm_words``, which ``train.py`` never defines, and falls back to
-  ``embed_size``); the paper's reported model is SEAM-G (512), which the presets use (``gru_size``).
+The equations as implemented, what the paper and the authors' public code each say, every decision with its
+option, and the parity tests against that code: ``docs/models-seam-sman.md``, "SEAM".
 """
 from __future__ import annotations
 
@@ -201,7 +151,7 @@ class SEAMTextEncoder(nn.Module):
         return views, mask
 
     def _authors_conv_views(self, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """SEAM-C's three views with the public code's padding (``padding="authors"``, module docstring), in
+        """SEAM-C's three views with the public code's padding (``padding="authors"``, ``docs/models-seam-sman.md``), in
         training and evaluation alike: the public ``ConvAttentiveTextEncoder`` on this very batch.
 
         ``tokens`` [B, T] cut to the longest caption, ``mask`` [B, T]. Padded positions hold the ``<pad>`` row's
@@ -217,8 +167,8 @@ class SEAMTextEncoder(nn.Module):
 
 
 class SEAM(MatchingModel):
-    """SEAM-E/C/G on 10-crop features ``[B, 10, D_in]`` (module docstring: equations and decisions); settings:
-    :class:`SEAMConfig`.
+    """SEAM-E/C/G on 10-crop features ``[B, 10, D_in]`` (equations and decisions: ``docs/models-seam-sman.md``);
+    settings: :class:`SEAMConfig`.
 
     Attention maps (:meth:`explain`): the self-attention ``A`` of each attention module over the caption's real
     tokens (``L``, ``<start>``/``<end>`` included), one row per hop — the matrix whose rows pool the caption's

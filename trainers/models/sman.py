@@ -1,62 +1,13 @@
 """SMAN — Stacked Multi-modal Attention Network (Ji, Wang, Han, Pang; ``papers/sman.txt``).
 
-There is no public code; the paper is the specification and every point it leaves open is decided below
-(``docs/models-seam-sman.md`` has the table). Dimensions: ``M`` grid cells (49 = 7×7 ResNet-152 res5c),
-``D_in`` their size (2048), ``d`` the common size (512 in the paper: word embedding, GRU, LSTM, attention and
-joint space), ``L`` words of a caption.
+Shapes: ``M`` grid cells (49 = 7×7 ResNet-152 res5c), ``D_in`` their size (2048), ``d`` the common size (512),
+``L`` words of a caption, ``B`` the batch. :meth:`SMAN.encode_images`: ``[B, M, D_in]`` → the pair-independent
+levels ``v0``, ``v1`` ``[B, d]``; :meth:`SMAN.encode_captions`: ``[B, L]`` → ``t0``, ``t1`` ``[B, d]`` and the
+words ``[B, L', d]``; :meth:`SMAN.score`: ``Σ_k cos(v_k, t_k)`` ``[n_img, n_cap]``, its level 2 (the multi-modal
+step) computed for every pair of the block; :meth:`SMAN.forward`: the training loss (Eq. 23).
 
-Image side (Eq. 2–7), pair-independent, computed by :meth:`SMAN.encode_images`:
-
-* ``v_glo = tanh(P0 · mean_m I_m)``; ``v_loc = mean_m GRU(I_1 … I_M)`` — a GRU (D_in → d) run over the cells
-  in raster order (row by row, the order the feature set stores them); ``v0 = v_glo + v_loc``
-  (``use_location=False`` drops ``v_loc``: the SMAN-IM ablation);
-* intra-modal attention: ``h_m = tanh(W_v I_m) ⊙ tanh(W_q v0)``, ``a = softmax_m(w_h · h_m)``,
-  ``v1 = tanh(P1 · Σ_m a_m I_m)``.
-
-Text side (Eq. 1, 8–11): word embedding (d, Xavier-uniform — the paper's "random initialization (Xavier
-initialization)") → bidirectional LSTM (d per direction), the two directions **averaged** per word (the text
-says "averaging", the printed formula adds; the choice only rescales S); ``t0 = mean_l S_l``;
-``t1 = Σ_l a_l S_l`` with the same attention form. Padded words are masked out of every mean and softmax.
-
-Multi-modal step (Eq. 12–18), pair-specific, computed by :meth:`SMAN.score` for every pair of a block:
-``v̂ = U_v(v0 + v1)``, ``t̂ = U_t(t0 + t1)``, ``o_v = σ(α v̂ + (1−α) t̂)``, ``o_t = σ(α t̂ + (1−α) v̂)``
-(α = 0.9; ``alpha=1`` is the SMAN-SIM ablation: stacked intra-modal attention), then the attention above with
-``o_v``/``o_t`` as queries gives ``v2 = tanh(P2 · Σ a I)`` and ``t2 = Σ a S``. ``multimodal_step=False`` stops
-after the first step (SMAN-IM / SMAN-IM-LOC ablations: two levels).
-
-Decisions where the paper is silent or contradicts itself:
-
-* Eq. 5/9/13/16 "⊙": the element-wise product of two tanh projections (each Linear with bias), as in DAN.
-* Eq. 7/15 print ``P (1/M) Σ α I``; the weights already sum to one, so the 1/M is read as a leftover of Eq. 2
-  and dropped (``divide_by_cells=True`` keeps it).
-* Score (Eq. 19–20): the sum of the per-level cosines ``Σ_k cos(v_k, t_k)``, for training and evaluation.
-  The paper's inference sentence (cosine of the concatenations ``[v0, v1, v2]``, ``[t0, t1, t2]``) ranks the
-  same only if each level is normalised first; ``eval_score="concat"`` evaluates with the raw concatenation.
-* Loss (Eq. 21–23): bidirectional hinge with the hardest negatives of the batch on the summed score (m1 =
-  0.2) plus ``λ · L_intra``. Eq. 22 is written on distances; on cosines the distance is ``1 − cos``, so the
-  term is ``[1 − cos_k(v_i, t_i) − m2]₊``. Its subscript ``k`` reads as one term per level, summed over the
-  levels (``intra_pair_level="each"``, default); ``"sum"`` applies it once to ``Σ_k (1 − cos_k)``. Both
-  printed terms of Eq. 22 are the same matched pair's distance (cosine is symmetric), so the term is counted
-  twice, as printed. ``intra_pair_weight=0`` is the SMAN-inter ablation.
-* Dropout (0.3, place unstated): on the grid features and on the word embeddings, before everything else.
-* Optimiser: Adadelta, lr 0.05 → 0.005 after epoch 50, weight decay 5e-4, gradient-norm clip 0.1 (the
-  presets); ``optimizer="adam"`` for comparison. Adadelta has no momentum: the paper's "momentum 0.9" is read
-  as its decay ρ (``rho``), the one constant a TensorFlow user sets besides the learning rate; the other
-  reading — "momentum" names nothing Adadelta uses and ρ stayed at TensorFlow's default — is ``rho=0.95``.
-* Adadelta's ε (``adadelta_eps``): the paper trained in TensorFlow, whose ``tf.train.AdadeltaOptimizer``
-  defaults to ε = 1e-8 (Keras's ``Adadelta``: 1e-7); PyTorch's default is 1e-6, which retr used before this
-  setting. The update is ``lr · √(E[Δx²] + ε) / √(E[g²] + ε) · g``, so while ``(1 − ρ) g²`` dominates ε
-  (|g| above ≈ √(ε / (1 − ρ))) a step scales with √ε: PyTorch's ε makes those steps ~10× larger than the
-  paper's; below that (tiny gradients) both move like SGD at ``lr · g``. Default 1e-8 (fidelity); runs
-  written before the setting keep 1e-6 (the spec's ``upgrade_args``).
-* Biases everywhere ("they actually exist in our model"); PyTorch's default initialisation otherwise.
-
-Scoring cost: the attention logits of the multi-modal step are ``(w_h ⊙ tanh(W I_m)) · tanh(W_q o)``, one
-batched matrix product per block, and ``P2 Σ a I = Σ a (P2 I)`` (the weights sum to one), so each image keeps
-its projected cells ``[M, d]`` (not ``[M, D_in]``) and a block costs ``O(n_img · n_cap · (M + L) · d)``
-without ever forming ``[n_img, n_cap, M, d]``. ``shortlist=K`` (off by default: the paper scores every pair)
-evaluates in two steps through :mod:`retr.trainers.evaluation.two_step`: the pair-independent levels 0 and 1
-(``global_score``) shortlist K candidates per query, ``pair_score`` re-scores them with all three levels.
+The paper has no public code. The equations as implemented, every point the paper leaves open (with the option
+that changes it) and the scoring cost: ``docs/models-seam-sman.md``, "SMAN".
 """
 from __future__ import annotations
 
@@ -137,7 +88,7 @@ class WordEncoder(nn.Module):
 
 
 class SMAN(MatchingModel):
-    """SMAN on grid features ``[B, M, D_in]`` (module docstring: equations and decisions).
+    """SMAN on grid features ``[B, M, D_in]`` (equations and decisions: ``docs/models-seam-sman.md``, "SMAN").
 
     Attention maps (:meth:`explain`; ``K`` = the image's real grid cells, 49 for a 7×7 grid, raster order;
     ``L`` = the caption's real tokens, ``<start>``/``<end>`` included; ``S`` = attention steps, 2 with the
@@ -436,7 +387,7 @@ class SMAN(MatchingModel):
 
 @dataclass
 class SMANConfig:
-    """SMAN's settings (defaults: the paper's, §IV-A3; module docstring for each decision)."""
+    """SMAN's settings (defaults: the paper's, §IV-A3; each decision: ``docs/models-seam-sman.md``)."""
 
     embed_size: int = embed_size_setting(512)
     word_dim: int = word_dim_setting(512)

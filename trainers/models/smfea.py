@@ -1,53 +1,14 @@
 """SMFEA — Structured Multi-modal Feature Embedding and Alignment (ACM MM 2021), on CVSE's instance and concept
-branches. Decisions the paper leaves open are listed in ``docs/models-smfea.md``; each is an option here.
+branches.
 
-Image side (``encode_images``), regions ``[B, K, D_in]`` with mask ``[B, K]``:
+Shapes: ``K`` regions (36), ``D_in`` their size (2048), ``d`` the joint size (1024), ``L`` words, ``C`` concepts,
+``B`` the batch. :meth:`SMFEA.encode_images`: regions ``[B, K, D_in]`` and mask ``[B, K]`` → the fused vector
+``V_F`` ``[B, d]`` with its branches ``V_D``, ``V_T``, ``V_C`` ``[B, d]``; :meth:`SMFEA.encode_captions`: tokens
+``[B, L]`` → ``S_F`` and its branches likewise; :meth:`SMFEA.score`: the cosine of the fused vectors
+``[n_img, n_cap]``; :meth:`SMFEA.forward`: the training loss (Eq. 20 with CVSE's ranking terms).
 
-1. regions → ``Linear(D_in → d)`` (Xavier, SCAN's ``RegionEncoder``) → l2norm per region: ``v_i`` [B, K, d];
-2. instance feature (Eq. 1–3, CVSE's form): ``h_i = drop(tanh(BN_K(fc1 v_i))) ⊙ drop(tanh(BN_d(fc2 v̄)))``,
-   ``α = softmax_i(fc3 h_i)``, ``V_D = l2norm(Σ α_i v_i)``, ``v̄`` the raw (not normalised, as CVSE) mean of the
-   real regions. ``BN_K`` is CVSE's ``BatchNorm1d(36)``: statistics per region *position* over batch × features
-   (``instance_bn="regions"``, needs exactly ``num_regions`` regions; padded regions would enter their position's
-   training statistics, but bottom-up sets have no padding); ``instance_bn="features"`` normalises each feature
-   over the real regions only. ``drop``: CVSE's dropout 0.4 (``attention_dropout``);
-3. VCS-Tree (:class:`~retr.trainers.models.tree_lstm.StructuredTreeEncoder`): node logits and ``V_T`` [B, d];
-4. consensus concepts (:mod:`~retr.trainers.models.concepts`): ``w_v`` [B, C] and ``V_C = l2norm(w_v · C)``;
-5. ``V_F = l2norm(β_d V_D + β_t V_T + β_c V_C)`` (Eq. 15; normalised so the score is the cosine of Eq. 17).
-
-Caption side (``encode_captions``), tokens ``[B, L]``: word embeddings with CVSE's dropout 0.4 (``word_dropout``),
-bi-GRU words (directions averaged, l2norm per word), the same attention without batch norm, padding masked and
-the mean query l2-normalised (``text_query_l2norm``, CVSE's ``l2norm(mean)``). CVSE masks nothing, but its padded
-word vectors are 0 and its output is l2-normalised, so with the normalised query this gives CVSE's text embedding
-(``tests/test_smfea.py`` checks it against CVSE's form, ``tests/test_golden_cvse.py`` against CVSE's code). Its
-attention *map* is CVSE's over the real words, renormalised: CVSE's softmax also gives the padding weight, which
-depends on the batch's longest caption; retr has no option for that map (``docs/models-smfea.md``, C11).
-TCS-Tree, concepts with the text label mixing ``w_t = r·softmax(10·y) + (1−r)·w`` and ``S_F`` likewise. The
-concept attention has no dropout (CVSE's, with its batch norm and tanh, has none either).
-
-The concept labels ``y`` of a caption come from **its own tokens** through the buffer ``token_concepts`` [V]
-(vocabulary id → concept id, −1 for none; set by the training command from ``concepts.h5``). So at evaluation a
-caption's embedding — hence its score — depends on nothing but that caption: no information from the other
-captions of its image. In training, CVSE mixes the *image's* labels (the union over its captions) instead;
-``train_text_labels="image"`` (default) does that with the labels the loop passes, ``"caption"`` keeps the
-caption's own also in training.
-
-Loss: CVSE's ranking terms plus Eq. 20's tree terms (``docs/models-smfea.md``, "Where retr and CVSE could
-differ"; Eq. 20 as printed is ``fused_rank_weight=1`` and the three CVSE weights 0): ``3·Rank(V_F, S_F) +
-5·Rank(V_D, S_D) + 1·Rank(V_C, S_C) + 2·KL(w_t ‖ w_v) + L_CE + D_KL`` —
-``Rank``: the shared hinge loss (hardest negatives, margin 0.2, sum over the batch);
-``KL(w_t ‖ w_v)``: CVSE's ``KLDivLoss(log w_v, w_t)`` summed over concepts and over the batch
-(``concept_kl_reduction="sum"``; ``"mean"`` averages over the batch), gradients into both sides;
-``L_CE`` (Eq. 18): for each pair, Σ over the 7 nodes of the cross-entropy of the image tree's and of the text
-tree's node distribution against the caption's referral tree (leaves against entity ids, inner nodes against
-relation ids; ``null`` and ``unknown`` are ordinary classes, as the paper's Figure 4 shows them predicted);
-``D_KL`` (Eq. 19): for each pair, Σ over nodes of ``KL(P_V ‖ P_S)``. Both are averaged over the batch (Eq. 18–19
-sum over nodes only, Eq. 17 over pairs; at initialisation, with the paper's 1440 entities and 247 relations and
-a batch of 128, a pair's L_CE is ≈ 2·(4 ln 1440 + 3 ln 247) ≈ 91, so its batch sum ≈ 1.2e4 would outweigh the
-three ranking terms together (≈ 5e2) about twentyfold and, under gradient clipping at 2, leave ranking little of
-each step;
-``tree_loss_reduction="sum"`` is the literal reading) and weighted
-by ``ce_weight``/``kl_weight`` (1 in Eq. 20). Ablations (Tables 5–7): ``use_trees=False`` (no tree encoders,
-no L_CE/D_KL, fusion ``β_d V_D + β_c V_C``), ``kl_weight=0``, ``ce_weight=0``, any ``β``.
+The model as implemented, every point the paper leaves open (and where CVSE's code settles it), each with its
+option, the presets and the parity with CVSE's code: ``docs/models-smfea.md``.
 """
 from __future__ import annotations
 
@@ -412,7 +373,7 @@ class SMFEAConfig:
     embed_size: int = embed_size_setting(1024)
     word_dim: int = word_dim_setting(300)
     tree_hidden: int = setting(128, "Tree node hidden size.")
-    tree_input_dim: int | None = setting(None, "Tree node input size (default: the embedding size).")
+    tree_input_dim: int | None = setting(None, "Tree node input size (default: the tree's hidden size, --tree-hidden).")
     forget_gate: Literal[FORGET_GATES] = setting(
         "as-printed", "Eq. 10 as printed or Tai et al.'s per-child forget gates.")
     tree_residual: bool = setting(True, "Add the instance feature S_D to the tree embedding S_T (§3.2.2: S_T "

@@ -14,19 +14,12 @@ reads R2 and R6. Node update (Eq. 6–11), with ``h̃_t = Σ_{k∈T(t)} h_k``::
 
     i_t = σ(W^i x_t + U^i h̃_t)      f_t = σ(W^f x_t + U^f h̃_t)      o_t = σ(W^o x_t + U^o h̃_t)
     u_t = tanh(W^u x_t + U^u h̃_t)
-    c_t = i_t ⊙ u_t + f_t ⊙ Σ_k (f_k ⊙ c_k)        (``forget_gate="as-printed"``, the default)
+    c_t = i_t ⊙ u_t + f_t ⊙ Σ_k (f_k ⊙ c_k)        (``forget_gate="as-printed"``)
     c_t = i_t ⊙ u_t + Σ_k σ(W^f x_t + U^f h_k) ⊙ c_k  (``forget_gate="per-child"``: Tai et al.'s child-sum)
     h_t = o_t ⊙ tanh(c_t)
 
-Open choices (the paper is silent or ambiguous; see ``docs/models-smfea.md``):
-
-* Eq. 6/7 print ``U^f`` in the input gate and ``U^i`` in the forget gate; with every matrix learned the names
-  are immaterial — each gate has its own ``U``.
-* Eq. 10 as printed multiplies the children's memories by *their own* forget gates ``f_k`` and the sum by the
-  parent's ``f_t``; that is the default. Tai et al.'s per-child forget gate is the option ``per-child``.
-* The node input size is not given (Eq. 5 writes ``W^o_i ∈ R^{2048×D_v}``); the seven maps go to
-  ``input_dim`` (default = the hidden size, 128), since a wider input would only be composed with ``W^*``.
-* The same parameters (W^*, U^*) serve all seven nodes; the seven input maps differ per node.
+The choices the paper leaves open (gate names, the forget gate, the node input size, which parameters are
+shared) and their options: ``docs/models-smfea.md``, decisions 2–5.
 
 Outputs: hidden states ``[B, 7, hidden]`` in slot order. Classifiers (Eq. 12–13) and the tree embedding
 (Eq. 14) live in :class:`StructuredTreeEncoder`.

@@ -23,6 +23,8 @@ from typing import Sequence
 import numpy as np
 from PIL import Image, ImageDraw
 
+from retr.common.optional import require
+
 HIGHLIGHT = (0, 200, 255)      # region tint and word-strip colour (cyan: no synthetic colour)
 BOX_ALPHA = 0.6               # tint opacity of a region of weight 1
 OUTLINED = 1                  # the most attended boxes outlined per panel
@@ -33,12 +35,15 @@ OK_COLOUR, WRONG_COLOUR = (30, 160, 60), (210, 40, 40)
 
 
 def _matplotlib():
-    import matplotlib
+    """matplotlib (the ``report`` extra), imported on first use."""
+    return require("matplotlib", "report", "the report's drawings")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    return plt
+def pyplot():
+    """matplotlib's ``pyplot`` on the Agg backend (the ``report`` extra); the report and ``plot`` call it first,
+    so a missing matplotlib stops them before any work."""
+    _matplotlib().use("Agg")
+    return require("matplotlib.pyplot", "report", "the report's drawings")
 
 
 def scale_unit(weights: np.ndarray) -> np.ndarray:
@@ -124,9 +129,7 @@ def cell_bounds(index: int, side: int, size: int) -> tuple[int, int]:
 
 def heat_colours(weights: np.ndarray, cmap: str = HEAT_CMAP) -> np.ndarray:
     """RGB ``[…, 3]`` float (0–255) of ``weights`` in [0, 1] through matplotlib's colour map ``cmap``."""
-    import matplotlib
-
-    return np.asarray(matplotlib.colormaps[cmap](np.clip(weights, 0.0, 1.0)))[..., :3] * 255.0
+    return np.asarray(_matplotlib().colormaps[cmap](np.clip(weights, 0.0, 1.0)))[..., :3] * 255.0
 
 
 def grid_heatmap(canvas: Image.Image, weights: np.ndarray, alpha: float = HEAT_ALPHA,
@@ -168,7 +171,7 @@ def curves_png(path: Path, series: list[tuple[str, list[dict]]]) -> Path:
     the axis says which), validation R@1 both ways after each epoch, validation rSum after each epoch.
     Collapse events are dotted vertical lines on the loss panel. ``epoch`` is 1-based, as
     :func:`retr.trainers.training.run_log.read_metrics` gives it."""
-    plt = _matplotlib()
+    plt = pyplot()
     fig, (loss_ax, r1_ax, rsum_ax) = plt.subplots(1, 3, figsize=(12, 3.4), dpi=90)
     per_pair = all("loss_mean" in r for _, records in series for r in records if r["type"] == "step")
     for n, (name, records) in enumerate(series):
@@ -206,7 +209,7 @@ def matrix_png(path: Path, matrix: np.ndarray, row_labels: Sequence[str], col_la
                title: str) -> Path:
     """A labelled heat matrix of ``matrix`` ``[R, C]`` (a map with no place on the image) into a PNG; the
     colour scale is the matrix's own (colour bar beside it)."""
-    plt = _matplotlib()
+    plt = pyplot()
     matrix = np.asarray(matrix, dtype=np.float64)
     rows, cols = matrix.shape
     fig, ax = plt.subplots(figsize=(min(14, 1.5 + 0.28 * cols), min(10, 1.2 + 0.28 * rows)), dpi=80)

@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from retr.common.errors import UserError
-from retr.trainers.reporting.draw import curves_png
+from retr.trainers.reporting.draw import curves_png, pyplot
 
 
 def plot_runs(runs: list[str], out: str | Path) -> Path:
     """Draw ``runs``' curves into ``out`` (PNG); returns its path."""
     from retr.trainers.training.run_log import read_metrics
 
+    pyplot()   # the report extra, before any work
     series = []
     for run in runs:
         records = read_metrics(run)

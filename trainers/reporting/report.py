@@ -641,6 +641,7 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
             raise ParameterError(f"{name} must be ≥ {least}, not {value}", name)
     if protocol not in PROTOCOLS:
         raise ParameterError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}", "protocol")
+    draw.pyplot()   # the report extra, before the evaluation
     runs = [str(r) for r in runs]
     t0 = time.perf_counter()
     dev = resolve_device(device)

@@ -44,6 +44,7 @@ import torch
 from retr.common.devices import resolve_device
 from retr.common.errors import UserError
 from retr.common.hashing import sha256_file
+from retr.common.optional import MissingExtraError, require
 from retr.store.vocab import Vocabulary, tokenize
 from retr.trainers.training import checkpoint as ckpt
 from retr.trainers.training.data import ImageFeatures, SplitData, data_identity, open_run_split, pad_tokens
@@ -244,7 +245,7 @@ def _top_stable(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 class InnerProductIndex:
     """Exact maximum-inner-product search over gallery vectors ``[n, d]``: faiss's ``IndexFlatIP`` where faiss
-    is installed (``pip install faiss-cpu``), else blockwise float32 matrix products with ``torch.topk``.
+    is installed (the ``search`` extra), else blockwise float32 matrix products with ``torch.topk``.
 
     :meth:`candidates` returns the ids (``ids[row]``; default the row) of every row whose float32 inner product
     is within :data:`RESCORE_MARGIN` of the k-th best: a superset of the exact top k, which the caller rescores
@@ -259,10 +260,10 @@ class InnerProductIndex:
         faiss = None
         if use_faiss is not False:
             try:
-                import faiss
-            except ImportError:
+                faiss = require("faiss", "search", "use_faiss=True")
+            except MissingExtraError:
                 if use_faiss:
-                    raise UserError("faiss is not installed (pip install faiss-cpu)") from None
+                    raise
         self.backend = "faiss" if faiss is not None else "matmul"
         if faiss is not None:
             self.index = faiss.IndexFlatIP(self.vectors.shape[1])

@@ -13,8 +13,8 @@ by chance (``1 / (n + 1)`` for a row with ``n`` negatives: ``1/B`` for a batch o
 expectation by less than :data:`Z_AT_CHANCE` standard deviations (a binomial count, normal approximation).
 
 * Why a stretch of 20 steps: a batch of 128 gives 256 rankings a step, so 20 steps hold 5,120 of them with a
-  chance expectation of 40 hits (two a step, whatever B; standard deviation 6.3). Measured on the 150-image synthetic set (README,
-  "When training collapses"; 5 steps an epoch): over steps 1–20 the published SCAN loss ranked 0.58% first
+  chance expectation of 40 hits (two a step, whatever B; standard deviation 6.3). Measured on the 150-image synthetic set (docs/benchmarks.md,
+  "Training collapse"; 5 steps an epoch): over steps 1–20 the published SCAN loss ranked 0.58% first
   (z = −1.9, it fires at step 20, epoch 4), while the runs that learn — `--sum-violation` and
   `--warmup-epochs 1/2/4` — ranked 2.5–2.9% first (z = 14 to 17). Twenty steps are four epochs of that set.
 * Why two standard deviations: under true collapse the statistic is about N(0, 1) or below (ties count as

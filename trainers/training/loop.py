@@ -52,7 +52,7 @@ from retr.trainers.training import checkpoint as ckpt
 from retr.trainers.training.collapse import (CollapseMonitor, StepRanking, collapse_message, recall_at_chance,
                                     val_at_chance_message)
 from retr.trainers.config import RESUME_APPLIES, TrainConfig
-from retr.trainers.training.run_log import RunLog, epoch_index
+from retr.trainers.training.run_log import RunLog, epoch_index, summary_writer
 from retr.trainers.training.data import (CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData,
                                 check_feature_contract, data_identity, load_split)
 from retr.trainers.training.distributed import DistInfo, barrier, cleanup, gather_embeddings, init_from_env
@@ -78,6 +78,7 @@ def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False, log=print
           trust_checkpoint: bool = False) -> dict:
     """Train ``cfg.model``; returns the last epoch's validation metrics. Resumable with ``resume=True``
     (``trust_checkpoint``: read a checkpoint holding other Python objects, see :func:`checkpoint.load_checkpoint`)."""
+    summary_writer(tuple(cfg.log))   # an unknown --log target or a missing extra stops before anything is written
     device = resolve_device(cfg.device)
     info = init_from_env(device.type)
     if info.enabled and device.type == "cuda":

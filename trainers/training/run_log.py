@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 
 from retr.common.errors import UserError
+from retr.common.optional import require
 from retr.trainers.training.checkpoint import METRICS
 
 TENSORBOARD = "tensorboard"
@@ -60,6 +61,18 @@ def read_metrics(run: str | Path) -> list[dict]:
     return records
 
 
+def summary_writer(targets: tuple[str, ...]):
+    """TensorBoard's ``SummaryWriter`` class when ``targets`` name ``tensorboard`` (the ``tensorboard`` extra),
+    else ``None``; an unknown target is a :class:`UserError`. :func:`~retr.trainers.training.loop.train` calls it
+    before anything is written, :class:`RunLog` to open the writer."""
+    unknown = sorted(set(targets) - set(LOG_TARGETS))
+    if unknown:
+        raise UserError(f"--log {unknown[0]}: choose among {', '.join(LOG_TARGETS)}")
+    if "tensorboard" not in targets:
+        return None
+    return require("torch.utils.tensorboard", "tensorboard", "--log tensorboard").SummaryWriter
+
+
 class RunLog:
     """Appends typed records to ``metrics.jsonl`` and mirrors them to TensorBoard when asked. Methods take the
     loop's 0-based epoch index and write it 1-based."""
@@ -67,16 +80,9 @@ class RunLog:
     def __init__(self, folder: Path, targets: tuple[str, ...] = (), purge_step: int | None = None):
         self.folder = Path(folder)
         self.writer = None
-        unknown = sorted(set(targets) - set(LOG_TARGETS))
-        if unknown:
-            raise UserError(f"--log {unknown[0]}: choose among {', '.join(LOG_TARGETS)}")
-        if "tensorboard" in targets:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise UserError("--log tensorboard needs the tensorboard package (pip install tensorboard, or "
-                                "pip install -e '.[tensorboard]')") from None
-            self.writer = SummaryWriter(str(self.folder / TENSORBOARD), purge_step=purge_step)
+        writer_class = summary_writer(targets)
+        if writer_class is not None:
+            self.writer = writer_class(str(self.folder / TENSORBOARD), purge_step=purge_step)
 
     def _append(self, record: dict) -> None:
         with open(self.folder / METRICS, "a", encoding="utf-8") as handle:

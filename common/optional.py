@@ -1,0 +1,54 @@
+"""Packages that only some users need: each comes with an extra of ``pyproject.toml`` and is imported where it is
+used, through :func:`require`, never at a module's top.
+
+* ``pipeline`` — stanza (parsing captions, reading CoNLL-U: ``parse-trees``, ``show-tree``, ``build-concepts``),
+  opencv-python-headless (the ``butd-regions`` extractor reads images with OpenCV, as the original), timm (the
+  ``tencrop-irv2`` extractor and its weights; it brings huggingface_hub and safetensors);
+* ``report`` — matplotlib (``retr-train show``, ``retr-train plot``);
+* ``search`` — faiss-cpu (faiss's exact index in search; without it, blockwise matrix products);
+* ``tensorboard`` — tensorboard (``--log tensorboard``).
+
+nltk is no extra: the trainer's caption tokenizer (:mod:`retr.store.vocab`) uses it, so every user needs it.
+
+``all`` installs every extra; ``dev`` (what ``make setup`` installs) is ``all`` plus the test tools. Without an
+extra, ``import retr``, every command's ``--help`` and everything else work; what needs the package stops with
+one line naming the extra::
+
+    matplotlib is not installed (needed by the report's drawings): pip install 'retr[report]' (or make setup)
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from retr.common.errors import RetrError
+
+#: top-level import name → the pip package that provides it (where the two differ). ``huggingface_hub`` and
+#: ``safetensors`` come with timm (and stanza), so the ``pipeline`` extra installs them.
+DISTRIBUTIONS: dict[str, str] = {"cv2": "opencv-python-headless", "faiss": "faiss-cpu"}
+
+
+class MissingExtraError(RetrError):
+    """A package of an extra (:func:`require`) is not installed, or cannot be imported; one line naming the extra."""
+
+
+def require(module: str, extra: str, what: str) -> ModuleType:
+    """``importlib.import_module(module)``, or :class:`MissingExtraError` when it (or a package it needs) is missing.
+
+    ``extra``: the extra of ``pyproject.toml`` that installs it (``"report"``); ``what``: what needs it, for the
+    message (``"the report's drawings"``). An installed package that fails to import (a missing system library)
+    is reported with its own reason, in the same one line.
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or module).split(".")[0]
+        problem = f"{DISTRIBUTIONS.get(missing, missing)} is not installed"
+        raise MissingExtraError(_message(problem, extra, what)) from exc
+    except ImportError as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise MissingExtraError(_message(f"{module} cannot be imported ({reason})", extra, what)) from exc
+
+
+def _message(problem: str, extra: str, what: str) -> str:
+    return f"{problem} (needed by {what}): pip install 'retr[{extra}]' (or make setup)"
