@@ -153,29 +153,29 @@ BUTD = FeatureProvenance(
     "300 proposals, 14×14 ROI pooling, 36 boxes) and MILVLG's R101-k36 weights (retr-pipeline fetch-weights "
     "butd), or retr-pipeline import-scan on SCAN's released {split}_ims.npy files",
     {"scan-precomp": "SCAN's released bottom-up-attention features (retr-pipeline import-scan)"})
+
+
+def _torchvision(enum: str, file: str, label: str) -> OneOf:
+    """torchvision's weights ``enum`` (``ResNet152_Weights.IMAGENET1K_V1``), or a file whose sha256 starts with
+    the hex in the file name torchvision gives it (``resnet152-394f9c45.pth``)."""
+    return OneOf((enum, "sha256:" + file.rsplit("-", 1)[1].split(".")[0]), f"torchvision's {label} ({file})",
+                 prefix=True)
+
+
+_RESNET152 = _torchvision("ResNet152_Weights.IMAGENET1K_V1", "resnet152-394f9c45.pth", "ResNet-152 IMAGENET1K_V1")
+_VGG16 = _torchvision("VGG16_Weights.IMAGENET1K_V1", "vgg16-397923af.pth", "VGG-16 IMAGENET1K_V1")
+_VGG19 = _torchvision("VGG19_Weights.IMAGENET1K_V1", "vgg19-dcbb9e9d.pth", "VGG-19 IMAGENET1K_V1")
 RESNET_GRID = FeatureProvenance(
-    "resnet152-grid", (49, 2048),
-    {"weights": OneOf(("ResNet152_Weights.IMAGENET1K_V1", "sha256:394f9c45"),
-                      "torchvision's ResNet-152 IMAGENET1K_V1 (resnet152-394f9c45.pth)", prefix=True),
-     "image_size": 448, "grid_size": 7, **_FLOAT32},
+    "resnet152-grid", (49, 2048), {"weights": _RESNET152, "image_size": 448, "grid_size": 7, **_FLOAT32},
     "retr-pipeline extract --extractor resnet152-grid --weights imagenet (448-px input pooled to 7×7)")
 VGG_MAPS = FeatureProvenance(
-    "vgg16-maps", (196, 512),
-    {"weights": OneOf(("VGG16_Weights.IMAGENET1K_V1", "sha256:397923af"),
-                      "torchvision's VGG-16 IMAGENET1K_V1 (vgg16-397923af.pth)", prefix=True),
-     "image_size": 448, **_FLOAT32},
+    "vgg16-maps", (196, 512), {"weights": _VGG16, "image_size": 448, **_FLOAT32},
     "retr-pipeline extract --extractor vgg16-maps --weights imagenet (448-px input, 14×14)")
 TENCROP_RESNET = FeatureProvenance(
-    "tencrop-resnet152", (10, 2048),
-    {"weights": OneOf(("ResNet152_Weights.IMAGENET1K_V1", "sha256:394f9c45"),
-                      "torchvision's ResNet-152 IMAGENET1K_V1 (resnet152-394f9c45.pth)", prefix=True),
-     "image_size": 224, "resize_short_side": 256, **_FLOAT32},
+    "tencrop-resnet152", (10, 2048), {"weights": _RESNET152, "image_size": 224, "resize_short_side": 256, **_FLOAT32},
     "retr-pipeline extract --extractor tencrop-resnet152 --weights imagenet (ten 224-px crops)")
 TENCROP_VGG19 = FeatureProvenance(
-    "tencrop-vgg19", (10, 4096),
-    {"weights": OneOf(("VGG19_Weights.IMAGENET1K_V1", "sha256:dcbb9e9d"),
-                      "torchvision's VGG-19 IMAGENET1K_V1 (vgg19-dcbb9e9d.pth)", prefix=True),
-     "image_size": 224, "resize_short_side": 256, **_FLOAT32},
+    "tencrop-vgg19", (10, 4096), {"weights": _VGG19, "image_size": 224, "resize_short_side": 256, **_FLOAT32},
     "retr-pipeline extract --extractor tencrop-vgg19 --weights imagenet (ten 224-px crops)")
 TENCROP_IRV2 = FeatureProvenance(
     "tencrop-irv2", (10, 1536),
