@@ -26,9 +26,14 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-# pytest-randomly shuffles the order; it prints its seed, and PYTEST_ARGS=--randomly-seed=N repeats that order.
+# pytest-randomly shuffles the order with a seed printed first (-q hides pytest's header): make test SEED=N
+# repeats that order.
+ifndef SEED
+SEED := $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
+endif
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	@echo "test order: SEED=$(SEED) (make test SEED=$(SEED) repeats it)"
+	$(BIN)/python -m pytest -q --randomly-seed=$(SEED) $(PYTEST_ARGS)
 
 # A reduction's rounding depends on the thread count: every numerical test must pass with any.
 test-matrix: $(STAMP)
