@@ -90,16 +90,18 @@ class PlannedMember:
     cfg: TrainConfig
     run: Path
     state: str                  #: :func:`member_state`, or ``new`` for a folder without a config
-    differences: list[str]      #: how the run in ``run`` differs from ``cfg`` (empty: reusable)
+    differences: list            #: :class:`~retr.trainers.training.loop.Difference` s from ``cfg`` (empty: reusable)
 
 
-def plan_member(member: Member, out: Path, data: dict, overrides: dict[str, Any]) -> PlannedMember:
+def plan_member(member: Member, out: Path, data: dict, overrides: dict[str, Any], features,
+                identities: dict) -> PlannedMember:
     """The member's settings (recipe + overrides) and how an existing run of it differs from them: every setting
     the model and the loop read (the ``resume_applies`` ones that only say how it ran aside), the data it was
-    trained on (:func:`~retr.trainers.training.data.data_identity`), and more epochs than asked."""
-    from retr.store.features import FeatureSet as StoredFeatures
+    trained on (:func:`~retr.trainers.training.data.data_identity` of the opened ``features``; ``identities``
+    keeps each one computed, by side files, so members sharing their data digest it once), and more epochs than
+    asked."""
     from retr.trainers.training.data import data_identity
-    from retr.trainers.training.loop import config_differences, data_differences
+    from retr.trainers.training.loop import Difference, config_differences, data_differences
     from retr.trainers.models import get_spec
     from retr.trainers.training.settings import gather_settings
 
@@ -115,12 +117,14 @@ def plan_member(member: Member, out: Path, data: dict, overrides: dict[str, Any]
         return PlannedMember(member, cfg, run, "new", [])
     saved = ckpt.read_config(run)
     if saved.get("model") != cfg.model:
-        return PlannedMember(member, cfg, run, "new", [f"model {cfg.model} (run: {saved.get('model')})"])
+        return PlannedMember(member, cfg, run, "new", [Difference("model", cfg.model, str(saved.get("model")))])
     differences = config_differences(cfg, saved, _MAY_DIFFER)
     if saved.get("epochs", 0) > cfg.epochs:
-        differences.append(f"epochs {cfg.epochs} (run: {saved['epochs']})")
-    identity = data_identity(StoredFeatures(cfg.features), cfg.manifest, cfg.inputs)
-    differences += data_differences(run, identity)
+        differences.append(Difference("epochs", repr(cfg.epochs), repr(saved["epochs"])))
+    key = tuple(sorted(cfg.inputs.items()))
+    if key not in identities:
+        identities[key] = data_identity(features, cfg.manifest, cfg.inputs)
+    differences += data_differences(run, identities[key])
     return PlannedMember(member, cfg, run, member_state(run), differences)
 
 
@@ -303,18 +307,21 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
     reasons += feature_reasons(recipe.features, features, manifest_digest)
     reasons += input_reasons(recipe, data, manifest_digest)
     out.mkdir(parents=True, exist_ok=True)
-    planned = [plan_member(m, out, data, overrides) for m in recipe.members]
+    identities: dict = {}
+    planned = [plan_member(m, out, data, overrides, features, identities) for m in recipe.members]
     refused = [p for p in planned if p.differences and p.member.run not in retrain]
     if refused:
         raise UserError("; ".join(f"member {p.member.run} in {p.run} was trained otherwise: "
-                                  f"{', '.join(_recipe_side(d) for d in p.differences)}" for p in refused)
+                                  f"{', '.join(f'{d.name} {d.stored} (recipe {d.given})' for d in p.differences)}"
+                                  for p in refused)
                         + "; nothing was trained: pass --retrain MEMBER to train it again (the old run is kept "
                           "aside) or choose another --out")
     for p in planned:
         if p.member.run in retrain and p.run.exists():
             set_aside(p.run, log)
             p.state, p.differences = "new", []
-    del features
+    summary = features_summary(features.attrs)
+    del features                     # the loop and the evaluator open the set themselves
     runs = [train_member(p, quiet, log) for p in planned]
     eval_args = dict(split=split, features=data["features"], manifest=data["manifest"], device=device,
                      quiet=True, allow_size_mismatch=allow_size_mismatch)
@@ -332,7 +339,7 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
         reasons.append(f"evaluated on split {split} (the published numbers are on test)")
     report = {"recipe": recipe.name, "title": recipe.title, "protocol": recipe.protocol, "split": split,
               "reproduction": not reasons, "reasons": reasons,
-              "features": {"given": data["features"], "extractor": features_summary(data["features"]),
+              "features": {"given": data["features"], "extractor": summary,
                            "needed": recipe.features.how},
               "overrides": overrides, "rows": rows,
               "runs": [str(r) for r in runs], "notes": recipe.notes,
@@ -342,21 +349,9 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
     return report
 
 
-def _recipe_side(difference: str) -> str:
-    """``"embed_size 1024 (run: 64)"`` (new value first, as the loop words it) → ``"embed_size 64 (recipe 1024)"``."""
-    name, sep, rest = difference.partition(" ")
-    new, sep2, old = rest.rpartition(" (run: ")
-    if not sep or not sep2:
-        return difference
-    return f"{name} {old.removesuffix(')')} (recipe {new})"
-
-
-def features_summary(path: str) -> dict:
-    """What the report records of the feature set used: extractor, weights (with the sha256 extraction
-    recorded), source when imported, and the extraction settings."""
-    from retr.store.features import FeatureSet as StoredFeatures
-
-    attrs = StoredFeatures(path).attrs
+def features_summary(attrs: dict) -> dict:
+    """What the report records of the feature set used (its attributes ``attrs``): extractor, weights (with the
+    sha256 extraction recorded), source when imported, and the extraction settings."""
     keys = ("extractor", "weights", "source", "image_size", "short_side", "max_side", "detector_settings",
             "min_boxes", "max_boxes", "half", "half_precision", "autocast", "decode", "manifest_sha256")
     return {k: attrs[k] for k in keys if k in attrs}

@@ -35,7 +35,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -343,10 +343,22 @@ def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo, log=print,
     return folder, None
 
 
-def config_differences(cfg: TrainConfig, saved: dict, may_differ: tuple[str, ...] = RESUME_APPLIES) -> list[str]:
+class Difference(NamedTuple):
+    """A setting or data fingerprint asked for now (``given``) that is not the run's (``stored``); both as shown."""
+
+    name: str
+    given: str
+    stored: str
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.given} (run: {self.stored})"
+
+
+def config_differences(cfg: TrainConfig, saved: dict,
+                       may_differ: tuple[str, ...] = RESUME_APPLIES) -> list[Difference]:
     """Each setting of ``cfg`` (model settings and :class:`TrainConfig`'s, the data paths, side files and run
-    folder aside) that differs from the run's stored ``config.json`` (``saved``), as ``"name new (run: old)"``;
-    settings named in ``may_differ`` are not compared."""
+    folder aside) that differs from the run's stored ``config.json`` (``saved``); settings named in ``may_differ``
+    are not compared."""
     saved = ckpt.upgrade_config(saved)
     spec = get_spec(saved["model"])
     names = _config_names(spec)
@@ -354,8 +366,9 @@ def config_differences(cfg: TrainConfig, saved: dict, may_differ: tuple[str, ...
     new_model = asdict(spec.make_config({k: v for k, v in cfg.model_args.items() if k in names}))
     known = {f.name for f in fields(TrainConfig)}
     old = TrainConfig(**{k: v for k, v in saved.items() if k in known})
-    differences = [f"{k} {new_model[k]!r} (run: {old_model[k]!r})" for k in old_model if old_model[k] != new_model[k]]
-    differences += [f"{k} {getattr(cfg, k)!r} (run: {getattr(old, k)!r})" for k in sorted(known)
+    differences = [Difference(k, repr(new_model[k]), repr(old_model[k])) for k in old_model
+                   if old_model[k] != new_model[k]]
+    differences += [Difference(k, repr(getattr(cfg, k)), repr(getattr(old, k))) for k in sorted(known)
                     if k not in may_differ and k not in ("model", "model_args", "features", "manifest", "inputs",
                                                          "out")
                     and getattr(cfg, k) != getattr(old, k)]
@@ -372,7 +385,7 @@ def _resumed_config(cfg: TrainConfig, saved: dict, folder: Path) -> TrainConfig:
                         f"--resume --out {folder}`")
     differences = config_differences(cfg, saved)
     if differences:
-        raise UserError(f"{folder} cannot change on resume: {'; '.join(differences)}; resume with the run's "
+        raise UserError(f"{folder} cannot change on resume: {'; '.join(map(str, differences))}; resume with the run's "
                         "settings (leave those options out) or choose another --out")
     known = {f.name for f in fields(TrainConfig)}
     old = TrainConfig(**{k: v for k, v in saved.items() if k in known})
@@ -380,16 +393,16 @@ def _resumed_config(cfg: TrainConfig, saved: dict, folder: Path) -> TrainConfig:
     return dataclasses.replace(old, model_args=saved["model_args"], **applied)
 
 
-def data_differences(folder: Path, identity: dict) -> list[str]:
-    """What in ``identity`` (:func:`~retr.trainers.training.data.data_identity` of the data given now) differs from the data
-    the run in ``folder`` was trained on, as ``"name new… (run: old…)"`` (runs from before identities were
-    recorded: nothing)."""
+def data_differences(folder: Path, identity: dict) -> list[Difference]:
+    """What in ``identity`` (:func:`~retr.trainers.training.data.data_identity` of the data given now) differs from
+    the data the run in ``folder`` was trained on, values shortened to 16 characters (runs from before identities
+    were recorded: nothing)."""
     config_path = folder / ckpt.CONFIG
     recorded = json.loads(config_path.read_text(encoding="utf-8")).get("data_identity") if config_path.is_file() \
         else None
     if not recorded:
         return []
-    return [f"{k} {str(identity.get(k))[:16]}… (run: {str(recorded[k])[:16]}…)" for k in recorded
+    return [Difference(k, f"{str(identity.get(k))[:16]}…", f"{str(recorded[k])[:16]}…") for k in recorded
             if recorded[k] != identity.get(k)]
 
 
@@ -397,7 +410,7 @@ def check_same_data(folder: Path, identity: dict) -> None:
     """Refuse to resume on other data than the run started with."""
     changed = data_differences(folder, identity)
     if changed:
-        raise UserError(f"{folder} was trained on other data: {', '.join(changed)}; resume with the run's features "
+        raise UserError(f"{folder} was trained on other data: {', '.join(map(str, changed))}; resume with the run's features "
                         "and manifest or choose another --out")
 
 

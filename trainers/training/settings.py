@@ -138,7 +138,7 @@ def resume_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> TrainC
     for name in explicit & train_names - {"out"}:
         changes[name] = tuple(values[name]) if isinstance(getattr(cfg, name), tuple) else values[name]
     asked = dataclasses.replace(cfg, model_args={**cfg.model_args, **given}, **changes)
-    differences = [with_flags(d, flags, flags) for d in config_differences(asked, saved)]
+    differences = [f"{flags.get(d.name, d.name)} {d.given} (run: {d.stored})" for d in config_differences(asked, saved)]
     differences += [f"{flags.get(i.name, i.name)} {values[i.name]} (run: {cfg.inputs.get(i.name)})"
                     for i in spec.inputs if i.name in explicit and not _same_path(values[i.name], cfg.inputs.get(i.name))]
     if differences:
