@@ -19,6 +19,13 @@ _max_boxes = click.option("--max-boxes", type=int, default=None,
 _name = click.option("--name", default="regions", show_default=True, help="Writes OUT/NAME.h5.")
 
 
+def _file_import_options(f):
+    """The options import-tsv and import-npz share: the output folder and name, K, the id prefix, the dtype."""
+    for option in (quiet_option, _dtype, _prefix, _max_boxes, _name):      # applied bottom-up, as a decorator stack
+        f = option(f)
+    return click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder.")(f)
+
+
 def _bar(quiet: bool):
     return lambda iterable=None, **kwargs: progress(iterable, quiet=quiet, **kwargs)
 
@@ -63,12 +70,7 @@ def import_scan_command(data_dir_arg: Path | None, data_dir: Path | None, out: P
 
 @click.command("import-tsv")
 @click.argument("tsv", type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder.")
-@_name
-@_max_boxes
-@_prefix
-@_dtype
-@quiet_option
+@_file_import_options
 def import_tsv_command(tsv: Path, out: Path, name: str, max_boxes: int | None, id_prefix: str, dtype: str,
                        quiet: bool) -> None:
     """Import a bottom-up-attention TSV: the original 6 fields or LXMERT's 10 (with labels).
@@ -83,12 +85,7 @@ def import_tsv_command(tsv: Path, out: Path, name: str, max_boxes: int | None, i
 
 @click.command("import-npz")
 @click.argument("folder", type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder.")
-@_name
-@_max_boxes
-@_prefix
-@_dtype
-@quiet_option
+@_file_import_options
 def import_npz_command(folder: Path, out: Path, name: str, max_boxes: int | None, id_prefix: str, dtype: str,
                        quiet: bool) -> None:
     """Import a folder of MILVLG per-image .npz files (id = file name without .npz).
