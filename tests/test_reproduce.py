@@ -338,6 +338,11 @@ def test_vocab_split_builds_the_vocabulary_from_train_and_dev_as_scan(tmp_path, 
     run_cli("train", "vsepp", *common, "--out", tmp_path / "dev", "--vocab-split", "train,restval,val")
     words = {name: json.loads((tmp_path / name / "vocab.json").read_text())["word2idx"] for name in ("default", "dev")}
     assert "zebu" not in words["default"] and "zebu" in words["dev"]
+    # splits that hold no caption (a Flickr30K manifest has no restval) are one line, and no run is left
+    refused = run_cli.as_user("train", "vsepp", *map(str, common), "--out", str(tmp_path / "none"),
+                              "--vocab-split", "restval")
+    assert refused[0] != 0 and refused[2].count("\n") == 1 and "no captions in restval" in refused[2]
+    assert not (tmp_path / "none").exists()
 
 
 def test_rows_without_a_recipe_are_listed_with_their_reason_and_unmet_needs_are_reasons(run_cli):

@@ -199,7 +199,11 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
         vocab = Vocabulary.load(cfg.vocab)
     else:
         from retr.manifests.schema import read_manifest
-        records = read_manifest(cfg.manifest, splits=list(cfg.vocab_splits or cfg.train_splits))
+        splits = list(cfg.vocab_splits or cfg.train_splits)
+        records = read_manifest(cfg.manifest, splits=splits)
+        if not any(r.captions for r in records):
+            raise UserError(f"{cfg.manifest} has no captions in {', '.join(splits)} to build the vocabulary from "
+                            "(--vocab-split / --train-split)")
         vocab = Vocabulary.build((c for r in records for c in r.captions), cfg.vocab_threshold)
     train_data, absent = load_split(cfg.manifest, list(cfg.train_splits), vocab, features, missing="skip")
     if absent and info.is_main:
