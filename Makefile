@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make setup                 create .venv and install retr (editable, every extra + test tools: .[dev], pinned torch)"
 	@echo "make test                  run the test suite in a shuffled order (sets up first if needed)"
-	@echo "make test-matrix           the numerical tests again with 1 and 4 threads (CI runs both)"
+	@echo "make test-matrix           the numerical tests again with 2 and 4 threads (CI runs both)"
 	@echo "make demo                  run every stage on the synthetic dataset and print the results table"
 	@echo "make extract DATASET=coco  run every extractor of a dataset preset (coco, f30k, synthetic)"
 
@@ -27,17 +27,19 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 # pytest-randomly shuffles the order with a seed printed first (-q hides pytest's header): make test SEED=N
-# repeats that order.
+# repeats that order. pytest-xdist spreads the files over one worker per core (a file's tests stay together, so
+# its module fixtures are built once); each worker runs torch on one thread (tests/conftest.py). JOBS=1: one process.
 ifndef SEED
 SEED := $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
 endif
+JOBS ?= auto
 test: $(STAMP)
 	@echo "test order: SEED=$(SEED) (make test SEED=$(SEED) repeats it)"
-	$(BIN)/python -m pytest -q --randomly-seed=$(SEED) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --randomly-seed=$(SEED) -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
 
 # A reduction's rounding depends on the thread count: every numerical test must pass with any.
 test-matrix: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m numerical -p no:randomly $(PYTEST_ARGS)
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q -m numerical -p no:randomly $(PYTEST_ARGS)
 	OMP_NUM_THREADS=4 $(BIN)/python -m pytest -q -m numerical $(PYTEST_ARGS)
 
 # Every stage that exists, run on the synthetic dataset; each line is a command a user can copy.
@@ -64,6 +66,10 @@ demo: $(STAMP)
 	$(BIN)/retr-train vsepp --features $(DEMO_DIR)/synthetic/features/butd-regions.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/vsepp --epochs 10 --batch-size 32 --embed-size 256 --lr 2e-4 --sum-violation --quiet
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/scan --protocol f30k-1k --allow-size-mismatch --quiet
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/vsepp --protocol f30k-1k --allow-size-mismatch --quiet
+	@echo "== VSE∞ (the same region features pooled by GPO on both sides; brief training) =="
+	rm -rf $(DEMO_DIR)/runs/vse-infinity
+	$(BIN)/retr-train vse-infinity --features $(DEMO_DIR)/synthetic/features/butd-regions.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/vse-infinity --epochs 6 --batch-size 32 --embed-size 256 --lr 2e-4 --sum-violation --quiet
+	$(BIN)/retr-train eval $(DEMO_DIR)/runs/vse-infinity --protocol f30k-1k --allow-size-mismatch --quiet
 	@echo "== SMFEA (same region features + referral trees + consensus concepts; brief training) =="
 	$(BIN)/retr-pipeline build-concepts --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --conllu $(DEMO_DIR)/synthetic/captions.conllu --out $(DEMO_DIR)/synthetic/concepts.h5
 	rm -rf $(DEMO_DIR)/runs/smfea
@@ -82,11 +88,13 @@ demo: $(STAMP)
 	$(BIN)/retr-train jgcar --features $(DEMO_DIR)/synthetic/features/vgg16-maps.h5 --manifest $(DEMO_DIR)/synthetic/manifest.jsonl --out $(DEMO_DIR)/runs/jgcar --num-regions 49 --epochs 8 --batch-size 32 --embed-size 64 --word-dim 64 --hidden-size 32 --num-negatives 10 --dropout 0.1 --optimizer adam --lr 1e-3 --global-similarity cosine --shortlist 10 --sum-violation --quiet
 	$(BIN)/retr-train eval $(DEMO_DIR)/runs/jgcar --protocol f30k-1k --allow-size-mismatch --quiet
 	@echo "== results =="
-	$(BIN)/retr-train table $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp $(DEMO_DIR)/runs/smfea $(DEMO_DIR)/runs/sman $(DEMO_DIR)/runs/seam $(DEMO_DIR)/runs/jgcar
+	$(BIN)/retr-train table $(DEMO_DIR)/runs/scan $(DEMO_DIR)/runs/vsepp $(DEMO_DIR)/runs/vse-infinity $(DEMO_DIR)/runs/smfea $(DEMO_DIR)/runs/sman $(DEMO_DIR)/runs/seam $(DEMO_DIR)/runs/jgcar
 	@echo "== a look at a region model (SCAN) and a grid model (SMAN): static HTML reports (numbers, curves, queries, attention) =="
 	$(BIN)/retr-train show $(DEMO_DIR)/runs/scan --protocol f30k-1k --allow-size-mismatch --image-root $(DEMO_DIR)/synthetic --out $(DEMO_DIR)/report/scan --quiet
 	$(BIN)/retr-train show $(DEMO_DIR)/runs/sman --protocol f30k-1k --allow-size-mismatch --image-root $(DEMO_DIR)/synthetic --out $(DEMO_DIR)/report/sman --quiet
 	@echo "open $(DEMO_DIR)/report/scan/index.html and $(DEMO_DIR)/report/sman/index.html in a browser (no server needed)"
+	@echo "== search the SCAN run from a web page (text → images, image → captions, attention; Ctrl-C stops it) =="
+	@echo "$(BIN)/retr-train serve $(DEMO_DIR)/runs/scan --image-root $(DEMO_DIR)/synthetic"
 
 # From nothing to features: a missing dataset is fetched (coco) or generated (synthetic: random weights, no
 # network), missing weights are downloaded, then every extractor runs. Offline (RETR_OFFLINE=1) a missing

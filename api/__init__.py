@@ -7,6 +7,7 @@ The names a script needs, in one place (each is the library function the command
     model, vocab, config = retr.load_model("runs/scan-f30k")              # a trained run
     result, sims = retr.evaluate(["runs/scan-f30k"], "f30k-1k")            # R@K, medr, meanr, rSum
     hits = retr.Retriever.from_run("runs/scan-f30k").text_to_images(["a dog on a beach"], k=5)
+    hits = retr.Retriever.from_run("runs/scan-f30k", images="photos/").image_to_texts(["photos/dog.jpg"])
     features = retr.FeatureSet("data/f30k/features/butd-regions.h5")      # [N, K, D] rows by image id
     model = retr.create_model("scan", vocab_size=10_000, img_dim=2048)     # an untrained model
     report = retr.reproduce(retr.get_recipe("scan-f30k-t2i-avg"), {...}, out=Path("runs"), overrides={})
@@ -38,6 +39,7 @@ _PUBLIC = {
     "evaluate": ("retr.trainers.evaluation.runs", "evaluate_runs"),
     "PROTOCOLS": ("retr.trainers.evaluation.metrics", "PROTOCOLS"),
     "Retriever": ("retr.trainers.search.retrieval", "Retriever"),
+    "GalleryIndex": ("retr.trainers.search.index", "GalleryIndex"),
     # published rows
     "list_recipes": ("retr.trainers.reproduction.recipes", "list_recipes"),
     "get_recipe": ("retr.trainers.reproduction.recipes", "get_recipe"),

@@ -1,7 +1,4 @@
-"""Utilities shared by every part of retr (CLI conventions, errors, hashing, versions).
-
-Nothing here imports another retr subpackage, so `extractors` and `parsers` may depend on it freely.
-"""
+"""Utilities shared by every part of retr (CLI, errors, hashing, versions); imports no other retr package."""
 from retr.common.errors import MissingResourceError, RetrError, UserError
 from retr.common.version import __version__
 

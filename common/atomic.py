@@ -1,11 +1,6 @@
-"""Files that appear under their final name only when complete.
-
-Every HDF5 file retr writes (feature shards and indexes, trees, concepts) goes through :func:`atomic_hdf5`:
-the data is written to ``<name>.partial``, the root attribute ``complete`` is set last, and only then is the
-file renamed. A killed writer leaves at most a ``.partial`` file, which no reader mistakes for a finished one.
-Text files (label files) go through :func:`atomic_text` the same way: written to ``<name>.partial``, renamed
-when the writer finishes without an exception.
-"""
+"""Files that appear under their final name only when complete: written to ``<name>.partial`` and renamed (any
+writer that takes a path: :func:`atomic_file`; HDF5: :func:`atomic_hdf5`, ``complete`` set last; text:
+:func:`atomic_text`)."""
 from __future__ import annotations
 
 import os
@@ -25,18 +20,14 @@ def partial_path(path: str | os.PathLike) -> Path:
 
 
 @contextmanager
-def atomic_hdf5(path: str | os.PathLike) -> Iterator[h5py.File]:
-    """Yield an HDF5 file open for writing at ``<path>.partial``; on success mark it complete and rename it.
-
-    On any exception (including KeyboardInterrupt) the partial file is removed and the exception re-raised.
-    """
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield ``<path>.partial`` to write (``torch.save``, ``faiss.write_index``…); on success rename it to
+    ``path``, else remove it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = partial_path(path)
     try:
-        with h5py.File(partial, "w") as handle:
-            yield handle
-            handle.attrs["complete"] = True
+        yield partial
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
@@ -44,18 +35,15 @@ def atomic_hdf5(path: str | os.PathLike) -> Iterator[h5py.File]:
 
 
 @contextmanager
-def atomic_text(path: str | os.PathLike) -> Iterator[IO[str]]:
-    """Yield a UTF-8 text file open for writing at ``<path>.partial``; on success rename it to ``path``.
+def atomic_hdf5(path: str | os.PathLike) -> Iterator[h5py.File]:
+    """Yield an HDF5 file open at ``<path>.partial``; on success mark it complete and rename it, else remove it."""
+    with atomic_file(path) as partial, h5py.File(partial, "w") as handle:
+        yield handle
+        handle.attrs["complete"] = True
 
-    On any exception (including KeyboardInterrupt) the partial file is removed and the exception re-raised.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = partial_path(path)
-    try:
-        with open(partial, "w", encoding="utf-8") as handle:
-            yield handle
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    os.replace(partial, path)
+
+@contextmanager
+def atomic_text(path: str | os.PathLike) -> Iterator[IO[str]]:
+    """Yield a UTF-8 text file open at ``<path>.partial``; on success rename it to ``path``, else remove it."""
+    with atomic_file(path) as partial, open(partial, "w", encoding="utf-8") as handle:
+        yield handle

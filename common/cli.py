@@ -1,15 +1,10 @@
-"""Command-line conventions shared by ``retr-pipeline`` and ``retr-train``.
-
-* user errors print ``error: …`` on stderr and exit with status 1, without a traceback;
-* a bad argument value that a library call refuses (:class:`~retr.common.errors.ParameterError`, which names
-  the parameter) is such a user error, printed with the command's flag in place of the parameter name
-  (:func:`flags_in_errors`);
-* usage errors (bad option) print click's usage hint, then ``error: …``, and exit with status 2;
-* progress bars: :mod:`retr.common.progress` (library code uses them without this module).
+"""Command-line conventions shared by ``retr-pipeline`` and ``retr-train``: ``error: …`` lines (status 1; usage
+errors status 2), library errors in the command's own flags, log records on stderr (docs/DESIGN.md, "Conventions").
 """
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from typing import Callable, Iterable
 
@@ -21,12 +16,8 @@ _WRAPPED = "_retr_flags_in_errors"
 
 
 def parameter_flags(ctx: click.Context | None) -> dict[str, str]:
-    """How the user of the running command writes each of its parameters, from click's own parameter lists.
-
-    An option becomes its first long flag (``image_size`` → ``--image-size``, ``name`` of ``--extractor`` →
-    ``--extractor``), an argument its metavar (``dataset`` → ``DATASET``). The command's parameters come first,
-    then those of the groups above it.
-    """
+    """How the running command's user writes each parameter: an option's first long flag, an argument's metavar (the
+    command's parameters first, then its groups')."""
     flags: dict[str, str] = {}
     while ctx is not None:
         for param in ctx.command.params:
@@ -43,8 +34,7 @@ def parameter_flags(ctx: click.Context | None) -> dict[str, str]:
 def error_message(exc: BaseException, ctx: click.Context | None = None) -> str:
     """The one-line text of a :class:`RetrError` or :class:`ParameterError`, in the running command's flags.
 
-    ``ctx`` defaults to click's current context; outside a command the text is the library's own.
-    """
+    ``ctx`` defaults to click's current context; outside a command the text is the library's own."""
     text = exc.message if isinstance(exc, ParameterError) else str(exc)
     parameters = getattr(exc, "parameters", ())
     if not parameters:
@@ -53,27 +43,11 @@ def error_message(exc: BaseException, ctx: click.Context | None = None) -> str:
 
 
 def flags_in_errors(command: click.Command) -> click.Command:
-    """Make ``command`` (and, for a group, every command under it) report library errors in its own flags.
+    """Make ``command`` (and every command under a group) word library errors in its own flags (idempotent).
 
-    The mechanism, in three parts:
-
-    1. Library code names parameters, never flags. It validates an argument by raising
-       :class:`~retr.common.errors.ParameterError` — a ``ValueError`` that carries the names its message
-       mentions, ``ParameterError("image_size must be a multiple of 32, not 100", "image_size")``. A
-       :class:`~retr.common.errors.RetrError` about a file may name parameters too (its ``parameters``), e.g.
-       "… if you trust the file, set trust_checkpoint".
-    2. This wrapper runs the command's callback. When such an error leaves it, the click context is still live,
-       so each named parameter is mapped through the command's own parameter list (:func:`parameter_flags`;
-       nothing is hand-written) and replaced in the message (:func:`with_flags`). A ``ParameterError`` is
-       re-raised as a :class:`~retr.common.errors.UserError` with that text (chained to the original); a
-       ``RetrError`` keeps its class with the text rewritten.
-    3. :func:`run` prints a ``RetrError`` as one ``error: --image-size must be …`` line and exits with status 1.
-
-    Every other exception passes through unchanged: a plain ``ValueError`` is a bug and keeps its traceback.
-    A command that catches errors itself to go on (``extract-preset``) formats them with :func:`error_message`.
-    Wrapping is idempotent: a console script's group applies it once its commands are registered (so
-    ``CliRunner`` sees the same), and :func:`run` applies it again to the whole command tree.
-    """
+    A :class:`~retr.common.errors.ParameterError` becomes a :class:`~retr.common.errors.UserError`, a ``RetrError``
+    keeps its class, both with parameter names replaced by flags (:func:`with_flags`); other exceptions pass
+    through. Mechanism: docs/DESIGN.md ("Conventions")."""
     if isinstance(command, click.Group):
         for sub in command.commands.values():
             flags_in_errors(sub)
@@ -128,12 +102,7 @@ def run(group: click.Group, args: list[str] | None = None) -> None:
 
 
 class LazyChoice(click.Choice):
-    """A ``click.Choice`` whose names come from ``names()``, called when click first needs them.
-
-    For registries that are filled by importing heavy modules (the extractors import torchvision): ``--help``
-    and a wrong value still list every choice, but importing the command, or running another one, imports
-    nothing. The names are looked up once.
-    """
+    """A ``click.Choice`` whose names come from ``names()``, called once when click first needs them."""
 
     def __init__(self, names: Callable[[], Iterable[str]], case_sensitive: bool = True):
         self._names, self._choices = names, None
@@ -167,6 +136,28 @@ def splits_option(*names: str, default: tuple[str, ...] | None = None, help: str
                         help=help + " Repeat the option or give a comma-separated list.")
 
 
+class _EchoHandler(logging.Handler):
+    """A record's message as one line on stderr, written through click so that ``CliRunner`` captures it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(record.getMessage(), err=True)
+
+
+def log_to_stderr(level: int = logging.INFO) -> None:
+    """Print the ``retr`` logger's records at ``level`` and above (a command group calls it, once per run)."""
+    logger = logging.getLogger("retr")
+    logger.handlers = [h for h in logger.handlers if not isinstance(h, _EchoHandler)] + [_EchoHandler()]
+    logger.setLevel(level)
+
+
+def _verbose(_ctx, _param, value: bool) -> None:
+    if value:
+        logging.getLogger("retr").setLevel(logging.DEBUG)
+
+
 def quiet_option(f):
-    """The ``--quiet`` flag every long-running command takes."""
-    return click.option("--quiet", is_flag=True, help="No progress bar, only the final summary.")(f)
+    """``--quiet`` (no progress bar) and ``-v`` (debug lines too, e.g. timings): the flags every long-running
+    command takes."""
+    f = click.option("-v", "--verbose", is_flag=True, expose_value=False, callback=_verbose,
+                     help="Also print debug lines (timings).")(f)
+    return click.option("--quiet", is_flag=True, help="No progress bar (progress lines, notes and warnings stay).")(f)

@@ -1,8 +1,7 @@
 """Device names → ``torch.device``: one resolver for extraction, parsing and training.
 
 torch is imported when :func:`resolve_device` is called, not when this module is imported, so a module that only
-passes a device name along (the stanza backend) does not pay for torch at import time.
-"""
+passes a device name along (the stanza backend) does not pay for torch at import time."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -16,10 +15,9 @@ if TYPE_CHECKING:
 def resolve_device(name: str | torch.device) -> torch.device:
     """``"auto"`` → ``cuda`` when CUDA is available, else ``cpu``; ``cpu``, ``cuda`` and ``cuda:N`` as given.
 
-    Raises :class:`~retr.common.errors.ParameterError` (a ``ValueError`` naming the parameter ``device``) for a
-    name that is not a CPU or CUDA device, and for a CUDA device asked for on a machine without CUDA:
-    ``device cuda:0 asked for, but CUDA is not available here``.
-    """
+    Raises :class:`~retr.common.errors.ParameterError` (a ``ValueError`` naming the parameter ``device``) for a name
+    that is not a CPU or CUDA device, and for a CUDA device asked for on a machine without CUDA:
+    ``device cuda:0 asked for, but CUDA is not available here``."""
     import torch
 
     if isinstance(name, str) and name == "auto":

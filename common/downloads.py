@@ -1,34 +1,5 @@
-"""Downloads: what retr fetches on a connected machine, from where, and how a transfer is made safe.
-
-:data:`SOURCES` is the one table of every file retr downloads itself: its public URL, its size in bytes and a
-checksum where one is published, and (for archives) what unpacking it takes. The download table of
-``docs/extraction.md`` ("Downloads") is this table.
-
-:func:`download` moves one file over HTTP(S) with :mod:`urllib` (no other dependency):
-
-* **resume** — bytes go to ``<name>.partial``; a later call asks for the rest with an HTTP ``Range`` header (a
-  server that ignores it sends the whole file again, and the partial file restarts);
-* **bounded retries** — a dropped connection, a timeout or an HTTP 5xx/408/429 is retried
-  :data:`DEFAULT_RETRIES` times in a row (an attempt that moved data resets the count); then one line says how
-  much the partial file holds and that the next run resumes from there;
-* **checks before the rename** — the size against the server's ``Content-Length`` and against the size the
-  table knows, a sha256 or md5 where one is known, and an optional ``validate(path)`` (e.g. the weights load
-  with the expected keys and shapes). A failed check removes the partial file and says so in one line;
-* **atomic** — the final name appears only by ``os.replace`` once everything passed; nothing ever sits under a
-  final name half-written;
-* **one writer** — an exclusive ``flock`` on ``.<name>.lock`` beside the file: ranks of one ``torchrun`` job
-  that need the same file wait for the first one's download instead of writing the same partial file;
-* **progress** — :func:`retr.common.progress.progress` (a bar on a terminal, a line every 30 s in a log);
-* **offline** — with ``RETR_OFFLINE=1`` (the commands' ``--offline`` sets it) no socket is ever opened: a file
-  that is not already complete raises the usual one-line :class:`MissingResourceError` (what, where retr
-  looked, the command that fetches it);
-* **mirrors** — ``RETR_MIRROR`` (``--mirror URL``) replaces every public host: the file named ``F`` in the
-  table is fetched from ``URL/F`` (a flat folder holding the table's file names, e.g. served by ``python -m
-  http.server``).
-
-:func:`unpack_zip` unpacks an archive member by member, each through a ``.partial`` file renamed after zipfile's
-CRC-32 check passed, skipping members already in place (an interrupted unpack resumes), and refusing members
-whose path would leave the destination.
+"""Downloads: the :data:`SOURCES` table of every file retr fetches, :func:`download` and :func:`unpack_zip`
+(resume, retries, checks, locks, offline, mirrors: docs/extraction.md, "Downloads").
 """
 from __future__ import annotations
 
@@ -143,6 +114,27 @@ SOURCES: dict[str, Source] = {s.key: s for s in (
            "https://huggingface.co/timm/inception_resnet_v2.tf_in1k/resolve/main/model.safetensors",
            "model.safetensors", approx_bytes=223_800_000,
            origin="timm on the Hugging Face hub (downloaded by huggingface_hub into its cache, which checks it)"),
+    Source("glove-840b", "GloVe word vectors, Common Crawl 840B tokens, 2.2M cased words, 300-d",
+           "https://nlp.stanford.edu/data/glove.840B.300d.zip", "glove.840B.300d.zip",
+           size=2_176_768_927, sha256="c06db255e65095393609f19a4cfca20bf3a71e20cc53e892aafa490347e3849f",
+           unpacked_bytes=5_646_236_541,
+           origin="Stanford NLP; size and sha256 as two independent public download tables give them (read from "
+                  "the zip, never unpacked)"),
+    Source("glove-6b", "GloVe word vectors, Wikipedia 2014 + Gigaword 5 (6B tokens), 400K uncased words, 50-300-d",
+           "https://nlp.stanford.edu/data/glove.6B.zip", "glove.6B.zip",
+           size=862_182_613, sha256="617afb2fe6cbd085c235baf7a465b96f4112bd7f7ccb2b2cbd649fed9cbcf2fb",
+           md5="056ea991adb4740ac6bf1b6d9b50408b", unpacked_bytes=2_254_000_000,
+           origin="Stanford NLP; size, sha256 and md5 as several public download tables give them (retr reads "
+                  "glove.6B.300d.txt from the zip)"),
+    *(Source(f"clip-{arch.lower()}", f"CLIP {arch} weights (OpenAI's, open_clip tag openai)",
+             f"https://huggingface.co/timm/{repo}/resolve/main/open_clip_model.safetensors",
+             f"{repo}/open_clip_model.safetensors", approx_bytes=params * 4,
+             origin="open_clip's hub copy of OpenAI's CLIP (downloaded by huggingface_hub into its cache, which "
+                    "checks it); the size is the float32 parameter count's, an estimate")
+      for arch, repo, params in (("ViT-B-32", "vit_base_patch32_clip_224.openai", 151_277_313),
+                                 ("ViT-B-16", "vit_base_patch16_clip_224.openai", 149_620_737),
+                                 ("ViT-L-14", "vit_large_patch14_clip_224.openai", 427_616_513),
+                                 ("ViT-L-14-336", "vit_large_patch14_clip_336.openai", 427_944_193))),
     Source("stanza", "stanza English models (tokenize, pos, lemma, depparse, constituency; 'default' package)",
            "https://huggingface.co/stanfordnlp/stanza-en", "stanza_resources", approx_bytes=500_000_000,
            origin="Stanford NLP on the Hugging Face hub (downloaded by stanza.download, which checks md5s)"),
@@ -245,15 +237,10 @@ def download(url: str, dest: str | os.PathLike, *, size: int | None = None, sha2
              validate: Callable[[Path], None] | None = None, quiet: bool = False,
              retries: int | None = None, retry_wait: float | None = None,
              timeout: float | None = None) -> Path:
-    """Download ``url`` to ``dest`` (resumable, verified, atomic; see the module docstring); returns ``dest``.
+    """Download ``url`` to ``dest`` (resumable, verified, atomic); returns ``dest`` (at once when complete).
 
-    A complete ``dest`` is returned at once, without a connection. ``size``/``sha256``/``md5``: what the file
-    must be (None: not known). ``validate(partial_path)`` runs last, before the rename, and raises
-    :class:`UserError` (or any exception) to refuse the file. ``what``/``how`` word the offline error (what the
-    file is; the command that fetches it). Errors are one line: :class:`MissingResourceError` offline,
-    :class:`UserError` otherwise. ``retries``/``retry_wait``/``timeout`` default to the module's
-    :data:`DEFAULT_RETRIES`, :data:`DEFAULT_RETRY_WAIT` and :data:`DEFAULT_TIMEOUT` (read at call time).
-    """
+    ``size``/``sha256``/``md5``: expected (None: unknown); ``validate(partial_path)`` runs last, before the rename;
+    ``what``/``how`` word the offline :class:`MissingResourceError`. Other failures: :class:`UserError`."""
     retries = DEFAULT_RETRIES if retries is None else retries
     retry_wait = DEFAULT_RETRY_WAIT if retry_wait is None else retry_wait
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
@@ -477,13 +464,10 @@ def _member_destination(name: str | None, dest: Path, target: Callable[[PurePosi
 def unpack_zip(archive: str | os.PathLike, dest: str | os.PathLike, *,
                target: Callable[[PurePosixPath], PurePosixPath | None] = lambda p: p,
                remove_bad_archive: bool = True, quiet: bool = False) -> UnpackSummary:
-    """Unpack ``archive`` into ``dest``: every member through ``<file>.partial``, renamed after its CRC-32 check.
+    """Unpack ``archive`` into ``dest``, each member through ``<file>.partial`` renamed after its CRC-32 check.
 
-    ``target(member path) → path under dest`` (None: leave the member out) lets a caller flatten folders or
-    pick members. A member already at its target with its size is kept (an interrupted unpack resumes). A
-    damaged member (bad CRC-32, truncated data) is one :class:`UserError` naming it; with
-    ``remove_bad_archive`` the archive is deleted too (it was downloaded; the next run fetches it again).
-    """
+    ``target(member) → path`` (None: skip); members in place are kept; a damaged one is a :class:`UserError`
+    (``remove_bad_archive`` deletes the archive too)."""
     archive, dest = Path(archive), Path(dest)
     summary = UnpackSummary(archive)
     try:

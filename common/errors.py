@@ -1,10 +1,5 @@
-"""Exceptions that the command-line front ends turn into one ``error: …`` line (no traceback).
-
-Library code names *parameters*, never command-line flags: ``ParameterError("image_size must be …",
-"image_size")``. The commands know their flags and rewrite each named parameter as one
-(:func:`retr.common.cli.flags_in_errors`), so the same check reads ``image_size must be …`` from Python and
-``error: --image-size must be …`` from the shell.
-"""
+"""Exceptions that the command-line front ends turn into one ``error: …`` line (no traceback); library code names
+parameters, the commands their flags (docs/DESIGN.md, "Conventions")."""
 from __future__ import annotations
 
 import re
@@ -15,9 +10,8 @@ from typing import Iterable, Mapping
 class RetrError(Exception):
     """Base class of every error retr reports to a user as a single line.
 
-    ``parameters``: names of the Python parameters the message mentions (e.g. ``("trust_checkpoint",)`` in
-    "… if you trust the file, set trust_checkpoint"); a command rewrites them as its flags. Empty by default.
-    """
+    ``parameters``: names of the Python parameters the message mentions (e.g. ``("trust_checkpoint",)`` in "… if you
+    trust the file, set trust_checkpoint"); a command rewrites them as its flags. Empty by default."""
 
     def __init__(self, *args: object, parameters: Iterable[str] = ()):
         super().__init__(*args)
@@ -25,14 +19,10 @@ class RetrError(Exception):
 
 
 class ParameterError(ValueError):
-    """A bad argument value given to a library function; the message names the parameter, not a flag.
+    """A bad argument value given to a library function, the message naming the parameter, not a flag.
 
-    ``ParameterError("image_size must be a multiple of 32, not 100", "image_size")``: ``parameters`` are the
-    parameter names the message mentions as whole words, the offending one first (:attr:`parameter`). To Python
-    callers it is an ordinary ``ValueError``. A ``retr-*`` command prints it as one ``error: …`` line with each
-    of those names replaced by the command's flag for it (``--image-size must be …``; see
-    :func:`retr.common.cli.flags_in_errors`). A plain ``ValueError`` is a bug and keeps its traceback.
-    """
+    ``ParameterError("image_size must be …", "image_size")``: ``parameters`` are the names the message mentions, the
+    offending one first (:attr:`parameter`). A ``ValueError`` to Python callers."""
 
     def __init__(self, message: str, parameter: str, *others: str):
         super().__init__(message)
@@ -55,8 +45,7 @@ class UserError(RetrError):
 class MissingResourceError(RetrError):
     """A resource that cannot be downloaded here (weights, parser models, datasets) is absent.
 
-    The message always has three parts: what is missing, where it was looked for, how to get it.
-    """
+    The message always has three parts: what is missing, where it was looked for, how to get it."""
 
     def __init__(self, what: str, looked_in: str | list[str], how: str):
         places = looked_in if isinstance(looked_in, str) else ", ".join(str(p) for p in looked_in)
@@ -68,8 +57,7 @@ def with_flags(message: str, parameters: Iterable[str], flags: Mapping[str, str]
     """``message`` with each whole-word occurrence of a name in ``parameters`` replaced by ``flags[name]``.
 
     Whole word: not part of a longer identifier, flag, dotted name or path (``half`` in ``half-precision``,
-    ``self.half`` or ``/data/half/x`` stays). Names the command has no flag for stay as they are.
-    """
+    ``self.half`` or ``/data/half/x`` stays). Names the command has no flag for stay as they are."""
     known = sorted((name for name in parameters if name in flags), key=len, reverse=True)
     if not known:
         return message

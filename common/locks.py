@@ -1,13 +1,7 @@
-"""One writer per file or folder: exclusive OS file locks, released when their holder exits or dies.
+"""One writer per file or folder: exclusive ``fcntl.flock`` locks, released when their holder exits or dies.
 
-``fcntl.flock`` locks belong to the open file: the kernel drops them when the process ends, however it ends
-(``kill -9`` included), so a lock is never left stale. Right after taking a lock its holder writes one JSON line
-into the lock file (pid, host, start time) for the message the next process gets; the file itself stays in place
-(deleting it would let a third process lock a new file while the second still holds the old one). Used by a
-training run (``RUN/run.lock``) and by extraction (one lock per shard).
-
-POSIX only (Linux and macOS), as the rest of retr's tooling.
-"""
+The holder writes its pid, host and start time into the lock file, which stays in place (deleting it would let a
+third process lock a new file). POSIX only."""
 from __future__ import annotations
 
 import fcntl
@@ -63,9 +57,8 @@ def acquire_lock(path: str | os.PathLike, create: bool = True, wait: bool = Fals
 @contextmanager
 def exclusive_lock(path: str | os.PathLike, what: str,
                    advice: str = "wait for it to finish or choose another --out") -> Iterator[Path]:
-    """Hold the lock on ``path`` (created with its folder if absent) for the ``with`` block; when another
-    process holds it, :class:`UserError` in one line: ``{what} is in use by pid … on host …, started …;
-    {advice}``."""
+    """Hold the lock on ``path`` (created with its folder if absent) for the ``with`` block; when another process
+    holds it, :class:`UserError` in one line: ``{what} is in use by pid … on host …, started …; {advice}``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:

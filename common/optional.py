@@ -4,8 +4,10 @@ used, through :func:`require`, never at a module's top.
 * ``pipeline`` — stanza (parsing captions, reading CoNLL-U: ``parse-trees``, ``show-tree``, ``build-concepts``),
   opencv-python-headless (the ``butd-regions`` extractor reads images with OpenCV, as the original), timm (the
   ``tencrop-irv2`` extractor and its weights; it brings huggingface_hub and safetensors);
+* ``clip`` — open_clip_torch (the ``clip-*`` extractors, ``retr-train eval-clip``);
 * ``report`` — matplotlib (``retr-train show``, ``retr-train plot``);
 * ``search`` — faiss-cpu (faiss's exact index in search; without it, blockwise matrix products);
+* ``serve`` — flask and waitress (``retr-train serve``, the search page);
 * ``tensorboard`` — tensorboard (``--log tensorboard``).
 
 nltk is no extra: the trainer's caption tokenizer (:mod:`retr.store.vocab`) uses it, so every user needs it.
@@ -25,7 +27,7 @@ from retr.common.errors import RetrError
 
 #: top-level import name → the pip package that provides it (where the two differ). ``huggingface_hub`` and
 #: ``safetensors`` come with timm (and stanza), so the ``pipeline`` extra installs them.
-DISTRIBUTIONS: dict[str, str] = {"cv2": "opencv-python-headless", "faiss": "faiss-cpu"}
+DISTRIBUTIONS: dict[str, str] = {"cv2": "opencv-python-headless", "faiss": "faiss-cpu", "open_clip": "open_clip_torch"}
 
 
 class MissingExtraError(RetrError):

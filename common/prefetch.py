@@ -1,15 +1,6 @@
 """Moving the next batch onto the device while the current one is in the network (:class:`DevicePrefetcher`).
 
-On CUDA, ``move(item)`` — the host-to-device copy of a pinned batch (``non_blocking``), or the batched JPEG
-decode of ``--decode device`` — is issued on a side CUDA stream one item ahead: while the consumer runs item
-``k`` on the current stream, the copy/decode of item ``k+1`` is already queued on the side stream. Before item
-``k`` is handed out, the current stream waits for the side stream's work on it (an event), and every tensor in
-it is marked as used on the current stream (``Tensor.record_stream``), so the caching allocator does not give
-its memory to the side stream while the network still reads it.
-
-On CPU (or any non-CUDA device) there is no stream: ``move`` runs in order, one item ahead, and the items come
-out the same, in the same order.
-"""
+On CUDA a side stream, an event and ``record_stream`` (docs/extraction.md, "On the GPU"); elsewhere in order."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,14 +28,7 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
 
 
 class DevicePrefetcher(Generic[In, Out]):
-    """Iterate ``move(item)`` for each item of ``items``, the move of the next item overlapping the consumer's
-    work on the current one (module docstring).
-
-    Args:
-        items: the host-side items (e.g. a DataLoader's batches).
-        move: item → the item on ``device`` (any structure of tensors; ``tensors_in`` finds them).
-        device: where ``move`` puts them; a side stream is used only when it is a CUDA device.
-    """
+    """Iterate ``move(item)`` over ``items``, the next item's move overlapping the consumer's work (CUDA only)."""
 
     def __init__(self, items: Iterable[In], move: Callable[[In], Out], device: torch.device | str):
         self.items, self.move = items, move

@@ -1,9 +1,8 @@
 """Reading a text file a user named, with one-line errors for the wrong kind of file.
 
-Users hand retr the wrong file often enough (a feature set where a label file goes, a Latin-1 export of a
-caption file) that every text reader should say what it got instead of raising ``UnicodeDecodeError``:
-:func:`read_utf8` names a binary format by its signature, or the line and byte that are not UTF-8.
-"""
+Users hand retr the wrong file often enough (a feature set where a label file goes, a Latin-1 export of a caption
+file) that every text reader should say what it got instead of raising ``UnicodeDecodeError``: :func:`read_utf8`
+names a binary format by its signature, or the line and byte that are not UTF-8."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,4 @@
-"""What ``torchrun`` tells a process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), read and checked in one place.
-
-Extraction uses it to pick its shard (rank r of w takes shard r), training to join the process group.
-"""
+"""What ``torchrun`` tells a process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), read and checked in one place."""
 from __future__ import annotations
 
 import os

@@ -1,23 +1,7 @@
 """What the backbone extractors share: weights, one layer's output, device and precision.
 
-Each extractor names an architecture (torchvision's, or timm's for ``tencrop-irv2``) and the graph node whose
-output it keeps; the network is ``torchvision.models.feature_extraction.create_feature_extractor(model, {node:
-"out"})``, i.e. the model's own forward pass cut at that node (nothing after it is computed), or the whole model
-when it already ends there (``cut=False``). A subclass then only reshapes that output into ``[B, K, D]``
-(:meth:`BackboneExtractor.to_features`) and describes itself (:meth:`extra_attrs`).
-
-Options of the run, recorded in the feature set's attributes (and so compared when a shard is resumed):
-
-* ``decode``: ``cpu`` — Pillow in the DataLoader workers; ``device`` — workers read file bytes and JPEGs are
-  decoded in batches on the extraction device (:mod:`retr.extractors.device_decode`); ``auto`` (default) —
-  ``device`` on CUDA, else ``cpu``. The attribute holds the resolved path.
-* ``half``: the network's weights and inputs in float16 (CUDA only), as before.
-* ``autocast``: ``none`` (default), ``bfloat16`` or ``float16``: float32 weights, the network run under
-  ``torch.autocast`` (CPU and CUDA). Not together with ``half``.
-* ``channels_last``: the network and its inputs in ``torch.channels_last`` memory format.
-
-Features leave the extractor as float32 whatever the precision.
-"""
+A subclass reshapes the kept node's output into ``[B, K, D]`` (:meth:`BackboneExtractor.to_features`). The cut, the
+recorded options and the CPU pass size: docs/extraction.md ("Decisions the code relies on")."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -64,23 +48,10 @@ class WholeModel(nn.Module):
 class BackboneExtractor(Extractor):
     """An extractor made of one network cut at one node, fed by a preprocessing object.
 
-    Args:
-        arch: architecture name for ``builder`` (torchvision's ``resnet152``, ``vgg16``, ``vgg19``; timm's
-            ``inception_resnet_v2``).
-        node: graph node whose output is kept (``layer4``, ``features.30``, ``classifier.4``, ``flatten``).
-        weights: ``imagenet`` | enum member name | ``random`` | state-dict path (:mod:`retr.extractors.weights`).
-        preprocess: builds the worker-side preprocessing from the weights' normalisation ``(mean, std)``.
-        unused_prefixes: parameters the cut network never uses (a state-dict file may omit them).
-        random_options: torchvision builder options used only for ``weights="random"``.
-        device: ``cpu`` | ``cuda`` | ``cuda:N``; half: float16 network and inputs (CUDA only).
-        decode: ``auto`` | ``cpu`` | ``device``; autocast: ``none`` | ``bfloat16`` | ``float16``;
-            channels_last: channels-last memory format (module docstring).
-        builder: where the model and its weights come from: torchvision's (:func:`build_backbone`, default) or
-            timm's (:func:`retr.extractors.timm_weights.build_timm_backbone`).
-        cut: ``True``: cut the model at ``node`` with ``create_feature_extractor``. ``False``: the builder's
-            model already ends at ``node`` (timm's headless network ends at its global pool) and runs whole;
-            ``node`` only names the layer. (Tracing Inception-ResNet-v2 for a cut takes ~10 s of CPU.)
-    """
+    ``arch``/``node`` (e.g. ``resnet152``/``layer4``); ``weights``: ``imagenet`` | enum name | ``random`` | path;
+    ``preprocess((mean, std))`` builds the worker-side preprocessing; ``unused_prefixes``: parameters the cut never
+    uses; ``random_options``: builder options for ``random`` only; ``builder``: torchvision's or timm's; ``cut``:
+    False when the builder's model already ends at ``node``."""
 
     backbone: str
 
@@ -146,14 +117,8 @@ class BackboneExtractor(Extractor):
             return self.to_features(self.run_network(self.flatten_batch(images)), images.shape[0]).float()
 
     def run_network(self, images: torch.Tensor) -> torch.Tensor:
-        """The kept node's output for ``images`` ``[B, 3, H, W]`` (moved to the device, float16 with ``half``,
-        channels-last with ``channels_last``; under ``torch.autocast`` with ``autocast``).
-
-        On CPU the batch goes through the network ``CPU_PIXELS_PER_PASS`` input pixels at a time (one 448-px
-        image, four 224-px crops): a whole batch's activations (100 MB a layer for eight 448-px images in
-        ResNet-152) spill out of the CPU caches, and a batch of 8 ran at half the images/s of one image at a
-        time (``bench/extract.py``). Every image is computed alone either way, so the features are the same.
-        """
+        """The kept node's output for ``images`` ``[B, 3, H, W]`` on the device (CPU: ``CPU_PIXELS_PER_PASS`` input
+        pixels a pass; the features are the same)."""
         dtype = torch.float16 if self.half else torch.float32
         autocast_dtype = AUTOCAST_DTYPES[self.autocast]
         with torch.inference_mode(), torch.autocast(self.device.type, dtype=autocast_dtype,

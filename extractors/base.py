@@ -1,22 +1,8 @@
 """The interface every extractor implements, and the registry that names them.
 
-The extraction stage (``retr.pipeline.extract``) knows nothing about networks: it asks the registry for an
-extractor by name and drives it through this interface —
-
-1. ``load(path)`` runs in DataLoader worker processes: decode one image file and preprocess it into whatever
-   the network takes (a tensor ``[3, H, W]``, a stack of crops ``[10, 3, 224, 224]``, a Caffe-style BGR array,
-   …). It raises :class:`ImageError` with a one-line reason for an image that cannot be used; the stage records
-   that reason in the feature set's ``errors`` and goes on.
-2. ``collate(samples)`` turns a list of ``load`` results into one batch (default: ``torch.stack``).
-3. ``to_device(batch)`` (main process; on CUDA on a side stream while the previous batch is in the network)
-   moves — or decodes — a collated batch onto the device and returns it with the rows that turned out
-   unusable there (default: the batch as it is, no failures).
-4. ``extract(batch)`` runs the network and returns numpy arrays: ``features`` ``[B, K, D]`` and every dataset
-   named in ``extras`` (e.g. ``boxes`` ``[B, K, 4]``), row ``b`` belonging to sample ``b``.
-
-``attrs()`` gives the root attributes the feature set records (``kind``, ``extractor``, ``backbone``,
-``weights``, ``image_size`` and any extra, e.g. vocabularies).
-"""
+The stage drives it: ``load(path)`` in workers (one preprocessed image, or :class:`ImageError`), ``collate``,
+``to_device`` (main process), ``extract(batch)`` → numpy ``features`` ``[B, K, D]`` and each of ``extras`` (e.g.
+``boxes`` ``[B, K, 4]``); ``attrs()`` the feature set's root attributes."""
 from __future__ import annotations
 
 import inspect
@@ -58,11 +44,7 @@ class Extractor(ABC):
         """Decode and preprocess one image file (runs in a worker); raise :class:`ImageError` if unusable."""
 
     def preprocessor(self) -> Callable[[str], Any]:
-        """The picklable callable DataLoader workers run on each path (default: the bound :meth:`load`).
-
-        Extractors whose object holds a large network should return a small object without it, so that
-        workers started with ``spawn``/``forkserver`` do not receive a copy of the network.
-        """
+        """The picklable callable workers run on each path (default :meth:`load`); keep networks out of it."""
         return self.load
 
     def collator(self) -> Callable[[list[Any]], Any]:
@@ -75,10 +57,7 @@ class Extractor(ABC):
         return stack_samples(samples)
 
     def to_device(self, batch: Any) -> tuple[Any, list[tuple[int, str]]]:
-        """``(the batch ready for extract, [(row of batch, one-line reason)] of rows dropped from it)``.
-
-        Default: ``(batch, [])`` — the extractor moves its inputs itself in :meth:`extract`.
-        """
+        """``(batch ready for extract, [(row, one-line reason)] dropped)``; default ``(batch, [])``."""
         return batch, []
 
     @abstractmethod
@@ -123,11 +102,7 @@ def declared_options(name: str) -> set[str]:
 
 
 def build_extractor(name: str, **options: Any) -> Extractor:
-    """The extractor ``name`` built with ``options`` (``weights``, ``device``, extractor-specific ones).
-
-    Raises :class:`~retr.common.errors.ParameterError` (a ``ValueError``) for an unknown ``name``, an option the
-    builder does not take, or an option value the extractor refuses; the message names the parameter.
-    """
+    """The extractor ``name`` built with ``options``; :class:`~retr.common.errors.ParameterError` names a bad one."""
     from retr.common.errors import ParameterError
     names = available_extractors()
     if name not in _REGISTRY:

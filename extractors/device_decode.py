@@ -1,26 +1,7 @@
 """Batched JPEG decoding on the extraction device (``--decode device``), with Pillow as the fallback.
 
-Work is split so that the DataLoader workers do only cheap things and the device does the decoding:
-
-1. Worker (:class:`EncodedReader`, one file): read the file's bytes and look at its header with Pillow
-   (``Image.open`` parses the header only). A file goes to the device as its raw bytes
-   (:class:`EncodedJpeg`, ``[n]`` uint8) when it is a JPEG Pillow reads as ``RGB`` or ``L`` (grayscale), that
-   ends with the JPEG end-of-image marker (a truncated file does not; Pillow then records it as today), whose
-   size passes :func:`~retr.extractors.images.check_aspect`, and — with ``exif_orientation`` — whose EXIF
-   orientation is absent or 1. Everything else (PNG, CMYK, transparency, 16-bit, rotated, unreadable, …) is
-   preprocessed in the worker by the Pillow path of :mod:`retr.extractors.images`, which applies its colour
-   rules or raises the same one-line :class:`~retr.extractors.base.ImageError` as before.
-2. Worker collation (:func:`collate_encoded`): an :class:`EncodedBatch`, the list of both kinds.
-3. Main process (:func:`decode_batch`): every JPEG of the batch in one ``torchvision.io.decode_jpeg(list,
-   mode=RGB, device=...)`` call (nvJPEG on CUDA, libjpeg-turbo on CPU), then the preprocessing's
-   ``from_decoded`` (tensor resize + normalisation, on the device), stacked with the worker-preprocessed samples
-   in batch order. When the batched call fails, each image is decoded alone; an image the decoder rejects is
-   preprocessed again by the Pillow path, so a corrupt file is recorded with Pillow's one-line reason, exactly
-   as with ``--decode cpu``.
-
-``mode=RGB`` makes the decoder expand grayscale to three equal channels, which is what Pillow's
-``convert("RGB")`` (the rule of :func:`~retr.extractors.images.to_rgb` for ``L``) gives.
-"""
+Workers read bytes (:class:`EncodedReader`), :func:`decode_batch` decodes on the device; which files take which
+path: docs/extraction.md ("On the GPU")."""
 from __future__ import annotations
 
 import io
@@ -67,7 +48,7 @@ Sample = Union[EncodedJpeg, torch.Tensor]
 
 
 def device_decodable(data: bytes, exif_orientation: bool) -> bool:
-    """Whether a file's bytes go to the device decoder (rules in the module docstring)."""
+    """Whether a file's bytes go to the device decoder (rules: docs/extraction.md, "On the GPU")."""
     if not data.startswith(JPEG_START) or not data.rstrip(b"\x00\r\n ").endswith(JPEG_END):
         return False
     try:
@@ -84,11 +65,7 @@ def device_decodable(data: bytes, exif_orientation: bool) -> bool:
 
 @dataclass(frozen=True)
 class EncodedReader:
-    """Worker-side preprocessor of ``--decode device``: path → :class:`EncodedJpeg` or ``pillow(path)``.
-
-    ``pillow``: the extractor's Pillow preprocessing (e.g. :class:`~retr.extractors.images.SquareResize`), run
-    for every file the device path does not take; it raises :class:`ImageError` for unusable files.
-    """
+    """Worker-side preprocessor of ``--decode device``: path → :class:`EncodedJpeg` or ``pillow(path)``."""
 
     pillow: Callable[[str], torch.Tensor]
     exif_orientation: bool = False
@@ -125,11 +102,7 @@ def collate_encoded(samples: list[Sample]) -> EncodedBatch:
 
 
 def decode_jpegs(datas: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-    """``decode_jpeg`` of every ``[n]`` uint8 buffer in one call → ``[3, H, W]`` uint8 RGB on ``device``.
-
-    If the batched call fails, each buffer is decoded alone; the result is ``None`` for each one the decoder
-    rejects (``RuntimeError``).
-    """
+    """``decode_jpeg`` of ``[n]`` uint8 buffers in one call → ``[3, H, W]`` uint8 RGB each (None if rejected)."""
     if not datas:
         return []
     try:
@@ -148,17 +121,10 @@ def decode_batch(batch: EncodedBatch, device: torch.device, from_decoded: Callab
                  pillow: Callable[[str], torch.Tensor],
                  decoder: Callable[[Sequence[torch.Tensor], torch.Tensor], list] = decode_jpegs,
                  ) -> tuple[torch.Tensor | None, list[tuple[int, str]]]:
-    """Decode and preprocess a batch on ``device``.
+    """Decode and preprocess a batch on ``device`` → ``(inputs [B', ...] or None, failures)``.
 
-    Args:
-        batch: ``B`` items from the workers.
-        from_decoded: ``[3, H, W]`` uint8 → the network input of one image (e.g. ``[3, S, S]`` float32).
-        pillow: the Pillow preprocessing, for images the decoder rejects.
-        decoder: :func:`decode_jpegs` (tests substitute one that rejects chosen buffers).
-
-    Returns ``(inputs, failures)``: ``inputs`` ``[B', ...]`` on ``device`` holds the usable items in batch order
-    (``None`` if there is none); ``failures`` lists ``(item index in batch, one-line reason)`` of the others.
-    """
+    ``from_decoded``: ``[3, H, W]`` uint8 → one network input; ``pillow``: for images the decoder rejects;
+    ``failures``: ``(item index, one-line reason)``."""
     encoded = [(i, item) for i, item in enumerate(batch.items) if isinstance(item, EncodedJpeg)]
     decoded = decoder([item.data for _, item in encoded], device)
     inputs: dict[int, torch.Tensor] = {}

@@ -1,33 +1,7 @@
 """The one image path every torchvision-backbone extractor shares: decode → RGB → resize/crop → normalise.
 
-Runs in DataLoader worker processes, so everything here is plain CPU work on one file and the objects are
-small and picklable (no network inside).
-
-Decoding uses Pillow (``Image.open`` + ``load()``, which reads the whole file so truncation shows up here and
-not later). Any failure to read or decode becomes :class:`~retr.extractors.base.ImageError` with a one-line
-reason — the extraction stage records it in the feature set's ``errors`` and goes on.
-
-Colour modes (:func:`to_rgb`), chosen so that every file a dataset may contain gives a sensible RGB image:
-
-* ``RGB`` as is; ``L``/``1``/``P``/``YCbCr``/``LAB``/``HSV``/``CMYK`` through Pillow's own conversion (Pillow
-  un-inverts Adobe CMYK JPEGs when it reads them);
-* transparency (``RGBA``, ``LA``, ``PA``, ``P`` with a ``transparency`` entry) is composited over a background
-  colour (white by default) rather than dropped, because the colour stored under fully transparent pixels is
-  arbitrary (often black) and is never what the image shows;
-* 16-bit and 32-bit integer grayscale (``I;16*``, ``I``) is scaled from 0..65535 to 0..255 (Pillow's own
-  ``convert`` clips every value above 255 to white); ``I`` images whose values all fit 0..255 are kept as is;
-* 32-bit float grayscale (``F``) is read as 0..1 when its maximum is ≤ 1, else as 0..255, and clipped.
-
-EXIF orientation is **not** applied by default: the published feature sets (and torchvision's ImageFolder
-pipelines of that time) read pixels as stored. ``exif_orientation=True`` rotates/flips by the EXIF tag
-(``ImageOps.exif_transpose``); the choice is recorded in the feature set's attributes.
-
-Each preprocessing object also has :meth:`from_decoded`, the same resize and normalisation as tensor ops
-(``torchvision.transforms.v2.functional``) on an image that was decoded elsewhere — ``decode_jpeg`` on the
-extraction device (:mod:`retr.extractors.device_decode`). Both paths resize 8-bit pixels (bilinear,
-antialiased) and round back to 8 bits before scaling to 0..1, as Pillow does; agreement is measured in
-``tests/test_device_decode.py``.
-"""
+Runs in DataLoader workers (plain CPU work, picklable objects); a failure is an :class:`ImageError` with a one-line
+reason. Colour-mode rules, EXIF and the device-decoded path: docs/extraction.md ("Decisions the code relies on")."""
 from __future__ import annotations
 
 import os
@@ -53,11 +27,7 @@ MAX_ASPECT_RATIO = 100.0
 
 def decode_image(path: str | os.PathLike, exif_orientation: bool = False,
                  background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
-    """Read one image file fully and return it as an 8-bit RGB ``PIL.Image``.
-
-    Raises :class:`ImageError` (one-line reason) for a missing, empty, unreadable, truncated or non-image file
-    and for a decompression bomb (Pillow's pixel limit).
-    """
+    """Read one image file fully as an 8-bit RGB ``PIL.Image``; :class:`ImageError` for any unreadable file."""
     path = os.fspath(path)
     try:
         size = os.path.getsize(path)
@@ -93,7 +63,7 @@ def decode_image(path: str | os.PathLike, exif_orientation: bool = False,
 
 
 def to_rgb(image: Image.Image, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
-    """Convert any Pillow mode to 8-bit ``RGB`` (rules in the module docstring)."""
+    """Convert any Pillow mode to 8-bit ``RGB`` (rules: docs/extraction.md, "Colour modes")."""
     mode = image.mode
     if mode == "RGB":
         return image
@@ -137,11 +107,7 @@ def check_aspect(width: int, height: int) -> None:
 
 @dataclass(frozen=True)
 class SquareResize:
-    """Preprocessing of the grid and map extractors: the whole image resized to ``size × size`` (aspect not kept).
-
-    SMAN and JGCAR both "resize images to 448 × 448" before the network; bilinear with antialiasing (Pillow's
-    resampling filter) is used. ``__call__(path)`` returns ``[3, size, size]`` float32.
-    """
+    """The grid/map extractors' preprocessing: resized to ``size × size``; ``__call__(path)`` → ``[3, size, size]``."""
 
     size: int
     mean: tuple[float, float, float] = IMAGENET_MEAN
@@ -163,11 +129,8 @@ class SquareResize:
 
 @dataclass(frozen=True)
 class TenCrop:
-    """Preprocessing of the 10-crop extractors: short side resized to ``resize``, then ten ``crop`` squares.
-
-    The crops are torchvision's ``ten_crop`` order: top-left, top-right, bottom-left, bottom-right, centre, then
-    the same five of the horizontally flipped image. ``__call__(path)`` returns ``[10, 3, crop, crop]`` float32.
-    """
+    """The 10-crop extractors' preprocessing (torchvision's ``ten_crop`` order); ``__call__(path)`` →
+    ``[10, 3, crop, crop]`` float32."""
 
     crop: int = 224
     resize: int = 256

@@ -1,15 +1,7 @@
-"""``resnet152-grid``: ResNet-152 res5c (``layer4``, before the average pool) as a grid of 2048-d vectors (SMAN).
+"""``resnet152-grid``: ResNet-152 res5c (``layer4``) as a grid of 2048-d vectors (SMAN), ``[B, G·G, 2048]``.
 
-SMAN resizes images to 448×448 and takes res5c as a 7×7×2048 grid, but ResNet-152 at 448 gives 14×14 (stride
-32). By default the 14×14 map is average-pooled 2×2 (non-overlapping) to 7×7; ``grid_size=14`` keeps the raw
-14×14, and ``image_size=224`` gives 7×7 directly. Rows are in raster order: feature ``k`` is grid cell
-``(k // G, k % G)`` (row, column from the top left).
-
-``weights="random"`` uses torchvision's ``zero_init_residual=True`` (each residual branch's last BatchNorm
-scale starts at zero): with torchvision's default init and eval-mode BatchNorm (running variance 1) the
-activations of a random ResNet-152 grow by ~10⁸ through ``layer3`` and overflow float16; with it they stay
-below ~1.
-"""
+448 px gives 14×14, average-pooled 2×2 to 7×7 by default (``grid_size=14`` keeps it); raster order, cell ``k`` is
+``(k // G, k % G)``. Why, and ``zero_init_residual`` for ``random``: docs/DESIGN.md, docs/extraction.md."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,25 +1,8 @@
 """10-crop global vectors (SEAM): ``tencrop-vgg19`` (fc7 after ReLU, 10×4096), ``tencrop-resnet152`` (10×2048) and
 ``tencrop-irv2`` (Inception-ResNet-v2 global pool, 10×1536).
 
-Every image is resized so its short side is 256, and the network sees ten 224×224 crops — the four corners,
-the centre, and the same five of the mirrored image (torchvision's ``ten_crop`` order, which the rows keep:
-crop ``k`` of an image is row ``k`` of its ``[10, D]`` block). All ten are stored; averaging them (what SEAM's
-public pipeline trains on) is the trainer's business.
-
-* VGG-19: output of ``classifier.4`` — fc7 after its ReLU (eval mode, so dropout is off); fc8 is never run.
-* ResNet-152: the global average pool (``flatten``), 2048-d; fc is never run.
-* Inception-ResNet-v2 (SEAM's "IRv2"/"Inception-ResNet-C" rows, Tables 3-4): timm's ``inception_resnet_v2``
-  built headless, kept at its global average pool (``global_pool.flatten``), 1536-d; weights and their files in
-  :mod:`retr.extractors.timm_weights`. Its input is 299×299 with pixels scaled to [-1, 1] (timm's pretrained
-  config: mean = std = 0.5). SEAM's paper and code give no crop sizes, so the ratio above is kept: short side 342
-  (= 299·256/224), ten 299 crops — each crop covers 87.5 % of the short side like the VGG/ResNet crops, the
-  same fraction as the network's own evaluation preprocessing (TF-slim's central crop of 0.875). Crops down to
-  75 pixels run (smaller ones leave the last 3×3 convolutions less than 3×3).
-
-``image_size`` is the crop side (224 by default, 299 for IRv2); the resize keeps the 256/224 ratio. Smaller
-crops are for quick runs (the demo); VGG's adaptive average pool makes fc6 accept any crop ≥ 32 pixels.
-``weights="random"`` for ResNet-152 uses ``zero_init_residual=True`` (see :mod:`retr.extractors.resnet_grid`).
-"""
+Crop ``k`` of an image is row ``k`` of its ``[10, D]`` block (all ten stored; averaging is the trainer's). Nodes,
+crop sizes and the IRv2 ratio: docs/extraction.md (extractor table, "Decisions the code relies on")."""
 from __future__ import annotations
 
 from typing import Any

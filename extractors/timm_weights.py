@@ -1,29 +1,7 @@
 """Where a timm backbone's weights come from (``tencrop-irv2``): ``imagenet``, a timm tag, ``random``, a file.
 
-torchvision has no Inception-ResNet-v2; timm's ``inception_resnet_v2`` is the TF-slim network with Google's
-ImageNet weights converted (tag ``tf_in1k``). The network is built headless (``num_classes=0``): its forward pass
-ends in the global average pool, ``[B, 1536]``. ``weights`` takes one of
-
-* ``imagenet`` — the default tag (:data:`TIMM_DEFAULT_TAG`), or a tag timm lists for the architecture
-  (``tf_ens_adv_in1k``, also written ``inception_resnet_v2.tf_ens_adv_in1k``). timm keeps downloaded weights in
-  the Hugging Face cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, default ``~/.cache/huggingface/hub``), in a
-  folder ``models--timm--<arch>.<tag>``. retr reads ``model.safetensors`` (or ``pytorch_model.bin``) from that
-  folder; when it is not there it is downloaded on first use with ``huggingface_hub.hf_hub_download`` (what
-  timm itself calls: the hub's own cache, progress and checks; ``HF_ENDPOINT`` names a hub mirror). Offline
-  (``RETR_OFFLINE=1``) it fails in one line naming the folder and the command that fills it on a connected
-  machine — ``retr-pipeline fetch-weights inception_resnet_v2`` — after which the folder is copied over (or the
-  file is passed as ``--weights PATH``).
-* ``random`` — timm's own initialisation under :data:`~retr.extractors.weights.RANDOM_SEED`. Tests and demos.
-* a path: a ``.safetensors`` file (what the cache holds; nothing in it can execute) or a ``torch.save`` state
-  dict (read with ``weights_only=True`` like every torchvision state-dict file; ``state_dict``/``model`` nesting
-  and a DDP ``module.`` prefix are accepted) with timm's key names, checked key by key and shape by shape. The
-  classifier (``classif.*``), which the headless network does not have, may be present and is dropped. Such a
-  file is tensors only, so there is no ``trust_checkpoint`` opt-in (that exists for the bottom-up-attention
-  pickles, which hold other objects).
-
-The input normalisation is the architecture's, from timm's pretrained config (mean = std = 0.5 for
-Inception-ResNet-v2: pixels scaled to [-1, 1]), whatever the weights.
-"""
+Headless timm network (output: the global pool ``[B, 1536]``); tags from the Hugging Face cache, files checked key
+by key, the architecture's own normalisation: docs/extraction.md ("Decisions the code relies on")."""
 from __future__ import annotations
 
 import os
@@ -94,10 +72,11 @@ def read_weights_file(path: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"cannot read {path} as a safetensors file ({first_line(exc)})") from None
 
 
-def cached_hub_file(repo_id: str) -> Path | None:
-    """The first of :data:`HUB_FILES` of ``repo_id`` present in the Hugging Face cache, or ``None``."""
+def cached_hub_file(repo_id: str, names: Iterable[str] = HUB_FILES) -> Path | None:
+    """The first of ``names`` (default :data:`HUB_FILES`) of ``repo_id`` present in the Hugging Face cache, or
+    ``None``."""
     hub = require("huggingface_hub", "pipeline", WHAT)
-    for name in HUB_FILES:
+    for name in names:
         found = hub.try_to_load_from_cache(repo_id, name, cache_dir=hf_hub_cache())
         if isinstance(found, str) and Path(found).is_file():
             return Path(found)
@@ -111,41 +90,53 @@ def fetch_timm_weights(arch: str, tag: str = TIMM_DEFAULT_TAG, quiet: bool = Fal
     found = cached_hub_file(cfg.hf_hub_id)
     if found is not None:
         return found
-    folder = hf_hub_cache() / ("models--" + cfg.hf_hub_id.replace("/", "--"))
     if is_offline():
-        python = f"python -c \"import timm; timm.create_model('{arch}.{tag}', pretrained=True)\""
-        run = (f"run retr-pipeline fetch-weights {arch} on a connected machine (or {python})"
-               if tag == TIMM_DEFAULT_TAG else f"on a connected machine run {python}")
-        raise MissingResourceError(
-            f"timm weights {arch}.{tag} ({HUB_FILES[0]})", str(folder),
-            f"{run} and copy {folder.name} into {folder.parent} (HF_HUB_CACHE or HF_HOME name another cache), or "
-            f"pass --weights PATH to its {HUB_FILES[0]}")
+        raise missing_hub_weights(f"timm weights {arch}.{tag}", cfg.hf_hub_id, HUB_FILES[0],
+                                  f"import timm; timm.create_model('{arch}.{tag}', pretrained=True)",
+                                  arch if tag == TIMM_DEFAULT_TAG else None)
+    return download_hub_file(cfg.hf_hub_id, HUB_FILES[0], quiet)
+
+
+def missing_hub_weights(what: str, repo_id: str, filename: str, python: str,
+                        fetch_name: str | None) -> MissingResourceError:
+    """The one-line error for ``filename`` of ``repo_id`` absent from the Hugging Face cache while offline: the
+    folder, ``retr-pipeline fetch-weights FETCH_NAME`` (when it fetches these weights) or the ``python`` line."""
+    folder, python = hub_folder(repo_id), f"python -c \"{python}\""
+    run = (f"run retr-pipeline fetch-weights {fetch_name} on a connected machine (or {python})" if fetch_name
+           else f"on a connected machine run {python}")
+    return MissingResourceError(
+        f"{what} ({filename})", str(folder),
+        f"{run} and copy {folder.name} into {folder.parent} (HF_HUB_CACHE or HF_HOME name another cache), or "
+        f"pass --weights PATH to its {filename}")
+
+
+def hub_folder(repo_id: str) -> Path:
+    """The Hugging Face cache folder of ``repo_id`` (``models--ORG--NAME``)."""
+    return hf_hub_cache() / ("models--" + repo_id.replace("/", "--"))
+
+
+def download_hub_file(repo_id: str, filename: str, quiet: bool = False) -> Path:
+    """``huggingface_hub.hf_hub_download`` of ``filename`` of ``repo_id`` into :func:`hf_hub_cache` (its own
+    checks and resume); any failure is one :class:`UserError`."""
     hf_hub_download = require("huggingface_hub", "pipeline", WHAT).hf_hub_download
     hub_utils = require("huggingface_hub.utils", "pipeline", WHAT)
-    disable_progress_bars, enable_progress_bars = hub_utils.disable_progress_bars, hub_utils.enable_progress_bars
-
     if quiet:
-        disable_progress_bars()
+        hub_utils.disable_progress_bars()
     try:
-        path = Path(hf_hub_download(cfg.hf_hub_id, HUB_FILES[0], cache_dir=hf_hub_cache()))
+        return Path(hf_hub_download(repo_id, filename, cache_dir=hf_hub_cache()))
     except Exception as exc:  # noqa: BLE001 - connection, HTTP and hub errors come in many types
-        raise UserError(f"could not download {HUB_FILES[0]} of {cfg.hf_hub_id} from the Hugging Face hub into "
-                        f"{folder} ({type(exc).__name__}: {first_line(exc)[:200]}); run again, or set HF_ENDPOINT to "
-                        f"a hub mirror") from None
+        raise UserError(f"could not download {filename} of {repo_id} from the Hugging Face hub into "
+                        f"{hub_folder(repo_id)} ({type(exc).__name__}: {first_line(exc)[:200]}); run again, or set "
+                        f"HF_ENDPOINT to a hub mirror") from None
     finally:
         if quiet:
-            enable_progress_bars()
-    return path
+            hub_utils.enable_progress_bars()
 
 
 def build_timm_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] = (),
                         **builder_options) -> tuple[nn.Module, LoadedWeights]:
-    """timm's headless ``arch`` (output: the global pool) in eval mode with ``weights`` loaded.
-
-    Same contract as :func:`retr.extractors.weights.build_backbone`. ``unused_prefixes``: the head's parameter
-    names (``classif.``), absent from the headless network; a file's copies are dropped before the check.
-    ``builder_options`` go to ``timm.create_model`` for ``random`` only.
-    """
+    """timm's headless ``arch`` in eval mode with ``weights`` loaded (contract of
+    :func:`retr.extractors.weights.build_backbone`); ``unused_prefixes``: head parameters a file may hold."""
     mean, std = _normalisation(arch)
     head = tuple(unused_prefixes)
     if weights == "random":

@@ -1,9 +1,8 @@
 """``vgg16-maps``: VGG-16's last pooling layer (pool5) as 14×14 = 196 vectors of 512 (JGCAR).
 
-JGCAR re-scales every image to 448×448 and keeps pool5, 512×14×14. ``image_size=224`` gives 7×7 = 49 vectors
-(the only other size the feature-set contract allows for ``maps``). Rows are in raster order (row, column
-from the top left). Random weights use torchvision's own VGG initialisation: activations stay near 1.
-"""
+JGCAR re-scales every image to 448×448 and keeps pool5, 512×14×14. ``image_size=224`` gives 7×7 = 49 vectors (the
+only other size the feature-set contract allows for ``maps``). Rows are in raster order (row, column from the top
+left). Random weights use torchvision's own VGG initialisation: activations stay near 1."""
 from __future__ import annotations
 
 from typing import Any

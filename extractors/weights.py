@@ -1,22 +1,7 @@
-"""Where a torchvision backbone's weights come from: ``imagenet`` (torchvision's weight enums), ``random``, a file.
+"""Where a torchvision backbone's weights come from: ``imagenet`` (torchvision's enums), an enum name, ``random``
+(seed :data:`RANDOM_SEED`), a state-dict file (checked key by key; recorded as ``sha256:<hex>``).
 
-``weights`` takes one of
-
-* ``imagenet`` — the backbone's ``IMAGENET1K_V1`` enum (the original ImageNet weights, the ones the papers'
-  era used; ResNet-152 also has ``IMAGENET1K_V2``, selectable by that name). torchvision keeps downloaded
-  weights in ``<torch hub dir>/checkpoints/`` (``$TORCH_HOME/hub``, default ``~/.cache/torch/hub``). A file not
-  in the cache is downloaded on first use through torchvision's own loader (``torch.hub``: progress, the
-  sha256 prefix in the file name checked, written under a temporary name and moved into place) — or, with a
-  mirror (``RETR_MIRROR``), from ``MIRROR/<file name>`` by :func:`retr.common.downloads.download` with the same
-  hash check. Offline (``RETR_OFFLINE=1``) it fails in one line naming the file, the folder, the URL and
-  ``retr-pipeline fetch-weights ARCH``. A cached file is loaded with torchvision's own loader (hash checked).
-* an enum member name, e.g. ``IMAGENET1K_V2`` or ``ResNet152_Weights.IMAGENET1K_V2`` — as above;
-* ``random`` — torchvision's own initialisation under a fixed seed (:data:`RANDOM_SEED`, recorded in the
-  feature set), so every rank and every re-run builds the same network. For tests and the demo only;
-* a path to a state-dict file (``torch.save(model.state_dict())``, optionally under ``"state_dict"`` or
-  ``"model"``, keys optionally prefixed ``module.`` by DDP) — checked key by key and shape by shape against
-  the architecture; a mismatch is one clear error. The feature set records ``sha256:<hex>`` of the file.
-"""
+Cache, mirror and offline behaviour: docs/extraction.md ("Options of retr-pipeline extract", "Downloads")."""
 from __future__ import annotations
 
 import os
@@ -75,16 +60,10 @@ def is_enum_spec(spec: str) -> bool:
 
 def build_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] = (),
                    **builder_options) -> tuple[nn.Module, LoadedWeights]:
-    """Build torchvision's ``arch`` (``resnet152``, ``vgg16``, ``vgg19``) in eval mode with ``weights`` loaded.
+    """torchvision's ``arch`` (``resnet152``, ``vgg16``, ``vgg19``) in eval mode with ``weights`` loaded.
 
-    Args:
-        arch: torchvision model builder name.
-        weights: ``imagenet``, an enum member name, ``random`` or a state-dict path (see the module docstring).
-        unused_prefixes: parameter-name prefixes the extractor never runs (e.g. ``fc.`` for a ResNet grid): a
-            state-dict file may leave them out.
-        builder_options: passed to the torchvision builder with ``weights=None`` (e.g. ``zero_init_residual``
-            for ``random``).
-    """
+    ``unused_prefixes``: parameters the extractor never runs (a file may omit them); ``builder_options``: for the
+    builder with ``weights=None`` (e.g. ``zero_init_residual``)."""
     builder: Callable[..., nn.Module] = tvm.get_model_builder(arch)
     if weights == "random":
         with torch.random.fork_rng(devices=[]):
@@ -127,13 +106,8 @@ def missing_imagenet_error(arch: str, member: tvm.Weights) -> MissingResourceErr
 
 def fetch_imagenet_weights(arch: str, spec: str = "imagenet", quiet: bool = False,
                            mirror: str | None = None) -> Path:
-    """The cached file of ``arch``'s torchvision weights ``spec``, downloaded first when it is not cached.
-
-    Without a mirror the download is torchvision's own (``WeightsEnum.get_state_dict(check_hash=True)``:
-    torch.hub's downloader, hash prefix checked); with one (argument, else ``RETR_MIRROR``) it is
-    ``MIRROR/<file name>`` through :func:`retr.common.downloads.download` with the same check. Offline, a
-    missing file is :func:`missing_imagenet_error`; a failed download is one :class:`UserError`.
-    """
+    """The cached file of ``arch``'s torchvision weights ``spec``, downloaded first (torchvision's loader, or
+    ``mirror`` through :func:`retr.common.downloads.download`); offline: :func:`missing_imagenet_error`."""
     member = imagenet_weights(arch, spec)
     cached = hub_checkpoint_path(member.url)
     if cached.is_file():
@@ -178,12 +152,7 @@ def _materialise_leftovers(model: nn.Module) -> None:
 
 
 def check_hub_hash(path: Path, url: str, name: str | None = None) -> None:
-    """Check a cached file against the SHA-256 prefix in its name (``resnet152-394f9c45.pth``; ``name`` when
-    the file is still under another name, e.g. a ``.partial`` download).
-
-    torch.hub checks that prefix only while downloading; a file copied into the cache by hand (or cut short)
-    is checked here, so a damaged file is reported as such instead of as a state-dict mismatch.
-    """
+    """Check a cached file against the SHA-256 prefix in its name (``name``: when the file is under another name)."""
     match = torch.hub.HASH_REGEX.search(name or path.name)
     if match is None:
         return
@@ -214,15 +183,10 @@ def numpy_array_globals() -> list:
 
 def load_torch_file(path: str | os.PathLike, what: str = "a PyTorch state dict", weights_only: bool = True,
                     trust_parameter: str | None = None, numpy_arrays: bool = False):
-    """``torch.load(path)`` onto the CPU with every failure one :class:`UserError` and torch's warnings kept off
-    the terminal (e.g. the two-line note about a pickle protocol it did not expect: the outcome is what counts).
+    """``torch.load(path)`` onto the CPU, every failure one :class:`UserError`, torch's warnings kept quiet.
 
-    With ``weights_only`` (the default) nothing in the file is executed; a file it refuses is either a
-    ``torch.save`` file holding other Python objects, or no ``torch.save`` file at all (a plain ``pickle.dump``).
-    The message says which, and what to do: re-save it as tensors, or — where the caller offers it
-    (``trust_parameter``, e.g. ``trust_checkpoint``) — trust the file. ``numpy_arrays`` also accepts NumPy
-    arrays in a weights-only load (:func:`numpy_array_globals`).
-    """
+    ``weights_only`` (default): the message says whether the file holds objects or is no ``torch.save`` file and
+    names ``trust_parameter``; ``numpy_arrays`` also accepts NumPy arrays."""
     path = Path(path)
     try:
         with open(path, "rb") as handle:

@@ -1,48 +1,7 @@
-"""Image labels from the datasets' own annotations, joined to a manifest (JGCAR's intra-modal labels).
+"""Image labels from the datasets' own annotations (COCO instances, Flickr30K Entities), joined to a manifest.
 
-JGCAR (§3.1) uses "the category information with 80 classes of MSCOCO" and, on Flickr30K, "object labels from
-the bounding box annotation". Two readers make those labels for the images of a manifest; ``retr-pipeline
-labels coco|f30k-entities`` writes them with :func:`retr.store.labels.write_label_file`.
-
-**COCO** (:func:`coco_instance_labels`): the instance annotation files ``instances_{train,val}2014.json`` —
-``{"images": [{"id", "file_name", …}], "annotations": [{"image_id", "category_id", …}], "categories": [{"id",
-"name", …}]}``. An image's labels are the sorted names of the categories of its annotations (crowd annotations
-count: a crowd of people shows people); an image listed in ``images`` with no annotation gets ``[]``.
-
-The join: a manifest record's file name (the last part of its ``path``, ``COCO_val2014_000000391895.jpg``) is
-looked up among the images' ``file_name``; a record whose file name is not there but whose id is
-``coco_<number>`` (the id ``retr-pipeline manifest karpathy`` gives: ``cocoid``, which *is* COCO's image id) is
-looked up by that number — so the 2017 files (``000000391895.jpg``, same ids) work too. File names first because
-they do not depend on how the manifest's ids were made; when both keys name an image and they differ, the files
-disagree and the reader stops rather than guess.
-
-Each file is parsed by :func:`json.load` with a hook that keeps only the fields the join needs, so the
-segmentation polygons (most of the 450 MB training file) are dropped object by object while parsing instead of
-being held for the whole file.
-
-**Flickr30K Entities** (:func:`f30k_entity_labels`): ``Sentences/<image id>.txt``, five captions per image, each
-phrase written ``[/EN#<chain id>/<type>[/<type>…] words …]``. Two readings of the paper's "object labels from the
-bounding box annotation" (``reading``, the command's ``--f30k-labels``):
-
-* ``heads`` (default): an image's labels are the head nouns of its phrases over its five sentences, lower case
-  and singular (:func:`phrase_head`: ``[/EN#18/people A man]`` → man, "a group of young men" → man, "a man 's
-  arm" → arm). They name the annotated objects (man, shirt, dog, street), so two pictures share one when they
-  show the same kind of thing.
-* ``types``: the union of the phrases' coarse entity types (people, clothing, bodyparts, animals, vehicles,
-  instruments, scene, other). Nearly every picture has people, a scene and some other object, so almost every
-  pair of images shares a type and JGCAR's intra-modal losses, whose negatives share *no* label with the
-  anchor, see almost none (``bench/f30k_labels.py``: about 2.5 % of the pairs of a batch, against about 61 %
-  for ``heads``; ``docs/models-jgcar.md``).
-
-``notvisual`` phrases give no label in either reading: the dataset marks with it phrases that name nothing
-visible (their chain id is the null id 0 and they have no box), so they say nothing about what the image shows,
-and as labels they would make unrelated images "share a label". With ``annotations`` (the
-``Annotations/<image id>.xml`` folder) only phrases of chains with at least one bounding box count — the paper's
-"labels from the bounding box annotation" taken literally (scene chains, which have no box, then drop out).
-
-The join: the manifest path's file stem (``1000092795.jpg`` → ``1000092795``) names the sentence file; ids of
-Flickr manifests are ``f30k_<stem>`` of the same name. Only the manifest's files are opened.
-"""
+JGCAR's intra-modal labels; the readings, joins and their measurements: docs/models-jgcar.md ("Where the labels come
+from")."""
 from __future__ import annotations
 
 import json
@@ -63,7 +22,7 @@ F30K_ENTITIES_HOW = ("download annotations.zip from https://github.com/BryanPlum
 
 #: Flickr30K Entities' phrase types (the coarse categories of the paper; ``notvisual`` marks unannotated ones).
 F30K_TYPES = ("people", "clothing", "bodyparts", "animals", "vehicles", "instruments", "scene", "other", "notvisual")
-#: Types that are never labels (see the module docstring).
+#: Types that are never labels (docs/models-jgcar.md).
 F30K_NOT_LABELS = ("notvisual",)
 
 _COCO_KEEP = frozenset({"images", "annotations", "categories", "id", "file_name", "image_id", "category_id",
@@ -191,12 +150,10 @@ class EntityPhrase(NamedTuple):
 
 
 def entity_phrases(line: str, where: str = "") -> list[EntityPhrase]:
-    """Every phrase of one Flickr30K Entities sentence, in order.
+    """Every phrase of one Flickr30K Entities sentence, in order, as :class:`EntityPhrase`.
 
-    ``[/EN#18/people A man] with [/EN#19/clothing pierced ears] .`` → ``[EntityPhrase(18, ("people",), "A man"),
-    EntityPhrase(19, ("clothing",), "pierced ears")]``. Raises :class:`UserError` (prefixed ``where``) for a
-    ``[/EN#`` that does not open a whole phrase, or an unknown type.
-    """
+    ``[/EN#18/people A man] with …`` → ``[EntityPhrase(18, ("people",), "A man"), …]``; a malformed phrase or
+    unknown type raises :class:`UserError` prefixed ``where``."""
     phrases = [EntityPhrase(int(m.group(1)), tuple(m.group(2)[1:].split("/")), m.group(3))
                for m in _PHRASE.finditer(line)]
     if len(phrases) != line.count("[/EN#"):
@@ -211,12 +168,7 @@ def entity_phrases(line: str, where: str = "") -> list[EntityPhrase]:
 
 
 def parse_entity_sentence(line: str, where: str = "") -> list[tuple[int, tuple[str, ...]]]:
-    """``(chain id, types)`` of every phrase of one Flickr30K Entities sentence, in order (see
-    :func:`entity_phrases`, which also gives the words).
-
-    ``[/EN#18/people A man] with [/EN#19/clothing pierced ears] .`` → ``[(18, ("people",)), (19, ("clothing",))]``;
-    ``[/EN#123/people/bodyparts …]`` carries two types.
-    """
+    """``[(chain id, types)]`` of every phrase of one Flickr30K Entities sentence (:func:`entity_phrases`)."""
     return [(p.chain, p.types) for p in entity_phrases(line, where)]
 
 
@@ -294,15 +246,9 @@ def singular(word: str) -> str:
 
 
 def phrase_head(words: str, lemma: bool = True) -> str | None:
-    """The head noun of a Flickr30K Entities phrase, lower case (singular with ``lemma``), or None when the
-    phrase names nothing (a pronoun, a bare numeral, punctuation).
+    """The head noun of a Flickr30K Entities phrase, lower case (singular with ``lemma``); None if it names nothing.
 
-    The head is the last word of the phrase's first noun group — the words before the first preposition,
-    conjunction, relative pronoun or participle that attaches more (``of``, ``with``, ``in``, ``wearing``, …;
-    :data:`_HEAD_STOP`) — except that after a quantity, collection or part noun the group after ``of`` is read
-    instead (:data:`_HEAD_TRANSPARENT`): "A group of young men" → man, "a man 's arm" → arm, "The players of the
-    baseball team" → player, "a piece of equipment" → equipment, "several people" → people.
-    """
+    "A group of young men" → man, "a man 's arm" → arm (rules: docs/models-jgcar.md, "Head nouns")."""
     tokens = [t for t in words.lower().split() if t]
     start = 0
     while True:
@@ -372,11 +318,9 @@ def boxed_chains(path: Path) -> set[int]:
 
 def f30k_entity_labels(records: Iterable[ManifestRecord], sentences: str | os.PathLike,
                        annotations: str | os.PathLike | None = None, reading: str = "heads") -> LabelJoin:
-    """Each record's labels (``reading``: head nouns or entity types of its phrases, union over its sentences,
-    ``notvisual`` left out), joined by file stem.
+    """Each record's labels (``reading``: head nouns or entity types, union over its sentences), joined by stem.
 
-    ``annotations``: the ``Annotations`` folder; when given, only phrases of chains with a bounding box count.
-    """
+    ``annotations``: the ``Annotations`` folder; when given, only phrases of chains with a bounding box count."""
     if reading not in F30K_READINGS:
         raise UserError(f"unknown Flickr30K label reading {reading!r} (one of {', '.join(F30K_READINGS)})")
     sentences = Path(sentences)

@@ -1,27 +1,7 @@
 """Fetching a dataset on a connected machine: images, Karpathy's splits, then the manifest (``fetch-data``).
 
-COCO (``fetch_dataset("coco")``), in order, each step skipped when its result is already there:
-
-1. check the free disk space for what is left to do (archives still to download, contents still to unpack;
-   with ``keep_archives=False`` each image archive is deleted once unpacked, so only the largest one and all
-   unpacked images need room at once: about 34 GB for COCO, 41 GB when the archives are kept);
-2. Karpathy's ``caption_datasets.zip`` (36.7 MB) → ``dataset_coco.json`` (the member is checked against its
-   CRC-32 and written atomically);
-3. ``val2014.zip`` (6.6 GB) and ``train2014.zip`` (13.5 GB): downloaded with resume, size and sha256 checked,
-   unpacked member by member (each CRC-32 checked, each file renamed into place when complete, an interrupted
-   unpack resumes), stamped ``images/.coco-<split>.unpacked``, then deleted unless ``keep_archives``;
-4. the manifest from the split file with the Karpathy reader (:func:`retr.manifests.karpathy.read_karpathy`,
-   the ``manifest karpathy`` command's code), after checking that every image it names is on disk.
-
-Flickr30K's images are handed out on request only: ``fetch_dataset("f30k", images_archive=FILE)`` unpacks the
-archive the user was sent (zip with per-member CRC checks, or tar/tar.gz) flat into ``images/`` (Karpathy's
-paths are bare file names), fetches the splits and writes the manifest. Without an archive and without the
-images in place it stops in one line saying where to request them.
-
-Every URL, size and checksum comes from :data:`retr.common.downloads.SOURCES`; ``mirror`` replaces the public
-hosts. Offline (``RETR_OFFLINE=1``) nothing is downloaded: a missing piece is one
-:class:`~retr.common.errors.MissingResourceError` naming the command to run on a connected machine.
-"""
+Steps, disk check, archives and Flickr30K's archive on request: docs/extraction.md ("Downloads: from nothing to
+features"); every URL, size and checksum is in :data:`retr.common.downloads.SOURCES`."""
 from __future__ import annotations
 
 import os
@@ -104,7 +84,7 @@ def _remaining_download(source: Source, folder: Path) -> int:
 
 
 def plan_disk(layout: DataLayout, keep_archives: bool) -> int:
-    """Bytes the rest of the fetch needs at its peak (see the module docstring), plus :data:`MARGIN_BYTES`."""
+    """Bytes the rest of the fetch needs at its peak (docs/extraction.md, "Disk"), plus :data:`MARGIN_BYTES`."""
     pending = [SOURCES[key] for key in DATASETS[layout.name]["archives"]
                if not is_unpacked(layout.images, SOURCES[key], layout.images / SOURCES[key].filename.split(".")[0])]
     downloads = [_remaining_download(s, layout.downloads) for s in pending]
@@ -205,7 +185,7 @@ def archive_kind(path: str | os.PathLike) -> str:
 def fetch_dataset(name: str, root: str | os.PathLike | None = None, *, images_archive: str | os.PathLike | None = None,
                   mirror: str | None = None, keep_archives: bool = False, quiet: bool = False,
                   echo: Callable[[str], None] = lambda line: None) -> FetchSummary:
-    """Fetch ``name`` (``coco`` or ``f30k``) into its layout and write its manifest; see the module docstring."""
+    """Fetch ``name`` (``coco`` or ``f30k``) into its layout and write its manifest (steps: docs/extraction.md)."""
     layout = data_layout(name, root)
     if images_archive is not None and name != "f30k":
         raise ParameterError("images_archive is for f30k, whose images are gated; coco's are downloaded",

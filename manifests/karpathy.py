@@ -1,20 +1,6 @@
 """Readers for Karpathy's split files (``dataset_coco.json``, ``dataset_flickr30k.json``, ``dataset_flickr8k.json``).
 
-The file is ``{"dataset": "coco", "images": [{"filepath": "val2014", "filename": "COCO_val2014_….jpg",
-"cocoid": 391895, "split": "test", "sentences": [{"raw": "A man …", "tokens": […]}, …]}, …]}``.
-Flickr30K entries have no ``filepath`` and no ``cocoid``.
-
-Choices (the Karpathy files leave them open):
-
-* ids: ``coco_<cocoid>`` for COCO, ``f30k_<file stem>`` for Flickr30K (``f8k_`` for Flickr8K) — stable across
-  releases, unlike ``imgid`` (a row number);
-* paths: ``<filepath>/<filename>`` for COCO (relative to the folder holding ``train2014/`` and ``val2014/``),
-  ``<filename>`` for Flickr (relative to ``flickr30k-images/``);
-* captions: the ``raw`` sentences, whitespace-trimmed, in file order; a handful of COCO images have six or seven,
-  and the field's protocols (and SCAN's released features) use the first five, so ``max_captions=5`` by default
-  (``None`` keeps every caption);
-* splits are kept as written, so COCO's ``restval`` stays its own split (training uses ``train`` + ``restval``);
-* images come out in file order: the 5K test and its five 1K folds are the ``test`` images in this order.
+Ids, paths, captions and splits as read: docs/extraction.md ("Manifests and presets").
 """
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
 """Dataset presets: where a dataset's images, Karpathy file and manifest live, and what to extract from it.
 
-Every location can be overridden, most specific first: a command-line flag, then an environment variable
-(``RETR_<NAME>_IMAGES``, ``RETR_<NAME>_MANIFEST``, ``RETR_<NAME>_KARPATHY``, ``RETR_<NAME>_FEATURES``,
-``RETR_<NAME>_DOWNLOADS``), then the preset's default under the data root ``$RETR_DATA`` (default ``./data``).
-
-Default layout under ``$RETR_DATA``::
-
-    coco/images/{train2014,val2014}/…   coco/dataset_coco.json       coco/manifest.jsonl   coco/features/
-    f30k/images/….jpg                   f30k/dataset_flickr30k.json  f30k/manifest.jsonl   f30k/features/
-    synthetic/images/….jpg                                          synthetic/manifest.jsonl synthetic/features/
-
-``coco/downloads/`` and ``f30k/downloads/`` hold archives while ``retr-pipeline fetch-data`` works
-(:mod:`retr.manifests.fetch`). ``coco`` and ``f30k`` can be fetched (``fetchable``); ``synthetic`` is generated
-(``generated``) and extracted with random weights at the demo's CPU sizes (``extract_options``), so
-``make extract DATASET=synthetic`` never needs the network.
-"""
+Overrides (flag, then ``RETR_<NAME>_*``, then ``$RETR_DATA``) and the default layout: docs/extraction.md ("Manifests
+and presets")."""
 from __future__ import annotations
 
 import os

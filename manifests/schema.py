@@ -1,20 +1,6 @@
-"""The manifest: JSON Lines, one image per line, the contract every stage starts from.
-
-``{"id": "coco_391895", "path": "val2014/COCO_val2014_000000391895.jpg", "split": "test",
-"captions": ["…", …]}``
-
-* ``id`` — unique, non-empty string; the join key of every feature set, tree file and run.
-* ``path`` — relative to an image root (``--image-root``, else the dataset preset's, else the folder that
-  holds the manifest file), and inside it: an absolute path, or one whose ``..`` climb above the root, is
-  refused where images are opened (``manifest check``, extraction) unless ``allow_outside_root`` is given
-  (:func:`outside_root_reason`; the check reads the path's text, so a symlink inside the root is the
-  dataset's own business).
-* ``split`` — one of :data:`SPLITS` (the Karpathy names; COCO's ``restval`` stays its own split).
-* ``captions`` — a non-empty list of non-empty strings, in the order the source gives them; caption ``k`` of
-  image ``id`` is known everywhere as ``"<id>#<k>"``.
-
-Other keys are kept (``ManifestRecord.extra``) and written back unchanged.
-"""
+"""The manifest: JSON Lines, one image per line (``id``, ``path``, ``split``, ``captions``), the contract every
+stage starts from (docs/DESIGN.md, "Contracts"; paths: docs/extraction.md). Caption ``k`` of image ``id`` is
+``"<id>#<k>"``; other keys are kept in ``ManifestRecord.extra``."""
 from __future__ import annotations
 
 import json
@@ -83,10 +69,7 @@ def parse_record(obj: object, where: str) -> ManifestRecord:
 
 
 def iter_manifest(path: str | os.PathLike) -> Iterator[ManifestRecord]:
-    """Yield the records of a manifest file in file order, validating each line (blank lines are skipped).
-
-    Duplicate ids are reported with both line numbers.
-    """
+    """Yield the validated records of a manifest file in file order (blank lines skipped; duplicates named)."""
     path = Path(path)
     if not path.is_file():
         raise ManifestError(f"manifest {path} does not exist")
@@ -130,10 +113,7 @@ def read_manifest(path: str | os.PathLike, splits: Sequence[str] | None = None) 
 
 
 def write_manifest(path: str | os.PathLike, records: Iterable[ManifestRecord]) -> int:
-    """Write records as JSON Lines (atomically: a temporary file renamed at the end); returns the count.
-
-    Ids are checked for uniqueness before anything is written.
-    """
+    """Write records as JSON Lines atomically, ids checked unique first; returns the count."""
     path = Path(path)
     records = list(records)
     seen: set[str] = set()
@@ -156,11 +136,7 @@ def manifest_sha256(path: str | os.PathLike) -> str:
 
 
 def outside_root_reason(path: str) -> str | None:
-    """Why the manifest ``path`` would be read from outside its image root, or ``None`` when it stays inside.
-
-    Outside: an absolute path (``/x``, ``C:\\x``, ``\\\\server\\x``) or one whose ``..`` climb above the root
-    (``../x``, ``a/../../x``); ``a/../b`` stays inside. Only the text is read (nothing is resolved on disk).
-    """
+    """Why the manifest ``path`` leaves its image root (absolute, or ``..`` above it), else None; text only."""
     if PurePosixPath(path).is_absolute() or PureWindowsPath(path).is_absolute() or PureWindowsPath(path).drive:
         return "absolute path"
     depth = 0

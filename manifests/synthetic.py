@@ -1,77 +1,7 @@
 """The synthetic dataset: coloured-shape scenes, five unambiguous captions each, and their gold parses.
 
-``retr-pipeline synth --out DIR`` (see :mod:`retr.pipeline.commands.synth`) calls
-:func:`generate_synthetic`, which writes::
-
-    DIR/images/synth_00000.jpg …   224×224 RGB JPEGs (quality 95, no chroma subsampling)
-    DIR/scenes.jsonl               one line per image: id, relation, the two objects (size, colour, shape,
-                                   centre [x, y] in pixels, radius in pixels)
-    DIR/captions.conllu            the gold parse of every caption, in manifest order
-    DIR/manifest.jsonl             id ``synth_00042``, path ``images/synth_00042.jpg``, split, 5 captions
-
-Scenes
-------
-An *object* is (size, colour, shape): size ∈ {small, large}, colour ∈ :data:`COLOURS` (six well-separated
-RGB values), shape ∈ :data:`SHAPES` (circle, square, triangle, star, diamond) — 60 objects. A *scene* is
-``(A, relation, B)`` with ``relation`` ∈ {``left``, ``above``} read as "A is to the left of / above B", and
-A and B of different colours: 60 × 50 × 2 = :data:`MAX_SCENES` (6,000) distinct scenes. Every scene occurs
-at most once in a dataset, so every caption (which names both objects and the relation) describes exactly
-one image; asking for more images than there are scenes is a :class:`~retr.common.errors.ParameterError`.
-
-Rendering (:func:`render_scene`): a flat gray background (level 140–200), the two shapes filled with their
-colour, then integer noise uniform in [-4, 4] on every channel of every pixel. A small object has a radius of
-14–20 px, a large one 30–40 px; the radius is the shape's circumscribed radius (circle: radius; square:
-half-side 0.85 r; triangle: equilateral, pointing up, vertices on the circle; star: five points, inner radius
-0.4 r; diamond: half-width 0.7 r, half-height r). Both objects lie at least 6 px inside the border and their
-circumscribed circles are at least 10 px apart. "Left of" means the horizontal centre offset is at least
-r_A + r_B + 10 px and the vertical offset at most 0.35 times the horizontal one ("above" likewise, axes
-swapped), so the relation is clear from the pixels.
-
-Captions
---------
-Each image gets five of the seven :data:`TEMPLATES` (drawn without replacement, so its captions differ), and
-each caption is independently written either as A-relation-B or as B-inverse-relation-A ("to the left of" ↔
-"to the right of", "above" ↔ "below"). Lower case, words separated by single spaces, no final period::
-
-    np        a small red circle to the left of a large blue square
-    there     there is a small red circle to the left of a large blue square
-    copula    a large blue square is to the right of a small red circle
-    sits      a small red circle sits above a large blue square
-    passive   a small red circle is placed below a large blue square
-    relcl     a small red circle that is above a large blue square
-    image     an image of a small red circle to the left of a large blue square
-
-Gold parses
------------
-Every caption is built as one phrase-structure tree (:class:`Phrase`/:class:`Word`) in which each
-constituent marks its head child and labels every other child with the Universal Dependencies relation it
-takes to that head. The constituency bracket (``# constituency`` comment, Penn-Treebank labels, preterminals
-equal to the XPOS column) and the dependency rows are both read off that single tree, so they cannot
-disagree. The analyses follow UD v2 as stanza's English EWT models produce it:
-
-* noun phrase "a small red circle": a →det, small/red →amod of circle;
-* "to the left of X": left is the relation's head (to →case, the →det, X →nmod with of →case);
-  "above X": X is the head (above →case);
-* bare noun phrase: the relation head is nmod of the subject noun, which is the root;
-* copula "A is above B": B is the root, is →cop (AUX), A →nsubj;
-* "A sits above B": sits (VERB) is the root, A →nsubj, B →obl;
-* passive "A is placed above B": placed (VERB VBN) root, is →aux:pass, A →nsubj:pass, B →obl;
-* existential "there is A above B": is (VERB) root, there (PRON EX) →expl, A →nsubj, the relation →nmod of A;
-* relative clause "A that is above B": A root, B →acl:relcl of A, that (PRON WDT) →nsubj of B, is →cop;
-* "an image of A …": image root, A →nmod (of →case).
-
-EWT tags prepositional "to" ``ADP IN`` (``TO`` is only the infinitive marker), and the tree's preterminals
-are the XPOS column as stanza's constituency parser prints them, so the bracket says ``(IN to)``.
-
-Splits and determinism
-----------------------
-Scenes come from one seeded shuffle of all :data:`MAX_SCENES` scenes (so the first k images do not depend on
-``num_images``); image ``i`` draws its placement, templates and noise from its own generator seeded with
-``(seed, i)``. The split is a seeded shuffle of the images: ``max(1, round(N / 10))`` images each for test
-and val, the rest train. The same seed and N give byte-identical files. Re-running over an existing folder
-rewrites every file (text files through a temporary file that is renamed) and deletes stale
-``images/synth_*.jpg`` files that the new dataset does not list.
-"""
+Files, scenes, rendering, caption templates, parse conventions and determinism: docs/extraction.md ("The synthetic
+dataset")."""
 from __future__ import annotations
 
 import io
@@ -164,7 +94,7 @@ def all_scene_keys() -> list[tuple[ShapeObject, str, ShapeObject]]:
 
 
 def place_scene(key: tuple[ShapeObject, str, ShapeObject], rng: random.Random) -> Scene:
-    """Draw radii, centres and background gray for a scene key so that the relation is clear (see module doc)."""
+    """Draw radii, centres and background gray for a scene key so that the relation is clear (docs/extraction.md)."""
     a, relation, b = key
     ra = rng.randint(*RADIUS_RANGE[a.size])
     rb = rng.randint(*RADIUS_RANGE[b.size])
@@ -255,11 +185,7 @@ class Word:
 
 @dataclass(frozen=True)
 class Phrase:
-    """A constituent: ``children`` are ``(deprel, node)`` pairs, exactly one with deprel ``"head"``.
-
-    The lexical head of a phrase is the lexical head of its head child; every other child's lexical head
-    depends on it with the given deprel.
-    """
+    """A constituent: ``children`` are ``(deprel, node)`` pairs, exactly one with deprel ``"head"``."""
 
     label: str
     children: tuple[tuple[str, "Phrase | Word"], ...]
@@ -525,10 +451,7 @@ def iter_scenes(num_images: int, seed: int) -> Iterator[tuple[str, Scene, list[P
 
 def generate_synthetic(out_dir: str | os.PathLike, num_images: int = 1000, seed: int = 0,
                        progress: Callable[[Iterator], Iterator] | None = None) -> SyntheticSummary:
-    """Write the synthetic dataset of ``num_images`` images into ``out_dir`` (layout in the module doc).
-
-    ``progress`` optionally wraps the per-image iterator (e.g. a tqdm bar with ``total=num_images``).
-    """
+    """Write the synthetic dataset of ``num_images`` images into ``out_dir``; ``progress`` wraps the per-image iterator."""
     check_num_images(num_images)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():

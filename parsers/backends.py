@@ -1,25 +1,7 @@
-"""Parsing backends: one interface from captions to stanza ``Sentence`` objects.
+"""Parsing backends: captions → one :class:`ParseOutcome` per caption (a stanza ``Sentence`` or the reason).
 
-* :class:`StanzaBackend` — a stanza pipeline (tokenize, pos, lemma, depparse and, by default, constituency)
-  loaded from a local model folder (``--stanza-dir``, else ``$STANZA_RESOURCES_DIR``, else stanza's default
-  folder); models missing from the folder are downloaded into it on first use (:func:`fetch_parser_models`)
-  unless ``RETR_OFFLINE=1``, which keeps the one-line missing-models error; captions are sent in batches as
-  one text with a blank line between captions and ``tokenize_no_ssplit``, so each caption is exactly one
-  sentence; CPU or CUDA.
-* :class:`ConlluBackend` — sentences parsed elsewhere, in a CoNLL-U file read with stanza's own CoNLL-U
-  reader (``# constituency =`` comments included). Sentences are matched to captions by ``# sent_id =
-  <image id>#<caption index>`` or, when the file has no ``sent_id`` at all, by order (sentence ``i`` ↔ the
-  ``i``-th caption of the manifest). The file is indexed once (byte offsets), so a 600K-sentence file is not
-  held in memory.
-
-:meth:`ParserBackend.detect_scheme` says which dependency label scheme the parses use
-(:mod:`retr.parsers.schemes`): a CoNLL-U file's labels are counted while it is indexed, so detection costs no
-second pass; stanza needs none (its English models produce UD v2).
-
-Both return one :class:`ParseOutcome` per caption: a sentence, or the reason there is none (no sentence for
-this key, text differs from the caption, the parser failed on it). Outcomes never raise for a single bad
-caption, so the stage records it and goes on.
-"""
+:class:`StanzaBackend` (local model folder) and :class:`ConlluBackend` (parses made elsewhere):
+docs/referral-trees.md ("Offline use")."""
 from __future__ import annotations
 
 import functools
@@ -105,8 +87,7 @@ def normalize_caption(text: str) -> str:
     return " ".join(t for t in tokens if not _PUNCT.match(t))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# CoNLL-U
+# ------------------------------------------------------------------------------------------------------ CoNLL-U
 
 @dataclass(frozen=True)
 class _Block:
@@ -123,16 +104,10 @@ def _conll_to_sentences(text: str) -> list[Any]:
 
 
 class ConlluBackend(ParserBackend):
-    """Sentences from a CoNLL-U file.
+    """Sentences from a CoNLL-U file (``# sent_id``, ``# text``, ``# constituency`` read).
 
-    Args:
-        path: the CoNLL-U file (UD v2 columns; ``# sent_id``, ``# text`` and ``# constituency`` comments read).
-        match: ``"auto"`` (by key when every sentence has a ``sent_id``, by order when none has),
-            ``"key"`` or ``"order"``.
-        check_text: compare each sentence's ``# text`` (or its words) with the caption after
-            :func:`normalize_caption`; a difference is recorded as that caption's failure.
-        detect: count the labels while indexing, for :meth:`detect_scheme` (the whole file, one pass).
-    """
+    ``match``: ``auto``, ``key`` or ``order``; ``check_text``: a ``# text`` differing from the caption is a failure;
+    ``detect``: count labels while indexing, for :meth:`detect_scheme`."""
 
     name = "conllu"
 
@@ -316,8 +291,7 @@ class ConlluBackend(ParserBackend):
             return self._sentence(handle, self.blocks[i])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# stanza
+# ------------------------------------------------------------------------------------------------------- stanza
 
 def stanza_model_dir(model_dir: str | os.PathLike | None = None) -> tuple[Path, str]:
     """The model folder to use and where the choice came from (``--stanza-dir``, the env, stanza's default)."""
@@ -343,17 +317,10 @@ def missing_models_error(folder: Path, source: str) -> MissingResourceError:
 
 
 class StanzaBackend(ParserBackend):
-    """A stanza English pipeline from a local folder.
+    """A stanza English pipeline from a local folder (None → ``$STANZA_RESOURCES_DIR`` → stanza's default).
 
-    Args:
-        model_dir: the folder holding ``resources.json`` and ``en/…``; ``None`` → ``$STANZA_RESOURCES_DIR`` →
-            stanza's default folder.
-        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (:func:`retr.common.devices.resolve_device`).
-        constituency: also run the constituency parser (DESIGN's processor list; the tree rules read only
-            dependencies, so ``False`` saves time).
-        pipeline: an already built callable ``text → stanza.Document`` (tests, or a custom pipeline); skips
-            the model-folder check.
-    """
+    ``device``: as :func:`retr.common.devices.resolve_device`; ``constituency=False`` saves time; ``pipeline``: a
+    ready ``text → stanza.Document`` callable."""
 
     name = "stanza"
 

@@ -1,20 +1,6 @@
-"""Entity and relation dictionaries: the class sets SMFEA classifies tree nodes into.
+"""Entity and relation dictionaries: the class sets SMFEA classifies tree nodes into (ids 0 ``null``, 1 ``unknown``).
 
-Built from the referral trees of the training captions: the most frequent entity labels (default 1,440) and
-relation labels (default 247), the paper's cardinalities (SMFEA §4.2). The two fixed ids are the same in both
-dictionaries and count towards those sizes (the paper's Figure 4 shows ``null`` and ``unknow`` as classes)::
-
-    id 0  null      an empty slot
-    id 1  unknown   a label the dictionary does not hold
-    id 2… by decreasing training frequency, ties broken alphabetically (so a build is deterministic)
-
-Counting: every candidate of an entity slot counts once (``("red_circle", "circle")`` adds one to each), so a
-noun always counts at least as often as its adjective pairs and enters the dictionary first; a pair enters
-when it is itself frequent. Encoding picks, per slot, the first candidate the dictionary holds.
-
-Saved as the JSON attributes ``entities`` and ``relations`` of ``trees.h5`` (list position = id); a JSON file
-``{"entities": [...], "relations": [...]}`` is accepted too, so one dataset's dictionaries (COCO) can encode
-another's trees (Flickr30K) with the same ids.
+Sizes, counting, ties and reuse across datasets: docs/referral-trees.md ("Dictionaries and ids").
 """
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""From one dependency-parsed caption to SMFEA's shared referral tree ``[E1 R2 E3 R4 E5 R6 E7]``.
+"""From one UD v2 dependency parse to SMFEA's shared referral tree ``[E1 R2 E3 R4 E5 R6 E7]``.
 
-:func:`build_tree` takes one parsed sentence in UD v2 (a stanza ``Sentence`` or anything shaped like one; parses in
-other label schemes are converted first by :mod:`retr.parsers.schemes`) and returns a :class:`ReferralTree`: seven
-slots in in-order, entity slots 0, 2, 4, 6 holding candidate labels (most specific first), relation slots 1, 3, 5
-at most one label, an empty slot ``null``. ``a dog runs on the grass near a fence`` →
-``[dog null null run_PREP grass near fence]``.
-
-The tree's shape, the labels and the rules, in the order they are applied, with worked examples:
-``docs/referral-trees.md``, "The rules" (the "Rule 1", "Rule 2" … of the methods below are its numbering).
-"""
+``a dog runs on the grass near a fence`` → ``[dog null null run_PREP grass near fence]``. The rules ("Rule 1" …
+below) in order, with examples: docs/referral-trees.md ("The rules")."""
 from __future__ import annotations
 
 import functools
@@ -48,13 +41,8 @@ VERB_PREP_STYLES = ("placeholder", "word")
 
 @dataclass(frozen=True)
 class TreeRules:
-    """Options of the tree builder.
-
-    Attributes:
-        verb_prep: how a verb with a prepositional complement is written. ``"placeholder"`` (default) follows
-            the paper's Figure 4 (``run_PREP``: the preposition itself is not part of the label, which keeps
-            the relation dictionary small); ``"word"`` keeps it (``run_on``, ``sit_to_left_of``).
-    """
+    """Options of the tree builder: ``verb_prep`` ``"placeholder"`` (``run_PREP``, the paper's Fig. 4) or ``"word"``
+    (``run_on``)."""
 
     verb_prep: str = "placeholder"
 
@@ -71,9 +59,8 @@ class TreeRules:
 class ReferralTree:
     """Seven slots in in-order ``[E1 R2 E3 R4 E5 R6 E7]``, each a tuple of candidate labels.
 
-    Entity slots list candidates most specific first (``("red_circle", "circle")``); relation slots hold at
-    most one label. An empty tuple is ``null``.
-    """
+    Entity slots list candidates most specific first (``("red_circle", "circle")``); relation slots hold at most one
+    label. An empty tuple is ``null``."""
 
     slots: tuple[tuple[str, ...], ...]
 
@@ -123,8 +110,7 @@ def nltk_to_slots(tree: nltk.Tree) -> list[str]:
     return [left[0], left.label(), left[1], tree.label(), right[0], right.label(), right[1]]
 
 
-# --------------------------------------------------------------------------------------------------------
-# Lemma fallback
+# ----------------------------------------------------------------------------------------------- Lemma fallback
 
 @functools.lru_cache(maxsize=1)
 def _wordnet_lemmatizer():
@@ -149,17 +135,11 @@ def fallback_lemma(form: str, upos: str) -> str:
     return lemmatizer.lemmatize(form, pos) if pos else form
 
 
-# --------------------------------------------------------------------------------------------------------
-# A dependency view of one sentence
+# ---------------------------------------------------------------------------- A dependency view of one sentence
 
 class DependencySentence:
-    """Index over one parsed sentence: words by id, children by head, in word order.
-
-    Built from anything with ``.words`` whose items have ``id``, ``text``, ``lemma``, ``upos``, ``xpos``,
-    ``feats``, ``head``, ``deprel`` (a stanza ``Sentence``). Multi-word tokens use their syntactic words. Each
-    word is kept as a :class:`~retr.store.conllu.ConlluRow` (lemma filled in and lower-cased; ``head`` −1 when
-    the parse has none).
-    """
+    """Index over one parsed sentence (anything with stanza-like ``.words``): words by id, children by head, each
+    word a :class:`~retr.store.conllu.ConlluRow` (lemma lower-cased; ``head`` −1 when missing)."""
 
     def __init__(self, sentence: Any):
         words = []
@@ -194,8 +174,7 @@ def _is_relative_pronoun(word: ConlluRow) -> bool:
     return word.xpos in ("WDT", "WP", "WP$") or "PronType=Rel" in word.feats
 
 
-# --------------------------------------------------------------------------------------------------------
-# The builder
+# -------------------------------------------------------------------------------------------------- The builder
 
 @dataclass(frozen=True)
 class _Predicate:
@@ -281,9 +260,8 @@ class TreeBuilder:
     def _preposition(self, s: DependencySentence, dependent: ConlluRow) -> tuple[str, ConlluRow] | None:
         """``(label, landmark)`` of a prepositional dependent, or ``None`` if it has no ``case`` word.
 
-        ``on the grass`` → ``("on", grass)``; ``next to a dog`` (``to`` fixed on ``next``) → ``("next_to",
-        dog)``; ``to the left of a star`` → ``("to_left_of", star)``.
-        """
+        ``on the grass`` → ``("on", grass)``; ``next to a dog`` (``to`` fixed on ``next``) → ``("next_to", dog)``;
+        ``to the left of a star`` → ``("to_left_of", star)``."""
         words = []
         for case in s.kids(dependent, "case"):
             if case.xpos == "POS":  # possessive 's

@@ -1,16 +1,8 @@
-"""Dependency label schemes: which one a CoNLL-U file uses, and its conversion to UD v2.
+"""Dependency label schemes (``ud2``, ``ud1``, ``sd``, ``clearnlp``): detection, and conversion to UD v2.
 
-The tree rules (:mod:`retr.parsers.referral_tree`) read one scheme, UD v2; ``parse-trees --conllu`` first names
-the scheme of its input, then converts each sentence to UD v2 before the rules run. Schemes: ``ud2``, ``ud1``
-(UD v1), ``sd`` (Stanford basic dependencies), ``clearnlp`` (ClearNLP labels). :func:`detect_scheme` returns a
-:class:`Detection`, and :func:`choose_scheme` refuses ``unknown`` in one line naming the unexpected labels.
-:func:`to_ud2` converts one sentence and counts each conversion it applied; a sentence it cannot convert raises
-:class:`ConversionError` with the reason, which the stage records as that caption's failure. The mapping is the
-tables below plus a few structural rewrites.
-
-Which parser emits which scheme, how detection decides, the mapping as tables, and its sources:
-``docs/referral-trees.md``, "Parses made elsewhere: label schemes".
-"""
+:func:`detect_scheme` → :class:`Detection`; :func:`to_ud2` converts one sentence (or raises
+:class:`ConversionError`). Which parser emits which scheme, detection and the mapping: docs/referral-trees.md
+("Parses made elsewhere: label schemes")."""
 from __future__ import annotations
 
 from collections import Counter
@@ -124,8 +116,7 @@ def accepts(scheme: str, label: str) -> bool:
     raise ValueError(f"unknown scheme {scheme!r}")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Detection
+# ---------------------------------------------------------------------------------------------------- Detection
 
 class LabelEvidence:
     """Label counts and structural cues gathered sentence by sentence (cheap enough to run over a whole file
@@ -196,18 +187,8 @@ def _int(text: str) -> int:
 
 @dataclass(frozen=True)
 class Detection:
-    """What :func:`detect_scheme` found.
-
-    Attributes:
-        scheme: ``ud2``, ``ud1``, ``sd``, ``clearnlp`` or ``unknown``.
-        labels: every label (lower case) with its number of words.
-        structure: the structural cues counted (:data:`NMOD_ON_PREDICATE`, :data:`CC_ON_FIRST`,
-            :data:`CC_ON_NEXT`).
-        unexpected: per scheme, the labels outside its inventory with their counts.
-        evidence: what decided: the labels (and structural cues) that set the scheme apart from its nearest
-            rival (UD v2 ↔ UD v1, SD ↔ UD v2, ClearNLP ↔ SD then UD v2), most frequent first.
-        sentences, words: how much was read.
-        odd_upos: words whose UPOS is not a UD tag (filled from the XPOS tag when converting).
+    """What :func:`detect_scheme` found: ``scheme`` (or ``unknown``), ``labels`` and ``structure`` counts,
+    ``unexpected`` labels per scheme, ``evidence`` against the nearest rival, ``sentences``, ``words``, ``odd_upos``.
     """
 
     scheme: str
@@ -342,8 +323,7 @@ def choose_scheme(requested: str, detection: Detection | None, source: str) -> S
     return SchemeChoice(detection.scheme, "detected", detection)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Conversion
+# --------------------------------------------------------------------------------------------------- Conversion
 
 @dataclass
 class ConvertedSentence:
@@ -530,9 +510,8 @@ def _head_initial_mwe(words: list[_Word], counts: Counter) -> None:
 
 
 def _two_word_prepositions(words: list[_Word], counts: Counter) -> set[int]:
-    """``next to a dog`` as advmod(X, next) prep(next, to) pobj(to, dog) (or amod/prep + pcomp): ``next``
-    becomes the preposition, ``to`` its ``fixed`` part, ``dog`` its object. Returns the ids of the first
-    words."""
+    """``next to a dog`` as advmod(X, next) prep(next, to) pobj(to, dog) (or amod/prep + pcomp): ``next`` becomes
+    the preposition, ``to`` its ``fixed`` part, ``dog`` its object. Returns the ids of the first words."""
     found: set[int] = set()
     kids = _children(words)
     for w in words:
@@ -684,16 +663,8 @@ def _participle_tag(w: _Word) -> str:
 
 
 def _participle_auxiliary(w: _Word) -> str | None:
-    """What "be" is in UD v2 when its ClearNLP ``acomp`` is ``w``: ``aux`` for a present participle
-    (VBG, "a man is diving"), ``aux:pass`` for a past participle (VBN, "the seabed is overgrown with coral
-    reefs"), ``None`` for a real adjective (JJ, "the cat is black") — then "be" stays the ``cop`` of ``w``.
-
-    spaCy's English pipelines hang a participle on "be" as ``acomp`` when they take it for an adjective
-    complement; UD v2 (and stanza) analyse the participle as the verb heading the clause, "be" as its
-    auxiliary. The PTB tag decides; a parse without one (UPOS only) decides by UPOS ``VERB`` and FEATS
-    (``VerbForm=Ger``, ``Tense=Pres``/``Aspect=Prog`` → ``aux``; ``Tense=Past``/``Voice=Pass`` → ``aux:pass``),
-    else by an ``-ing`` ending.
-    """
+    """What "be" is in UD v2 when its ClearNLP ``acomp`` is ``w``: ``aux`` (VBG), ``aux:pass`` (VBN), or None for an
+    adjective (then ``cop``); without a PTB tag, by UPOS/FEATS, else an ``-ing`` ending (docs/referral-trees.md)."""
     tag = w.xpos.upper()
     if tag in PTB_TO_UPOS:
         return _PARTICIPLE_AUX.get(tag)
@@ -708,13 +679,10 @@ def _participle_auxiliary(w: _Word) -> str | None:
 
 
 class SchemeConverter:
-    """Converts sentences of one scheme to UD v2 (:func:`to_ud2` for one sentence).
+    """Converts sentences of one scheme to UD v2: ``convert`` → ``(sentence, conversions)``.
 
-    ``convert`` returns ``(sentence, conversions)``: for ``ud2`` the sentence itself (labels checked, UPOS
-    filled only if missing), else a :class:`ConvertedSentence`; ``trusted`` (:attr:`SchemeChoice.trusted`)
-    skips the checks of the input's labels and UPOS that a whole-file detection already made; ``conversions`` counts each change by name
-    (``dobj→obj``, ``prep+pobj→case+obl``, ``be+prepositional predicate→cop``, …).
-    """
+    ``trusted`` skips the label/UPOS checks a whole-file detection already made; ``conversions`` counts each change
+    by name (``dobj→obj``, ``prep+pobj→case+obl`` …)."""
 
     def __init__(self, scheme: str, trusted: bool = False):
         if scheme not in SCHEMES:
@@ -762,8 +730,7 @@ class SchemeConverter:
 def to_ud2(sentence: Any, scheme: str) -> tuple[Any, Counter]:
     """One parsed sentence (stanza ``Sentence`` or alike) in ``scheme`` → ``(UD v2 sentence, conversions)``.
 
-    Raises :class:`ConversionError` with the reason when the sentence cannot be converted.
-    """
+    Raises :class:`ConversionError` with the reason when the sentence cannot be converted."""
     return SchemeConverter(scheme).convert(sentence)
 
 

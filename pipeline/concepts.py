@@ -1,38 +1,7 @@
 """Consensus-aware concepts (CVSE, used by SMFEA): concept vocabulary, multi-hot labels, co-occurrence graph.
 
-``retr-pipeline build-concepts --manifest M --out concepts.h5 [--conllu F]`` writes, once per dataset, what
-every SMFEA run reuses: the concept vocabulary, the caption and image labels and the graph. The file's layout,
-its writer and its reader (:class:`~retr.store.concepts.ConceptSet`) live in :mod:`retr.store.concepts`; this
-module is the stage that computes the contents (the command: :mod:`retr.pipeline.commands.concepts`).
-
-Vocabulary (CVSE: 300 concepts = 210 nouns + 60 adjectives + 30 verbs, the most frequent in the training
-captions). The part of speech needs a tagger; retr downloads none, so:
-
-* with ``--conllu`` (CoNLL-U of every caption, ``# sent_id = <caption key>``, e.g. the synthetic dataset's gold
-  ``captions.conllu`` or the file ``parse-trees`` reads): words are the LEMMA column, lower-cased; UPOS NOUN and
-  PROPN count as nouns, ADJ as adjectives, VERB as verbs. Frequency = number of training tokens.
-* with ``--select frequency`` instead (**frequency fallback**, ``pos_source="frequency"``; without ``--conllu``
-  and without it the command refuses in one line, since no tagger works offline: NLTK's needs downloaded data,
-  stanza its models): words are the lower-cased tokens of the
-  trainer's tokenizer (:func:`retr.store.vocab.tokenize`), closed-class words (:data:`~retr.store.vocab.FUNCTION_WORDS`:
-  determiners, pronouns, prepositions, conjunctions, auxiliaries, numerals) and tokens without a letter are
-  dropped, and the ``nouns + adjectives + verbs`` most frequent remaining words are taken with POS ``ANY``.
-  No lemmatisation (WordNet data is not assumed), so ``dog`` and ``dogs`` are two concepts.
-
-Ties in frequency are broken alphabetically, so the vocabulary is deterministic. A word already taken as a
-noun is not taken again as an adjective or verb. When a part of speech has fewer distinct words than asked
-(small datasets) all of them are taken; the file records the actual numbers.
-
-Labels: a caption's label is built from **its own words only** (a concept is on when one of the caption's
-words — lemma with CoNLL-U, token otherwise — equals it), for every caption of every split. An image's label
-is the union over its captions (CVSE's image training label). The trainer decides which one a caption sees
-(see ``docs/models-smfea.md``: at evaluation always its own).
-
-Graph (CVSE / ML-GCN, ``reference/models.md``), from the training captions only:
-``P[i, j] = count(i, j) / count(i)`` for i ≠ j (the conditional probability of j given i; the diagonal is not an
-edge), ``R = 5^(P − 0.02) − 5^(−0.02)``, ``B = [R ≥ 0.3]``, ``A = 0.25·B / (column sums of B + 1e−6) + I``,
-``Â = D^(−½) Aᵀ D^(−½)`` with ``D = diag(row sums of A)``. :func:`concept_graph` computes it.
-"""
+The stage of ``retr-pipeline build-concepts``; the file is :mod:`retr.store.concepts`. Vocabulary, labels and graph
+as computed: docs/models-smfea.md ("Data flow", C5)."""
 from __future__ import annotations
 
 import json
@@ -56,8 +25,7 @@ GRAPH_DEFAULTS = {"scale_base": 5.0, "offset": 0.02, "threshold": 0.3, "neighbou
 POS_GROUPS = {"NOUN": "NOUN", "PROPN": "NOUN", "ADJ": "ADJ", "VERB": "VERB"}
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Words of each caption
+# ---------------------------------------------------------------------------------------- Words of each caption
 
 CaptionWords = list[tuple[str, str]]   # (word, POS group or "ANY")
 
@@ -65,9 +33,7 @@ CaptionWords = list[tuple[str, str]]   # (word, POS group or "ANY")
 def read_conllu_words(path: str | os.PathLike, forms: Counter | None = None) -> dict[str, CaptionWords]:
     """``{caption key: [(lemma, POS group), …]}`` from a CoNLL-U file with ``# sent_id = <caption key>``.
 
-    Read with stanza's CoNLL reader. POS group is NOUN (NOUN, PROPN), ADJ, VERB or ``"OTHER"``; a missing lemma
-    (``_``) falls back to the lower-cased form. ``forms``, when given, counts ``(lower-cased form, lemma)`` pairs
-    (the trainer maps caption tokens to concepts through them).
+    POS group: NOUN (NOUN, PROPN), ADJ, VERB or ``"OTHER"``; ``forms`` counts ``(lower-cased form, lemma)`` pairs.
     """
     CoNLL = require("stanza.utils.conll", "pipeline", "the CoNLL-U reader").CoNLL
 
@@ -98,17 +64,13 @@ def fallback_words(caption: str) -> CaptionWords:
     return [(t, "ANY") for t in tokenize(caption) if t not in FUNCTION_WORDS and any(c.isalpha() for c in t)]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Vocabulary, labels, graph
+# ------------------------------------------------------------------------------------ Vocabulary, labels, graph
 
 def select_concepts(train_words: Iterable[CaptionWords], num_nouns: int = DEFAULT_NOUNS,
                     num_adjectives: int = DEFAULT_ADJECTIVES, num_verbs: int = DEFAULT_VERBS,
                     pos_source: str = "conllu") -> list[tuple[str, str]]:
-    """The concept vocabulary ``[(word, POS)]``: most frequent nouns, then adjectives, then verbs.
-
-    With ``pos_source="frequency"`` the ``num_nouns + num_adjectives + num_verbs`` most frequent words of any
-    POS are taken (POS ``ANY``). Ties are broken alphabetically; a word is taken at most once.
-    """
+    """The concept vocabulary ``[(word, POS)]``: most frequent nouns, then adjectives, then verbs (any POS with
+    ``pos_source="frequency"``)."""
     counts: dict[str, Counter] = {"NOUN": Counter(), "ADJ": Counter(), "VERB": Counter(), "ANY": Counter()}
     for caption in train_words:
         for word, pos in caption:
@@ -150,12 +112,7 @@ def cooccurrence_counts(labels: np.ndarray) -> np.ndarray:
 
 def concept_graph(cooccurrence: np.ndarray, scale_base: float = 5.0, offset: float = 0.02,
                   threshold: float = 0.3, neighbour_weight: float = 0.25) -> np.ndarray:
-    """The fixed GCN matrix ``[C, C]`` float32 from co-occurrence counts (diagonal = per-concept counts).
-
-    ``P[i, j] = n(i, j) / n(i)`` off the diagonal (0 for a concept never seen), ``R = b^(P − o) − b^(−o)``,
-    ``B = [R ≥ threshold]``, ``A = w·B / (Σ_i B[i, j] + 1e−6) + I``, result ``D^(−½) Aᵀ D^(−½)`` with
-    ``D = diag(Σ_j A[i, j])``.
-    """
+    """The fixed GCN matrix ``[C, C]`` float32 from co-occurrence counts (diagonal = per-concept counts)."""
     counts = np.asarray(cooccurrence, dtype=np.float64)
     if counts.ndim != 2 or counts.shape[0] != counts.shape[1]:
         raise ValueError(f"co-occurrence must be square, got {counts.shape}")
@@ -171,8 +128,7 @@ def concept_graph(cooccurrence: np.ndarray, scale_base: float = 5.0, offset: flo
     return (d[:, None] * a.T * d[None, :]).astype(np.float32)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Concept data (written by retr.store.concepts.write_concepts)
+# ------------------------------------------------- Concept data (written by retr.store.concepts.write_concepts)
 
 def concept_forms(concepts: Sequence[str], forms: Counter | None) -> dict[str, str]:
     """``{form: concept}``: each concept is its own form; with CoNLL-U counts, every form whose most frequent

@@ -1,51 +1,13 @@
 """The extraction stage: manifest → sharded feature set (``DIR/NAME/shard-*.h5`` + the index ``DIR/NAME.h5``).
 
-Sharding. The manifest's N images are split into W shards of contiguous rows in manifest order: shard ``r``
-holds rows ``[r·N // W, (r+1)·N // W)`` (sizes differ by at most one). The assignment depends only on N and W,
-so any process, machine or re-run agrees on it, and the index (shards joined in order) lists the rows in
-manifest order, minus the images recorded in ``errors``.
-
-Who runs which shard. ``--num-shards W --shard-index r`` runs exactly shard r. Under ``torchrun`` (``RANK`` and
-``WORLD_SIZE`` in the environment) rank r of w runs shard r of w, or — with ``--num-shards W`` — shards
-``r, r+w, r+2w, …``. A plain run without flags does every shard in turn (one shard by default).
-
-Resume. A shard is written to ``shard-….h5.partial`` and renamed when complete (:class:`ShardWriter`); a
-complete shard is skipped by any later run, after checking it was made by the same extractor, weights,
-options and manifest (otherwise the run stops and says so rather than mixing feature sets). An interrupted
-shard is started again from its first row.
-
-Exclusive shards. Once its network is built, a process takes an exclusive ``fcntl.flock`` on
-``NAME/.shard-RRRRR-of-WWWWW.h5.lock`` for every shard it is about to write, and writes its pid, host and start
-time into it. A second extraction into the same folder that needs one of those shards stops with one line
-naming that pid and host — at once, before building its network, when the lock file is already there (it would otherwise collide in HDF5's own file lock on the ``.partial`` file). The
-OS drops the lock when the holder exits or dies, so a killed run never leaves a stale lock; ranks of one
-torchrun job lock disjoint shards.
-
-Image paths. A manifest path that leaves the image root (absolute, or ``..`` above it) is not opened: it becomes
-an ``errors`` row like an unreadable image, unless ``allow_outside_root`` (then the feature set records
-``images_outside_root = "read"``).
-
-Index. After its shards, every process takes an exclusive lock (``fcntl.flock`` on ``NAME/.index.lock``, so
-concurrent ranks never write it together) and, if all W shards are complete and the index is missing or
-older than a shard, writes it. Hence the last rank to finish — or any re-run — writes it; no
-``torch.distributed`` process group is needed. ``retr-pipeline index DIR/NAME`` does the same by hand.
-
-Decoding runs in DataLoader workers (``--workers``), so it overlaps the network; an image that cannot be read
-becomes one ``errors`` row ``(id, reason)`` and the run goes on. With ``decode="device"`` the workers only read
-file bytes and JPEGs are decoded in batches on the device (:mod:`retr.extractors.device_decode`); an image the
-device decoder rejects becomes an ``errors`` row there, with Pillow's reason.
-
-Overlap on CUDA. Batches are pinned by the DataLoader, and :class:`~retr.common.prefetch.DevicePrefetcher`
-moves (or decodes) the next batch onto the device on a side stream while the current one is in the network. The
-shard's rows are written by a background thread (:mod:`retr.pipeline.write_thread`, ``write_queue`` batches
-deep; 0 writes in the loop), so the device does not wait on the disk; the shard file is the same either way.
-"""
+Sharding, resume, shard locks, the index without a process group, image paths outside the root, decoding and the
+CUDA overlap: docs/extraction.md ("Options of retr-pipeline extract", "Decisions the code relies on", "On the
+GPU")."""
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import json
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass, field
@@ -54,16 +16,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import h5py
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset
 
 from retr.common.progress import progress
 from retr.common.errors import ParameterError, UserError
 from retr.common.locks import LockHeldError, acquire_lock
 from retr.common.torchrun import TorchrunEnv
-from retr.extractors.base import Extractor, ImageError, build_extractor
+from retr.extractors.base import Extractor, build_extractor
+from retr.extractors.batches import extract_paths, extracted_batches  # noqa: F401  (extract_paths: bench/gpu.py)
 from retr.manifests.schema import ManifestRecord, manifest_sha256, outside_root_reason, read_manifest
-from retr.common.prefetch import DevicePrefetcher
 from retr.pipeline.write_thread import WRITE_QUEUE_DEPTH, BackgroundWriter
 from retr.store.features import (NonFiniteError, ShardWriter, decode_str, index_path_for, is_complete,
                                  shard_name, shard_status, write_index)
@@ -106,59 +66,6 @@ def plan_shards(num_shards: int | None, shard_index: int | None,
     if count < 1:
         raise ParameterError(f"num_shards must be at least 1, not {count}", "num_shards")
     return count, list(range(count))
-
-
-class ImageFiles(Dataset):
-    """Rows of one shard for a DataLoader: item ``i`` → ``(i, sample or None, error reason or None)``.
-
-    ``refused``: positions not to open at all, with the reason recorded instead (paths outside the image root).
-    """
-
-    def __init__(self, paths: Sequence[str], preprocess: Callable[[str], Any],
-                 refused: dict[int, str] | None = None):
-        self.paths = list(paths)
-        self.preprocess = preprocess
-        self.refused = dict(refused or {})
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> tuple[int, Any, str | None]:
-        if i in self.refused:
-            return i, None, self.refused[i]
-        try:
-            return i, self.preprocess(self.paths[i]), None
-        except ImageError as exc:
-            return i, None, str(exc) or "unusable image"
-
-
-@dataclass
-class Batch:
-    """A collated batch: positions (within the shard) of usable images, their batch, and the failed ones."""
-
-    positions: list[int]
-    samples: Any
-    failures: list[tuple[int, str]]
-
-    def pin_memory(self) -> "Batch":
-        """Called by the DataLoader with ``pin_memory=True`` (CUDA): page-locks the sample tensor (or the
-        samples' own ``pin_memory``, e.g. an :class:`~retr.extractors.device_decode.EncodedBatch`)."""
-        if self.samples is not None and hasattr(self.samples, "pin_memory"):
-            self.samples = self.samples.pin_memory()
-        return self
-
-
-class BatchCollator:
-    """DataLoader ``collate_fn``: splits failed images off and batches the rest with ``extractor.collate``."""
-
-    def __init__(self, collate: Callable[[list[Any]], Any]):
-        self.collate = collate
-
-    def __call__(self, items: list[tuple[int, Any, str | None]]) -> Batch:
-        good = [(i, sample) for i, sample, reason in items if reason is None]
-        failures = [(i, reason) for i, _sample, reason in items if reason is not None]
-        samples = self.collate([s for _, s in good]) if good else None
-        return Batch([i for i, _ in good], samples, failures)
 
 
 @dataclass
@@ -257,13 +164,6 @@ def check_existing_shard(path: Path, attrs: dict[str, Any], dtype: str, ids: lis
                         f"delete {path.parent} to start over", parameters=["out"])
 
 
-def _worker_context() -> mp.context.BaseContext:
-    """``fork`` where the platform has it: workers start in milliseconds and receive nothing by pickling (a
-    ``spawn``ed worker re-imports torch, seconds per worker per shard). Workers only decode images; they never
-    touch CUDA, so forking after CUDA initialisation is safe here. Elsewhere the platform default."""
-    return mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-
-
 def outside_root_refusals(records: Sequence[ManifestRecord]) -> dict[int, str]:
     """Positions of ``records`` whose path leaves the image root → the reason recorded in ``errors``."""
     refused = {}
@@ -273,67 +173,6 @@ def outside_root_refusals(records: Sequence[ManifestRecord]) -> dict[int, str]:
             refused[i] = (f"path {record.path!r} leaves the image root ({reason}); not read "
                           f"(--allow-outside-root reads it)")
     return refused
-
-
-@dataclass
-class ExtractedBatch:
-    """One batch through the network: ``positions`` (in the path list) of ``out``'s rows, and the failures."""
-
-    positions: list[int]
-    out: dict[str, np.ndarray] | None
-    failures: list[tuple[int, str]]
-
-
-def extracted_batches(extractor: Extractor, paths: Sequence[str], *, batch_size: int, workers: int,
-                      refused: dict[int, str] | None = None) -> Iterator[ExtractedBatch]:
-    """Run ``extractor`` over ``paths`` in order: DataLoader workers (``extractor.preprocessor()``), pinned
-    batches on CUDA, ``extractor.to_device`` one batch ahead (:class:`DevicePrefetcher`), ``extract``.
-
-    ``refused``: positions not to open, with the reason reported as their failure. Yields one
-    :class:`ExtractedBatch` per loader batch; failures from the workers come before those found on the device.
-    """
-    device = torch.device(getattr(extractor, "device", "cpu"))
-    loader = DataLoader(ImageFiles(paths, extractor.preprocessor(), refused), batch_size=batch_size, shuffle=False,
-                        num_workers=workers, collate_fn=BatchCollator(extractor.collator()),
-                        pin_memory=device.type == "cuda",
-                        prefetch_factor=2 if workers > 0 else None,
-                        multiprocessing_context=_worker_context() if workers > 0 else None)
-
-    def move(batch: Batch) -> tuple[Batch, Any, list[tuple[int, str]]]:
-        if not batch.positions:
-            return batch, None, []
-        samples, dropped = extractor.to_device(batch.samples)
-        return batch, samples, dropped
-
-    for batch, samples, dropped in DevicePrefetcher(loader, move, device):
-        failures = list(batch.failures) + [(batch.positions[row], reason) for row, reason in dropped]
-        gone = {row for row, _reason in dropped}
-        positions = [p for row, p in enumerate(batch.positions) if row not in gone]
-        out = extractor.extract(samples) if positions else None
-        yield ExtractedBatch(positions, out, failures)
-
-
-def extract_paths(extractor: Extractor, paths: Sequence[str], *, batch_size: int = 8,
-                  workers: int = 2) -> tuple[dict[str, np.ndarray], list[tuple[int, str]]]:
-    """Every output of ``extractor`` over ``paths``, in memory (no shard file): what ``bench/gpu.py`` times.
-
-    Returns ``(outputs, failures)``: ``outputs["features"]`` ``[N', K, D]`` (and each extra) for the ``N'``
-    usable paths in order; ``failures`` ``[(position in paths, one-line reason)]``. The decode path and
-    precision are the extractor's own (``build_extractor(name, decode=..., autocast=..., half=...)``).
-    """
-    names = ["features", *extractor.extras]
-    parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    failures: list[tuple[int, str]] = []
-    for done in extracted_batches(extractor, paths, batch_size=batch_size, workers=workers):
-        failures.extend(done.failures)
-        if done.out is not None:
-            for name in names:
-                parts[name].append(done.out[name])
-    K, D = extractor.feature_shape
-    empty = {"features": np.zeros((0, K, D), np.float32),
-             **{name: np.zeros((0, *shape), dtype) for name, (shape, dtype) in extractor.extras.items()}}
-    outputs = {name: np.concatenate(parts[name]) if parts[name] else empty[name] for name in names}
-    return outputs, sorted(failures)
 
 
 @contextlib.contextmanager
@@ -353,11 +192,7 @@ def run_shard(extractor: Extractor, records: Sequence[ManifestRecord], image_roo
               attrs: dict[str, Any], dtype: str, shard_index: int, num_shards: int, batch_size: int,
               workers: int, bar, allow_outside_root: bool = False,
               write_queue: int = WRITE_QUEUE_DEPTH) -> ShardResult:
-    """Extract ``records`` into the shard file ``path`` (atomically); update ``bar`` per batch.
-
-    Paths outside ``image_root`` become ``errors`` rows without being opened unless ``allow_outside_root``.
-    ``write_queue``: batches the writer thread may hold (0: write in this thread).
-    """
+    """Extract ``records`` into the shard file ``path`` (atomically); ``write_queue``: writer-thread depth (0: inline)."""
     start = time.perf_counter()
     paths = [str(image_root / record.path) for record in records]
     refused = {} if allow_outside_root else outside_root_refusals(records)
@@ -400,13 +235,9 @@ def shard_lock_path(folder: Path, shard_index: int, num_shards: int) -> Path:
 
 
 def lock_shards(folder: Path, shards: Sequence[int], num_shards: int, stack: contextlib.ExitStack | None) -> None:
-    """Take the exclusive lock of every shard in ``shards`` (:func:`retr.common.locks.acquire_lock`; released when
-    ``stack`` closes, or the process dies).
+    """Take the exclusive lock of every shard in ``shards`` (released when ``stack`` closes or the process dies).
 
-    Raises :class:`UserError` naming the holder (pid, host, start time) if another process holds one. With
-    ``stack=None`` only look: lock files that exist are tried and let go at once, nothing is created (so a run
-    that is refused, or fails before writing, leaves no folder behind).
-    """
+    Raises :class:`UserError` naming the holder. ``stack=None``: only try existing lock files, create nothing."""
     if stack is not None:
         folder.mkdir(parents=True, exist_ok=True)
     for r in shards:
@@ -424,10 +255,9 @@ def lock_shards(folder: Path, shards: Sequence[int], num_shards: int, stack: con
 
 
 def write_index_when_complete(folder: Path) -> tuple[Path | None, bool, int]:
-    """Under an exclusive lock: write ``DIR/NAME.h5`` if every shard is complete and the index is stale.
+    """Under an exclusive lock, write ``DIR/NAME.h5`` if every shard is complete and the index is stale.
 
-    Returns ``(index path or None, whether it was written now, number of shards still missing)``.
-    """
+    Returns ``(index path or None, whether it was written now, number of shards still missing)``."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".index.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -453,24 +283,11 @@ def extract_features(manifest: str | os.PathLike, extractor: str, out: str | os.
                      env: DistributedEnv | None = None, allow_outside_root: bool = False,
                      write_queue: int = WRITE_QUEUE_DEPTH,
                      build: Callable[..., Extractor] = build_extractor) -> ExtractionSummary:
-    """Run extractor ``extractor`` over the manifest into ``out/<extractor>/`` and index it when complete.
+    """Run ``extractor`` over the manifest into ``out/<extractor>/`` and index it when complete.
 
-    Args:
-        manifest: JSON Lines manifest (validated entirely before any work).
-        out: the features folder; shards go to ``out/<extractor>/``, the index to ``out/<extractor>.h5``.
-        image_root: folder manifest paths are relative to (default: the manifest's folder).
-        options: builder options (``weights``, ``device``, ``half``, ``image_size``, …). Under torchrun a
-            ``cuda`` device becomes ``cuda:LOCAL_RANK``.
-        batch_size: images per network call; workers: DataLoader decoding processes (0 = in this process).
-        num_shards / shard_index / env: see the module docstring.
-        dtype: ``float16`` (default) or ``float32`` on disk.
-        allow_outside_root: read manifest paths that leave ``image_root`` (absolute, ``..``) instead of
-            recording them as errors.
-        write_queue: batches waiting for the writer thread before the loop blocks (0: synchronous writes).
-
-    Raises :class:`UserError` when another process is writing one of this run's shards (see the module
-    docstring), before the network is built.
-    """
+    ``image_root`` defaults to the manifest's folder; ``options`` are the builder's (under torchrun ``cuda`` becomes
+    ``cuda:LOCAL_RANK``); ``num_shards``/``shard_index``/``env`` choose the shards. Raises :class:`UserError`,
+    before the network is built, when another process writes one of this run's shards."""
     started = time.perf_counter()
     if batch_size < 1:
         raise ParameterError(f"batch_size must be at least 1, not {batch_size}", "batch_size")

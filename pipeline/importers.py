@@ -1,29 +1,8 @@
-"""Importers of region features users already have, into retr's ``regions`` feature sets.
+"""Importers of region features users already have (SCAN's ``.npy``, bottom-up TSV, MILVLG ``.npz``) into
+``regions`` feature sets.
 
-* **SCAN precomputed data** (``{split}_ims.npy`` [N, 36, 2048] float32 + ``{split}_caps.txt`` with 5 lines per
-  image [+ ``{split}_ids.txt``]) → ``DIR/regions.h5`` and ``DIR/manifest.jsonl`` (5 captions per image).
-  Splits: SCAN's ``train`` → ``train``, ``dev`` → ``val``, ``test`` → ``test``; COCO's ``testall`` (the 5K test,
-  whose first 1,000 images are SCAN's COCO ``test``) → ``test``. When ``testall`` exists and no ``--splits``
-  are given, it is imported and ``test`` is skipped (its images would be duplicates); the COCO 1K folds are
-  then the project's usual five 1K slices of ``test`` in file order. SCAN's loader cuts ``dev`` to its first
-  1,000 images; the importer keeps every row (the trainer decides what to evaluate on). Ids come from
-  ``{split}_ids.txt`` (with ``--id-prefix``; one id per image, or one per caption repeated five times in a row as
-  the released COCO files have) when present, else ``<scan split>_<row>``. Manifest paths are
-  ``precomputed/<scan split>/<row>`` (there is no image file) and each record carries ``"source"``.
-  SCAN's files have no boxes or labels: ``boxes`` and ``image_hw`` are zeros, ids −1, confidences 0, and the
-  attribute ``placeholder_datasets`` names them.
-* **bottom-up TSV** — the original 6 fields (``image_id, image_w, image_h, num_boxes, boxes, features``) or the
-  10-field LXMERT layout (``img_id, img_h, img_w, objects_id, objects_conf, attrs_id, attrs_conf, num_boxes,
-  boxes, features``), tab-separated, arrays as base64 of little-endian float32 (ids int64).
-* **MILVLG ``.npz``** per image (``x``, ``bbox``, ``num_bbox``, ``image_h``, ``image_w``, ``info`` = a pickled dict
-  of ``objects_id``, ``objects_conf``, ``attrs_id``, ``attrs_conf``). ``info`` is read with an unpickler that
-  accepts only arrays and plain values.
-
-Images with different numbers of boxes (the 10–100 adaptive features) get K = the largest count in the input
-(or ``max_boxes`` if given, which must cover it); rows past ``num_boxes`` are zeros. Every importer writes
-through :class:`~retr.store.features.ShardWriter` (a partial file until complete, removed on error), so bad
-input stops with a clear error and leaves nothing that looks finished.
-"""
+Split mapping, ids, placeholders and box counts: docs/extraction.md ("Importing features made elsewhere"). MILVLG's
+pickled ``info`` is read with an unpickler that accepts only arrays and plain values."""
 from __future__ import annotations
 
 import base64
@@ -31,13 +10,14 @@ import io
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from retr.common.errors import UserError
 from retr.manifests.schema import ManifestRecord, manifest_sha256, write_manifest
-from retr.store.features import REGION_DATASETS, REGION_IMAGE_DATASETS, NonFiniteError, ShardWriter
+from retr.store.features import (REGION_DATASETS, REGION_IMAGE_DATASETS, ClosesOrAborts, NonFiniteError,
+                                 ShardWriter)
 
 FEATURE_DIM = 2048
 #: Images read from a SCAN ``{split}_ims.npy`` at a time (one block: 64 × 36 × 2048 float32 = 19 MB).
@@ -105,7 +85,7 @@ def import_attrs(source: str, weights: str, **extra: Any) -> dict[str, Any]:
     return attrs
 
 
-class RegionSetWriter:
+class RegionSetWriter(ClosesOrAborts):
     """Buffers :class:`RegionRow` s into ``[B, K, …]`` blocks and appends them to a :class:`ShardWriter`."""
 
     def __init__(self, path: Path, attrs: dict[str, Any], k: int, dtype: str, block: int = 64):
@@ -167,15 +147,6 @@ class RegionSetWriter:
     def abort(self) -> None:
         self.writer.abort()
 
-    def __enter__(self) -> "RegionSetWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
 
 def _check_out(out: Path, name: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
@@ -184,14 +155,8 @@ def _check_out(out: Path, name: str) -> Path:
 
 # -- SCAN -------------------------------------------------------------------------------------------------
 class NpyRows:
-    """The rows of a ``.npy`` array ``[N, K, D]``, read a block at a time with plain file reads.
-
-    Why not slice a memory map: every page of a map that was read stays in the process's resident set until the
-    map is closed, so importing a 3 GB ``{split}_ims.npy`` through one grew the importer to the file's size.
-    Reads into a fresh block keep memory at one block (the page cache, which the kernel frees at will, holds
-    the rest). The header (shape, dtype, data offset) comes from ``np.load(mmap_mode="r")``, which reads only
-    the header. Fortran-order files (rare: ``np.save`` of a transposed array) have no contiguous rows; they are
-    read through the memory map as before.
+    """The rows of a ``.npy`` array ``[N, K, D]``, read a block at a time with plain file reads (not a memory map,
+    whose pages stay resident: docs/extraction.md, "Importing SCAN's files: memory"); Fortran-order files use the map.
 
     Attributes: ``shape`` ``(N, K, D)``, ``dtype`` (the file's).
     """
@@ -312,11 +277,8 @@ def default_scan_splits(data_dir: Path) -> list[str]:
 
 def import_scan(data_dir: str | Path, out: str | Path, splits: Sequence[str] | None = None,
                 dtype: str = "float16", id_prefix: str = "", progress: Progress = _no_progress) -> ImportSummary:
-    """SCAN ``{split}_ims.npy`` + ``{split}_caps.txt`` → ``out/manifest.jsonl`` + ``out/regions.h5``.
-
-    The arrays are streamed :data:`SCAN_BLOCK_IMAGES` images at a time (:class:`NpyRows`): memory stays near
-    one block (``64 × 36 × 2048`` float32, 19 MB) whatever the file's size.
-    """
+    """SCAN ``{split}_ims.npy`` + ``{split}_caps.txt`` → ``out/manifest.jsonl`` + ``out/regions.h5``, streamed
+    :data:`SCAN_BLOCK_IMAGES` images at a time."""
     data_dir, out = Path(data_dir), Path(out)
     if not data_dir.is_dir():
         raise UserError(f"SCAN data folder {data_dir} does not exist")

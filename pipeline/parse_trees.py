@@ -1,30 +1,6 @@
-"""The referral-tree stage behind ``retr-pipeline parse-trees`` (commands: :mod:`retr.pipeline.commands.parse_trees`).
+"""The referral-tree stage behind ``retr-pipeline parse-trees``: parse shards, then encode ``trees.h5``.
 
-``parse-trees`` works in two steps:
-
-1. **Parse** (the slow part with stanza): the manifest's captions, in manifest order, are cut into shards of
-   ``--shard-size`` consecutive captions. Each shard is parsed in batches, every caption's referral tree is
-   built (:mod:`retr.parsers.referral_tree`), and the shard — caption keys, the 7 candidate lists of each
-   tree, failures — is written atomically to ``<out>.shards/shard-RRRRR-of-WWWWW.h5``. A re-run skips the
-   shards that are complete, so an interrupted run resumes; a shard made from another manifest, backend kind,
-   rule set or shard size is refused (delete the folder to start over).
-2. **Encode**: once every shard exists, the dictionaries are built from the training captions'
-   (``train`` + ``restval``) trees — or read from ``--dictionaries`` — and ``<out>`` (``trees.h5``) is
-   written atomically with the ids. The shards stay as the parse cache: running again with other
-   dictionaries or sizes re-encodes without re-parsing.
-
-Before the tree rules run, each parsed sentence is converted to UD v2 (:mod:`retr.parsers.schemes`): the label
-scheme is detected from the CoNLL-U file's labels (``--scheme auto``) or given (``--scheme ud2|ud1|sd|
-clearnlp``); an unknown scheme is refused in one line naming the unexpected labels. The scheme is part of a
-shard's identity; the conversions applied are counted per shard and summed in the summary and in ``trees.h5``
-(``scheme``, ``conversions``). A sentence that cannot be converted is that caption's failure, with the reason.
-
-A run whose failures exceed ``--max-failures`` (a fraction of the manifest's captions, default
-:data:`DEFAULT_MAX_FAILURES`) stops before the encode step with one error line (:class:`TooManyFailures`):
-``trees.h5`` is not written (an existing one is left as it was), the parse shards stay, so a re-run with a
-higher threshold only re-encodes. A mostly-failed run is a wrong input (``--scheme``, ``--match``, another
-file), not a tree set a trainer should read.
-"""
+Shards, resume, scheme conversion and ``--max-failures``: docs/referral-trees.md ("Files, sharding and resume")."""
 from __future__ import annotations
 
 import json
@@ -105,8 +81,7 @@ class ParseTreesSummary:
 class TooManyFailures(UserError):
     """More captions failed than ``max_failures`` allows; ``trees.h5`` was not written (the parse shards were).
 
-    Attributes: ``failures`` (caption key, reason), ``captions`` (the manifest's count), ``max_failures``.
-    """
+    Attributes: ``failures`` (caption key, reason), ``captions`` (the manifest's count), ``max_failures``."""
 
     def __init__(self, message: str, failures: list[tuple[str, str]], captions: int, max_failures: float):
         super().__init__(message, parameters=("max_failures",))
@@ -194,13 +169,10 @@ def run_parse_trees(manifest: str | os.PathLike, out: str | os.PathLike, backend
                     rules: TreeRules | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
                     batch_size: int = DEFAULT_BATCH_SIZE, quiet: bool = True, restart: bool = False,
                     scheme: str = "auto", max_failures: float = DEFAULT_MAX_FAILURES) -> ParseTreesSummary:
-    """Parse every caption of ``manifest`` into ``out`` (``trees.h5``); see the module docstring.
+    """Parse every caption of ``manifest`` into ``out`` (``trees.h5``), through reusable parse shards.
 
-    ``restart`` deletes the parse shards of an earlier run first (otherwise finished shards are reused and
-    shards of a different run are refused). ``scheme``: the parses' label scheme, ``auto`` (detected) or one of
-    :data:`retr.parsers.schemes.SCHEMES`; every sentence is converted to UD v2 before the tree rules.
-    ``max_failures``: the largest share of captions that may fail; above it :class:`TooManyFailures` is raised
-    after parsing (shards written) and ``out`` is not written.
+    ``restart`` deletes earlier shards; ``scheme``: ``auto`` or one of :data:`retr.parsers.schemes.SCHEMES`;
+    ``max_failures``: the largest share of failed captions (above it :class:`TooManyFailures`, ``out`` unwritten).
     """
     if shard_size < 1 or batch_size < 1:
         raise UserError("--shard-size and --batch-size must be at least 1")

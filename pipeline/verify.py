@@ -1,13 +1,7 @@
 """Checks of a feature set (``retr-pipeline verify``) and its one-screen summary (``retr-pipeline inspect``).
 
-``verify`` reads every row by default: each per-row dataset is streamed in blocks of about ``chunk_bytes``
-(64 MiB), so memory stays bounded whatever the size of the set. Every float value must be finite, and every
-row must match the CRC-32 its shard stored when it was written (:func:`retr.store.features.row_checksums`:
-the id and the row's bytes, so a zeroed, altered or re-labelled row is found). For an index, each shard is read
-directly (the bytes the checksums cover) and its ids are compared with the index's copy. ``sample=N`` reads
-only N random rows (plus the first and last): the quick check; ``checksum=False`` skips the checksums.
-Shards written before checksums existed verify with a note saying none was present.
-"""
+Streams every row (or a ``sample``) in ``chunk_bytes`` blocks: finite values, stored CRC-32s, shard ids against the
+index (docs/extraction.md, "Checking a feature set")."""
 from __future__ import annotations
 
 import json
@@ -53,12 +47,8 @@ def _shape_problems(kind: str, shape: tuple[int, ...]) -> list[str]:
 
 @dataclass
 class VerifyReport:
-    """What :func:`verify_report` found in one feature set.
-
-    ``problems``: everything wrong (empty: sound); ``notes``: facts worth saying that are not problems (e.g. no
-    checksums stored); ``rows``: rows in the set; ``rows_read``: rows whose values were checked;
-    ``rows_checksummed``: rows compared with a stored checksum.
-    """
+    """What :func:`verify_report` found: ``problems`` (empty: sound), ``notes``, ``rows``, ``rows_read``,
+    ``rows_checksummed``."""
 
     path: Path
     problems: list[str] = field(default_factory=list)
@@ -80,15 +70,8 @@ def verify_feature_set(path: str | os.PathLike, sample: int | None = None, check
 
 def verify_report(path: str | os.PathLike, sample: int | None = None, checksum: bool = True, seed: int = 0,
                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> VerifyReport:
-    """Check a feature set (an index or a single shard) and say what was found.
-
-    Checks: root attributes present, known and consistent with the data (and, for an index, with every shard);
-    every shard listed by an index present and complete, with the row count, dataset shapes and ids the index
-    records; shapes as ``kind`` requires (plus the regions datasets); ids non-empty and unique; error ids absent
-    from the rows; then the values of every row (or, with ``sample``, of that many random rows plus the first
-    and last): finite in every float dataset, and — unless ``checksum`` is false — equal to the checksum stored
-    when the row was written. Rows are streamed ``chunk_bytes`` at a time.
-    """
+    """Check a feature set (an index or a single shard): attributes, shards, shapes, ids, then every row's values
+    (or ``sample`` rows) and, unless ``checksum`` is false, their stored checksums."""
     path = Path(path)
     report = VerifyReport(path)
     if sample is not None and sample < 0:
@@ -225,8 +208,7 @@ def _check_rows(f: h5py.File, names: RowNames, rows: np.ndarray | None, checksum
                 report: VerifyReport, note_missing: bool = True) -> None:
     """Read the rows of one file (every row, or ``rows`` [R] sorted) block by block: floats finite, checksums equal.
 
-    Per-row datasets are ``features`` then the others in name order — the order the checksums cover.
-    """
+    Per-row datasets are ``features`` then the others in name order — the order the checksums cover."""
     n = f["features"].shape[0]
     datasets = ["features"] + sorted(name for name in f if name not in NOT_ROW_DATA and name != "features")
     ids_ds = f["ids"]

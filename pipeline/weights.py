@@ -1,14 +1,7 @@
 """The weights retr downloads, located and fetched ahead of time (``retr-pipeline fetch-weights``, ``extract-preset``).
 
-Weights are named by what they are (``resnet152``, ``vgg16``, ``vgg19``, ``inception_resnet_v2``, ``butd``,
-``stanza``) or by the extractor that needs them (``resnet152-grid``, ``tencrop-vgg19``, …); ``all`` (the default)
-is every one. Each lands where the code that loads it looks first — torchvision's cache, the Hugging Face cache,
-retr's weights folder, stanza's resource folder — so a login node can fill the caches that GPU nodes read
-offline. :func:`ensure_weights` is the same step for ``extract-preset``: offline, everything missing is named in
-one line with the command that fetches it; online, it is downloaded before the first extractor runs.
-
-Sources, sizes and checksums: :data:`retr.common.downloads.SOURCES`. Data: :mod:`retr.manifests.fetch`. The
-commands: :mod:`retr.pipeline.commands.fetch`.
+Named by what they are (``resnet152``, ``butd``, ``stanza`` …) or by extractor; each lands where its loader
+looks first. Sources: :data:`retr.common.downloads.SOURCES`; docs/extraction.md ("Downloads").
 """
 from __future__ import annotations
 
@@ -64,6 +57,23 @@ def _timm(arch: str) -> WeightsItem:
     return WeightsItem(arch, arch, locate, fetch, looked_in)
 
 
+def _clip(name: str) -> WeightsItem:
+    def locate() -> Path | None:
+        from retr.extractors.clip import DEFAULT_WEIGHTS, FAMILY, HUB_FILES, _hub_id
+        from retr.extractors.timm_weights import cached_hub_file
+        return cached_hub_file(_hub_id(FAMILY[name], DEFAULT_WEIGHTS), HUB_FILES)
+
+    def fetch(quiet: bool, mirror: str | None) -> Path:
+        from retr.extractors.clip import FAMILY, fetch_clip_weights
+        return fetch_clip_weights(FAMILY[name], quiet=quiet)
+
+    def looked_in() -> str:
+        from retr.extractors.timm_weights import hf_hub_cache
+        return str(hf_hub_cache())
+
+    return WeightsItem(name, name, locate, fetch, looked_in)
+
+
 def _butd() -> WeightsItem:
     def locate() -> Path | None:
         from retr.extractors.butd.extractor import find_default_checkpoint
@@ -105,6 +115,8 @@ def _stanza(model_dir: Path | None) -> WeightsItem:
 EXTRACTOR_WEIGHTS = {"resnet152-grid": "resnet152", "tencrop-resnet152": "resnet152", "vgg16-maps": "vgg16",
                      "tencrop-vgg19": "vgg19", "tencrop-irv2": "inception_resnet_v2", "butd-regions": "butd"}
 WEIGHTS_NAMES = ("resnet152", "vgg16", "vgg19", "inception_resnet_v2", "butd", "stanza")
+#: OpenAI's CLIP weights (named by their extractor); not in ``all`` (4.6 GB, no preset needs them): ``clip`` is all four
+CLIP_NAMES = ("clip-vit-b-32", "clip-vit-b-16", "clip-vit-l-14", "clip-vit-l-14-336")
 
 
 def weights_items(names: Iterable[str], stanza_dir: Path | None = None) -> list[WeightsItem]:
@@ -113,17 +125,21 @@ def weights_items(names: Iterable[str], stanza_dir: Path | None = None) -> list[
     for name in names:
         if name == "all":
             wanted.update(WEIGHTS_NAMES)
-        elif name in WEIGHTS_NAMES:
+        elif name == "clip":
+            wanted.update(CLIP_NAMES)
+        elif name in WEIGHTS_NAMES + CLIP_NAMES:
             wanted.add(name)
         elif name in EXTRACTOR_WEIGHTS:
             wanted.add(EXTRACTOR_WEIGHTS[name])
         else:
-            raise ParameterError(f"unknown weights {name!r} (expected all, {', '.join(WEIGHTS_NAMES)}, or an "
-                                 f"extractor name: {', '.join(EXTRACTOR_WEIGHTS)})", "names")
+            raise ParameterError(f"unknown weights {name!r} (expected all, {', '.join(WEIGHTS_NAMES)}, clip, "
+                                 f"{', '.join(CLIP_NAMES)}, or an extractor name: {', '.join(EXTRACTOR_WEIGHTS)})",
+                                 "names")
     build = {"resnet152": lambda: _torchvision("resnet152"), "vgg16": lambda: _torchvision("vgg16"),
              "vgg19": lambda: _torchvision("vgg19"), "inception_resnet_v2": lambda: _timm("inception_resnet_v2"),
              "butd": _butd, "stanza": lambda: _stanza(stanza_dir)}
-    return [build[name]() for name in WEIGHTS_NAMES if name in wanted]
+    build.update({name: (lambda n=name: _clip(n)) for name in CLIP_NAMES})
+    return [build[name]() for name in WEIGHTS_NAMES + CLIP_NAMES if name in wanted]
 
 
 def ensure_weights(items: list[WeightsItem], quiet: bool = False, mirror: str | None = None,

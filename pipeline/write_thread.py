@@ -1,18 +1,6 @@
 """Shard writes on a background thread (:class:`BackgroundWriter`), so the network never waits on the disk.
 
-The extraction loop hands each batch's rows (``append``) and error rows (``add_error``) to one writer thread
-through a bounded queue of ``depth`` calls; the loop blocks only when ``depth`` calls are already waiting
-(the disk is slower than the network). Calls run in the order they were made, on the same
-:class:`~retr.store.features.ShardWriter`, so the shard is byte-for-byte what the synchronous loop writes.
-
-A call that fails in the thread (a NaN row, a value beyond float16, a full disk) is re-raised, as the same
-exception object, in the main thread at its next call or at :meth:`BackgroundWriter.close`; the calls queued
-after it are dropped. Kill/resume safety stays the writer's: the extraction loop calls :meth:`close` (which
-joins the thread) before the ``ShardWriter`` context closes, so the shard is renamed only after every row is
-written; on an exception (``KeyboardInterrupt`` included) it calls :meth:`abandon` — the pending calls are
-dropped — and the ``.partial`` file is removed as before. ``depth=0`` runs every call at once, in the caller's
-thread (the synchronous writer).
-"""
+Order, failures and kill safety: docs/extraction.md ("Modules")."""
 from __future__ import annotations
 
 import functools

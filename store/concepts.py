@@ -1,4 +1,4 @@
-"""``concepts.h5`` (the concepts contract of DESIGN.md) and GloVe-format word-vector files.
+"""``concepts.h5``, the concepts contract of DESIGN.md (concept word vectors: :mod:`retr.store.word_vectors`).
 
 ``retr-pipeline build-concepts`` (:mod:`retr.pipeline.concepts`) builds the data and writes it with
 :func:`write_concepts`; the SMFEA trainer reads it with :class:`ConceptSet`. Layout::
@@ -140,44 +140,3 @@ class ConceptSet:
         """``[len(ids), C]`` uint8 labels of images (union over their captions)."""
         return self.image_labels[self._rows(ids, self._image_rows, "image")]
 
-
-def read_word_vectors(path: str | os.PathLike, words: Sequence[str]) -> tuple[np.ndarray, list[str]]:
-    """Vectors ``[len(words), D]`` float32 of ``words`` from a GloVe-format text file (``word v1 … vD``).
-
-    A multi-word concept (``tennis_racket``) gets the mean of its parts. Returns the vectors and the words the
-    file does not cover (their rows are zero; the caller decides what to do with them).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise MissingResourceError(f"word-vector file {path}", str(path.parent),
-                                   "download GloVe (e.g. glove.840B.300d.txt from nlp.stanford.edu/projects/"
-                                   "glove) on a connected machine, or train concept vectors with --concept-vectors"
-                                   " learned")
-    wanted = {part for w in words for part in w.split("_")}
-    found: dict[str, np.ndarray] = {}
-    dim = None
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, start=1):
-            head, _, rest = line.rstrip("\n").partition(" ")
-            if head not in wanted or head in found:
-                continue
-            try:
-                vector = np.array(rest.split(" "), dtype=np.float32)
-            except ValueError:
-                raise UserError(f"{path} line {number}: not 'word v1 … vD' (GloVe text format)") from None
-            if dim is None:
-                dim = len(vector)
-            elif len(vector) != dim:
-                raise UserError(f"{path} line {number}: {len(vector)} values, earlier lines have {dim}")
-            found[head] = vector
-    if dim is None:
-        raise UserError(f"{path} covers none of the {len(words)} concept words")
-    out = np.zeros((len(words), dim), dtype=np.float32)
-    missing = []
-    for i, word in enumerate(words):
-        parts = [found[p] for p in word.split("_") if p in found]
-        if parts:
-            out[i] = np.mean(parts, axis=0)
-        else:
-            missing.append(word)
-    return out, missing

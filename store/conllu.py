@@ -1,11 +1,7 @@
 """The CoNLL-U row: one word of a dependency-parsed sentence (https://universaldependencies.org/format.html).
 
-CoNLL-U files are handed between stages (the synthetic dataset's gold ``captions.conllu``, parses made
-elsewhere) and read by ``parse-trees`` and ``build-concepts``. The synthetic generator writes rows of this type
-(:mod:`retr.manifests.synthetic`) and the referral-tree rules read parsed words as rows of this type
-(:class:`retr.parsers.referral_tree.DependencySentence`); reading a file is left to stanza's CoNLL-U reader. Sentences converted from another label scheme
-(:mod:`retr.parsers.schemes`) are lists of these rows.
-"""
+Written by the synthetic generator, read by the tree rules and the scheme conversion; files are read with stanza's
+CoNLL-U reader."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,31 +1,6 @@
-"""The HDF5 feature store: shard writer, index writer and reader (the "feature set" contract of DESIGN.md).
+"""The HDF5 feature store: shard writer, index writer and reader (the "feature set" contract).
 
-A *feature set* is either one shard file or an *index* file that joins shards with HDF5 virtual datasets, so
-any HDF5 reader opens a single file. Layout of every file::
-
-    /ids          [N]        utf-8 strings   manifest ids, the join key (a real copy in the index)
-    /features     [N, K, D]  float16|float32 one sample per chunk
-    /errors       [E, 2]     utf-8 strings   (id, reason) of images that could not be used
-    /boxes …      [N, …]     extra per-row datasets (regions: boxes, num_boxes, image_hw, object_ids, …)
-    /checksums    [N]        uint32          shards only: one CRC-32 per row (:func:`row_checksums`)
-
-Root attributes: see :data:`ROOT_ATTRS`, plus per file ``complete`` (set last, just before the rename),
-``num_rows``, ``shard_index``/``num_shards`` (shards) or ``shards`` (index: JSON list of ``{"file", "rows"}``).
-
-Atomicity: a writer works on ``<name>.partial`` and renames it to ``<name>`` only after everything (including
-``complete = True``) is flushed and closed, so a killed writer never leaves a file that looks finished.
-
-Integrity: the writer refuses non-finite values (NaN, ±inf) in any float dataset, whatever the dtype, and
-stores in every shard a CRC-32 per row computed from the bytes it wrote: the row's id (UTF-8, then a NUL byte),
-its ``features``, then every other per-row dataset in name order, each as little-endian bytes. So a row zeroed,
-altered or moved to another id afterwards no longer matches (``retr-pipeline verify`` recomputes them). The
-index does not copy ``checksums`` (they stay in the shards, next to the bytes they cover); shards written before
-checksums existed have none and still read and verify.
-
-Reading: :class:`FeatureSet` opens the file lazily in each process (h5py handles must not cross ``fork``), so
-it can be handed to DataLoader workers; batches of rows are read in sorted order and put back in the order
-asked for.
-"""
+Layout, attributes, atomicity, per-row checksums and lazy per-process reading: docs/DESIGN.md ("Contracts")."""
 from __future__ import annotations
 
 import json
@@ -44,7 +19,7 @@ from retr.common.errors import UserError
 from retr.common.version import __version__
 
 FORMAT_VERSION = 1
-KINDS = ("grid", "maps", "tencrop", "regions")
+KINDS = ("grid", "maps", "tencrop", "regions", "clip")   # clip: row 0 the image embedding, then patches
 #: Attributes every feature-set file carries at its root.
 ROOT_ATTRS = ("format_version", "kind", "extractor", "backbone", "weights", "image_size", "dtype",
               "manifest_sha256", "created", "retr_version")
@@ -80,11 +55,7 @@ _STR = h5py.string_dtype("utf-8")
 
 
 class NonFiniteError(ValueError):
-    """Rows handed to :meth:`ShardWriter.append` hold NaN or ±inf (refused in every dtype).
-
-    ``image_id``: the first such row's id; ``dataset``: ``features`` or the extra dataset's name; ``count``: how
-    many rows of the batch are affected.
-    """
+    """Rows handed to :meth:`ShardWriter.append` hold NaN or ±inf: ``image_id`` (first), ``dataset``, ``count``."""
 
     def __init__(self, image_id: str, dataset: str, count: int, file_name: str):
         self.image_id, self.dataset, self.count = image_id, dataset, count
@@ -94,11 +65,8 @@ class NonFiniteError(ValueError):
 
 
 def row_checksums(ids: Sequence[str], arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """The CRC-32 of each row: ``ids`` [B] and ``arrays`` (each [B, …], ``features`` first, then the other
-    per-row datasets in name order, already in their on-disk dtypes) → ``[B]`` uint32.
-
-    Each row's bytes are taken little-endian and C-ordered, so the value does not depend on the machine.
-    """
+    """The CRC-32 of each row: ``ids`` [B] and ``arrays`` (each [B, …], ``features`` first, then by name) → ``[B]``
+    uint32."""
     little = [np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")) for a in map(np.asarray, arrays)]
     out = np.empty(len(ids), dtype=np.uint32)
     for row, image_id in enumerate(ids):
@@ -139,22 +107,22 @@ def decode_str(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-class ShardWriter:
+class ClosesOrAborts:
+    """Context manager: :meth:`close` on success, ``abort`` (remove the partial file) on an exception."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close() if exc_type is None else self.abort()
+
+
+class ShardWriter(ClosesOrAborts):
     """Append batches of rows to one shard; the finished file appears only on :meth:`close`.
 
-    Args:
-        path: final path, e.g. ``out/resnet152-grid/shard-00000-of-00004.h5``.
-        attrs: the root attributes (``kind``, ``extractor``, ``backbone``, ``weights``, ``image_size``,
-            ``manifest_sha256``, and any extra such as vocabularies); ``format_version``, ``dtype``, ``created``
-            and ``retr_version`` are filled in here.
-        feature_shape: ``(K, D)`` of one sample.
-        dtype: ``float16`` (default) or ``float32`` — the on-disk type of ``features``.
-        extras: further per-row datasets, name → (shape of one row, dtype), e.g. ``{"boxes": ((36, 4), "float32")}``.
-        compression: ``None`` (default, fastest reads), ``"lzf"`` or ``"gzip"``.
-
-    Use as a context manager: leaving the block normally closes (renames) the shard; an exception removes the
-    partial file so nothing half-written survives.
-    """
+    ``attrs``: root attributes (``format_version``, ``dtype``, ``created``, ``retr_version`` filled in here);
+    ``feature_shape`` ``(K, D)``; ``extras``: name → (row shape, dtype), e.g. ``{"boxes": ((36, 4), "float32")}``;
+    ``compression``: None, ``"lzf"`` or ``"gzip"``. As a context manager an exception removes the partial file."""
 
     def __init__(self, path: str | os.PathLike, attrs: Mapping[str, object], feature_shape: tuple[int, int],
                  dtype: str = "float16", extras: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
@@ -205,10 +173,8 @@ class ShardWriter:
     def append(self, ids: Sequence[str], features: np.ndarray, **extras: np.ndarray) -> None:
         """Add ``B`` rows: ``ids`` [B], ``features`` [B, K, D] (cast to the file dtype), each extra [B, …].
 
-        Raises ``ValueError`` for a wrong shape, an unknown extra, an id written before, values beyond float16's
-        range (the message says to write float32), and :class:`NonFiniteError` for NaN/±inf in any float
-        dataset; nothing of the batch is written then.
-        """
+        Raises ``ValueError`` (shape, unknown extra, repeated id, beyond float16) or :class:`NonFiniteError`;
+        nothing of the batch is written then."""
         ids = [str(i) for i in ids]
         features = np.asarray(features)
         batch = len(ids)
@@ -270,15 +236,6 @@ class ShardWriter:
         """Close and delete the partial file."""
         self._discard()
 
-    def __enter__(self) -> "ShardWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
 
 def is_complete(path: str | os.PathLike) -> bool:
     """True if ``path`` is a finished shard (exists under its final name and carries ``complete = True``)."""
@@ -293,13 +250,7 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 
 def write_index(index_path: str | os.PathLike, shard_paths: Sequence[str | os.PathLike]) -> Path:
-    """Join complete shards into one index file with HDF5 virtual datasets (written atomically).
-
-    Shards are taken in the order given (normally shard order). ``ids`` and ``errors`` are copied (small);
-    ``features`` and every other per-row dataset are virtual; ``checksums`` stay in the shards (so shards written
-    with and without them can be joined). Source paths are stored relative to the index's
-    folder, so the whole folder can be moved.
-    """
+    """Join complete shards, in the order given, into one index file of HDF5 virtual datasets (atomically)."""
     index_path = Path(index_path)
     if not shard_paths:
         raise UserError(f"no shards to index for {index_path}")
@@ -361,16 +312,9 @@ def _attr_equal(a, b) -> bool:
 
 
 class FeatureSet:
-    """Read a feature set (an index or a single shard) by row or by id.
+    """Read a feature set (an index or a single shard) by row or by id; safe to pass to DataLoader workers.
 
-    Metadata (ids, attributes, shapes) is read once at construction; the HDF5 handle is opened lazily and
-    re-opened in every new process, so a ``FeatureSet`` can be passed to DataLoader workers.
-
-    Attributes:
-        ids: ``[N]`` numpy array of ``str``.
-        attrs: root attributes (JSON-valued ones decoded where they look like JSON lists/objects).
-        feature_shape: ``(K, D)``.
-    """
+    ``ids`` ``[N]`` str, ``attrs`` (JSON-valued ones decoded), ``feature_shape`` ``(K, D)``."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)

@@ -1,18 +1,6 @@
-"""Image-label files: a few labels per image (COCO's instance categories, Flickr30K Entities' head nouns or types).
+"""Image-label files (``labels.json`` object or ``labels.jsonl`` lines; attributes under :data:`ATTRS_KEY`).
 
-JGCAR's ``--labels`` reads one to decide which training images are intra-modal positives of each other
-(``docs/models-jgcar.md``); ``retr-pipeline labels coco`` / ``labels f30k-entities`` write them. Two forms::
-
-    labels.json    {"<image id>": ["label", …], …}            one JSON object
-    labels.jsonl   {"id": "<image id>", "labels": ["label", …]}  one object per line (the suffix decides)
-
-Labels may be strings or integers; they are read as strings. An empty list is a valid entry.
-
-A file may carry attributes (where its labels came from, the manifest's sha256, …) under the key
-:data:`ATTRS_KEY` — ``"#attrs": {…}`` in the JSON object, or a line ``{"#attrs": {…}}`` in JSON Lines. ``#``
-never occurs in a manifest id (it separates image id and caption index), so that key cannot be an image.
-:func:`read_label_file` skips it; :func:`read_label_attrs` returns it.
-"""
+Forms and what JGCAR's ``--labels`` does with them: docs/models-jgcar.md ("Where the labels come from")."""
 from __future__ import annotations
 
 import json
@@ -65,8 +53,7 @@ def read_label_file(path: str | os.PathLike) -> dict[str, list[str]]:
     """Image labels from JSON ``{"<image id>": ["label", …], …}`` or, for a ``.jsonl`` file, JSON Lines
     ``{"id": …, "labels": […]}`` (e.g. COCO's instance categories or Flickr30K Entities' head nouns per image).
 
-    The attributes entry (:data:`ATTRS_KEY`), if any, is not an image and is left out.
-    """
+    The attributes entry (:data:`ATTRS_KEY`), if any, is not an image and is left out."""
     path = Path(path)
     entries, _ = _entries(path)
     labels = {}
@@ -84,13 +71,9 @@ def read_label_attrs(path: str | os.PathLike) -> dict[str, Any]:
 
 def write_label_file(path: str | os.PathLike, labels: Mapping[str, Sequence[str]],
                      attrs: Mapping[str, Any] | None = None) -> Path:
-    """Write ``labels`` (image id → label strings) in the form :func:`read_label_file` reads; returns ``path``.
+    """Write ``labels`` (image id → strings) atomically in the form :func:`read_label_file` reads; returns ``path``.
 
-    ``.jsonl`` gives JSON Lines (one ``{"id", "labels"}`` per line), any other suffix one JSON object with one
-    image per line. ``attrs`` (JSON-serialisable) are stored under :data:`ATTRS_KEY` with ``format_version``,
-    ``num_images``, ``created`` and ``retr_version`` filled in. Images keep the mapping's order. The file is
-    written to ``<path>.partial`` and renamed when complete (:func:`retr.common.atomic.atomic_text`).
-    """
+    ``.jsonl`` gives JSON Lines, any other suffix one object; ``attrs`` are stored with the format fields."""
     path = Path(path)
     rows = []
     for image_id, values in labels.items():

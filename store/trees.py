@@ -1,22 +1,7 @@
-"""``trees.h5`` (the trees contract of DESIGN.md) and the parse shards it is merged from.
+"""``trees.h5`` and the parse shards it is merged from (both written ``.partial`` then renamed).
 
-``trees.h5``::
-
-    /caption_keys  [M]     utf-8   "<image id>#<caption index>", manifest order
-    /nodes         [M, 7]  int32   ids in slot order E1 R2 E3 R4 E5 R6 E7 (entity ids at 0, 2, 4, 6 index
-                                   ``entities``; relation ids at 1, 3, 5 index ``relations``)
-    /text          [M]     utf-8   bracketed tree ``(R4 (R2 E1 E3) (R6 E5 E7))``, what the ids stand for;
-                                   an ``unknown`` slot shows its word as ``unknown:<word>``
-    /candidates    [M]     utf-8   JSON, the 7 candidate lists the ids were chosen from (re-encoding)
-    /failures      [F, 2]  utf-8   (caption key, reason) of captions that got no tree (never rows)
-    attrs: format_version, kind="trees", entities, relations (JSON lists, position = id; null = 0,
-           unknown = 1), null_id, unknown_id, manifest_sha256, backend, rules, dictionaries_source,
-           created, retr_version, num_rows, complete
-
-A parse shard (``<out>.shards/shard-RRRRR-of-WWWWW.h5``) holds the same ``caption_keys``, ``candidates``,
-``failures`` for one contiguous range of captions (no ids: dictionaries are built once every shard exists).
-Both are written to ``<name>.partial`` and renamed when complete.
-"""
+Datasets: ``caption_keys`` [M], ``nodes`` [M, 7] int32 (slots E1 R2 E3 R4 E5 R6 E7), ``text`` [M], ``candidates``
+[M], ``failures`` [F, 2]; attributes and shards: docs/referral-trees.md ("Files, sharding and resume")."""
 from __future__ import annotations
 
 import json
@@ -29,7 +14,7 @@ from typing import Mapping, Protocol, Sequence
 import h5py
 import numpy as np
 
-from retr.common.atomic import PARTIAL_SUFFIX, atomic_hdf5  # noqa: F401  (PARTIAL_SUFFIX re-exported)
+from retr.common.atomic import atomic_hdf5
 from retr.common.errors import UserError
 from retr.common.version import __version__
 
@@ -70,8 +55,7 @@ def _write_atomically(path: Path, fill) -> Path:
     return path
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Parse shards
+# ------------------------------------------------------------------------------------------------- Parse shards
 
 def parse_shard_name(index: int, count: int) -> str:
     return f"shard-{index:05d}-of-{count:05d}.h5"
@@ -122,8 +106,7 @@ def read_parse_shard(path: str | os.PathLike) -> ParseShard | None:
         return None
 
 
-# ---------------------------------------------------------------------------------------------------------
-# trees.h5
+# ----------------------------------------------------------------------------------------------------- trees.h5
 
 def write_trees(path: str | os.PathLike, keys: Sequence[str], nodes: np.ndarray, text: Sequence[str],
                 candidates: Sequence[str], failures: Sequence[tuple[str, str]], dictionaries: Labels,
@@ -155,13 +138,8 @@ def write_trees(path: str | os.PathLike, keys: Sequence[str], nodes: np.ndarray,
 
 
 class TreeSet:
-    """A ``trees.h5`` read into memory (a trees file is small: 616K COCO captions ≈ 17 MB of ids).
-
-    Attributes:
-        keys: ``[M]`` caption keys. nodes: ``[M, 7]`` int32. text: ``[M]`` bracketed trees.
-        entities, relations: the dictionaries (position = id). failures: ``[(key, reason)]``. attrs: root
-        attributes.
-    """
+    """A ``trees.h5`` read into memory: ``keys`` [M], ``nodes`` [M, 7] int32, ``text`` [M], ``entities``,
+    ``relations`` (position = id), ``failures`` ``[(key, reason)]``, ``attrs``."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)

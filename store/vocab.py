@@ -1,15 +1,6 @@
-"""Caption vocabulary and tokenisation (SCAN's scheme; needs no downloaded data).
+"""Caption vocabulary and tokenisation (SCAN's scheme and file format; needs no downloaded data).
 
-Tokens of a caption are ``<start>`` + the words of ``caption.lower()`` + ``<end>``. Words come from NLTK's
-``NLTKWordTokenizer`` (the Treebank-style tokenizer that ``nltk.word_tokenize`` applies to each sentence).
-``word_tokenize`` itself first splits sentences with the Punkt model, which is downloaded data; captions are
-one sentence, so the tokenizer is applied to the whole caption. The only difference from SCAN's tokens is in a
-caption with a full stop in the middle (``"back. Then"`` stays ``"back."``), which is rare and harmless.
-
-The vocabulary keeps words seen at least ``threshold`` (4) times in the training captions; ids 0–3 are
-``<pad> <start> <end> <unk>``, the rest follow in order of first appearance. It is saved in SCAN's
-``{name}_vocab.json`` format (``word2idx``, ``idx2word``, ``idx``), so SCAN's released vocabularies load as is.
-"""
+Tokens, thresholds and ids: docs/trainer.md ("Training options in detail", Vocabulary)."""
 from __future__ import annotations
 
 import functools
@@ -19,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
+from retr.common.atomic import atomic_text
 from retr.common.errors import UserError
 
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
@@ -103,11 +95,9 @@ class Vocabulary:
                 "idx": len(self.idx2word)}
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".partial")
-        tmp.write_text(json.dumps(self.to_json(), ensure_ascii=False), encoding="utf-8")
-        os.replace(tmp, path)
-        return path
+        with atomic_text(path) as handle:
+            handle.write(json.dumps(self.to_json(), ensure_ascii=False))
+        return Path(path)
 
     @classmethod
     def from_json(cls, data: dict, where: str = "vocabulary") -> "Vocabulary":

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
 
@@ -18,3 +19,18 @@ def load_golden(name: str) -> tuple[dict, dict[str, np.ndarray], dict[str, np.nd
     with np.load(folder / "figures.npz", allow_pickle=False) as f:
         figures = {k: f[k] for k in f.files}
     return provenance, inputs, figures
+
+
+
+class WidenFeatures(torch.nn.Module):
+    """Hands ``train_step``'s features to a float64 model in float64. ``train_step`` converts them to float32 (the
+    loader may give float16); golden features are float32 numbers, so nothing is lost on the way."""
+
+    batch_extras = ()
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, features, mask, tokens, lengths, gather=None):
+        return self.model(features.double(), mask, tokens, lengths, gather)

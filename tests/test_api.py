@@ -9,7 +9,7 @@ import retr
 
 PUBLIC = {"__version__", "create_model", "list_models", "load_model", "FeatureSet", "read_manifest",
           "build_extractor", "available_extractors", "TrainConfig", "train", "evaluate", "PROTOCOLS", "Retriever",
-          "list_recipes", "get_recipe", "reproduce"}
+          "GalleryIndex", "list_recipes", "get_recipe", "reproduce"}
 
 
 def test_the_public_names_are_pinned_and_resolve():

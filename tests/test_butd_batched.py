@@ -1,4 +1,5 @@
-"""Batched butd-regions equals one image at a time (issue 15): padding, per-image masks, RPN, heads, selection.
+"""Batched butd-regions (extractors/butd/batching.py) equals one image at a time: padding, per-image masks, RPN,
+heads, selection.
 
 Bitwise checks run with oneDNN off: its 1×1 convolutions sum in another order for another spatial size, so with
 it on the batched outputs agree to rounding (measured in ``…_agrees_closely``).

@@ -12,7 +12,8 @@ from retr.common.errors import MissingResourceError, UserError
 from retr.manifests.schema import ManifestRecord
 from retr.pipeline.concepts import (build_concepts, concept_graph, cooccurrence_counts, fallback_words, multi_hot,
                                     select_concepts)
-from retr.store.concepts import ConceptSet, read_word_vectors, write_concepts
+from retr.store.concepts import ConceptSet, write_concepts
+from retr.store.word_vectors import read_word_vectors
 
 
 def test_graph_matches_hand_computation():

@@ -1,4 +1,4 @@
-"""``explain`` (issue 14): every model with attention returns the maps ``score`` computes for one pair.
+"""``explain``: every model with attention returns the maps ``score`` computes for one pair.
 
 For every registered model that explains (and a few variants of each: SCAN's two directions, SMAN without the
 multi-modal step, SEAM-E/C/G, SMFEA without trees, JGCAR cutting captions at ``max_words``), a tiny random model
@@ -27,7 +27,6 @@ from retr.trainers.models import create_model, get_spec, list_models
 from retr.trainers.models.base import MatchingModel
 from retr.trainers.models.tree_lstm import ENTITY_SLOTS, RELATION_SLOTS
 
-torch.set_num_threads(1)
 K, D, V = 6, 16, 40            # positions per image (regions / cells / crops), feature size, vocabulary
 K_REAL, L = 4, 7               # the explained pair: real regions of its image, tokens of its caption
 NUM_CLASSES = 5                # SMFEA's dictionary and concept sizes (data_sizes)
@@ -147,6 +146,8 @@ def expected_shapes(model: MatchingModel) -> dict[str, tuple[int, ...]]:
         if model.use_trees:
             shapes.update(image_tree_nodes=(7,), text_tree_nodes=(7,))
         return shapes
+    if model.name == "vse-infinity":
+        return {"image_pooling": (k,), "caption_pooling": (n,)}
     raise AssertionError(f"{model.name} explains {model.explains}: add its documented shapes and its score "
                          "formula to tests/test_explain.py")
 
@@ -231,9 +232,18 @@ def smfea_from_maps(model, features, mask, tokens, lengths, images, captions, ma
     return (img["fused"] @ cap["fused"].t())[0, 0]
 
 
+def vse_infinity_from_maps(model, features, mask, tokens, lengths, images, captions, maps) -> torch.Tensor:
+    """VSE∞ Eq. 2-3: each dimension's values sorted in decreasing order, v = Σ_k θ_k · max_k, l2-normalised on
+    both sides; the score is their dot product."""
+    regions = model.img_enc.project(features, mask)[0][mask[0]]          # [K, d] real regions
+    words = model.txt_enc(tokens, lengths)[0][:L]                        # [L, d]
+    pool = lambda x, theta: _l2norm(theta @ x.sort(dim=0, descending=True).values)  # noqa: E731
+    return pool(regions, maps["image_pooling"]) @ pool(words, maps["caption_pooling"])
+
+
 FROM_MAPS: dict[str, Callable[..., torch.Tensor]] = {
     "scan": scan_from_maps, "sman": sman_from_maps, "jgcar": jgcar_from_maps, "seam": seam_from_maps,
-    "smfea": smfea_from_maps}
+    "smfea": smfea_from_maps, "vse-infinity": vse_infinity_from_maps}
 
 
 def _explaining(name: str) -> bool:

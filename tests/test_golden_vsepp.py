@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from golden_support import load_golden
+from golden_support import WidenFeatures, load_golden
 from retr.store.vocab import Vocabulary
 from retr.trainers.training.checkpoint import load_run_model
 from retr.trainers.training.data import SplitData
@@ -134,20 +134,6 @@ def test_loss_and_every_gradient(tmp_path, variant, violation):
     assert names == sorted(n for n, _ in model.named_parameters())
     for name, p in model.named_parameters():
         assert_close(p.grad, FIGURES[f"grad.{violation}.{name}"], tol, f"gradient of {name} ({violation})")
-
-
-class WidenFeatures(torch.nn.Module):
-    """Hands ``train_step``'s features to the float64 model in float64. ``train_step`` converts them to float32
-    (the loader may give float16); the stored features are float32 numbers, so nothing is lost on the way."""
-
-    batch_extras = ()
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, features, mask, tokens, lengths, gather=None):
-        return self.model(features.double(), mask, tokens, lengths, gather)
 
 
 def test_training_steps(tmp_path, variant):

@@ -8,7 +8,8 @@ users need; a wheel ships every subpackage.
   an extra stops with one line naming it.
 * A wheel built from a copy of the sources and installed with ``pip install --target`` (no editable finder:
   dependencies come from this venv) imports from another folder, with its console scripts: the package-dir
-  mapping (``api/`` is ``retr``) holds outside editable mode and every subpackage ships.
+  mapping (``api/`` is ``retr``) holds outside editable mode and every subpackage ships, with its package data
+  (the search page's files).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ BIN = Path(sys.executable).parent
 
 #: module a fresh ``pip install .`` lacks → the extra that brings it (huggingface_hub and safetensors come with timm)
 BLOCKED = {"stanza": "pipeline", "cv2": "pipeline", "timm": "pipeline", "huggingface_hub": "pipeline",
-           "safetensors": "pipeline", "matplotlib": "report", "faiss": "search", "tensorboard": "tensorboard"}
+           "safetensors": "pipeline", "matplotlib": "report", "faiss": "search", "tensorboard": "tensorboard",
+           "open_clip": "clip", "flask": "serve", "waitress": "serve"}
 
 BLOCKER = f'''
 import sys
@@ -66,7 +68,7 @@ def _import_name(distribution: str) -> str:
 def test_extras_split_what_only_some_users_need():
     project = PYPROJECT["project"]
     extras = project["optional-dependencies"]
-    assert set(extras) == {"pipeline", "report", "search", "tensorboard", "all", "dev"}
+    assert set(extras) == {"clip", "pipeline", "report", "search", "serve", "tensorboard", "all", "dev"}
     parts = sorted(set(extras) - {"all", "dev"})
     assert extras["all"] == [f"retr[{','.join(parts)}]"], "all = every extra"
     assert "retr[all]" in extras["dev"] and {"pytest", "pytest-randomly"} <= set(extras["dev"])
@@ -140,14 +142,17 @@ from retr.parsers import backends
 from retr.pipeline import concepts
 from retr.trainers.reporting import draw
 from retr.trainers.search.retrieval import InnerProductIndex
+from retr.trainers.search import serve_app
 from retr.trainers.training.run_log import summary_writer
 
 calls = {
     "report: draw.pyplot": lambda: draw.pyplot(),
     "report: draw.heat_colours": lambda: draw.heat_colours(torch.zeros(2, 2).numpy()),
     "search: use_faiss=True": lambda: InnerProductIndex(torch.zeros(4, 3), use_faiss=True),
+    "serve: retr-train serve": lambda: serve_app.server_modules(),
     "tensorboard: --log tensorboard": lambda: summary_writer(("tensorboard",)),
     "pipeline: butd-regions": lambda: build_extractor("butd-regions", weights="random"),
+    "clip: clip-vit-b-32": lambda: build_extractor("clip-vit-b-32", weights="random"),
     "pipeline: timm": lambda: timm_weights._timm(),
     "pipeline: hub cache": lambda: timm_weights.cached_hub_file("timm/inception_resnet_v2.tf_in1k"),
     "pipeline: stanza models": lambda: backends.fetch_parser_models(sys.argv[1]),
@@ -231,6 +236,12 @@ def test_wheel_installs_every_subpackage_outside_editable_mode(tmp_path):
     for package, file in report["files"].items():
         assert Path(file).is_relative_to(site), f"{package} came from {file}, not the wheel"
         assert Path(file).parent == site.joinpath(*package.split(".")), package
+    for package, files in setuptools.get("package-data", {}).items():      # files besides modules ship too
+        folder = site.joinpath(*package.split("."))
+        for pattern in files:
+            source = ROOT / setuptools["package-dir"][".".join(package.split(".")[:2])] / Path(*package.split(".")[2:])
+            wanted = {p.relative_to(source) for p in source.glob(pattern) if p.is_file()}
+            assert wanted and {p.relative_to(folder) for p in folder.glob(pattern)} == wanted, (package, pattern)
 
     for program, target in PYPROJECT["project"]["scripts"].items():
         assert target.split(":")[0] in report["files"], f"{program}'s module {target} is no listed package"

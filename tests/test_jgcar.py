@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -14,8 +15,6 @@ from retr.trainers.models import create_model, preset
 from retr.trainers.models.jgcar import JGCAR, decorrelation_loss, intra_modal_triplet
 from retr.trainers.training.side_inputs import caption_concepts, labels_to_multihot
 from retr.trainers.evaluation.two_step import rerank_matrices
-
-torch.set_num_threads(1)
 
 
 def small_model(**overrides) -> JGCAR:
@@ -366,7 +365,7 @@ def write_scene_maps(folder, name: str = "scene-maps", seed: int = 0):
 
 
 @pytest.mark.slow
-def test_jgcar_learns_on_synthetic_maps(tmp_path):
+def test_jgcar_learns_on_synthetic_maps(tmp_path, caplog):
     """Through the shared loop: a short run reaches a two-step test R@1 many times chance, both directions."""
     from retr.manifests.synthetic import generate_synthetic
     from retr.store.features import FeatureSet
@@ -384,9 +383,9 @@ def test_jgcar_learns_on_synthetic_maps(tmp_path):
     cfg = TrainConfig(model="jgcar", model_args=args, features=str(features), manifest=str(manifest),
                       out=str(tmp_path / "run"), epochs=4, batch_size=32, lr=2e-3, lr_update=100, grad_clip=2.0,
                       device="cpu", train_splits=["train"], seed=0)
-    messages: list[str] = []
-    train(cfg, quiet=True, log=messages.append)
-    assert sum(m.startswith("note: no --labels") for m in messages) == 1        # no label file: said at start
+    with caplog.at_level(logging.INFO, logger="retr"):
+        train(cfg, quiet=True)
+    assert sum(m.startswith("note: no --labels") for m in caplog.messages) == 1   # no label file: said at start
     # config.json holds the full config, settings not given included, so later default changes keep their meaning
     stored = json.loads((tmp_path / "run" / "config.json").read_text())["model_args"]
     assert stored["negative_mining"] == "similar" and stored["gamma"] == 10.0

@@ -25,7 +25,6 @@ from retr.trainers.models.base import Embeddings, MatchingModel
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean
 from retr.trainers.models.registry import unregister_model
 
-torch.set_num_threads(1)
 K, D, V = 4, 16, 40
 
 #: small values for the size settings any model may have (applied only where the config has the field)
@@ -144,7 +143,8 @@ def test_shapes_and_finite_scores(name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_padding_changes_no_score(name):
-    """Garbage in padded regions and extra padding after a caption leave every score as it was."""
+    """Garbage in padded regions, extra padding and other words after a caption's length leave every score as it
+    was."""
     model = tiny_model(name).eval()
     features, mask = image_batch(3)
     tokens, lengths = caption_batch(5)
@@ -153,6 +153,8 @@ def test_padding_changes_no_score(name):
     assert torch.allclose(scores(model, garbage, mask, tokens, lengths), reference, atol=1e-5)
     padded = torch.cat([tokens, torch.zeros(5, 4, dtype=tokens.dtype)], dim=1)
     assert torch.allclose(scores(model, features, mask, padded, lengths), reference, atol=1e-5)
+    words_after = padded.masked_fill(torch.arange(padded.shape[1]) >= lengths.view(-1, 1), 7)   # not padding ids
+    assert torch.allclose(scores(model, features, mask, words_after, lengths), reference, atol=1e-5)
     for j in range(5):      # each caption alone, cut to its length
         alone = scores(model, features, mask, tokens[j:j + 1, :int(lengths[j])], lengths[j:j + 1])
         assert torch.allclose(alone[:, 0], reference[:, j], atol=1e-5)

@@ -154,7 +154,7 @@ def test_every_command_is_covered():
                 for sub in (getattr(command, "commands", None) or [None])}
     tried = {" ".join(slot.split()[:2]) if slot.split()[0] in ("manifest", "labels") else slot.split()[0]
              for slot in _slots()}
-    assert commands - tried == {"manifest preset"}   # takes a preset name, no file
+    assert commands - tried == {"manifest preset", "fetch-word-vectors"}   # take a name, no file
 
 
 def test_a_latin1_caption_names_the_file_and_line(files, run_cli):

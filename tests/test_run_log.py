@@ -1,5 +1,5 @@
-"""Issue 18: typed ``metrics.jsonl`` records with per-pair losses, TensorBoard logging that a resume keeps
-consistent, and ``retr-train plot``."""
+"""trainers/training/run_log.py: typed ``metrics.jsonl`` records with per-pair losses, TensorBoard logging that a
+resume keeps consistent, and ``retr-train plot``."""
 from __future__ import annotations
 
 import json

@@ -99,23 +99,14 @@ def test_block_of_one_image_and_one_caption():
     assert single.item() == pytest.approx(full[2, 1].item(), rel=1e-12)
 
 
-def test_scan_model_gradients_flow_and_padding_is_ignored():
+def test_scan_model_gradients_flow():
+    """(Padded regions and words changing no score: test_model_registry.py, for every model.)"""
     torch.manual_seed(0)
     model = create_model("scan", vocab_size=30, img_dim=8, embed_size=6, word_dim=5, direction="t2i")
     features = torch.randn(2, 4, 8)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
     tokens = torch.randint(4, 30, (3, 6))
     lengths = torch.tensor([6, 3, 1])
-    images = model.encode_images(features, mask)
-    captions = model.encode_captions(tokens, lengths)
-    scores = model.score(images, captions)
-    # padded regions and words do not change a score
-    features2 = features.clone()
-    features2[1, 2:] = 100.0
-    tokens2 = tokens.clone()
-    tokens2[1, 3:] = 7
-    scores2 = model.score(model.encode_images(features2, mask), model.encode_captions(tokens2, lengths))
-    torch.testing.assert_close(scores, scores2)
     loss = model(features, mask, tokens[:2], lengths[:2])
     loss.backward()
     assert model.img_enc.fc.weight.grad.abs().sum() > 0

@@ -381,7 +381,7 @@ def test_seam_learns_the_synthetic_scenes(tmp_path, kind):
                       features=str(features), manifest=str(dataset / "manifest.jsonl"), out=str(tmp_path / "run"),
                       epochs=4, batch_size=100, lr=1e-3 * 5, lr_update=100, grad_clip=1.0, device="cpu",
                       train_splits=["train"], val_images=20)
-    train(cfg, quiet=True, log=lambda *_: None)
+    train(cfg, quiet=True)
     state = torch.load(tmp_path / "run" / "best.pt", map_location="cpu", weights_only=False)
     vocab = Vocabulary.from_json(state["vocab"])
     model = create_model("seam", **state["config"]["model_args"])

@@ -185,3 +185,32 @@ def test_index_and_blockwise_searches_agree(runs, model):
 def test_cross_attention_models_have_no_index(runs):
     folder, manifest, features, run = runs
     assert Retriever.from_run(run["scan"], device="cpu").image_index is None
+
+
+def test_a_shortlist_as_large_as_the_gallery_is_the_exhaustive_search(runs):
+    """Two-stage search (``--shortlist``) of SCAN: with every item shortlisted it is the exhaustive result, hit for
+    hit; with a few, each returned score is still eval's for that pair and the items are the shortlist's best by
+    the model's score (stage one: the cosine of mean region and mean word vectors)."""
+    from retr.trainers.search.two_stage import shortlist_vectors
+
+    folder, manifest, features, run = runs
+    full = Retriever.from_run(run["scan"], device="cpu")
+    n_images, n_captions = full.data.num_images, full.data.num_captions
+    every = Retriever.from_run(run["scan"], device="cpu", shortlist=n_captions)
+    texts, images = [full.data.captions[c] for c in (0, 13)], list(full.data.image_ids[:2])
+    for a, b in ((full.text_to_images(texts, 5), every.text_to_images(texts, 5)),
+                 (full.image_to_texts(images, 7), every.image_to_texts(images, 7))):
+        assert [r.to_json() for r in a] == [r.to_json() for r in b]
+    few = Retriever.from_run(run["scan"], device="cpu", shortlist=3)
+    assert few.image_index is not None and len(few.image_index) == n_images
+    [result] = few.text_to_images([texts[0]], 3)
+    query, _ = few.encode_texts([texts[0]])
+    with torch.no_grad():
+        stage_one = shortlist_vectors(few.model, few.images, "image") @ shortlist_vectors(few.model, query,
+                                                                                         "caption")[0]
+    short = set(np.argsort(-stage_one.numpy(), kind="stable")[:3])
+    assert {full.image_ids.index(h.image_id) for h in result.hits} == short
+    exhaustive = {h.image_id: h.score for h in full.text_to_images([texts[0]], n_images)[0].hits}
+    assert all(h.score == pytest.approx(exhaustive[h.image_id], abs=1e-12) for h in result.hits)
+    out = _invoke(["search", run["scan"], "--query", texts[0], "--top", "3", "--shortlist", "3", "--json"])
+    assert json.loads(out) == result.to_json()

@@ -15,8 +15,6 @@ from retr.trainers.models.concepts import ConceptGCN, consensus_vector, mix_text
 from retr.trainers.models.smfea import SMFEA, node_cross_entropy, node_kl
 from retr.trainers.models.tree_lstm import CHILDREN, SevenNodeTreeLSTM, StructuredTreeEncoder
 
-torch.set_num_threads(1)
-
 
 def _descendants(t: int) -> set[int]:
     out = {t}

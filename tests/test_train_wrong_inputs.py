@@ -1,7 +1,6 @@
 """Every ``retr-train`` command, given a file of the wrong kind where it expects another — an empty file, a folder,
 HDF5 where text is expected and text where HDF5 is, non-UTF-8 text — answers with one ``error:`` line and a
-non-zero exit status, never a traceback (issue 16, point 8; the pipeline's side is
-``tests/test_pipeline_wrong_inputs.py``)."""
+non-zero exit status, never a traceback (the pipeline's side is ``tests/test_pipeline_wrong_inputs.py``)."""
 from __future__ import annotations
 
 import json
@@ -83,6 +82,21 @@ def _slots(good=None):
                                             "--out", out / "r", "--quiet"], "hdf5"),
         "reproduce --manifest": (lambda x: ["reproduce", "vsepp-f30k-fixed-resnet-1crop", "--features", f, "--manifest", x,
                                             "--out", out / "r", "--quiet"], "jsonl"),
+        "vse-infinity --features": (lambda x: train("vse-infinity", features=x), "hdf5"),
+        "eval-clip --features": (lambda x: ["eval-clip", "--features", x, "--manifest", m, "--protocol", "f30k-1k",
+                                            "--allow-size-mismatch", "--device", "cpu"], "hdf5"),
+        "eval-clip --manifest": (lambda x: ["eval-clip", "--features", f, "--manifest", x, "--protocol", "f30k-1k",
+                                            "--allow-size-mismatch", "--device", "cpu"], "jsonl"),
+        "index RUN": (lambda x: ["index", x, "--images", good["root"] / "a_folder", "--out", out / "idx", "--quiet"],
+                      "folder"),
+        "index --manifest": (lambda x: ["index", run, "--manifest", x, "--out", out / "idx", "--device", "cpu",
+                                        "--workers", "0", "--quiet"], "jsonl"),
+        "index --out": (lambda x: ["index", run, "--manifest", m, "--out", x, "--device", "cpu", "--workers", "0",
+                                   "--quiet"], "folder"),
+        "search --index": (lambda x: ["search", run, "--index", x, "--query", "a cat"], "folder"),
+        # every wrong kind is refused before anything listens (no test here may leave a server running)
+        "serve RUN": (lambda x: ["serve", x, "--port", "0", "--quiet"], "folder"),
+        "serve --index": (lambda x: ["serve", run, "--index", x, "--port", "0", "--quiet"], "folder"),
     }
 
 

@@ -57,7 +57,7 @@ def test_training_reaches_many_times_chance(synthetic, trained, model):
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     epochs = [line for line in lines if "val" in line]
     assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
-    # a healthy run (SCAN and VSE++ train on hardest negatives here) gives no collapse warning (issue 20)
+    # a healthy run (SCAN and VSE++ train on hardest negatives here) gives no collapse warning
     assert not [line for line in lines if "event" in line]
     top1 = [line["in_batch_top1"] for line in lines if "in_batch_top1" in line]
     assert np.mean(top1[-3:]) > 5 / 32

@@ -218,3 +218,15 @@ def embed_size_setting(default: int) -> Any:
 
 def word_dim_setting(default: int) -> Any:
     return setting(default, "Word embedding size.")
+
+
+def word_vectors_setting() -> Any:
+    """Where a model's word embeddings start (loaded by :func:`retr.trainers.training.side_inputs.add_word_vectors`)."""
+    return setting("random", "Word embeddings start from: random (the model's own init), glove (GloVe 840B.300d, "
+                             "downloaded on first use), glove-6b (6B.300d), or a GloVe-format .txt/.zip file; words "
+                             "the vectors lack keep the random init.")
+
+
+def freeze_word_vectors_setting() -> Any:
+    return setting(False, "Keep the loaded word vectors fixed (default: fine-tuned, as SMAN and CVSE did).",
+                   flag="--freeze-word-vectors/--fine-tune-word-vectors")

@@ -1,10 +1,9 @@
 """The Caffe anchor table of the bottom-up-attention RPN and its shift over the feature map.
 
-The original ``generate_anchors`` (py-faster-rcnn) is reproduced instead of torchvision's ``AnchorGenerator``,
-which centres and rounds differently: a 16×16 base box ``[0, 0, 15, 15]`` (centre 7.5), for each aspect ratio
-``h/w`` a box of the same area with ``w = round(sqrt(256 / ratio))`` and ``h = round(w · ratio)`` (NumPy's
-round-half-to-even, as in the original), then each such box scaled by 4, 8, 16, 32. Order is ratio-major.
-"""
+The original ``generate_anchors`` (py-faster-rcnn) is reproduced instead of torchvision's ``AnchorGenerator``, which
+centres and rounds differently: a 16×16 base box ``[0, 0, 15, 15]`` (centre 7.5), for each aspect ratio ``h/w`` a
+box of the same area with ``w = round(sqrt(256 / ratio))`` and ``h = round(w · ratio)`` (NumPy's round-half-to-even,
+as in the original), then each such box scaled by 4, 8, 16, 32. Order is ratio-major."""
 from __future__ import annotations
 
 import numpy as np

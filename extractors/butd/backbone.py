@@ -1,15 +1,7 @@
 """The Caffe-style ResNet-101 "C4" backbone (stem, res2–res4) and the bottleneck block res5 reuses.
 
-Differences from torchvision's ResNet that the original Caffe model has and this one reproduces:
-
-* the stem's max-pool is 3×3/2 with **no padding and ceil rounding** (torchvision: padding 1, floor);
-* a block that downsamples does it in its **first 1×1 conv** (torchvision: in the 3×3);
-* batch norm is frozen (``torchvision.ops.misc.FrozenBatchNorm2d``, eps 1e-5) and convs have no bias.
-
-Module and parameter names follow detectron2's layout as used by the MILVLG checkpoints
-(``backbone.stem.conv1.weight``, ``backbone.res2.0.conv1.norm.running_mean``, ``…shortcut…``) so that a
-checkpoint loads key for key.
-"""
+Where it differs from torchvision's ResNet: docs/butd.md ("Faithfulness"); names follow detectron2's layout of the
+MILVLG checkpoints (``backbone.stem.conv1.weight`` …), so they load key for key."""
 from __future__ import annotations
 
 import torch
@@ -26,8 +18,7 @@ RESNET101_BLOCKS = {"res2": 3, "res3": 4, "res4": 23, "res5": 3}
 class ConvNorm(nn.Conv2d):
     """A bias-free convolution followed by its frozen batch norm (stored as the child ``norm``).
 
-    Input ``[B, C_in, H, W]`` → ``[B, C_out, H', W']``; no activation.
-    """
+    Input ``[B, C_in, H, W]`` → ``[B, C_out, H', W']``; no activation."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
                  padding: int = 0, dilation: int = 1):
@@ -42,9 +33,8 @@ class ConvNorm(nn.Conv2d):
 class Bottleneck(nn.Module):
     """ResNet bottleneck with the stride in the first 1×1 conv (Caffe ResNet / detectron2 ``stride_in_1x1``).
 
-    ``conv1`` 1×1/stride → ReLU → ``conv2`` 3×3 (dilation d, padding d) → ReLU → ``conv3`` 1×1, plus the
-    identity or the 1×1/stride ``shortcut`` projection, then ReLU.
-    """
+    ``conv1`` 1×1/stride → ReLU → ``conv2`` 3×3 (dilation d, padding d) → ReLU → ``conv3`` 1×1, plus the identity or
+    the 1×1/stride ``shortcut`` projection, then ReLU."""
 
     def __init__(self, in_channels: int, bottleneck_channels: int, out_channels: int, stride: int = 1,
                  dilation: int = 1):
@@ -58,9 +48,8 @@ class Bottleneck(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, C_in, H, W]`` → ``[B, C_out, H', W']``.
 
-        ``mask`` (padded batches only, see :mod:`retr.extractors.butd.batching`): ``[B, 1, H', W']`` bool, True
-        at each image's real positions; the 3×3 conv's input is zeroed elsewhere, as its own zero padding.
-        """
+        ``mask`` (padded batches only, see :mod:`retr.extractors.butd.batching`): ``[B, 1, H', W']`` bool, True at
+        each image's real positions; the 3×3 conv's input is zeroed elsewhere, as its own zero padding."""
         out = F.relu_(self.conv1(x))
         if mask is not None:
             out = out.masked_fill_(~mask, 0.0)
@@ -119,12 +108,8 @@ class ResNetC4(nn.Module):
 
     def forward_padded(self, x: torch.Tensor, sizes: list[tuple[int, int]]
                        ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """A padded batch (see :mod:`retr.extractors.butd.batching`): ``[B, 3, H, W]`` and each image's own
-        (h, w) → (res4 ``[B, 1024, H4, W4]``, each image's res4 (h, w)).
-
-        Inside each image's res4 size the values are those of :meth:`forward` on that image alone; outside it
-        res4 is zero.
-        """
+        """A padded batch ``[B, 3, H, W]`` and each image's (h, w) → (res4 ``[B, 1024, H4, W4]``, each res4 (h, w)),
+        equal to :meth:`forward` inside each image's size and zero outside."""
         sizes = [(int(h), int(w)) for h, w in sizes]
         x = self.stem(x, sizes)
         sizes = self.stem.output_sizes(sizes)

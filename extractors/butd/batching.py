@@ -1,33 +1,7 @@
 """Several images through one detector forward, with every image's result equal to its one-image forward.
 
-Images of a batch are zero-padded at the right and bottom to the batch's largest size (zeros *after* the mean
-subtraction, as Caffe's ``im_list_to_blob`` and detectron2's ``ImageList`` pad). Padding alone would not keep
-the results exact, for a reason that rounding the padded size to a multiple of the network's stride does not
-remove: inside the network the padded area is no longer zero. The stem convolution turns the zero pixels into
-``ReLU(BN bias)`` and later layers into other non-zero values, so every 3×3 convolution at the right/bottom
-edge of the real image would see those values where the one-image forward sees its own zero padding, and the
-ceil-mode max-pool and ROI pooling at that edge would take maxima over them where the one-image forward
-ignores the positions. The difference then spreads inward by one cell per 3×3 convolution (30 of them before
-res4).
-
-So the batched forward keeps, for every image, the size its own feature map has at each resolution
-(:func:`stage_sizes`, the same output-size rule the layers apply) and zeroes the positions outside it
-(:func:`valid_mask`) wherever a layer reads a neighbourhood: before the stem max-pool, before the 3×3
-convolution of every bottleneck, and on res4 (read by the RPN's 3×3 convolution and by ROI pooling). That is
-exact because
-
-* a convolution's zero padding *is* zeros at those positions, and the real image starts at the same origin in
-  every map (padding is only at the right/bottom; strides count from the top-left), so the values at the real
-  positions are the same sums of the same products;
-* the max-pool and ROI-pool inputs follow a ReLU (values ≥ 0), and every window the one-image forward pools
-  holds at least one real position, so adding zeros does not change a maximum (an ROI bin that is empty in the
-  one-image forward is 0 there, and is all zeros, hence 0, here).
-
-Whether the arithmetic is also *bitwise* the same depends on the convolution kernels summing in the same order
-for another batch size and spatial size: on the CPU (oneDNN) it does, and ``tests/test_butd_batched.py``
-checks features, boxes and ids with ``torch.equal``. Everything after the backbone (proposal layer, ROI heads,
-selection) runs on each image's own tensors of the one-image shapes, so it is exact wherever the backbone is.
-"""
+Positions outside each image's own feature map are zeroed wherever a layer reads a neighbourhood; why that is exact
+and when it is bitwise: docs/butd.md ("Batching")."""
 from __future__ import annotations
 
 import math
@@ -54,10 +28,7 @@ def pool_output_size(size: int, kernel: int, stride: int, padding: int = 0, ceil
 
 def valid_mask(sizes: Sequence[tuple[int, int]], height: int, width: int, device: torch.device | str
                ) -> torch.Tensor:
-    """``[B, 1, height, width]`` bool: True inside image ``b``'s own ``sizes[b]`` = (h, w) top-left block.
-
-    Built from comparisons with Python integers, so on CUDA it needs no host-to-device copy.
-    """
+    """``[B, 1, height, width]`` bool: True inside image ``b``'s own ``sizes[b]`` = (h, w) top-left block."""
     rows = torch.arange(height, device=device)
     cols = torch.arange(width, device=device)
     return torch.stack([(rows < h)[:, None] & (cols < w)[None, :] for h, w in sizes])[:, None]

@@ -1,8 +1,7 @@
 """Box arithmetic of the Caffe detector: "+1" widths, decode, clip, size filter, legacy NMS.
 
-The original code (py-faster-rcnn) treats boxes as inclusive pixel ranges, so a box ``[x1, x2]`` is
-``x2 − x1 + 1`` wide. Every function here keeps that convention. Boxes are ``[N, 4]`` (x1, y1, x2, y2).
-"""
+The original code (py-faster-rcnn) treats boxes as inclusive pixel ranges, so a box ``[x1, x2]`` is ``x2 − x1 + 1``
+wide. Every function here keeps that convention. Boxes are ``[N, 4]`` (x1, y1, x2, y2)."""
 from __future__ import annotations
 
 import torch
@@ -20,8 +19,7 @@ def plus_one(boxes: torch.Tensor) -> torch.Tensor:
 def decode_deltas(anchors: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
     """Caffe ``bbox_transform_inv``: apply (dx, dy, dw, dh) ``[N, 4]`` to ``anchors`` ``[N, 4]`` → ``[N, 4]``.
 
-    Widths are ``x2 − x1 + 1``; no delta weights and no clamping of ``dw``/``dh`` (as in the original).
-    """
+    Widths are ``x2 − x1 + 1``; no delta weights and no clamping of ``dw``/``dh`` (as in the original)."""
     widths = anchors[:, 2] - anchors[:, 0] + 1.0
     heights = anchors[:, 3] - anchors[:, 1] + 1.0
     ctr_x = anchors[:, 0] + 0.5 * widths
@@ -53,8 +51,7 @@ def legacy_nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) 
     """Greedy NMS with "+1" areas (the Caffe/py-faster-rcnn ``nms``), as indices ``[M]`` by decreasing score.
 
     torchvision's kernel on boxes shifted by ``[0, 0, 1, 1]`` computes exactly the legacy overlap (a box is
-    suppressed when its IoU with a kept, higher-scoring box is ``> iou_threshold``).
-    """
+    suppressed when its IoU with a kept, higher-scoring box is ``> iou_threshold``)."""
     return nms(plus_one(boxes), scores, iou_threshold)
 
 

@@ -1,27 +1,7 @@
-"""Loading the converted bottom-up-attention checkpoints users have.
+"""Loading the converted bottom-up-attention checkpoints: MILVLG ``.pth`` (key for key) and airsplay ``.pkl``
+(mapped by :func:`airsplay_to_caffe`); restricted unpicklers unless ``trust_checkpoint``.
 
-* **MILVLG** ``.pth`` (``bua-caffe-frcn-r101-k36.pth`` a.k.a. ``…_with_attributes_fix36.pth``, and the 10–100
-  model): a state dict, bare or under ``"model"``, whose names are this package's module names — loading is
-  key for key. Keys that describe nothing this model learns are ignored and reported: detectron2's
-  ``pixel_mean``/``pixel_std`` buffers and the stored ``anchor_generator.cell_anchors`` (the anchors are the
-  Caffe table, always recomputed).
-* **airsplay** ``.pkl`` (``faster_rcnn_from_caffe_attr.pkl``): a latin-1 pickle of ``{"model": {name:
-  ndarray}, "__author__": …}`` in detectron2's own layout, mapped here to the Caffe layout by
-  :func:`airsplay_to_caffe`.
-
-Safety: ``.pth`` files are read with ``torch.load(weights_only=True)`` (NumPy arrays allowed besides tensors:
-detectron2-era files often hold arrays); ``.pkl`` files with an unpickler that accepts only NumPy arrays,
-dtypes, dicts and plain values. A file that needs more (arbitrary Python objects) loads only with
-``trust_checkpoint=True``, for files from a trusted source.
-
-Download: :func:`fetch_checkpoint` fetches the MILVLG R101-k36 file (``SOURCES["butd"]`` in
-:mod:`retr.common.downloads`) with resume and an atomic rename; neither publisher gives a hash, so before the
-rename the file must be as long as the server said and load key for key, shape for shape
-(:func:`check_checkpoint_file`). The extractor records the file's sha256 in every feature set.
-
-Completeness: missing or unexpected keys and shape mismatches are reported with the first few names, and a
-load with missing keys is refused unless ``allow_partial=True``.
-"""
+Formats, safety, the download's checks and partial loads: docs/butd.md ("Checkpoints")."""
 from __future__ import annotations
 
 import io
@@ -125,15 +105,8 @@ def _anchor_order_d2_to_caffe() -> list[int]:
 
 
 def airsplay_to_caffe(weights: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map an airsplay (detectron2-layout) state dict onto this model's (Caffe-layout) names and orders.
-
-    * classes: detectron2 puts background **last**, Caffe first — ``cls_score`` rows and ``cls_embedding`` rows
-      are rotated; ``bbox_pred`` has no background rows (6400) and gets zero rows for it (6404; unused);
-    * attributes: ``fc_attr`` → ``attr_linear1``, ``attr_score`` → ``attr_linear2`` with "no attribute"
-      moved from last to first; ``cls_embedding`` → ``cls_embed``;
-    * RPN: 12 sigmoid logits become the two-way softmax's 24 channels (background 0, foreground = logit, since
-      sigmoid(x) = softmax([0, x])₁), and anchors go from size-major to ratio-major (deltas in blocks of 4).
-    """
+    """Map an airsplay (detectron2-layout) state dict onto this model's Caffe-layout names and orders (docs/butd.md,
+    "Checkpoints")."""
     out: dict[str, torch.Tensor] = {}
     order = torch.tensor(_anchor_order_d2_to_caffe())
     prefix = "roi_heads.box_predictor."

@@ -1,11 +1,8 @@
 """The registered ``butd-regions`` extractor: 36 bottom-up-attention regions per image.
 
-Per image: ``features`` [36, 2048] (mean-pooled res5 of each kept proposal), ``boxes`` [36, 4] float32
-(x1, y1, x2, y2 in original pixels), ``object_ids``/``object_conf`` [36] (best object class over the 1,600,
-0-based into the Visual Genome object vocabulary, and its probability), ``attr_ids``/``attr_conf`` [36] (same
-over the 400 attributes), ``num_boxes`` (rows that are real; fewer than 36 only when the image has fewer
-proposals) and ``image_hw`` (original height, width). Rows past ``num_boxes`` are zeros.
-"""
+Per image: ``features`` [36, 2048], ``boxes`` [36, 4] float32 (x1, y1, x2, y2, original pixels),
+``object_ids``/``object_conf`` [36] (0-based over 1,600), ``attr_ids``/``attr_conf`` [36] (over 400), ``num_boxes``,
+``image_hw``; rows past ``num_boxes`` are zeros."""
 from __future__ import annotations
 
 import json
@@ -61,11 +58,10 @@ def find_default_checkpoint() -> Path | None:
 
 
 def resolve_default_checkpoint(fetch: bool = True, quiet: bool = False) -> str:
-    """The default checkpoint's path, downloaded on first use (to :func:`default_checkpoint_path`) unless
-    offline; offline and absent, a one-line :class:`MissingResourceError` naming the command that fetches it.
+    """The default checkpoint's path, downloaded on first use (to :func:`default_checkpoint_path`) unless offline;
+    offline and absent, a one-line :class:`MissingResourceError` naming the command that fetches it.
 
-    A real extraction never falls back to random weights silently: ``weights="random"`` must be asked for.
-    """
+    A real extraction never falls back to random weights silently: ``weights="random"`` must be asked for."""
     found = find_default_checkpoint()
     if found is not None:
         return str(found)
@@ -82,20 +78,8 @@ def resolve_default_checkpoint(fetch: bool = True, quiet: bool = False) -> str:
 class BottomUpRegionExtractor(Extractor):
     """Caffe preprocessing in workers, the detector and generate_tsv's selection in the main process.
 
-    Args:
-        weights: ``random``, a MILVLG ``.pth`` / airsplay ``.pkl`` path (see :mod:`…butd.checkpoint`), or None for
-            :data:`DEFAULT_CHECKPOINT` looked up by :func:`resolve_default_checkpoint`.
-        device: ``cpu`` | ``cuda`` | ``cuda:N``; half: float16 network on CUDA (selection stays float32).
-        settings: detector settings (defaults are the original's).
-        short_side / max_side: Caffe scaling targets (600 / 1000).
-        exif_orientation: apply EXIF orientation when decoding (the original did not; default False).
-        object_vocab / attr_vocab: Visual Genome vocabulary files, recorded in the attributes when given.
-        allow_partial / trust_checkpoint: checkpoint opt-ins (see :func:`load_weights`).
-        detector_batch: images per detector forward (padded; see :mod:`…butd.batching`), None for
-            :data:`DEFAULT_DETECTOR_BATCH` of the device (4 on CUDA, 1 on CPU). Recorded in the attributes: a
-            batch gives each image the values of its one-image forward up to the summation order the
-            convolution library picks for the batch's shapes (bitwise equal with oneDNN off, ~1e-5 with it).
-    """
+    ``weights``: ``random``, a ``.pth``/``.pkl`` path, or None for :data:`DEFAULT_CHECKPOINT`; ``detector_batch``:
+    images per forward (None: :data:`DEFAULT_DETECTOR_BATCH` of the device). Settings: docs/butd.md."""
 
     name = "butd-regions"
     kind = "regions"
@@ -233,12 +217,9 @@ def build_butd_regions(weights: str | None = None, device: str = "cpu", half: bo
                        object_vocab: str | None = None, attr_vocab: str | None = None,
                        allow_partial: bool = False, trust_checkpoint: bool = False,
                        detector_batch: int | None = None, **unused: Any) -> BottomUpRegionExtractor:
-    """Bottom-up-attention regions. Defaults are the original's (600/1000, 6000/300, 14×14 pool, 36/36, 0.2).
+    """Bottom-up-attention regions; defaults are the original's (600/1000, 6000/300, 14×14 pool, 36/36, 0.2).
 
-    ``short_side``/``max_side``/``post_nms_topk``/``pooled_size`` below the defaults are speed options (they
-    change the features; the demo uses them). Options meant for other extractors (e.g. ``image_size``) are
-    refused unless None.
-    """
+    Smaller sizes are speed options (the demo's); other extractors' options are refused unless None."""
     given = sorted(name for name, value in unused.items() if value is not None)
     if given:
         raise ParameterError(f"butd-regions does not take {', '.join(given)}", *given)

@@ -17,10 +17,9 @@ class BoxPredictor(nn.Module):
     """Classifier, (unused) box regression and attribute head on the pooled features.
 
     ``cls_score`` Linear(2048→1601) + softmax; ``bbox_pred`` Linear(2048→6404) (kept so checkpoints load; the
-    released boxes are proposals, not regressed boxes); attributes: class = argmax over all 1601 scores
-    (background included) → ``cls_embed`` Embedding(1601→256) → concat after the feature → ``attr_linear1``
-    (2304→512) → ReLU → ``attr_linear2`` (512→401) → softmax.
-    """
+    released boxes are proposals, not regressed boxes); attributes: class = argmax over all 1601 scores (background
+    included) → ``cls_embed`` Embedding(1601→256) → concat after the feature → ``attr_linear1`` (2304→512) → ReLU →
+    ``attr_linear2`` (512→401) → softmax."""
 
     def __init__(self, in_features: int = FEATURE_DIM, num_classes: int = NUM_OBJECT_CLASSES,
                  num_attributes: int = NUM_ATTRIBUTE_CLASSES, embed_dim: int = 256, hidden_dim: int = 512):
@@ -56,9 +55,8 @@ class RegionHead(nn.Module):
     def pooled_features(self, res4: torch.Tensor, proposals: torch.Tensor, image_index: int = 0) -> torch.Tensor:
         """Mean over space of res5 on ``roi_pool(res4, proposals, 14×14, 1/16)``: ``[P, 4]`` → ``[P, 2048]``.
 
-        ``res4`` is ``[B, 1024, h, w]``; the proposals are image ``image_index``'s (a padded batch's res4 is
-        zero outside each image, which leaves its ROI maxima unchanged: see :mod:`…butd.batching`).
-        """
+        ``res4`` is ``[B, 1024, h, w]``; the proposals are image ``image_index``'s (a padded batch's res4 is zero
+        outside each image, which leaves its ROI maxima unchanged: see :mod:`…butd.batching`)."""
         rois = torch.cat([proposals.new_full((len(proposals), 1), float(image_index)),
                           proposals.to(res4.dtype)], dim=1)
         out = []
@@ -72,8 +70,7 @@ class RegionHead(nn.Module):
         """(features ``[P, 2048]``, class probabilities ``[P, 1601]``, attribute probabilities ``[P, 401]``).
 
         One image's proposals (``image_index`` of a batch ``res4``), in chunks of ``roi_chunk`` as for an image
-        alone, so that res5 and the classifier see the one-image shapes.
-        """
+        alone, so that res5 and the classifier see the one-image shapes."""
         features = self.pooled_features(res4, proposals, image_index)
         cls_prob, attr_prob = self.box_predictor(features)
         return features, cls_prob, attr_prob

@@ -19,9 +19,8 @@ from retr.extractors.butd.selection import select_regions, select_regions_batche
 class DetectorSettings:
     """Test-time settings; the defaults are the original's (Caffe ``config.py`` TEST, ``generate_tsv.py``).
 
-    ``pre_nms_topk``/``post_nms_topk``/``pooled_size`` below the defaults are speed options that change the
-    output; they are recorded in the feature set's attributes.
-    """
+    ``pre_nms_topk``/``post_nms_topk``/``pooled_size`` below the defaults are speed options that change the output;
+    they are recorded in the feature set's attributes."""
 
     pre_nms_topk: int = 6000
     post_nms_topk: int = 300
@@ -48,9 +47,8 @@ class Regions:
 class BottomUpAttention(nn.Module):
     """ResNet-101 C4 Faster R-CNN with attribute head; parameter names match the MILVLG checkpoints.
 
-    Children: ``backbone`` (:class:`ResNetC4`), ``proposal_generator`` (:class:`ProposalGenerator`),
-    ``roi_heads`` (:class:`RegionHead`).
-    """
+    Children: ``backbone`` (:class:`ResNetC4`), ``proposal_generator`` (:class:`ProposalGenerator`), ``roi_heads``
+    (:class:`RegionHead`)."""
 
     def __init__(self, settings: DetectorSettings = DetectorSettings()):
         super().__init__()
@@ -63,16 +61,10 @@ class BottomUpAttention(nn.Module):
     @torch.no_grad()
     def detect(self, image: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                   torch.Tensor]:
-        """All proposals of one preprocessed image.
+        """All proposals of one preprocessed image ``[3, H, W]`` (BGR, mean-subtracted, resized by ``scale``).
 
-        Args:
-            image: ``[3, H, W]`` float, BGR, mean-subtracted, already resized by ``scale``.
-            scale: resize factor from the original image.
-
-        Returns:
-            proposals ``[P, 4]`` (resized pixels), features ``[P, 2048]``, class probs ``[P, 1601]``,
-            attribute probs ``[P, 401]``.
-        """
+        Returns proposals ``[P, 4]`` (resized pixels), features ``[P, 2048]``, class probs ``[P, 1601]``, attribute
+        probs ``[P, 401]``."""
         res4 = self.backbone(image.unsqueeze(0))
         proposals = self.proposal_generator(res4, (image.shape[-2], image.shape[-1]), scale)
         features, cls_prob, attr_prob = self.roi_heads(res4, proposals)
@@ -93,20 +85,8 @@ class BottomUpAttention(nn.Module):
     @torch.no_grad()
     def detect_batch(self, images: list[torch.Tensor], scales: list[float]
                      ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """:meth:`detect` of several images in one backbone forward; each result equals :meth:`detect`'s.
-
-        Args:
-            images: ``B`` preprocessed images ``[3, H_b, W_b]`` (sizes may differ), on the model's device.
-            scales: their resize factors.
-
-        The images are zero-padded to the largest height and width, the backbone masks each image's padding at
-        every layer that reads a neighbourhood (:mod:`retr.extractors.butd.batching`), the RPN head runs once,
-        and the proposal layer, ROI pooling (on the shared res4) and the region head run per image.
-
-        Returns:
-            one ``(proposals [P_b, 4], features [P_b, 2048], cls_prob [P_b, 1601], attr_prob [P_b, 401])`` per
-            image.
-        """
+        """:meth:`detect` of ``B`` images ``[3, H_b, W_b]`` in one backbone forward, each result equal to
+        :meth:`detect`'s (padding masked: :mod:`retr.extractors.butd.batching`); one tuple per image."""
         if len(images) != len(scales):
             raise ValueError(f"{len(images)} images but {len(scales)} scales")
         image_hw = [(int(image.shape[-2]), int(image.shape[-1])) for image in images]
@@ -118,9 +98,8 @@ class BottomUpAttention(nn.Module):
     def forward_batch(self, images: list[torch.Tensor], scales: list[float]) -> list[Regions]:
         """:meth:`forward` of several images (one backbone forward, selection of all of them on the device).
 
-        Each :class:`Regions` equals :meth:`forward`'s for that image alone (see :meth:`detect_batch`); the
-        tensors stay on the model's device.
-        """
+        Each :class:`Regions` equals :meth:`forward`'s for that image alone (see :meth:`detect_batch`); the tensors
+        stay on the model's device."""
         s = self.settings
         detections = self.detect_batch(images, scales)
         boxes = [proposals / scale for (proposals, *_), scale in zip(detections, scales)]
@@ -139,18 +118,8 @@ class BottomUpAttention(nn.Module):
 @torch.no_grad()
 def run_detector(model: BottomUpAttention, images: Sequence[torch.Tensor], scales: Sequence[float],
                  batch_size: int = 1) -> list[Regions]:
-    """The kept regions of each image, ``batch_size`` images per forward; results stay on the model's device.
-
-    Args:
-        model: the detector (its parameters' device and dtype are used).
-        images: preprocessed images ``[3, H_b, W_b]`` (any device; moved to the model's, in its dtype).
-        scales: their resize factors.
-        batch_size: 1 runs :meth:`BottomUpAttention.forward` per image (the original's one image per forward);
-            more runs :meth:`BottomUpAttention.forward_batch` on consecutive groups of that many images.
-
-    Returns:
-        one :class:`Regions` per image, in order.
-    """
+    """One :class:`Regions` per image (on the model's device), ``batch_size`` images per forward (1: the original's
+    one-image :meth:`BottomUpAttention.forward`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
     if len(images) != len(scales):
@@ -169,9 +138,8 @@ def empty_detector(settings: DetectorSettings = DetectorSettings(),
                    device: torch.device | str = "cpu") -> BottomUpAttention:
     """A detector with allocated but uninitialised parameters, to be filled by a checkpoint or randomize_.
 
-    Skips the default initialisation of 65 M parameters (seconds on a CPU) that loading overwrites anyway.
-    Only for strict loads: with ``allow_partial`` the parameters a file lacks would hold garbage.
-    """
+    Skips the default initialisation of 65 M parameters (seconds on a CPU) that loading overwrites anyway. Only for
+    strict loads: with ``allow_partial`` the parameters a file lacks would hold garbage."""
     with torch.device("meta"):
         model = BottomUpAttention(settings)
     model = model.to_empty(device=device)

@@ -1,14 +1,7 @@
-"""Caffe preprocessing of the bottom-up-attention model (``prep_im_for_blob`` / ``_get_image_blob``).
+"""Caffe preprocessing of the bottom-up-attention model (``prep_im_for_blob`` / ``_get_image_blob``) with OpenCV.
 
-BGR uint8 as ``cv2.imread`` gives it → float32 → subtract the BGR pixel means (no division by a std) → scale so
-the short side is 600 unless that makes the long side exceed 1000 (then long side = 1000) → bilinear resize of
-the mean-subtracted image (``cv2.INTER_LINEAR``, as the original; OpenCV is used so the resampling is the
-original's). Each image keeps its own size; a batched forward pads them (see :mod:`batching`).
-
-EXIF orientation: OpenCV ≥ 3.1 rotates images by their EXIF tag when reading; the original extraction
-predates that and saw the stored pixel order. ``exif=False`` (default) reproduces the original
-(``IMREAD_IGNORE_ORIENTATION``); ``exif=True`` applies the tag. The choice is recorded in the feature set.
-"""
+BGR uint8 → float32 minus the pixel means → short side 600, long side ≤ 1000, bilinear; ``exif=False`` reads pixels
+as stored, like the original (docs/butd.md, "Settings")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,8 +45,7 @@ def read_bgr(path: str | Path, exif: bool = False) -> np.ndarray:
     """Decode an image file into ``[H, W, 3]`` uint8 BGR; :class:`ImageError` with a reason if it cannot be used.
 
     Grayscale, palette, CMYK and alpha images are converted to 3-channel BGR by OpenCV. A JPEG that lacks its
-    end-of-image marker is refused as truncated (libjpeg would silently grey out the missing part).
-    """
+    end-of-image marker is refused as truncated (libjpeg would silently grey out the missing part)."""
     try:
         data = np.fromfile(str(path), dtype=np.uint8)
     except FileNotFoundError:

@@ -1,14 +1,5 @@
-"""``weights="random"``: a deterministic, well-scaled random detector for tests, the demo and learning checks.
-
-The detections are meaningless, but the whole flow runs and the features are finite and of moderate size:
-convolutions get He-normal weights (fan-out, as torchvision's ResNets), linear layers N(0, 0.01²) (the
-original heads' init), and every frozen batch norm's statistics are *calibrated*: one forward pass over a fixed
-pseudo-image sets each norm's running mean/variance to the statistics of its own input, so every norm outputs
-zero-mean, unit-variance activations, as a trained network's norms roughly do — except the last norm of each
-residual branch, which outputs variance ``RESIDUAL_GAIN²`` so that 33 random residual branches, which add up
-coherently, do not grow the activations past float16's range. The pseudo-image is smooth (upsampled noise),
-like photographs rather than white noise.
-"""
+"""``weights="random"``: a deterministic, well-scaled random detector for tests, the demo and learning checks
+(initialisation and norm calibration: docs/butd.md, "--weights random")."""
 from __future__ import annotations
 
 import torch
@@ -48,9 +39,8 @@ _MADE: dict[tuple, dict[str, torch.Tensor]] = {}
 def randomize_(model: BottomUpAttention, seed: int = RANDOM_SEED) -> BottomUpAttention:
     """Fill ``model`` with the seeded random weights and calibrated norms (in place; returns it).
 
-    The result depends only on ``seed`` and the detector settings; it is made once per process and copied
-    into later models (a CPU copy of the 65 M parameters is kept for that).
-    """
+    The result depends only on ``seed`` and the detector settings; it is made once per process and copied into later
+    models (a CPU copy of the 65 M parameters is kept for that)."""
     key = (seed, model.settings)
     if key in _MADE:
         model.load_state_dict(_MADE[key])

@@ -1,12 +1,7 @@
 """The region proposal network of the Caffe model and its test-time proposal layer.
 
-Head: 3×3 conv 1024→512 + ReLU; ``objectness_logits`` 1×1 → 24 channels (two-way softmax per anchor:
-channels 0–11 background, 12–23 foreground); ``anchor_deltas`` 1×1 → 48 (anchor-major dx, dy, dw, dh).
-
-Proposal layer (Caffe ``proposal_layer.py``, TEST): decode every shifted anchor with "+1" widths → clip to the
-resized image → drop boxes narrower or shorter than ``16 · scale`` → keep the ``pre_nms_topk`` (6000) best by
-foreground probability → legacy NMS 0.7 → first ``post_nms_topk`` (300).
-"""
+Head: 3×3 conv 1024→512 + ReLU; ``objectness_logits`` → 24 channels (0–11 background, 12–23 foreground);
+``anchor_deltas`` → 48 (anchor-major dx, dy, dw, dh). Proposal layer: docs/butd.md ("Settings")."""
 from __future__ import annotations
 
 import torch
@@ -47,14 +42,7 @@ class RPNHead(nn.Module):
 
 
 class ProposalGenerator(nn.Module):
-    """RPN head + Caffe test-time proposal layer. Holds the anchor table as a non-persistent buffer.
-
-    Args:
-        pre_nms_topk: boxes kept before NMS (Caffe ``RPN_PRE_NMS_TOP_N`` = 6000).
-        post_nms_topk: proposals kept after NMS (``RPN_POST_NMS_TOP_N`` = 300).
-        nms_threshold: proposal NMS IoU threshold (0.7).
-        min_size: minimum box side in original-image pixels (16; multiplied by the image scale).
-    """
+    """RPN head + Caffe test-time proposal layer (6000 → NMS 0.7 → 300; ``min_size`` 16 original pixels)."""
 
     def __init__(self, pre_nms_topk: int = 6000, post_nms_topk: int = 300, nms_threshold: float = 0.7,
                  min_size: float = 16.0):
@@ -66,29 +54,16 @@ class ProposalGenerator(nn.Module):
 
     @torch.no_grad()
     def forward(self, features: torch.Tensor, image_hw: tuple[int, int], scale: float) -> torch.Tensor:
-        """Proposals ``[P, 4]`` (P ≤ post_nms_topk) in resized-image pixels, best first.
-
-        Args:
-            features: res4 ``[1, 1024, h, w]``.
-            image_hw: (height, width) of the resized network input.
-            scale: resize factor applied to the original image.
-        """
+        """Proposals ``[P, 4]`` (P ≤ post_nms_topk, resized-image pixels, best first) from res4 ``[1, 1024, h, w]``,
+        the resized input's ``image_hw`` and ``scale``."""
         fg_prob, deltas = self.rpn_head(features)
         return self.propose(fg_prob, deltas, (features.shape[-2], features.shape[-1]), image_hw, scale)
 
     @torch.no_grad()
     def forward_padded(self, features: torch.Tensor, feature_hw: list[tuple[int, int]],
                        image_hw: list[tuple[int, int]], scales: list[float]) -> list[torch.Tensor]:
-        """Per-image proposals of a padded batch: one ``[P_b, 4]`` per image, as :meth:`forward` on it alone.
-
-        Args:
-            features: res4 ``[B, 1024, h, w]``, zero outside each image's ``feature_hw[b]`` (the RPN's 3×3 conv
-                then sees what its zero padding gives on the image alone).
-            feature_hw / image_hw / scales: each image's res4 size, resized-input size and resize factor.
-
-        The head runs once on the batch; anchors, decoding, clipping (to the image's own size), the size filter,
-        top-k and NMS run per image on the image's own ``[:h_b, :w_b]`` cells.
-        """
+        """Per-image proposals ``[P_b, 4]`` of a padded batch (res4 ``[B, 1024, h, w]``, zero outside each
+        ``feature_hw[b]``), each as :meth:`forward` on the image alone; the head runs once."""
         fg_maps, delta_maps = self.rpn_head.maps(features)
         proposals = []
         for b, (h, w) in enumerate(feature_hw):

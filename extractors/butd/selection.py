@@ -1,21 +1,7 @@
 """Which regions are kept: ``generate_tsv``'s per-class NMS selection, computed for all classes at once.
 
-The original loops over the 1,600 object classes and, for each, runs NMS (legacy "+1" overlap, 0.3) on the
-proposals with that class's scores; every box that survives in a class records that class's score if it beats
-its best so far (``max_conf``). Then boxes with ``max_conf ≥ 0.2`` are kept; if fewer than ``min_boxes``, the
-``min_boxes`` best by ``max_conf``; if more than ``max_boxes``, the ``max_boxes`` best.
-
-All classes share the same boxes, so this module computes the pairwise overlap once and runs the greedy
-suppression for every class together: at step ``i`` each class looks at its ``i``-th best box; the box is kept
-if no kept box of that class suppressed it, and it suppresses, in that class, every box overlapping it by more
-than the threshold. That is exactly greedy NMS per class (a box is only ever suppressed by a higher-ranked
-kept box), with ``P`` steps of ``[C, P]`` tensor operations instead of ``C`` NMS calls, and classes that can
-no longer change any box's ``max_conf`` are dropped along the way (exact; see :func:`per_class_max_conf`).
-
-Order of the kept boxes: as in the original, index (proposal) order when the thresholded count is within
-``[min_boxes, max_boxes]``, else decreasing ``max_conf``. Ties in ``max_conf`` (the original leaves their order
-to NumPy's unstable sort) are broken by proposal index.
-"""
+Greedy suppression of every class together (exact, with pruning), box order and ties: docs/butd.md ("The box
+selection without 1,600 NMS calls")."""
 from __future__ import annotations
 
 import torch
@@ -27,35 +13,17 @@ def per_class_max_conf(boxes: torch.Tensor, class_scores: torch.Tensor, nms_thre
                        prune_every: int = 8) -> torch.Tensor:
     """Each box's best score over the classes in whose NMS it survives: ``[P]``.
 
-    Args:
-        boxes: ``[P, 4]`` proposals (any pixel frame; the original uses original-image pixels).
-        class_scores: ``[P, C]`` scores of the foreground classes only (background column removed).
-        nms_threshold: legacy IoU threshold of the per-class NMS (0.3).
-        prune_every: every this many ranks, classes that can no longer change the result are dropped.
-
-    One image of :func:`per_class_max_conf_batched`.
-    """
+    ``boxes`` ``[P, 4]``; ``class_scores`` ``[P, C]`` (foreground only); ``nms_threshold`` legacy IoU (0.3)."""
     return per_class_max_conf_batched([boxes], [class_scores], nms_threshold, prune_every)[0, : len(boxes)]
 
 
 def per_class_max_conf_batched(boxes: list[torch.Tensor], class_scores: list[torch.Tensor],
                                nms_threshold: float = 0.3, prune_every: int = 8) -> torch.Tensor:
-    """:func:`per_class_max_conf` of ``B`` images at once: ``[B, P]`` with ``P`` = the most proposals of an image.
+    """:func:`per_class_max_conf` of ``B`` images at once → ``[B, P]`` (P = the most proposals).
 
-    Args:
-        boxes: ``B`` tensors ``[P_b, 4]``; class_scores: ``B`` tensors ``[P_b, C]`` (scores ≥ 0, on one device).
-
-    Row ``b`` holds image ``b``'s result in its first ``P_b`` entries (zeros after). The rows of the greedy
-    suppression are (image, class) pairs, each with its own image's overlap matrix, so ``P`` steps serve all
-    images. An image with fewer proposals gets score ``-inf`` for the missing ones: they rank after all of its
-    real boxes and can only suppress boxes ranked after them, so the real boxes' decisions are those of the image
-    alone (and the result is made of the same scores, hence bitwise equal).
-
-    Pruning (exact): the decisions for ranks already processed are final, so the maximum over them is a lower
-    bound ``L[b]`` of the result. A class whose remaining (lower-ranked) boxes all score ``≤ L[b]`` in it can
-    neither raise any box's maximum (the original updates only on a strictly larger score) nor matter for any
-    other class, so it is dropped. With peaked class probabilities most classes go after a few ranks.
-    """
+    ``boxes`` ``B`` × ``[P_b, 4]``, ``class_scores`` ``B`` × ``[P_b, C]`` (≥ 0, one device). Missing proposals score
+    ``-inf`` (rank last, so each image's result is bitwise its own); a class that can no longer raise a maximum is
+    dropped."""
     num_images = len(boxes)
     counts = [len(b) for b in boxes]
     num_boxes = max(counts, default=0)
@@ -113,15 +81,8 @@ def choose_boxes(max_conf: torch.Tensor, conf_threshold: float = 0.2, min_boxes:
 
 def choose_boxes_batched(max_conf: torch.Tensor, counts: list[int], conf_threshold: float = 0.2,
                          min_boxes: int = 36, max_boxes: int = 36) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`choose_boxes` of ``B`` images at once, on ``max_conf``'s device with no host round trip.
-
-    Args:
-        max_conf: ``[B, P]`` (row ``b``: image ``b``'s ``counts[b]`` boxes first, the rest ignored).
-
-    Returns:
-        ``(order [B, K], kept [B])`` with ``K = min(P, max_boxes)``: image ``b`` keeps ``order[b, :kept[b]]``,
-        the indices :func:`choose_boxes` gives it, in the same order.
-    """
+    """:func:`choose_boxes` of ``B`` images on ``max_conf``'s ``[B, P]`` device → ``(order [B, K], kept [B])``,
+    ``K = min(P, max_boxes)``: image ``b`` keeps ``order[b, :kept[b]]``."""
     num_images, num_boxes = max_conf.shape
     device = max_conf.device
     index = torch.arange(num_boxes, device=device)
@@ -142,12 +103,8 @@ def choose_boxes_batched(max_conf: torch.Tensor, counts: list[int], conf_thresho
 def select_regions(boxes: torch.Tensor, cls_prob: torch.Tensor, nms_threshold: float = 0.3,
                    conf_threshold: float = 0.2, min_boxes: int = 36, max_boxes: int = 36
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """generate_tsv's selection: (kept indices ``[n]``, ``max_conf`` ``[P]``).
-
-    Args:
-        boxes: ``[P, 4]`` proposals in original-image pixels.
-        cls_prob: ``[P, 1 + C]`` class probabilities, column 0 = background (ignored).
-    """
+    """generate_tsv's selection → (kept indices ``[n]``, ``max_conf`` ``[P]``) from ``boxes`` ``[P, 4]`` and
+    ``cls_prob`` ``[P, 1 + C]`` (column 0 background)."""
     max_conf = per_class_max_conf(boxes, cls_prob[:, 1:], nms_threshold)
     return choose_boxes(max_conf, conf_threshold, min_boxes, max_boxes), max_conf
 
@@ -155,14 +112,7 @@ def select_regions(boxes: torch.Tensor, cls_prob: torch.Tensor, nms_threshold: f
 def select_regions_batched(boxes: list[torch.Tensor], cls_prob: list[torch.Tensor], nms_threshold: float = 0.3,
                            conf_threshold: float = 0.2, min_boxes: int = 36, max_boxes: int = 36
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`select_regions` of ``B`` images on their device: ``(order [B, K], kept [B], max_conf [B, P])``.
-
-    Args:
-        boxes: ``B`` tensors ``[P_b, 4]`` in original-image pixels; cls_prob: ``B`` tensors ``[P_b, 1 + C]``.
-
-    Image ``b`` keeps ``order[b, :kept[b]]``; ``max_conf[b, :P_b]`` is its ``max_conf``. No value is copied to
-    the host (the pruning of the suppression loop only reads back whether classes are left).
-    """
+    """:func:`select_regions` of ``B`` images on their device → ``(order [B, K], kept [B], max_conf [B, P])``."""
     max_conf = per_class_max_conf_batched(boxes, [p[:, 1:] for p in cls_prob], nms_threshold)
     order, kept = choose_boxes_batched(max_conf, [len(b) for b in boxes], conf_threshold, min_boxes, max_boxes)
     return order, kept, max_conf

@@ -1,9 +1,8 @@
 """The Visual Genome vocabularies of the detector: 1,600 objects and 400 attributes.
 
-Files as the original release ships them (``objects_vocab.txt``, ``attributes_vocab.txt``): one class per
-line, synonyms separated by commas (``"man,men"``). Line ``i`` is class ``i`` of the 0-based ids the feature set
-stores (``object_ids``/``attr_ids``), i.e. network class ``i + 1`` (0 is background / no attribute).
-"""
+Files as the original release ships them (``objects_vocab.txt``, ``attributes_vocab.txt``): one class per line,
+synonyms separated by commas (``"man,men"``). Line ``i`` is class ``i`` of the 0-based ids the feature set stores
+(``object_ids``/``attr_ids``), i.e. network class ``i + 1`` (0 is background / no attribute)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,17 +1,9 @@
-"""``retr-pipeline``: every offline stage as one click command.
-
-Every command of ``retr-pipeline`` lives in this package, one module per command or command group, named by
-the command (``extract.py``: ``extract`` and ``extract-preset``; ``manifest.py``: the ``manifest`` group; …). The
-modules are thin: they parse flags and print, and call the library modules of :mod:`retr.pipeline`,
-:mod:`retr.manifests`, :mod:`retr.store`, which import no click and nothing of this package. This file holds the
-group and the console script's entry point, so it stays a table of contents. Run ``retr-pipeline COMMAND
---help`` for an example of each.
-"""
+"""``retr-pipeline``: the group and its entry point; one thin module per command or group (docs/DESIGN.md, "Layout")."""
 from __future__ import annotations
 
 import click
 
-from retr.common.cli import flags_in_errors, run
+from retr.common.cli import flags_in_errors, log_to_stderr, run
 from retr.common.version import __version__
 
 
@@ -25,13 +17,15 @@ def cli() -> None:
       retr-pipeline synth --out data/synthetic --images 240
       retr-pipeline inspect data/synthetic/features/resnet152-grid.h5
     """
+    log_to_stderr()
 
 
 def _register() -> None:
     # One line per command module; keep alphabetical by module.
     from retr.pipeline.commands.concepts import build_concepts_command
     from retr.pipeline.commands.extract import extract_command, extract_preset_command
-    from retr.pipeline.commands.fetch import fetch_data_command, fetch_parser_models_command, fetch_weights_command
+    from retr.pipeline.commands.fetch import (fetch_data_command, fetch_parser_models_command, fetch_weights_command,
+                                              fetch_word_vectors_command)
     from retr.pipeline.commands.imports import import_npz_command, import_scan_command, import_tsv_command
     from retr.pipeline.commands.labels import labels_group
     from retr.pipeline.commands.manifest import manifest_group
@@ -43,7 +37,7 @@ def _register() -> None:
                     index_command, parse_trees_command, show_tree_command, fetch_parser_models_command,
                     extract_command, extract_preset_command, build_concepts_command,
                     import_scan_command, import_tsv_command, import_npz_command, fetch_weights_command,
-                    fetch_data_command):
+                    fetch_data_command, fetch_word_vectors_command):
         cli.add_command(command)
     flags_in_errors(cli)  # library errors name parameters; print them with these commands' flags
 

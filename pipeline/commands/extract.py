@@ -1,12 +1,5 @@
-"""``retr-pipeline extract`` (one extractor) and ``retr-pipeline extract-preset`` (every extractor of a dataset).
-
-``extract-preset`` goes from nothing to feature sets (what ``make extract DATASET=…`` runs): when the preset's
-manifest is missing it fetches the dataset (``coco``; ``f30k`` needs its gated images first) or generates it
-(``synthetic``); it then fetches every missing weight file the extractors need, and extracts. Offline
-(``--offline`` / ``RETR_OFFLINE=1``) a missing dataset or missing weights stop it before anything runs, in ONE
-line naming the command that fetches them.
-
-The ``butd-regions`` extractor's own options (:data:`BUTD_OPTIONS`) are added to ``extract`` here too.
+"""``retr-pipeline extract`` (one extractor, with the ``butd-regions`` options :data:`BUTD_OPTIONS`) and
+``extract-preset`` (fetch or generate the dataset and weights, then every extractor; docs/extraction.md).
 """
 from __future__ import annotations
 
@@ -87,7 +80,8 @@ def _run_options(f):
     options = [
         click.option("--weights", default=None,
                      help="imagenet | a torchvision weight name (e.g. IMAGENET1K_V2) | random | PATH to a state "
-                          "dict. Default: the extractor's own (imagenet for the torchvision backbones), "
+                          "dict (clip-*: openai or another open_clip tag). Default: the extractor's own (imagenet "
+                          "for the torchvision backbones, openai for clip-*), "
                           "downloaded on first use unless --offline."),
         click.option("--batch-size", type=int, default=8, show_default=True, help="Images per network call."),
         click.option("--workers", type=int, default=2, show_default=True,

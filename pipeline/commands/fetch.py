@@ -1,5 +1,5 @@
-"""``retr-pipeline fetch-weights``, ``fetch-data`` and ``fetch-parser-models``: everything retr downloads, fetched
-ahead of time.
+"""``retr-pipeline fetch-weights``, ``fetch-data``, ``fetch-parser-models`` and ``fetch-word-vectors``: everything
+retr downloads, fetched ahead of time.
 
 The weights (what each name means, where each lands): :mod:`retr.pipeline.weights`; the datasets:
 :mod:`retr.manifests.fetch`; stanza's models: :func:`retr.parsers.backends.fetch_parser_models`. ``--offline``
@@ -50,7 +50,9 @@ def fetch_weights_command(names: tuple[str, ...], stanza_dir: Path | None, offli
     """Download the weights extraction and parsing need, ahead of time (e.g. on a login node).
 
     NAMES: all (default), resnet152, vgg16, vgg19, inception_resnet_v2, butd (bottom-up-attention R101-k36),
-    stanza, or extractor names (resnet152-grid, tencrop-irv2, butd-regions, …). Each goes where its loader
+    stanza, or extractor names (resnet152-grid, tencrop-irv2, butd-regions, …); OpenAI's CLIP weights by their
+    extractor's name (clip-vit-b-32, clip-vit-b-16, clip-vit-l-14, clip-vit-l-14-336), or clip for all four (not
+    part of all: 4.6 GB no preset needs). Each goes where its loader
     looks first: torchvision's cache ($TORCH_HOME/hub/checkpoints), the Hugging Face cache, $RETR_WEIGHTS (else
     ~/.cache/retr/weights), stanza's folder. Files already there are left alone. With --offline nothing is
     downloaded: the command checks, and names what is missing in one line.
@@ -106,6 +108,35 @@ def fetch_data_command(dataset: str, root: Path | None, images_archive: Path | N
                             keep_archives=keep_archives, quiet=quiet,
                             echo=lambda line: None if quiet else click.echo(line, err=True))
     click.echo(summary.line())
+
+
+# ------------------------------------------------------------------------------------------------ word vectors
+
+@click.command("fetch-word-vectors")
+@click.argument("names", nargs=-1)
+@network_options
+@quiet_option
+def fetch_word_vectors_command(names: tuple[str, ...], offline: bool, mirror: str | None, quiet: bool) -> None:
+    """Download GloVe word vectors ahead of time (training downloads them on first use).
+
+    NAMES: glove (glove.840B.300d.zip, 2.2 GB: the set SMAN and CVSE used; default), glove-6b (glove.6B.zip,
+    862 MB). Each goes to $RETR_WORD_VECTORS (else ~/.cache/retr/word-vectors), size and sha256 checked; it is
+    read from the zip, never unpacked. With --offline nothing is downloaded: the command checks, and names what
+    is missing in one line.
+
+    \b
+    Example:
+      retr-pipeline fetch-word-vectors glove
+      retr-pipeline fetch-word-vectors glove --mirror http://mirror.example.org/retr
+    """
+    from retr.store.word_vectors import GLOVE_SETS, resolve_vectors
+
+    unknown = [n for n in names if n not in GLOVE_SETS]
+    if unknown:
+        raise ParameterError(f"unknown word vectors {unknown[0]!r} (known: {', '.join(GLOVE_SETS)})", "names")
+    apply_network_options(offline, mirror)
+    for name in names or ("glove",):
+        click.echo(f"{name}: {resolve_vectors(name, quiet=quiet).path}")
 
 
 # ------------------------------------------------------------------------------------------------ parser models

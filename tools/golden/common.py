@@ -54,6 +54,27 @@ def patched_copy(source: Path, patches: list[Patch]) -> Path:
     return target
 
 
+def authors_checkout(description: str, what: str, commit: str, patches: list[Patch]) -> tuple[Path, Path]:
+    """Parse the one argument every generator takes (the authors' checkout, ``what``), say when it is not at
+    ``commit``, and return ``(checkout, its patched copy)``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("authors", type=Path, help=f"checkout of {what}")
+    source = parser.parse_args().authors.resolve()
+    if commit_of(source) != commit:
+        print(f"note: {source} is not at {commit}, the commit these patches and figures were made for")
+    return source, patched_copy(source, patches)
+
+
+def padded(token_lists, width: int) -> np.ndarray:
+    """Token lists as one ``[n, width]`` int64 array, zero-padded on the right."""
+    out = np.zeros((len(token_lists), width), dtype=np.int64)
+    for row, tokens in enumerate(token_lists):
+        out[row, :len(tokens)] = tokens
+    return out
+
+
 def commit_of(source: Path) -> str:
     try:
         return subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], check=True, capture_output=True,

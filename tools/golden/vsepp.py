@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Patch, commit_of, patched_copy, write_figures  # noqa: E402
+from common import Patch, authors_checkout, padded, write_figures  # noqa: E402
 
 REPOSITORY = "https://github.com/fartashf/vsepp"
 COMMIT = "abe382fd9c751d1b92c95030df8fb804a7d5ef53"
@@ -168,20 +168,8 @@ def collate(a_data, torch, images: np.ndarray, captions: list[list[int]], index:
     return a_data.collate_fn(items)
 
 
-def padded(token_lists, width: int) -> np.ndarray:
-    out = np.zeros((len(token_lists), width), dtype=np.int64)
-    for row, tokens in enumerate(token_lists):
-        out[row, :len(tokens)] = tokens
-    return out
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("authors", type=Path, help="checkout of fartashf/vsepp")
-    args = parser.parse_args()
-    if commit_of(args.authors.resolve()) != COMMIT:
-        print(f"note: {args.authors} is not at {COMMIT}, the commit these patches and figures were made for")
-    copy = patched_copy(args.authors.resolve(), PATCHES)
+    source, copy = authors_checkout(__doc__.split("\n")[0], "fartashf/vsepp", COMMIT, PATCHES)
     a_model, a_eval, a_data, a_train, recorder = import_authors(copy)
     import torch
     torch.set_num_threads(1)
@@ -321,7 +309,7 @@ def main() -> None:
              f"epochs, grad clip {GRAD_CLIP}, max_violation; evaluation: {EVAL_FOLDS} folds x {FOLD_IMAGES} images "
              f"x 5 captions, initial state. Stubbed when absent: {STUBBED}. tensorboard_logger replaced by a "
              "recorder of train's per-step log; model.clip_grad_norm wrapped to record its return value.")
-    folder = write_figures("vsepp", repository=REPOSITORY, source=args.authors.resolve(), patches=PATCHES,
+    folder = write_figures("vsepp", repository=REPOSITORY, source=source, patches=PATCHES,
                            inputs=inputs, figures=figures, notes=notes)
     for f in sorted(folder.iterdir()):
         print(f"{f}: {f.stat().st_size} bytes")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import click
 
-from retr.common.cli import flags_in_errors, run
+from retr.common.cli import flags_in_errors, log_to_stderr, run
 from retr.common.version import __version__
 
 
@@ -21,23 +21,28 @@ def cli() -> None:
           --preset f30k --out runs/scan-f30k
       retr-train eval runs/scan-f30k --protocol f30k-1k
     """
+    log_to_stderr()
 
 
 def _register() -> None:
     """One training command per registered model (generated from its spec), then the tools."""
+    from retr.trainers.commands.eval_clip import eval_clip_command
     from retr.trainers.commands.evaluate import eval_command, table_command
     from retr.trainers.commands.import_checkpoint import import_scan_command, import_vsepp_command
+    from retr.trainers.commands.index import index_command
     from retr.trainers.commands.plot import plot_command
     from retr.trainers.commands.reproduce import recipes_command, reproduce_command
     from retr.trainers.commands.search import search_command
+    from retr.trainers.commands.serve import serve_command
     from retr.trainers.commands.show import show_command
     from retr.trainers.commands.train import training_command
     from retr.trainers.models import get_spec, list_models
 
     for name in list_models():
         cli.add_command(training_command(get_spec(name)))
-    for command in (eval_command, table_command, import_scan_command, import_vsepp_command, reproduce_command,
-                    recipes_command, search_command, plot_command, show_command):
+    for command in (eval_command, eval_clip_command, table_command, import_scan_command, import_vsepp_command,
+                    reproduce_command, recipes_command, search_command, index_command, serve_command, plot_command,
+                    show_command):
         cli.add_command(command)
     flags_in_errors(cli)  # library errors name parameters; print them with these commands' flags
 

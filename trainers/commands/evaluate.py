@@ -18,6 +18,24 @@ def _line(side: str, m: dict) -> str:
             f"medr {m['medr']:.1f}  meanr {m['meanr']:.1f}")
 
 
+def echo_numbers(result: dict, what: str) -> None:
+    """The protocol's numbers of ``result`` as ``eval`` prints them, under a first line ending in ``what``."""
+    protocol = result["protocol"]
+    click.echo(f"{protocol} on {result['split']} ({result['images']} images, {result['captions']} captions) — "
+               f"{what}")
+    if result.get("size_mismatch"):
+        m = result["size_mismatch"]
+        click.echo(f"note: {protocol} expects {m['expected']} images, this split has {m['images']} "
+                   "(--allow-size-mismatch): not the protocol's numbers")
+    if protocol == "coco-1k":
+        click.echo("mean over 5 folds:")
+    if protocol == "coco-1k-first":
+        click.echo("first 1K fold only:")
+    click.echo(_line("image→text (i2t)", result["i2t"]))
+    click.echo(_line("text→image (t2i)", result["t2i"]))
+    click.echo(f"rsum: {result['rsum']:.1f}  (ties: {result.get('ties', 'pessimistic')})")
+
+
 @click.command("eval")
 @click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
 @click.option("--protocol", type=click.Choice(PROTOCOLS), required=True,
@@ -71,19 +89,7 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
         click.echo(json.dumps(result))
         return
     kind = f"ensemble of {len(runs)} runs (averaged similarities)" if len(runs) > 1 else "single model"
-    click.echo(f"{protocol} on {split} ({result['images']} images, {result['captions']} captions) — {kind}: "
-               f"{', '.join(runs)}")
-    if result.get("size_mismatch"):
-        m = result["size_mismatch"]
-        click.echo(f"note: {protocol} expects {m['expected']} images, this split has {m['images']} "
-                   "(--allow-size-mismatch): not the protocol's numbers")
-    if protocol == "coco-1k":
-        click.echo("mean over 5 folds:")
-    if protocol == "coco-1k-first":
-        click.echo("first 1K fold only:")
-    click.echo(_line("image→text (i2t)", result["i2t"]))
-    click.echo(_line("text→image (t2i)", result["t2i"]))
-    click.echo(f"rsum: {result['rsum']:.1f}  (ties: {result.get('ties', 'pessimistic')})")
+    echo_numbers(result, f"{kind}: {', '.join(runs)}")
     if "refinement" in result:
         r = result["refinement"]
         click.echo(f"precision refined: {r['rescored_pairs']} pairs ({100 * r['rescored_fraction']:.2f}%) rescored "

@@ -63,9 +63,7 @@ def reproduce_command(recipe, features, manifest, out, trees, concepts, concept_
             overrides[key] = value
     data = {"features": features, "manifest": manifest, "trees": trees, "concepts": concepts,
             "concept_vectors": concept_vectors, "labels": labels}
-    log = lambda message: click.echo(message, err=True)  # noqa: E731
-    report = reproduce(chosen, data, Path(out), overrides, split, device, allow_size_mismatch, quiet, log,
-                       tuple(retrain))
+    report = reproduce(chosen, data, Path(out), overrides, split, device, allow_size_mismatch, quiet, tuple(retrain))
     for line in format_report(report):
         click.echo(line)
     click.echo(f"report written to {Path(out) / f'reproduce-{chosen.name}.json'}")
@@ -93,7 +91,9 @@ def recipes_command(as_json, markdown) -> None:
                                 "members": [{"run": m.run, "model": m.model, "preset": m.preset,
                                              "settings": dict(m.settings)} for m in r.members],
                                 "published": _published(r.published), "notes": r.notes,
-                                "unmet": list(r.unmet)} for r in recipes],
+                                "unmet": list(r.unmet),
+                                "zero_shot": dict(r.zero_shot) if r.zero_shot is not None else None}
+                               for r in recipes],
                                "not_expressed": [dataclasses.asdict(n) for n in NOT_EXPRESSED]}, indent=2))
         return
     from tabulate import tabulate

@@ -12,9 +12,21 @@ from retr.common.errors import UserError
 @click.command("search")
 @click.argument("run", type=click.Path(file_okay=False))
 @click.option("--query", "queries", multiple=True, help="A sentence: find the images it describes (repeatable).")
-@click.option("--image", "images", multiple=True, help="An image id of the split: find its captions (repeatable).")
+@click.option("--image", "images", multiple=True,
+              help="An image id of the split or index, an image file or a folder: find its captions (repeatable).")
 @click.option("--top", default=10, show_default=True, help="Results per query.")
 @click.option("--split", default="test", show_default=True, help="The gallery: this split of the run's data.")
+@click.option("--index", type=click.Path(file_okay=False),
+              help="Search images in this gallery index (retr-train index) instead of the split.")
+@click.option("--images", "gallery", type=click.Path(file_okay=False),
+              help="Search images in this folder (indexed into RUN/search-cache/ once, grown on later runs).")
+@click.option("--extractor-weights", type=click.Path(dir_okay=False),
+              help="The extractor's weights file, where the feature set records one by hash (image files).")
+@click.option("--vector-index", type=click.Choice(["exact", "ivf", "hnsw"]), default="exact", show_default=True,
+              help="The image gallery's inner-product index (models scored by one; ivf/hnsw: approximate, faiss).")
+@click.option("--shortlist", type=click.IntRange(min=1), default=None,
+              help="Two-stage search for models whose score is no inner product (SCAN, SEAM): score only the N "
+                   "best items by cheap vectors (docs/search.md has each model's recall). Default: every item.")
 @click.option("--features", type=click.Path(dir_okay=False), help="Override the run's feature set.")
 @click.option("--manifest", type=click.Path(dir_okay=False), help="Override the run's manifest.")
 @click.option("--checkpoint", default="best", show_default=True, help="best, last, or a file in the run.")
@@ -24,17 +36,19 @@ from retr.common.errors import UserError
 @click.option("--trust-checkpoint", is_flag=True,
               help="Read a checkpoint that holds Python objects besides tensors (only for files you trust).")
 @quiet_option
-def search_command(run, queries, images, top, split, features, manifest, checkpoint, device, no_cache, as_json,
-                   trust_checkpoint, quiet):
+def search_command(run, queries, images, top, split, index, gallery, extractor_weights, vector_index, shortlist,
+                   features, manifest, checkpoint, device, no_cache, as_json, trust_checkpoint, quiet):
     """Search the split's gallery with a trained run: a sentence → images, an image → captions.
 
-    The gallery is encoded once and cached in the run; the scores are the ones `eval` gives the same pairs.
-    Words outside the run's vocabulary are reported.
+    The gallery (the split's images, an index's, or a folder's) is encoded once and kept; the scores are the
+    ones `eval` gives the same pairs. An image file is embedded with the extractor settings its feature set
+    records. Words outside the run's vocabulary are reported.
 
     \b
     Example:
       retr-train search runs/scan-f30k --query "a dog jumps into a lake" --top 5
-      retr-train search runs/scan-f30k --image 1000092795 --json
+      retr-train search runs/scan-f30k --image 1000092795 --image photos/dog.jpg --json
+      retr-train search runs/scan-f30k --images photos/ --query "a dog on a beach"
     """
     from retr.trainers.search.retrieval import Retriever
 
@@ -42,8 +56,12 @@ def search_command(run, queries, images, top, split, features, manifest, checkpo
         raise UserError("give --query TEXT or --image ID (or several)")
     if top < 1:
         raise UserError("--top must be ≥ 1")
+    if index and gallery:
+        raise UserError("give --index or --images, not both")
     retriever = Retriever.from_run(run, features, manifest, split, checkpoint, device, cache=not no_cache,
-                                   trust_checkpoint=trust_checkpoint, quiet=quiet)
+                                   trust_checkpoint=trust_checkpoint, quiet=quiet, index=index, images=gallery,
+                                   extractor_weights=extractor_weights, vector_index=vector_index,
+                                   shortlist=shortlist)
     results = retriever.text_to_images(queries, top) + retriever.image_to_texts(images, top)
     for result in results:
         if as_json:

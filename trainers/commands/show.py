@@ -47,5 +47,5 @@ def show_command(runs, protocol, out, split, samples, top, seed, attention, imag
     """
     index = write_report(list(runs), protocol, out, split, samples, top, seed, attention, image_root, features,
                          manifest, which, device, sims=sims, allow_size_mismatch=allow_size_mismatch,
-                         trust_checkpoint=trust_checkpoint, quiet=quiet, log=click.echo)
+                         trust_checkpoint=trust_checkpoint, quiet=quiet)
     click.echo(f"report written to {index}")

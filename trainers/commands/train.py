@@ -127,7 +127,7 @@ def training_command(spec: ModelSpec) -> click.Command:
                click.Option(["--trust-checkpoint"], is_flag=True,
                             help="With --resume: read a checkpoint that holds Python objects besides tensors (they "
                                  "can run code: only for files you trust).")]
-    params.append(_quiet_param())
+    params.extend(_quiet_params())
 
     def callback(**values) -> None:
         from retr.trainers.training.loop import train
@@ -147,26 +147,22 @@ def training_command(spec: ModelSpec) -> click.Command:
             cfg = resume_settings(spec, values, explicit)
         else:
             cfg, _ = gather_settings(spec, values, explicit)
-        pending = []
+        notes = ()
         if not values["resume"] and "preset" not in explicit and not values.get("config") and cfg.preset:
-            pending.append(f"note: no --preset given: starting from {cfg.preset}'s published settings "
-                           f"(presets: {', '.join(spec.presets)}); options given override them")
-
-        def log(message: str) -> None:
-            if pending and message.startswith("training "):     # once the run has started, not before an error
-                click.echo(pending.pop(), err=True)
-            click.echo(message, err=True)
-        train(cfg, resume=values["resume"], quiet=values["quiet"], log=log, trust_checkpoint=values["trust_checkpoint"])
+            notes = (f"note: no --preset given: starting from {cfg.preset}'s published settings "
+                     f"(presets: {', '.join(spec.presets)}); options given override them",)
+        train(cfg, resume=values["resume"], quiet=values["quiet"], trust_checkpoint=values["trust_checkpoint"],
+              notes=notes)
         if spec.after_training is not None:
-            spec.after_training(cfg.out, cfg, log)
+            spec.after_training(cfg.out, cfg)
         click.echo(f"run written to {cfg.out} (evaluate: {evaluate_hint(cfg)})")
 
     return click.Command(spec.name, params=params, callback=callback, help=_help(spec),
                          short_help=spec.summary.split(". ")[0].rstrip("."))
 
 
-def _quiet_param() -> click.Parameter:
-    """The shared ``--quiet`` option (:func:`retr.common.cli.quiet_option`) as a parameter object."""
+def _quiet_params() -> list[click.Parameter]:
+    """The shared ``--quiet`` and ``-v`` options (:func:`retr.common.cli.quiet_option`) as parameter objects."""
     def holder() -> None:
         """placeholder"""
-    return click.command()(quiet_option(holder)).params[-1]
+    return click.command()(quiet_option(holder)).params

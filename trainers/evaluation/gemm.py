@@ -1,15 +1,5 @@
-"""``a @ b.T`` for scoring: oneDNN's float32 GEMM on CPU when no gradient is needed, ``torch.mm`` otherwise.
-
-Why not just ``torch.mm``: on CPU, PyTorch sends float32 ``mm`` to MKL's sgemm, which on AMD processors runs a
-generic code path. oneDNN's GEMM (which PyTorch also ships, for its own fused linear layers) is 2–2.5× faster
-there: on the 2-core AMD EPYC of CI, 310–380 GFLOP/s against 140–180 for region–word products of evaluation
-blocks (``bench/eval.py`` reports the effect on the whole evaluator). Both are IEEE float32 products with float32
-accumulation; results differ only by rounding (≈1e-7 relative).
-
-oneDNN is reached through ``torch.ops.mkldnn._linear_pointwise`` (the op PyTorch's compiler emits for a linear
-layer with a dense weight). It has no autograd formula, so it is used only when neither operand needs a gradient;
-if the op is missing or fails (another PyTorch build), :func:`dot_products` falls back to
-``torch.mm`` for the rest of the process. ``RETR_ONEDNN_GEMM=0`` turns it off.
+"""``a @ b.T`` for scoring: oneDNN's float32 GEMM on CPU without gradients, else ``torch.mm``
+(why, fallback, ``RETR_ONEDNN_GEMM=0``: docs/trainer.md#evaluation).
 """
 from __future__ import annotations
 

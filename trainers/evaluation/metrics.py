@@ -1,24 +1,5 @@
-"""Retrieval metrics and evaluation protocols (the similarity matrices they rank: :mod:`retr.trainers.evaluation.similarity`).
-
-Metrics (``reference/scan.md`` "Evaluation", identical to the authors' ``i2t``/``t2i`` for distinct scores):
-
-* i2t: the rank of an image query is the best (smallest) 0-based rank among its true captions when all
-  captions are sorted by decreasing similarity; t2i: the 0-based rank of a caption's true image.
-* ``R@K = 100 · mean(rank < K)``, ``medr = floor(median(rank)) + 1``, ``meanr = mean(rank) + 1``,
-  ``rsum`` = the sum of the six R@K (the true sum; the authors' 5-fold printout has a known defect).
-* Ties (``ties``): by default (``"pessimistic"``) ties count *against* the query: a rank is the number of other
-  items scoring **at least** as high as the true one (for i2t, as high as the best true caption, other true
-  captions excluded). A model that scores everything equal therefore gets chance-level, not perfect, recall.
-  ``"official"`` ranks as the authors' ``evaluation.py`` does: ``np.argsort(scores)[::-1]`` (numpy's default
-  sort) and the position of the true item (i2t: the best of the true captions' positions) in that order, so an
-  imported official checkpoint gives the official numbers even where identical captions tie (COCO has some).
-
-Protocols: ``f30k-1k`` and ``coco-5k`` score the split as given; ``coco-1k`` cuts it into five equal folds of
-images in file order (with their captions) and reports each fold and the mean of every number over folds
-(SEAM's "COCO-5cv"); ``coco-1k-first`` scores the first of those folds alone (the single 1K set of SEAM's
-Table 3, "COCO-1k"). Each protocol expects its split's size (:data:`EXPECTED_IMAGES`: 1,000 Flickr30K test
-images, the 5,000-image COCO test split); another size is refused unless ``allow_size_mismatch``, and is then
-recorded in the result (``size_mismatch``).
+"""Retrieval metrics and evaluation protocols over ``[N_img, M]`` similarity matrices (definitions:
+docs/trainer.md#evaluation).
 """
 from __future__ import annotations
 
@@ -100,8 +81,8 @@ def rank_metrics(ranks: np.ndarray) -> dict[str, float]:
 
 
 def retrieval_metrics(sims: np.ndarray, caption_image: np.ndarray, ties: str = "pessimistic") -> dict:
-    """``{"i2t": {r1, r5, r10, medr, meanr}, "t2i": {…}, "rsum": …}`` of one similarity matrix (``ties``: see the
-    module docstring)."""
+    """``{"i2t": {r1, r5, r10, medr, meanr}, "t2i": {…}, "rsum": …}`` of one similarity matrix (``ties``:
+    docs/trainer.md#evaluation)."""
     if ties not in TIE_RULES:
         raise ValueError(f"ties must be one of {', '.join(TIE_RULES)}, not {ties!r}")
     caption_image = np.asarray(caption_image, dtype=np.int64)

@@ -22,8 +22,7 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
     """Score ``split`` with every run, average the similarity matrices (ensemble) and apply ``protocol``.
 
     Returns ``(result dict, sims [N_img, M] float64)``. Every run's embeddings are kept until the end, so that
-    ``refined`` precision can rescore near-ties of the *averaged* matrix in float64.
-    """
+    ``refined`` precision can rescore near-ties of the *averaged* matrix in float64."""
     dev = resolve_device(device)
     reference, models, scorers = None, [], []
     for run in runs:

@@ -1,40 +1,6 @@
-"""Images × captions similarity matrices: blockwise scoring, ensembles, and float64 where it decides ranks.
+"""Images × captions similarity matrices: blockwise scoring, ensembles, float64 where it decides ranks.
 
-A model's embeddings of a split (:class:`SplitEmbeddings`: images concatenated, captions in blocks sorted by
-length so a block wastes little padding) are scored block by block with the model's ``score`` (image block ×
-caption block → ``[n_img, n_cap]``); memory is bounded by the block, not the split. Several runs are an
-ensemble: their matrices are averaged.
-
-Identical captions (the same token ids; COCO and Flickr30K have some across images) are encoded and scored
-once and share one column. Encoded separately, their scores would differ in the last bits with the padding of
-the block each sat in, and which side of their tie a rank counts would be an accident of batching; shared,
-they tie exactly and the tie counts against the query, as :mod:`retr.trainers.evaluation.metrics` defines. (A model
-whose caption embeddings depend on their batch by design — SEAM-C with the authors' padding — is encoded in the
-authors' batches instead, every caption where it stands: :func:`encode_split`.)
-
-Precision (``--precision``):
-
-* ``float64`` — every score computed in float64 (embeddings, products, attention, aggregation). Every
-  ordering equals the authors' float64 arithmetic (``bench/eval.py``).
-* ``float32`` — one float32 pass (SCAN aggregates over words/regions in float64 even then).
-* ``refined`` (the default) — the float32 pass, then float64 for every pair that decides a rank, so every
-  rank the metrics use — each caption's rank of its image, each image's rank of its best caption, in every
-  COCO fold too — and therefore every number is the float64 one, at about float32 speed. Which pairs: all true
-  pairs, and every pair whose float32 score is within a margin ``ε`` of the (exact) score it is compared with:
-  its caption's true score (t2i) or its image's best true score (i2t). A pair that is not rescored is more than
-  ``ε`` away from that score, so while every float32 error is below ``ε`` its side of the comparison is the
-  float64 side. ``ε`` is measured, not assumed: it starts at ``SAFETY`` × the largest error seen on a probe
-  block (the first 32 images × the first 32 captions, rescored), and whenever a rescored pair turns out to have
-  been more than ``ε/2`` off, ``ε`` grows to ``SAFETY`` × that error and the search runs again. Orderings among
-  non-matching items within ≈1e-7 of each other can still differ from float64's (``--precision float64`` when
-  a full ordering matters); pairs that were not rescored keep their float32-accurate values in ``--save-sims``.
-
-On CUDA (issue 15): blocks are sized for the GPU's free memory (:meth:`Scorer.block_sizes`, measured per model),
-the near-tie search runs on the device, and the float64 rescoring scores each caption block's listed pairs in a
-few large calls (:meth:`Scorer.pairs`, ``block``) instead of one call per image. TF32 stays off (torch's default
-for matmuls): its 1e-3 relative error would send most pairs to the float64 rescoring. Every path is the same
-arithmetic on the CPU, where ``tests/test_similarity.py`` checks it.
-"""
+Decisions (blocks, shared identical captions, ``--precision``, CUDA paths): docs/trainer.md#evaluation."""
 from __future__ import annotations
 
 import copy
@@ -86,16 +52,10 @@ def caption_sources(tokens: Sequence[Sequence[int]]) -> np.ndarray:
 @torch.no_grad()
 def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.device, batch_size: int = 128,
                  quiet: bool = False, captions: np.ndarray | None = None):
-    """Image embeddings (one dict per block of images, in order) and caption blocks sorted by length.
+    """``(image_blocks, caption_blocks)``: image embeddings per block, caption blocks sorted by length.
 
-    Returns ``(image_blocks, caption_blocks)``; each caption block is ``(caption indices, embeddings)``.
-    ``captions``: encode only these caption indices (default: all).
-
-    A model whose caption embeddings depend on the other captions of their batch (``captions_in_split_order``
-    True: SEAM-C with the authors' padding) is given the authors' evaluation batches instead: ``batch_size``
-    consecutive captions in split order, each caption encoded where it stands (those not in ``captions`` are
-    dropped after encoding).
-    """
+    Each caption block is ``(caption indices, embeddings)``; ``captions``: only these indices (default: all).
+    ``captions_in_split_order`` models (SEAM-C, authors' padding) are encoded in the authors' batches instead."""
     model.eval()
     image_blocks = []
     for start in progress(range(0, data.num_images, batch_size), desc="encode images", quiet=quiet):
@@ -127,12 +87,9 @@ def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.
 class SplitEmbeddings:
     """One model's embeddings of a split.
 
-    ``images``: every image's embeddings joined along dim 0 (manifest order); ``caption_blocks``:
-    ``[(caption indices [b] int, embeddings)]``. ``caption_source`` ``[M]`` maps every caption to the caption
-    whose embeddings it shares (:func:`caption_sources`: identical token ids are encoded and scored once, so
-    identical captions tie exactly); the blocks hold each source caption once. ``None``: every caption is in
-    a block.
-    """
+    ``images``: every image's embeddings joined along dim 0; ``caption_blocks``:
+    ``[(caption indices [b], embeddings)]``; ``caption_source`` ``[M]``: the caption whose embeddings each caption
+    shares (None: every caption is in a block)."""
 
     images: Embeddings
     caption_blocks: list[tuple[np.ndarray, Embeddings]]
@@ -166,12 +123,7 @@ class SplitEmbeddings:
 
 
 class Scorer:
-    """A model's ``score`` over its :class:`SplitEmbeddings`: whole matrices and listed pairs.
-
-    The scoring dtype is passed to the model's ``score`` (nothing is set on the model). float64 scoring uses a
-    float64 copy of the model (made once, kept here), so that parameters used inside ``score`` (SMAN's
-    multi-modal attention, JGCAR's co-attention) compute in float64 too.
-    """
+    """A model's ``score`` over its :class:`SplitEmbeddings`: whole matrices and listed pairs."""
 
     def __init__(self, model: MatchingModel, embeddings: SplitEmbeddings):
         self.model, self.embeddings = model, embeddings
@@ -204,13 +156,7 @@ class Scorer:
 
     def block_sizes(self, dtype: torch.dtype, image_block: int | None = None,
                     pair_budget: int | None = None) -> tuple[int, int]:
-        """``(image_block, pair_budget)`` of :meth:`matrix`: the ones given, else chosen for the device.
-
-        CPU: 128 images and :data:`CPU_PAIR_BUDGET` pairs a call (the attention of a block stays in the caches).
-        CUDA: the budget fills :data:`GPU_MEMORY_SHARE` of the free memory at the bytes one pair takes, measured
-        by scoring a probe block (:func:`bytes_per_pair`; :func:`gpu_pair_budget`), and the image block grows so
-        that a length-sorted caption block (≤ 128 captions) times the image block fills the budget: COCO 5K's
-        5,000 images against one caption block is a single call."""
+        """``(image_block, pair_budget)`` of :meth:`matrix`: the ones given, else chosen for the device."""
         if self.device.type != "cuda":
             return image_block or 128, pair_budget or CPU_PAIR_BUDGET
         if pair_budget is None:
@@ -256,16 +202,7 @@ class Scorer:
     def pairs(self, image_rows: np.ndarray, captions: np.ndarray, strategy: str = "auto") -> np.ndarray:
         """float64 scores ``[P]`` of the listed pairs (``image_rows[p]``, ``captions[p]``).
 
-        Pairs that are the same once captions are mapped to their sources are scored once. ``strategy``:
-
-        * ``image`` — one ``score`` call per listed image, against its listed captions: the least arithmetic
-          (what the CPU wants);
-        * ``block`` — per length-sorted caption block, the model's ``pair_score`` over blocks of images: a few
-          large calls instead of one per image (what a GPU wants: launches, not flops, bound the small calls);
-        * ``auto`` — ``block`` on CUDA, ``image`` elsewhere.
-
-        Both compute every listed pair with the model's own float64 ``score``; they agree to float64 rounding.
-        """
+        ``strategy``: ``image`` (a call per image), ``block`` (``pair_score`` per caption block), ``auto``."""
         if strategy not in PAIR_STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(PAIR_STRATEGIES)}, not {strategy!r}")
         if strategy == "auto":
@@ -340,11 +277,7 @@ def gpu_pair_budget(free_bytes: int, bytes_per_pair: float) -> int:
 def score_blocks(score, images: Embeddings, caption_blocks, num_images: int, num_captions: int,
                  image_block: int = 128, pair_budget: int = CPU_PAIR_BUDGET, cast: torch.dtype | None = None,
                  quiet: bool = True) -> np.ndarray:
-    """Fill ``[num_images, num_captions]`` float64 with ``score(image block, caption block)``.
-
-    ``caption_blocks``: ``[(caption indices, embeddings)]`` (length-sorted blocks waste no padding); each is cut
-    so that a scored block holds at most ``pair_budget`` image–caption pairs.
-    """
+    """Fill ``[num_images, num_captions]`` float64 with ``score(image block, caption block)``."""
     caption_step = max(1, pair_budget // max(1, min(image_block, num_images)))
     sims = np.empty((num_images, num_captions), dtype=np.float64)
     work = []
@@ -365,12 +298,7 @@ def score_blocks(score, images: Embeddings, caption_blocks, num_images: int, num
 
 def rank_deciding_pairs(sims: np.ndarray, caption_image: np.ndarray, margin: float,
                         device: torch.device | str | None = None) -> np.ndarray:
-    """``[N, M]`` bool: pairs within ``margin`` of the score they are ranked against.
-
-    t2i: caption ``c``'s true score ``sims[caption_image[c], c]``; i2t: image ``i``'s best true score.
-    ``device`` (e.g. ``cuda``): the comparisons run there in torch, 1,024 rows at a time (the same float64
-    arithmetic, so the same answer); default: numpy on the host.
-    """
+    """``[N, M]`` bool: pairs within ``margin`` of the score they are ranked against."""
     columns = np.arange(sims.shape[1])
     true = sims[caption_image, columns]
     best = np.full(sims.shape[0], -np.inf)
@@ -409,14 +337,10 @@ def with_shared_captions(rows: np.ndarray, cols: np.ndarray, source: np.ndarray)
 def refine(sims: np.ndarray, caption_image: np.ndarray,
            rescore: Callable[[np.ndarray, np.ndarray], np.ndarray], source: np.ndarray | None = None,
            device: torch.device | str | None = None) -> dict:
-    """Rescore the rank-deciding pairs of a float32 matrix in place (module docstring); returns the statistics.
+    """Rescore the rank-deciding pairs of a float32 matrix in place; returns the statistics.
 
-    ``device``: where the search for rank-deciding pairs runs (:func:`rank_deciding_pairs`; None: numpy).
-
-    ``rescore(image_rows [P], captions [P])`` gives the float64 scores of the listed pairs. ``source`` [M]
-    (:func:`caption_sources`) marks captions whose columns are identical: a rescored pair is rescored in all of
-    them at once (``rescore`` must give them one value), so identical captions stay exactly tied.
-    """
+    ``rescore(image_rows [P], captions [P])`` → float64 ``[P]``; ``source`` ``[M]`` (:func:`caption_sources`):
+    identical captions are rescored together and stay tied."""
     num_images, num_captions = sims.shape
     caption_image = np.asarray(caption_image, dtype=np.int64)
     exact = np.zeros(sims.shape, dtype=bool)
@@ -460,13 +384,10 @@ def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISIO
                     caption_image: np.ndarray | None = None, image_block: int | None = None,
                     pair_budget: int | None = None, quiet: bool = True, stats: dict | None = None,
                     pair_strategy: str = "auto") -> np.ndarray:
-    """The mean ``[N_img, M]`` float64 of the scorers' matrices (one scorer: its matrix) at ``precision``.
+    """The mean ``[N_img, M]`` float64 of the scorers' matrices at ``precision``.
 
-    ``caption_image`` [M] (caption → its image's row) is needed for ``refined``: it says which pairs are true.
-    ``image_block``/``pair_budget``: None chooses them for the device (:meth:`Scorer.block_sizes`). On CUDA the
-    refinement runs there too: the near-tie search (:func:`rank_deciding_pairs`) and the float64 rescoring
-    (:meth:`Scorer.pairs`, caption block by caption block; ``pair_strategy`` picks another way).
-    """
+    ``caption_image`` ``[M]`` (caption → image row) marks the true pairs for ``refined``; None block sizes: chosen
+    for the device."""
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}")
     dtype = torch.float64 if precision == "float64" else torch.float32
@@ -494,10 +415,7 @@ def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISIO
 def similarity_matrix(model, data: SplitData, features: ImageFeatures, device: torch.device | str = "cpu",
                       precision: str = DEFAULT_PRECISION, encode_batch: int = 128, image_block: int | None = None,
                       pair_budget: int | None = None, quiet: bool = False, stats: dict | None = None) -> np.ndarray:
-    """The images × captions similarity matrix ``[N_img, M]`` float64 of one model (manifest order on both axes).
-
-    ``precision``: see the module docstring; ``stats`` (a dict) receives the refinement's statistics.
-    """
+    """One model's similarity matrix ``[N_img, M]`` float64 (manifest order); ``stats`` receives the refinement's."""
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}")
     embeddings = SplitEmbeddings.encode(model, data, features, device, encode_batch, quiet)

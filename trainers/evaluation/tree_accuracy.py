@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,8 @@ import torch
 
 from retr.common.errors import UserError
 from retr.trainers.training.side_inputs import caption_keys, read_tree_nodes
+
+logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -64,7 +67,7 @@ def run_tree_accuracy(run: str | Path, split: str = "test", which: str = "best",
     return result
 
 
-def report_tree_accuracy(run: str | Path, cfg, log) -> None:
+def report_tree_accuracy(run: str | Path, cfg) -> None:
     """After training (the SMFEA spec's ``after_training``): the best checkpoint's accuracy on the test split,
     written to ``RUN/tree_accuracy.json`` and logged; a run without trees or a manifest without a test split
     gets a note instead (training itself succeeded)."""
@@ -75,8 +78,8 @@ def report_tree_accuracy(run: str | Path, cfg, log) -> None:
     try:
         result = run_tree_accuracy(run, "test", device=resolve_device(cfg.device))
     except UserError as exc:
-        log(f"note: no tree-node accuracy ({exc})")
+        logger.warning(f"note: no tree-node accuracy ({exc})")
         return
-    log(f"tree-node accuracy on test ({result['captions']} captions): text {result['text']['all']:.1f}% "
+    logger.info(f"tree-node accuracy on test ({result['captions']} captions): text {result['text']['all']:.1f}% "
         f"(entities {result['text']['entities']:.1f}, relations {result['text']['relations']:.1f}), "
         f"image {result['image']['all']:.1f}%  → {Path(run) / 'tree_accuracy.json'}")

@@ -1,27 +1,5 @@
-"""Two-step retrieval (JGCAR §2.4): shortlist by a cheap global score, re-rank the shortlist pair-specifically.
-
-A model takes part when it has a global stage (``has_global_stage``): ``global_score(images, captions) ->
-[n_img, n_cap]`` (pair-independent, cheap) besides ``pair_score(images, captions, img_idx [P], cap_idx [P]) -> [P]``
-(the expensive re-rank score of listed pairs only). Its ``score``
-must equal ``pair_score`` on every pair (that is what one-step "score everything" evaluation uses).
-
-How each direction is shortlisted and ranked (``shortlist`` = k, 100 in the paper):
-
-* **i2t** — for each image query, the k captions with the highest global score Ω (ties broken by caption
-  order, ``torch.topk``) are re-scored by ``pair_score``;
-* **t2i** — for each caption query, the k images with the highest Ω, likewise;
-* the two directions have their own shortlists, so there are two images × captions matrices: in the i2t
-  matrix each row holds the re-rank score α on its k shortlisted captions and ``Ω − max(Ω) − 2`` elsewhere,
-  i.e. every shortlisted entry ranks above every other one (α is a cosine, ≥ −1 > any shifted value) and the
-  rest keep the order of the global score. The t2i matrix does the same per column. A true match outside
-  the shortlist therefore keeps its global rank (≥ k): R@K for K ≤ k is decided by the re-rank alone, and
-  the recall at k is the shortlist's.
-* i2t metrics come from the i2t matrix and t2i metrics from the t2i matrix, with the shared rank
-  definitions of :mod:`retr.trainers.evaluation.metrics` (best true caption, ties pessimistic). With k ≥ the number
-  of candidates the two-step numbers equal full re-ranking (``score`` on every pair).
-
-COCO 1K folds shortlist within each fold (the candidates of a fold query are that fold's items).
-"""
+"""Two-step retrieval (JGCAR §2.4): shortlist by ``global_score`` ``[n_img, n_cap]``, re-rank the shortlist with
+``pair_score`` ``[P]``. Shortlists, ranks and folds: docs/models-jgcar.md ("Two-step retrieval")."""
 from __future__ import annotations
 
 import time
@@ -31,7 +9,7 @@ import torch
 
 from retr.common.errors import UserError
 from retr.trainers.training.data import ImageFeatures, SplitData
-from retr.trainers.evaluation.metrics import (COCO_FOLDS, METRIC_KEYS, PROTOCOLS, check_split_size, coco_folds, i2t_ranks,
+from retr.trainers.evaluation.metrics import (COCO_FOLDS, METRIC_KEYS, check_split_size, coco_folds, i2t_ranks,
                                      rank_metrics, retrieval_metrics, t2i_ranks)
 from retr.trainers.evaluation.similarity import _concat, encode_split
 
@@ -88,11 +66,8 @@ def _sync(device: torch.device) -> None:
 def two_step_split(model, data: SplitData, features: ImageFeatures, device: torch.device | str = "cpu",
                    shortlist: int = DEFAULT_SHORTLIST, precision: str = "float64", encode_batch: int = 128,
                    full: bool = False) -> dict:
-    """One-step (global) and two-step numbers of one split scored as a whole, with times in seconds.
-
-    ``full=True`` also scores every pair with ``model.score`` (the cost two-step retrieval avoids) and
-    reports it under ``"full"``. Returns ``{"one_step": metrics, "two_step": metrics, "seconds": {...},
-    "pairs_scored": {...}}``.
+    """One-step and two-step numbers of one split, with times: ``{"one_step", "two_step", "seconds",
+    "pairs_scored"}`` (``full=True`` adds ``"full"``: every pair through ``model.score``).
     """
     if shortlist < 1:
         raise UserError("--shortlist must be ≥ 1")

@@ -1,33 +1,5 @@
-"""The interface between the training loop / evaluator and a matching model.
-
-A model is an ``nn.Module``; the loop and the evaluator call only the methods and attributes declared on
-:class:`MatchingModel` (each has its documented default here, nothing is probed with ``hasattr``):
-
-* ``encode_images(features [B, K, D_in] float, mask [B, K] bool) -> dict[str, Tensor]`` — per-image tensors,
-  each with the batch on dim 0 (e.g. ``{"regions": [B, K, d], "mask": [B, K]}``);
-* ``encode_captions(tokens [B, L] long, lengths [B] long) -> dict[str, Tensor]`` — per-caption tensors, batch on
-  dim 0 (padding on later dims is allowed: blocks are padded/sliced by the evaluator and DDP gather);
-* ``score(images, captions, dtype=None) -> [n_img, n_cap]`` — similarity of every image of a block with every
-  caption of a block (pair-specific models such as SCAN do their cross attention here, vectorised over the
-  block); ``dtype`` is the arithmetic's dtype (the evaluator's float64), an argument, never state;
-* ``loss(scores [B, B]) -> scalar`` — the training objective for a batch whose diagonal pairs match;
-* ``forward(features, mask, tokens, lengths, gather, **extras)`` — one training step's loss (encode, gather the
-  global batch, score, loss), a single forward call for DDP; ``batch_extras`` names the batch entries it takes;
-* ``prepare_training(inputs)`` — per-run tensors from the spec's ``load_inputs`` (default: none);
-* ``configure_optimizer(lr) -> torch.optim.Optimizer`` — the optimiser (default: Adam on every parameter; the
-  loop then picks its fused/foreach/loop implementation, :func:`retr.trainers.training.optim.apply_implementation`);
-* ``compiled_functions`` / ``compile_scoring(**options)`` / ``scoring(name)`` — ``--compile``: the methods
-  ``forward`` scores the batch with (default ``("score",)``), compiled with ``torch.compile`` and called through
-  ``scoring``;
-* two-step evaluation (:mod:`retr.trainers.evaluation.two_step`): ``shortlist`` — candidates re-ranked per query (default
-  0: every pair is scored with ``score``); ``has_global_stage`` — class attribute, True when
-  ``global_score(images, captions, dtype=None) -> [n_img, n_cap]`` is a cheap pair-independent score to
-  shortlist by (JGCAR, SMAN; default: False, and ``global_score`` raises); ``pair_score(images, captions,
-  img_idx [P] long, cap_idx [P] long, dtype=None) -> [P]`` — ``score`` of the listed pairs only (default: through
-  ``score``, block by block);
-* ``predict_nodes(...) -> [B, 7]`` — referral-tree node ids (SMFEA; the default raises ``NotImplementedError``);
-* ``explains`` / ``explain(images, captions) -> {name: tensor}`` — the attention maps ``score`` computes for one
-  pair (default: none, and ``explain`` raises).
+"""The interface between the training loop / evaluator and a matching model (methods, shapes, defaults:
+docs/trainer.md#model-interface).
 """
 from __future__ import annotations
 
@@ -63,23 +35,7 @@ def check_one_pair(images: Embeddings, captions: Embeddings) -> None:
 
 
 class MatchingModel(nn.Module):
-    """Base class: subclasses implement ``encode_images``, ``encode_captions`` and ``score``; everything else
-    the loop and the evaluator call is declared here with its default (shapes: module docstring).
-
-    * ``loss(scores [B, B]) -> scalar`` — the shared hinge triplet loss (``margin``, ``max_violation``) through
-      :meth:`ranking_loss`, which also records how the batch ranks its matching pairs (``batch_ranking``, read by
-      the loop's collapse monitor) and honours the loop's warm-up (``warming_up``: sum of violations);
-    * ``forward(...)`` — encode → gather → score → loss; ``batch_extras`` (default ``()``) names the extra batch
-      entries (e.g. ``"image_index"`` ``[B]``) the loop passes to it by keyword;
-    * ``prepare_training(inputs)`` — default: nothing; ``configure_optimizer(lr)`` — default: Adam;
-    * ``shortlist`` (default 0: every pair scored) and ``has_global_stage`` (default False) select two-step
-      evaluation; ``global_score(images, captions, dtype) -> [n_img, n_cap]`` (default: raises) shortlists,
-      ``pair_score(images, captions, img_idx [P], cap_idx [P], dtype) -> [P]`` re-ranks (default: the listed
-      pairs through ``score``);
-    * ``predict_nodes(...) -> [B, 7]`` tree node ids (default: raises; SMFEA overrides).
-
-    The scoring ``dtype`` is always an argument: scoring sets no attribute on the model.
-    """
+    """Base class: subclasses implement ``encode_images``, ``encode_captions`` and ``score``; the rest has defaults."""
 
     #: the model's registry name, set by :func:`retr.trainers.models.register_model`
     name: str = ""
@@ -107,9 +63,9 @@ class MatchingModel(nn.Module):
 
     def ranking_loss(self, scores: torch.Tensor, positives: torch.Tensor | None = None,
                      observe: bool = True) -> torch.Tensor:
-        """The hinge triplet loss of ``scores`` [B, B] (diagonal = matching pairs; ``positives`` [B, B] bool are
-        never negatives) with :attr:`hardest_negatives`; a scalar. With ``observe`` (the model's main score
-        matrix, not an auxiliary branch) the batch's ranking is kept in :attr:`batch_ranking`."""
+        """Hinge triplet loss of ``scores`` [B, B] (diagonal matches; ``positives`` [B, B] bool never negatives).
+
+        With ``observe`` the batch's ranking is kept in :attr:`batch_ranking`."""
         hardest = self.hardest_negatives
         loss = hinge_triplet_loss(scores, self.margin, hardest, positives)
         if observe and self.training:
@@ -118,12 +74,7 @@ class MatchingModel(nn.Module):
 
     @staticmethod
     def settings(config_class: type, config=None, overrides: dict | None = None):
-        """The model's config: ``config`` (default: ``config_class()``) with ``overrides`` applied.
-
-        Every model's constructor is ``(data sizes…, config=None, **settings)``: ``settings`` are the config's
-        field names (an unknown name raises ``ValueError`` naming it), so the config dataclass holds the only
-        defaults.
-        """
+        """``config`` (default ``config_class()``) with ``overrides`` (config field names; unknown → ``ValueError``)."""
         from dataclasses import asdict
 
         from retr.trainers.config import make_config
@@ -135,13 +86,7 @@ class MatchingModel(nn.Module):
     compiled_functions: tuple[str, ...] = ("score",)
 
     def compile_scoring(self, **options) -> None:
-        """``torch.compile`` each method named in :attr:`compiled_functions` (``options``: ``mode``, ``backend`` …,
-        as ``torch.compile`` takes them); :meth:`forward` then calls the compiled code through :meth:`scoring`.
-
-        The class's function is compiled (not a bound method), so a copy of the model (the evaluator's float64
-        copy, ``--ema``'s average) holds no reference to this instance; evaluation calls ``score`` eagerly.
-        Shapes that vary from batch to batch (caption lengths, a last smaller batch) make torch recompile once
-        with dynamic shapes, then reuse that code."""
+        """``torch.compile`` the class functions named in :attr:`compiled_functions`; :meth:`forward` calls them."""
         self._compiled = {name: torch.compile(getattr(type(self), name), **options)
                           for name in self.compiled_functions}
 
@@ -179,13 +124,9 @@ class MatchingModel(nn.Module):
     def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor, cap_idx: torch.Tensor,
                    dtype: torch.dtype | None = None, image_block: int = 64,
                    pair_budget: int = 1 << 16) -> torch.Tensor:
-        """``score`` of the listed pairs only: ``[P]`` (the dtype ``score`` returns) for ``img_idx``, ``cap_idx``
-        ``[P]`` long (rows of ``images`` and ``captions``; repeats allowed).
+        """``score`` of the listed pairs: ``[P]`` for ``img_idx``, ``cap_idx`` ``[P]`` long (repeats allowed).
 
-        Default: the distinct listed images, ``image_block`` at a time, are scored with ``score`` against the
-        distinct captions their pairs name, cut so that one ``score`` call holds at most ``pair_budget`` pairs
-        (at least one caption): memory is bounded by the block whatever the split's size. Models with a
-        cheaper pair path (JGCAR, SMAN) override it; either way it equals ``score`` on every listed pair.
+        Default: distinct images ``image_block`` at a time against their captions, ≤ ``pair_budget`` pairs a call.
         """
         rows, row_of = torch.unique(img_idx, return_inverse=True)             # distinct images, pair → row
         out: torch.Tensor | None = None
@@ -207,23 +148,20 @@ class MatchingModel(nn.Module):
         return out
 
     def index_vectors(self, embeddings: Embeddings, side: str) -> torch.Tensor | None:
-        """Vectors ``[n, d]`` whose inner products are the model's pair-independent score — :meth:`score` for a
-        one-step model, :meth:`global_score` for a two-step one — for ``side`` ``"image"`` or ``"caption"``
-        (search builds an exact inner-product index from them). Default None: the score is no inner product
-        (cross attention, SEAM's order violation)."""
+        """``[n, d]`` vectors whose inner products are the pair-independent score, for ``side`` image/caption.
+
+        None: the score is no inner product (cross attention, order violation)."""
         return None
 
     #: the names of the maps :meth:`explain` returns (empty: the model has no attention to show, e.g. VSE++)
     explains: tuple[str, ...] = ()
+    #: those of :attr:`explains` over ranks (VSE∞'s k-th largest values), not positions: the report draws no image
+    rank_maps: tuple[str, ...] = ()
 
     def explain(self, images: Embeddings, captions: Embeddings) -> dict[str, torch.Tensor]:
-        """The attention behind :meth:`score` for one image and one caption.
+        """The attention behind :meth:`score` for one encoded image and caption (batch 1): ``{name: tensor}``.
 
-        ``images`` and ``captions`` are :meth:`encode_images` / :meth:`encode_captions` outputs of batch 1
-        (eval mode); the result maps each name of :attr:`explains` to a float tensor whose shape and meaning the
-        model documents (e.g. SCAN t-i: each word's weights over the regions ``[L, K]``). The maps are the ones
-        ``score`` computes for that pair, not a re-derivation: each model gets them from the same code path.
-        Default: raises (the model has no attention)."""
+        Names and shapes per model: docs/trainer.md#attention-maps-explain. Default: raises."""
         raise NotImplementedError(f"model {self.name or type(self).__name__} has no attention maps to explain")
 
     def predict_nodes(self, *args, **kwargs) -> torch.Tensor:

@@ -1,22 +1,7 @@
-"""The consensus-aware concept (CAC) branch of CVSE, which SMFEA reuses (its §3.2.3; facts in reference/models.md).
+"""The consensus-aware concept (CAC) branch of CVSE, which SMFEA reuses (§3.2.3; reference/models.md).
 
-* :class:`ConceptGCN` — concept word vectors ``[C, 300]`` → GC(300→512) → LeakyReLU(0.2) → GC(512→d), no bias,
-  l2norm per concept; ``GC(X) = Â · X · W`` with ``Â`` the fixed normalised co-occurrence graph
-  (:func:`retr.pipeline.concepts.concept_graph`). One GCN serves both modalities. CVSE's hidden width is
-  ``embed_size / 2``, i.e. 512 at its 1024; SMFEA passes 512. ``tests/test_golden_cvse.py`` matches this branch
-  (graph, GCN, attention, mixing, consensus vector, KL) against CVSE's own code.
-* :class:`ConceptAttention` — per sample, a distribution over the C concepts
-  ``w = softmax(λ · fc3(tanh(BN(fc1 C)) ⊙ tanh(BN(fc2 x))))`` (λ = 10), where ``C`` [C, d] are the GCN's concept
-  vectors and ``x`` [B, d] the instance feature.
-* :func:`mix_text_labels` — the text side mixes in its concept labels: ``w_t = r·softmax(λ·y) + (1−r)·w``
-  (r = 0.4 COCO, 0.35 Flickr30K).
-* :func:`consensus_vector` — ``l2norm(Σ_q w_q C_q)``.
-
-The graph and the initial concept vectors are buffers or parameters set by the training command from
-``concepts.h5`` (the module itself reads no file): ``concept_vectors="learned"`` makes the vectors a parameter
-initialised uniform(±0.1) like word embeddings; ``"fixed"`` keeps the given vectors (e.g. GloVe) as a buffer,
-as CVSE feeds its GloVe vectors.
-"""
+:class:`ConceptGCN` vectors ``[C, 300]`` → ``[C, d]``; :class:`ConceptAttention` ``[B, d]`` → ``w`` ``[B, C]``;
+:func:`mix_text_labels`, :func:`consensus_vector` ``[B, d]``. Equations and settings: docs/models-smfea.md."""
 from __future__ import annotations
 
 import torch

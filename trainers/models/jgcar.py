@@ -6,10 +6,7 @@ Shapes: ``N`` regions (196 = 14×14 VGG-16 pool5 cells), ``T`` words (≤ ``max_
 :meth:`JGCAR.encode_captions`: tokens ``[B, L]`` → ``S^s`` ``[B, T, d]`` and ``Ŝ`` ``[B, d]``;
 :meth:`JGCAR.global_score` Ω ``[I, C]`` (the shortlist) and :meth:`JGCAR.score` the co-attentive α ``[I, C]`` (the
 re-rank) of two-step retrieval (:mod:`retr.trainers.evaluation.two_step`); :meth:`JGCAR.forward` the joint loss.
-
-The paper has no public code. The equations as implemented, every choice the paper leaves open (with the
-option that changes it) and the cost: ``docs/models-jgcar.md``.
-"""
+Equations, decisions and cost: docs/models-jgcar.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -146,12 +143,8 @@ class CoAttention(nn.Module):
 
     def pair_scores(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor, cap_idx: torch.Tensor,
                     chunk: int = 256, recompute: bool = False) -> torch.Tensor:
-        """α of pairs ``(img_idx[p], cap_idx[p])`` → ``[P]``; ``images``/``captions`` from ``image_side`` etc.
-
-        ``images`` holds ``regions``/``mask``/``X``/``R``, ``captions`` ``words``/``mask``/``Z``/``Q``. Pairs are
-        processed ``chunk`` at a time; with ``recompute`` (training) each chunk is checkpointed, so memory holds
-        only the block's tensors and the ``[P]`` outputs, not the ``[P, N, l]`` intermediates.
-        """
+        """α of pairs ``(img_idx[p], cap_idx[p])`` → ``[P]``, ``chunk`` pairs at a time (checkpointed with
+        ``recompute``, so memory holds no ``[P, N, l]`` intermediates)."""
         out = []
         for start in range(0, img_idx.numel(), chunk):
             ii, cc = img_idx[start:start + chunk], cap_idx[start:start + chunk]
@@ -168,11 +161,8 @@ class CoAttention(nn.Module):
         return self._block_attention(v, vmask, x, r, s, smask, z, q)[0]
 
     def _block_attention(self, v, vmask, x, r, s, smask, z, q) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Scores ``[I, C]`` of every pair of ``I`` images × ``C`` captions, without gathering per pair, and the
-        co-attention they were computed with: ``a^v`` ``[I, N, C]`` (softmax over the N regions) and ``a^s``
-        ``[C, T, I]`` (softmax over the T words); padded positions have weight 0.
-
-        ``V_i Q_j`` for all pairs is one product ``[I, N, d] × [d, C·l]``; ``S_j R_i`` one ``[C·T, d] × [d, I·l]``.
+        """Scores ``[I, C]`` of every pair of a block and the co-attention: ``a^v`` ``[I, N, C]`` (softmax over regions)
+        and ``a^s`` ``[C, T, I]`` (over words), padding 0; ``V_i Q_j`` and ``S_j R_i`` are one GEMM each.
         """
         n_img, n, d = v.shape
         n_cap, t, _ = s.shape
@@ -190,11 +180,8 @@ class CoAttention(nn.Module):
 
     def block_scores(self, images: Embeddings, captions: Embeddings, chunk: int = 256,
                      recompute: bool = False) -> torch.Tensor:
-        """α of every pair of a block → ``[I, C]``, ``max(1, chunk // C)`` images at a time.
-
-        With ``recompute`` (training) each image chunk is checkpointed: memory keeps the block's inputs and the
-        ``[I, C]`` scores, not the ``[I, C, N, l]`` intermediates (they are recomputed in the backward pass).
-        """
+        """α of every pair of a block → ``[I, C]``, ``max(1, chunk // C)`` images at a time (checkpointed with
+        ``recompute``)."""
         n_img, n_cap = images["regions"].shape[0], captions["words"].shape[0]
         step = max(1, chunk // max(1, n_cap))
         cap = (captions["words"], captions["mask"], captions["Z"], captions["Q"])
@@ -216,8 +203,7 @@ def intra_modal_triplet(sims: torch.Tensor, positives: torch.Tensor, negatives: 
     """J2/J3 (Eq. 7–8) of a within-modality similarity matrix ``sims`` [B, B].
 
     ``positives``/``negatives`` [B, B] bool (the diagonal is ignored). Triplet (k, p, n) costs
-    ``[margin − sims[k, p] + sims[k, n]]₊``. ``mean_positive``: Σ_k Σ_n mean_p; ``sum``: Σ_k Σ_p Σ_n.
-    """
+    ``[margin − sims[k, p] + sims[k, n]]₊``. ``mean_positive``: Σ_k Σ_n mean_p; ``sum``: Σ_k Σ_p Σ_n."""
     if reduction not in INTRA_REDUCTIONS:
         raise ValueError(f"intra_reduction must be one of {', '.join(INTRA_REDUCTIONS)}")
     eye = torch.eye(sims.shape[0], dtype=torch.bool, device=sims.device)
@@ -247,8 +233,7 @@ def bi_rank_loss(alpha_i2t: torch.Tensor, alpha_i2t_intra: torch.Tensor, alpha_t
     Each argument is ``[B, 1 + M']``: column 0 the positive pair's α, the rest the negatives' (``-inf`` where an
     anchor has fewer than M′ valid negatives). Image anchor: ``alpha_i2t`` = α(i, s) over {j} ∪ S⁻_i,
     ``alpha_i2t_intra`` = α(v, j) over {i} ∪ V⁻_i; caption anchor: ``alpha_t2i`` = α(v, j) over {i} ∪ V⁻_j,
-    ``alpha_t2i_intra`` = α(i, s) over {j} ∪ S⁻_j. ``P = 2 − p_cross − p_intra`` per anchor.
-    """
+    ``alpha_t2i_intra`` = α(i, s) over {j} ∪ S⁻_j. ``P = 2 − p_cross − p_intra`` per anchor."""
     def p0(a: torch.Tensor) -> torch.Tensor:
         return torch.softmax(gamma * a, dim=1)[:, 0]
     p_images = 2 - p0(alpha_i2t) - p0(alpha_i2t_intra)
@@ -271,20 +256,10 @@ def mine_negatives(sims: torch.Tensor, valid: torch.Tensor, count: int, mode: st
 # --------------------------------------------------------------------------------------------------- model
 
 class JGCAR(MatchingModel):
-    """JGCAR on VGG-16 14×14 maps (every equation and choice: ``docs/models-jgcar.md``); settings:
-    :class:`JGCARConfig`.
+    """JGCAR on VGG-16 14×14 maps (docs/models-jgcar.md); settings: :class:`JGCARConfig`.
 
-    Attention maps (:meth:`explain`): the parallel co-attention of the pair (Eq. 13), as the paper's Figs. 2–4
-    draw it — the visual map over the cells and the words' weights (whose top 3 the figures name):
-
-    * ``"visual_attention"`` ``[1, N]``: ``a^v`` over the image's real cells (N = 196 for 14×14 maps, raster
-      order), the weights of ``v̄ = Σ a^v V``;
-    * ``"textual_attention"`` ``[1, T]``: ``a^s`` over the caption's real tokens (``<start>``/``<end>`` included,
-      at most ``max_words``: captions are cut there), the weights of ``s̄ = Σ a^s S``.
-
-    Both are softmaxes (sum to 1) and come out of :meth:`CoAttention._block_attention`, the function ``score``
-    computes α = cos(v̄, s̄) with.
-    """
+    :meth:`explain`: the pair's co-attention (Eq. 13): ``"visual_attention"`` ``[1, N]`` over the real cells and
+    ``"textual_attention"`` ``[1, T]`` over the real tokens (≤ ``max_words``), both softmaxes."""
 
     has_global_stage = True
     compiled_functions = ("bi_rank",)     # the co-attentive part of the training loss (--compile)
@@ -372,12 +347,8 @@ class JGCAR(MatchingModel):
 
     def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor,
                    cap_idx: torch.Tensor, dtype: torch.dtype | None = None, image_block: int = 128) -> torch.Tensor:
-        """Co-attentive α of the listed pairs only → ``[P]`` (two-step re-ranking scores only its shortlists).
-
-        Memory stays bounded for any number of images and captions: pairs are taken ``image_block`` images at
-        a time (the images' ``X``/``R`` computed once per block) and ``pair_chunk`` pairs at a time (the chunk's
-        captions' ``Z``/``Q`` computed per chunk, about a tenth of a pair's cost).
-        """
+        """Co-attentive α of the listed pairs only → ``[P]``, ``image_block`` images and ``pair_chunk`` pairs at a
+        time (memory bounded for any split)."""
         dtype = dtype or images["regions"].dtype
         out = images["regions"].new_empty(img_idx.numel(), dtype=dtype)
         n_img = images["regions"].shape[0]
@@ -403,12 +374,8 @@ class JGCAR(MatchingModel):
                    terms: dict[str, float] | None = None) -> torch.Tensor:
         """J = β J_G + (1 − β) J_C of a batch whose row k pairs image k with caption k.
 
-        ``image_index`` [B] identifies each row's image (rows of the same image are positives everywhere);
-        ``image_labels`` [B, L] bool are the label-file labels or the caption-concept fallback of each row's
-        image (None: only same-image rows are intra-modal positives); ``caption_labels`` [B, L] bool are used
-        for J3 (None: captions are positives iff same image — the fallback). ``terms``, if given, receives each
-        term's value (floats) for logging.
-        """
+        ``image_index`` [B]; ``image_labels``/``caption_labels`` [B, L] bool (None: same-image positives only);
+        ``terms`` receives each term's value."""
         same = image_index.view(-1, 1) == image_index.view(1, -1)                  # [B, B]
         omega = self.global_score(images, captions)                                # [B, B]
         j1 = self.ranking_loss(omega, positives=same)

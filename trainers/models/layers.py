@@ -1,7 +1,6 @@
 """Pieces every model shares, written once (as timm's ``layers/``): masks, masked pooling and softmax, norms.
 
-Shapes: ``B`` batch, ``K``/``L`` items (regions, cells, crops, words), ``d`` features.
-"""
+Shapes: ``B`` batch, ``K``/``L`` items (regions, cells, crops, words), ``d`` features."""
 from __future__ import annotations
 
 import torch
@@ -27,10 +26,7 @@ def masked_softmax(logits: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> t
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
-    """``x / (‖x‖ + eps)`` along ``dim`` (the authors' ``l2norm``).
-
-    ``vector_norm`` has a zero (not NaN) gradient at a zero vector, which padded word positions are.
-    """
+    """``x / (‖x‖ + eps)`` along ``dim`` (zero gradient at a zero vector)."""
     return x / (torch.linalg.vector_norm(x, dim=dim, keepdim=True) + eps)
 
 

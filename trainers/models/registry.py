@@ -62,7 +62,7 @@ class ModelSpec:
     settings (SCAN: the dataset's preset for the chosen direction and aggregation). ``shortcuts`` are extra
     flags that set several settings (``{"--no-kl": ("help", {"kl_weight": 0.0})}``). ``upgrade_args`` turns
     ``model_args`` of runs written before a change into today's ``(model_args, inputs)``. ``after_training``
-    runs once a run is trained (``(run directory, TrainConfig, log)``), e.g. SMFEA's tree-node accuracy.
+    runs once a run is trained (``(run directory, TrainConfig)``, logging to ``retr``), e.g. SMFEA's tree-node accuracy.
     """
 
     name: str

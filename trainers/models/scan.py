@@ -1,18 +1,6 @@
-"""SCAN — Stacked Cross Attention for image–text matching (Lee et al., ECCV 2018).
-
-Image side: ``v_i = l2norm(fc(x_i))`` for each region (``fc`` Linear(D_in → d), Xavier-uniform, bias 0;
-``no_imgnorm`` skips the l2norm; ``precomp_enc_type="weight_norm"`` wraps ``fc`` in weight normalisation with
-the authors' parameter names ``fc.weight_g``/``fc.weight_v``). Caption side: :class:`GRUWordEncoder`
-(bi-GRU averaged by default). Score: :func:`retr.trainers.models.xattn.xattn_scores` (t-i or i-t, every
-normalisation and aggregation). Loss: hinge with hardest negatives (margin 0.2).
-
-Presets (``reference/scan.md``, the README runs of the authors, all ``--max_violation --bi_gru``): one per
-dataset × direction × aggregation (``f30k-t2i-avg`` …), and ``f30k``/``coco``, which pick the published row of
-the explicit ``--direction`` (t2i) and ``--agg`` (default: that direction's best published aggregation,
-:data:`SCAN_PUBLISHED_AGG`). COCO 20 epochs, lr 5e-4 decayed ×0.1 at epoch 10; Flickr30K 30 epochs, lr 2e-4
-decayed at 15; λ_softmax 9 (t-i) / 4 (i-t); λ_lse 6 (t-i), 5 (i-t Flickr30K), 20 (i-t COCO); batch 128,
-grad-norm clip 2.0.
-"""
+"""SCAN — Stacked Cross Attention for image–text matching (Lee et al., ECCV 2018): regions ``[B, K, D_in]`` →
+``[B, K, d]``, words ``[B, L, d]``, scores ``[n_img, n_cap]``. As implemented, with presets: docs/trainer.md ("SCAN
+and VSE++ as implemented")."""
 from __future__ import annotations
 
 import warnings
@@ -22,12 +10,12 @@ from typing import Literal
 import torch
 from torch import nn
 
-from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
-                                   word_dim_setting)
+from retr.trainers.config import (embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
+                                   violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import EPS, lengths_mask, l2norm
-from retr.trainers.models.text import GRUWordEncoder
+from retr.trainers.models.text import GRUWordEncoder, install_word_vectors
 from retr.trainers.models.xattn import AGGREGATIONS, DIRECTIONS, NORMS, xattn_block
 
 ENCODER_TYPES = ("basic", "weight_norm")
@@ -59,27 +47,25 @@ class RegionEncoder(nn.Module):
 
 
 class SCAN(MatchingModel):
-    """SCAN with either formulation (``t2i``: text–image, ``i2t``: image–text); settings: :class:`SCANConfig`.
+    """SCAN with either formulation (``t2i`` or ``i2t``); settings: :class:`SCANConfig`.
 
-    Attention maps (:meth:`explain`, one map, the model's direction's; ``L`` = the caption's real tokens,
-    ``<start>``/``<end>`` included, ``K`` = the image's real regions, padding dropped):
+    :meth:`explain`: ``"word_to_region"`` ``[L, K]`` (t2i) or ``"region_to_word"`` ``[K, L]`` (i2t), each row a
+    softmax, from :func:`~retr.trainers.models.xattn.xattn_block` (docs/trainer.md, "Attention maps")."""
 
-    * ``t2i`` → ``"word_to_region"`` ``[L, K]``: row j is word j's attention over the regions, the softmax
-      ``α_j`` whose weighted sum of region vectors is the attended image vector ``a_j`` (rows sum to 1; the
-      paper's Fig. 4);
-    * ``i2t`` → ``"region_to_word"`` ``[K, L]``: row i is region i's attention over the words (rows sum to 1).
-
-    Both come out of :func:`~retr.trainers.models.xattn.xattn_block`, the function ``score`` computes with.
-    """
-
-    def __init__(self, vocab_size: int, img_dim: int = 2048, config: "SCANConfig | None" = None, **settings):
+    def __init__(self, vocab_size: int, img_dim: int = 2048, config: "SCANConfig | None" = None,
+                 word_vectors_file: str = "", **settings):
         cfg = self.config = self.settings(SCANConfig, config, settings)
+        self.word_vectors_file = word_vectors_file     # the vectors the words started from
         super().__init__(cfg.margin, cfg.max_violation)
         self.direction, self.agg, self.norm = cfg.direction, cfg.agg, cfg.norm
         self.lambda_softmax, self.lambda_lse = float(cfg.lambda_softmax), float(cfg.lambda_lse)
         self.img_enc = RegionEncoder(img_dim, cfg.embed_size, cfg.no_imgnorm, cfg.precomp_enc_type)
         self.txt_enc = GRUWordEncoder(vocab_size, cfg.word_dim, cfg.embed_size, num_layers=cfg.num_layers,
                                       bidirectional=cfg.bi_gru, normalize=not cfg.no_txtnorm)
+
+    def prepare_training(self, inputs: dict) -> None:
+        """``--word-vectors``: the vocabulary's rows (:func:`~retr.trainers.models.text.install_word_vectors`)."""
+        install_word_vectors(self.txt_enc.embed, inputs, self.config.freeze_word_vectors)
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
         """``features`` [B, K, D_in], ``mask`` [B, K] → ``{"regions": [B, K, d], "mask": [B, K]}``."""
@@ -120,12 +106,12 @@ class SCAN(MatchingModel):
 
 @dataclass
 class SCANConfig:
-    """SCAN's settings. A bare ``SCANConfig()`` is Flickr30K t-i LSE (λ1 9, λ2 6); ``retr-train scan`` starts from
-    the default preset ``f30k``, i.e. t-i **AVG**, the best published Flickr30K t-i row (:data:`SCAN_PUBLISHED_AGG`);
-    the presets hold every published row."""
+    """SCAN's settings; a bare ``SCANConfig()`` is Flickr30K t-i LSE, the default preset ``f30k`` t-i AVG."""
 
     embed_size: int = embed_size_setting(1024)
     word_dim: int = word_dim_setting(300)
+    word_vectors: str = word_vectors_setting()
+    freeze_word_vectors: bool = freeze_word_vectors_setting()
     direction: Literal[DIRECTIONS] = setting("t2i", "t2i: words attend to regions; i2t: regions attend to words.")
     agg: Literal[AGGREGATIONS] = setting(
         "lse", "Aggregation over words (t2i) or regions (i2t); with --preset, the published row's (see README).")

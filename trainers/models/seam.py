@@ -1,15 +1,12 @@
 """SEAM — Self-attentive Embeddings for Aligning Modalities (Wehrmann et al.; ``papers/seam.txt``).
 
 Three caption encoders (SEAM-E, SEAM-C, SEAM-G) share one self-attention module (Lin et al. 2017); images are
-10-crop global vectors; both sides live in the non-negative orthant and are compared by order violation.
-Shapes: ``B`` batch, ``T`` words (``<start>`` … ``<end>``), ``hops`` attention views, ``d`` = 1024 joint space,
-``D_in`` image features (4096 VGG-19 fc7, 2048 ResNet-152 pool). :meth:`SEAM.encode_images`: ``[B, 10, D_in]``
-→ ``[B, d]``; :meth:`SEAM.encode_captions`: ``[B, T]`` → ``[B, d]``, the attention penalty ``[B]`` and the
-attention ``[B, modules·hops, T]``; :meth:`SEAM.score`: ``[n_img, n_cap]``; :meth:`SEAM.forward`: the loss.
-
-The equations as implemented, what the paper and the authors' public code each say, every decision with its
-option, and the parity tests against that code: ``docs/models-seam-sman.md``, "SEAM".
-"""
+10-crop global vectors; both sides live in the non-negative orthant and are compared by order violation. Shapes:
+``B`` batch, ``T`` words (``<start>`` … ``<end>``), ``hops`` attention views, ``d`` = 1024 joint space, ``D_in``
+image features (4096 VGG-19 fc7, 2048 ResNet-152 pool). :meth:`SEAM.encode_images`: ``[B, 10, D_in]`` → ``[B, d]``;
+:meth:`SEAM.encode_captions`: ``[B, T]`` → ``[B, d]``, the attention penalty ``[B]`` and the attention
+``[B, modules·hops, T]``; :meth:`SEAM.score`: ``[n_img, n_cap]``; :meth:`SEAM.forward`: the loss. Equations,
+decisions and parity: docs/models-seam-sman.md ("SEAM")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -167,21 +164,10 @@ class SEAMTextEncoder(nn.Module):
 
 
 class SEAM(MatchingModel):
-    """SEAM-E/C/G on 10-crop features ``[B, 10, D_in]`` (equations and decisions: ``docs/models-seam-sman.md``);
-    settings: :class:`SEAMConfig`.
+    """SEAM-E/C/G on 10-crop features ``[B, 10, D_in]`` (docs/models-seam-sman.md); settings: :class:`SEAMConfig`.
 
-    Attention maps (:meth:`explain`): the self-attention ``A`` of each attention module over the caption's real
-    tokens (``L``, ``<start>``/``<end>`` included), one row per hop — the matrix whose rows pool the caption's
-    features into ``M = A·H`` (rows sum to 1). The image side has no attention (10-crop vectors).
-
-    * SEAM-E and SEAM-G: ``"hops"`` ``[hops, L]`` (over the word embeddings / the GRU outputs; hops 30);
-    * SEAM-C: ``"bigram_hops"``, ``"trigram_hops"``, ``"word_hops"`` ``[hops, L]`` each (hops 10): the modules
-      over the k=2 convolution (position t: words t−1, t), the k=3 convolution (words t−1 … t+1) and the word
-      embeddings, in the order their outputs are concatenated.
-
-    ``encode_captions`` keeps the weights it pools with (``"attention"``, the modules' hops stacked), so the
-    maps are the ones behind the caption vector ``score`` compares.
-    """
+    :meth:`explain`: the self-attention ``A`` over the caption's real tokens, ``[hops, L]`` per module: ``"hops"``
+    (E, G) or ``"bigram_hops"``, ``"trigram_hops"``, ``"word_hops"`` (C); rows sum to 1."""
 
     def __init__(self, vocab_size: int, img_dim: int = 4096, config: "SEAMConfig | None" = None, **settings):
         cfg = self.config = self.settings(SEAMConfig, config, settings)
@@ -227,11 +213,8 @@ class SEAM(MatchingModel):
 
     @property
     def captions_in_split_order(self) -> bool:
-        """Whether a caption's embedding depends on the other captions of its batch: SEAM-C with
-        ``padding="authors"`` (the batch's longest captions read the convolution's zero padding, the others the
-        ``<pad>`` row). The evaluator then encodes captions as the authors' ``encode_data`` does — consecutive
-        batches of ``batch_size`` in split order, every caption where it stands — instead of length-sorted
-        blocks (``trainers/evaluation/similarity.py``: ``encode_split``)."""
+        """Whether a caption's embedding depends on its batch (SEAM-C with ``padding="authors"``); the evaluator
+        then encodes in the authors' batches (:func:`retr.trainers.evaluation.similarity.encode_split`)."""
         return self.text_encoder == "c" and self.txt_enc.padding == "authors"
 
     @property
@@ -269,11 +252,8 @@ class SEAM(MatchingModel):
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
                 gather=None) -> torch.Tensor:
-        """One training step's loss: the hinge on the (gathered) batch plus λ · the penalty's batch mean.
-
-        Under DDP each process adds its own captions' penalties divided by the global batch size, so that the
-        processes' terms add up to the global batch mean (the single-process loss).
-        """
+        """One training step's loss: the hinge on the (gathered) batch plus λ · the penalty's batch mean (under DDP
+        each process adds its captions' penalties over the global batch size)."""
         images = self.encode_images(features, mask)
         captions = self.encode_captions(tokens, lengths)
         local_penalty = captions["penalty"]

@@ -1,14 +1,11 @@
 """SMAN — Stacked Multi-modal Attention Network (Ji, Wang, Han, Pang; ``papers/sman.txt``).
 
-Shapes: ``M`` grid cells (49 = 7×7 ResNet-152 res5c), ``D_in`` their size (2048), ``d`` the common size (512),
-``L`` words of a caption, ``B`` the batch. :meth:`SMAN.encode_images`: ``[B, M, D_in]`` → the pair-independent
-levels ``v0``, ``v1`` ``[B, d]``; :meth:`SMAN.encode_captions`: ``[B, L]`` → ``t0``, ``t1`` ``[B, d]`` and the
-words ``[B, L', d]``; :meth:`SMAN.score`: ``Σ_k cos(v_k, t_k)`` ``[n_img, n_cap]``, its level 2 (the multi-modal
-step) computed for every pair of the block; :meth:`SMAN.forward`: the training loss (Eq. 23).
-
-The paper has no public code. The equations as implemented, every point the paper leaves open (with the option
-that changes it) and the scoring cost: ``docs/models-seam-sman.md``, "SMAN".
-"""
+Shapes: ``M`` grid cells (49 = 7×7 ResNet-152 res5c), ``D_in`` their size (2048), ``d`` the common size (512), ``L``
+words of a caption, ``B`` the batch. :meth:`SMAN.encode_images`: ``[B, M, D_in]`` → the pair-independent levels
+``v0``, ``v1`` ``[B, d]``; :meth:`SMAN.encode_captions`: ``[B, L]`` → ``t0``, ``t1`` ``[B, d]`` and the words
+``[B, L', d]``; :meth:`SMAN.score`: ``Σ_k cos(v_k, t_k)`` ``[n_img, n_cap]``, its level 2 (the multi-modal step)
+computed for every pair of the block; :meth:`SMAN.forward`: the training loss (Eq. 23). Equations and decisions:
+docs/models-seam-sman.md ("SMAN")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,11 +17,12 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from retr.trainers.training.distributed import scale_grad, world_size
-from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
-                                   word_dim_setting)
+from retr.trainers.config import (embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
+                                   violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import EPS, lengths_mask, masked_mean, masked_softmax, cosine
+from retr.trainers.models.text import install_word_vectors
 
 INTRA_PAIR_LEVELS = ("each", "sum")
 EVAL_SCORES = ("sum", "concat")
@@ -35,10 +33,9 @@ OPTIMIZERS = ("adadelta", "adam")
 class GuidedAttention(nn.Module):
     """One attention step of SMAN: ``a = softmax(w_h · (tanh(W x_m) ⊙ tanh(W_q q)))`` over the items ``m``.
 
-    Split in two so that the pair-specific step never forms ``[n_img, n_cap, T, d]``: :meth:`keys` is
-    per item (``w_h ⊙ tanh(W x)``, [B, T, d]), :meth:`gate` per query (``tanh(W_q q)``, [..., d]); the logits are
-    their dot product. ``w_h``'s bias is dropped because softmax ignores a constant.
-    """
+    Split in two so that the pair-specific step never forms ``[n_img, n_cap, T, d]``: :meth:`keys` is per item
+    (``w_h ⊙ tanh(W x)``, [B, T, d]), :meth:`gate` per query (``tanh(W_q q)``, [..., d]); the logits are their dot
+    product. ``w_h``'s bias is dropped because softmax ignores a constant."""
 
     def __init__(self, in_dim: int, query_dim: int, hidden: int):
         super().__init__()
@@ -64,9 +61,8 @@ class GuidedAttention(nn.Module):
 class WordEncoder(nn.Module):
     """Per-word features S ``[B, L', d]`` (L' = max length) of captions ``[B, L]``: embedding → bi-RNN, averaged.
 
-    ``rnn="lstm"`` is the paper's bi-LSTM; ``"gru"`` is offered for comparison with the GRU-based models.
-    Dropout applies to the word embeddings. Positions past a caption's length are 0.
-    """
+    ``rnn="lstm"`` is the paper's bi-LSTM; ``"gru"`` is offered for comparison with the GRU-based models. Dropout
+    applies to the word embeddings. Positions past a caption's length are 0."""
 
     def __init__(self, vocab_size: int, word_dim: int, hidden: int, rnn: str = "lstm", dropout: float = 0.0):
         super().__init__()
@@ -88,21 +84,10 @@ class WordEncoder(nn.Module):
 
 
 class SMAN(MatchingModel):
-    """SMAN on grid features ``[B, M, D_in]`` (equations and decisions: ``docs/models-seam-sman.md``, "SMAN").
+    """SMAN on grid features ``[B, M, D_in]`` (docs/models-seam-sman.md, "SMAN"); settings: :class:`SMANConfig`.
 
-    Attention maps (:meth:`explain`; ``K`` = the image's real grid cells, 49 for a 7×7 grid, raster order;
-    ``L`` = the caption's real tokens, ``<start>``/``<end>`` included; ``S`` = attention steps, 2 with the
-    multi-modal step, else 1), as the paper's Figs. 9–10 draw them (intra-modal, then multi-modal heatmap):
-
-    * ``"visual_attention"`` ``[S, K]``: row 0 the intra-modal weights ``a`` of Eq. 6 (query ``v0``, pooled
-      into ``v1``), row 1 the multi-modal weights of Eq. 14 (query ``o_v`` of this pair, pooled into ``v2``);
-    * ``"textual_attention"`` ``[S, L]``: row 0 the intra-modal weights of Eq. 10 (query ``t0``, pooled into
-      ``t1``), row 1 the multi-modal weights of Eq. 17 (query ``o_t``, pooled into ``t2``).
-
-    Every row is a softmax (sums to 1). Row 0 is the one the encoders computed (``encode_images`` /
-    ``encode_captions`` keep it as ``"attention"``); row 1 comes out of :meth:`_multimodal_attention`, the
-    function ``score`` computes level 2 with.
-    """
+    :meth:`explain`: ``"visual_attention"`` ``[S, K]`` and ``"textual_attention"`` ``[S, L]``, row 0 intra-modal
+    (Eq. 6, 10), row 1 multi-modal for the pair (Eq. 14, 17); S = 2, or 1 without the multi-modal step."""
 
     #: the attention maps :meth:`explain` returns (class docstring)
     explains = ("visual_attention", "textual_attention")
@@ -110,8 +95,10 @@ class SMAN(MatchingModel):
     has_global_stage = True
     compiled_functions = ("level_scores",)     # what forward scores the batch with (--compile)
 
-    def __init__(self, vocab_size: int, img_dim: int = 2048, config: "SMANConfig | None" = None, **settings):
+    def __init__(self, vocab_size: int, img_dim: int = 2048, config: "SMANConfig | None" = None,
+                 word_vectors_file: str = "", **settings):
         cfg = self.config = self.settings(SMANConfig, config, settings)
+        self.word_vectors_file = word_vectors_file     # the vectors the words started from
         super().__init__(cfg.margin, cfg.max_violation)
         embed_size, word_dim, alpha, use_location = cfg.embed_size, cfg.word_dim, cfg.alpha, cfg.use_location
         multimodal_step, intra_pair_weight = cfg.multimodal_step, cfg.intra_pair_weight
@@ -156,14 +143,17 @@ class SMAN(MatchingModel):
         #: the gathered global batch on every process; see ``forward``)
         self.score_grad_scale = 1.0
 
+    def prepare_training(self, inputs: dict) -> None:
+        """``--word-vectors``: the vocabulary's rows (:func:`~retr.trainers.models.text.install_word_vectors`)."""
+        install_word_vectors(self.txt_enc.embed, inputs, self.config.freeze_word_vectors)
+
     # -- encoders (pair-independent) -------------------------------------------------------------------------
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
         """``features`` [B, M, D_in], ``mask`` [B, M] → ``v0``, ``v1`` [B, d]; ``keys``, ``values`` [B, M, d]; mask;
         ``attention`` [B, M] (the intra-modal weights ``v1`` pools with, 0 at padded cells).
 
-        ``keys``/``values`` (only with the multi-modal step) are ``w_h ⊙ tanh(W2_v I_m)`` and ``P2 I_m``
-        without P2's bias: all the multi-modal step needs of the cells.
-        """
+        ``keys``/``values`` (only with the multi-modal step) are ``w_h ⊙ tanh(W2_v I_m)`` and ``P2 I_m`` without
+        P2's bias: all the multi-modal step needs of the cells."""
         x = self.feature_dropout(features.to(self.img_global.weight.dtype))   # float16 storage → the model's dtype
         mask = mask.bool()
         v0 = torch.tanh(self.img_global(masked_mean(x, mask)))
@@ -238,13 +228,12 @@ class SMAN(MatchingModel):
 
     def _multimodal_attention(self, images: Embeddings, captions: Embeddings, rows: slice, dtype: torch.dtype,
                               dots: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Level-2 cosines (or [v·t, ‖v‖², ‖t‖²]) of images ``rows`` × every caption: ``[n_i, n_cap(, 3)]``, and
-        the multi-modal attention they were computed with: visual ``[n_i, n_cap, M]`` over the cells and textual
+        """Level-2 cosines (or [v·t, ‖v‖², ‖t‖²]) of images ``rows`` × every caption: ``[n_i, n_cap(, 3)]``, and the
+        multi-modal attention they were computed with: visual ``[n_i, n_cap, M]`` over the cells and textual
         ``[n_i, n_cap, L]`` over the words (``score`` keeps the first, ``explain`` the other two).
 
         The attention runs in the parameters' dtype (float64 evaluation scores with a float64 copy of the model,
-        :class:`retr.trainers.evaluation.similarity.Scorer`); the final cosine uses ``dtype``.
-        """
+        :class:`retr.trainers.evaluation.similarity.Scorer`); the final cosine uses ``dtype``."""
         w = self.img_memory.weight.dtype
         images = {k: (v[rows].to(w) if v.is_floating_point() else v[rows]) for k, v in images.items()}
         captions = {k: (v.to(w) if v.is_floating_point() else v) for k, v in captions.items()}
@@ -366,11 +355,8 @@ class SMAN(MatchingModel):
                 gather=None) -> torch.Tensor:
         """One training step's loss (Eq. 23) for a batch whose i-th image and i-th caption match.
 
-        Under DDP every process scores the gathered global batch (its own embeddings keep their gradients).
-        The encoders' gradients then add up to the single-process ones, but the parameters used only inside
-        ``score`` (U_v, U_t, the level-2 query projections, P2's bias) would receive the whole batch's gradient
-        on every process: their gradient is scaled by 1/world size so that the sum over processes is exact.
-        """
+        Under DDP the gradients of parameters used only inside ``score`` are scaled by 1/world size, so their sum
+        over processes is the single-process gradient."""
         images = self.encode_images(features, mask)
         captions = self.encode_captions(tokens, lengths)
         world = 1
@@ -391,6 +377,8 @@ class SMANConfig:
 
     embed_size: int = embed_size_setting(512)
     word_dim: int = word_dim_setting(512)
+    word_vectors: str = word_vectors_setting()
+    freeze_word_vectors: bool = freeze_word_vectors_setting()
     alpha: float = setting(0.9, "Fusion gate α of Eq. 12; 1 = stacked intra-modal attention (SMAN-SIM).")
     use_location: bool = setting(True, "GRU location vector in the visual query (off = SMAN-IM).",
                                  flag="--location/--no-location")

@@ -5,11 +5,8 @@ Shapes: ``K`` regions (36), ``D_in`` their size (2048), ``d`` the joint size (10
 ``B`` the batch. :meth:`SMFEA.encode_images`: regions ``[B, K, D_in]`` and mask ``[B, K]`` → the fused vector
 ``V_F`` ``[B, d]`` with its branches ``V_D``, ``V_T``, ``V_C`` ``[B, d]``; :meth:`SMFEA.encode_captions`: tokens
 ``[B, L]`` → ``S_F`` and its branches likewise; :meth:`SMFEA.score`: the cosine of the fused vectors
-``[n_img, n_cap]``; :meth:`SMFEA.forward`: the training loss (Eq. 20 with CVSE's ranking terms).
-
-The model as implemented, every point the paper leaves open (and where CVSE's code settles it), each with its
-option, the presets and the parity with CVSE's code: ``docs/models-smfea.md``.
-"""
+``[n_img, n_cap]``; :meth:`SMFEA.forward`: the training loss (Eq. 20 with CVSE's ranking terms). Equations,
+decisions, presets and parity: docs/models-smfea.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
-                                   word_dim_setting)
+from retr.trainers.config import (embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
+                                   violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean, masked_softmax
 from retr.trainers.models.concepts import (ConceptAttention, ConceptGCN, consensus_vector, mix_text_labels)
 from retr.trainers.models.scan import RegionEncoder
-from retr.trainers.models.text import GRUWordEncoder
+from retr.trainers.models.text import GRUWordEncoder, install_word_vectors
 from retr.trainers.models.tree_lstm import ENTITY_SLOTS, FORGET_GATES, NUM_NODES, RELATION_SLOTS, StructuredTreeEncoder
 
 TRAIN_TEXT_LABELS = ("image", "caption")
@@ -35,12 +32,11 @@ TRAIN_TEXT_LABELS = ("image", "caption")
 class MeanQueryAttention(nn.Module):
     """Attention pooling with the mean as query (CVSE's instance attention): ``[B, K, d]`` + mask → ``[B, d]``.
 
-    ``h_k = tanh(N(fc1 x_k)) ⊙ tanh(N(fc2 x̄))``, ``α = softmax_k(fc3 h_k)`` over unmasked positions,
-    output ``l2norm(Σ α_k x_k)``; ``N`` is BatchNorm1d (image side) or the identity (text side). The local path's
-    batch norm is per region position over batch × features (``bn_axis="regions"``, CVSE's ``BatchNorm1d(36)``,
-    unmasked: it needs exactly ``num_regions`` positions) or per feature over the unmasked positions
-    (``"features"``). ``dropout`` follows each tanh.
-    """
+    ``h_k = tanh(N(fc1 x_k)) ⊙ tanh(N(fc2 x̄))``, ``α = softmax_k(fc3 h_k)`` over unmasked positions, output
+    ``l2norm(Σ α_k x_k)``; ``N`` is BatchNorm1d (image side) or the identity (text side). The local path's batch
+    norm is per region position over batch × features (``bn_axis="regions"``, CVSE's ``BatchNorm1d(36)``, unmasked:
+    it needs exactly ``num_regions`` positions) or per feature over the unmasked positions (``"features"``).
+    ``dropout`` follows each tanh."""
 
     def __init__(self, embed_size: int, batch_norm: bool, normalize_query: bool = False, bn_axis: str = "features",
                  num_regions: int = 36, dropout: float = 0.0):
@@ -115,31 +111,20 @@ def node_kl(image: Embeddings, text: Embeddings) -> torch.Tensor:
 
 class SMFEA(MatchingModel):
     """SMFEA: instance + tree + consensus-concept embeddings fused by β, trained with Eq. 20; settings:
-    :class:`SMFEAConfig`. ``num_entities``/``num_relations``/``num_concepts`` are the sizes of the run's
-    dictionaries and concept set (:func:`retr.trainers.training.side_inputs.load_smfea_inputs` reads them).
+    :class:`SMFEAConfig`; ``num_entities``/``num_relations``/``num_concepts``: sizes of the run's side files.
 
-    Attention maps (:meth:`explain`; ``K`` = the image's real regions, 36 bottom-up boxes; ``L`` = the caption's
-    real tokens, ``<start>``/``<end>`` included):
-
-    * ``"region_attention"`` ``[K]``: the instance attention ``α`` over the regions (Eq. 1–3), whose weighted
-      sum is the instance feature ``V_D`` every branch starts from (sums to 1);
-    * ``"word_attention"`` ``[L]``: the text side's instance attention over the words (``S_D``; sums to 1). CVSE's
-      code spreads part of this weight over the batch's padding; over the real words its map is this one,
-      renormalised (``docs/models-smfea.md``, C11);
-    * with trees (``use_trees``): ``"image_tree_nodes"`` and ``"text_tree_nodes"`` ``[7]`` long — the VCS-Tree's
-      and TCS-Tree's predicted node ids in slot order ``[E1 R2 E3 R4 E5 R6 E7]`` (leaves: entity ids, inner
-      nodes: relation ids; the argmax of each node's classifier, the paper's Fig. 4), to show beside the
-      caption's parsed referral tree.
-
-    The encoders keep what they computed the embeddings with (``"attention"``, ``"mask"``, ``"tree_nodes"``),
-    so the maps are the ones behind the fused vectors ``score`` compares.
+    :meth:`explain`: ``"region_attention"`` ``[K]``, ``"word_attention"`` ``[L]`` (instance attention, C11), and with
+    trees ``"image_tree_nodes"``/``"text_tree_nodes"`` ``[7]`` long (predicted ids, slots E1 R2 E3 R4 E5 R6 E7).
     """
 
     batch_extras = ("caption_index",)   # each row's training caption, to look up its tree and image labels
 
     def __init__(self, vocab_size: int, num_entities: int, num_relations: int, num_concepts: int,
-                 img_dim: int = 2048, config: "SMFEAConfig | None" = None, **settings):
+                 img_dim: int = 2048, config: "SMFEAConfig | None" = None, word_vectors_file: str = "",
+                 concept_vectors_file: str = "", **settings):
         cfg = self.config = self.settings(SMFEAConfig, config, settings)
+        # the vectors the words and the concepts started from (name sha256:…), recorded in the run
+        self.word_vectors_file, self.concept_vectors_file = word_vectors_file, concept_vectors_file
         super().__init__(cfg.margin, cfg.max_violation)
         embed_size, word_dim, tree_hidden, tree_input_dim = cfg.embed_size, cfg.word_dim, cfg.tree_hidden, cfg.tree_input_dim
         forget_gate, tree_residual, use_trees = cfg.forget_gate, cfg.tree_residual, cfg.use_trees
@@ -186,8 +171,10 @@ class SMFEA(MatchingModel):
     def prepare_training(self, inputs: dict[str, torch.Tensor]) -> None:
         """Install the run's side data (:func:`retr.trainers.training.side_inputs.load_smfea_inputs`): the concept graph
         ``adjacency`` [C, C] and fixed ``vectors`` [C, D] (if any), the token map ``token_concepts`` [V], and for
-        the training captions the node targets ``nodes`` [M, 7] and image labels ``image_labels`` [M, C]."""
+        the training captions the node targets ``nodes`` [M, 7] and image labels ``image_labels`` [M, C]; with
+        ``--word-vectors`` the vocabulary's rows (:func:`~retr.trainers.models.text.install_word_vectors`)."""
         device = self.token_concepts.device
+        install_word_vectors(self.txt_enc.embed, inputs, self.config.freeze_word_vectors)
         vectors = inputs.get("vectors")
         self.gcn.set_graph(inputs["adjacency"].to(device), None if vectors is None else vectors.to(device))
         self.set_token_concepts(inputs["token_concepts"].to(device))
@@ -372,6 +359,8 @@ class SMFEAConfig:
 
     embed_size: int = embed_size_setting(1024)
     word_dim: int = word_dim_setting(300)
+    word_vectors: str = word_vectors_setting()
+    freeze_word_vectors: bool = freeze_word_vectors_setting()
     tree_hidden: int = setting(128, "Tree node hidden size.")
     tree_input_dim: int | None = setting(None, "Tree node input size (default: the tree's hidden size, --tree-hidden).")
     forget_gate: Literal[FORGET_GATES] = setting(
@@ -444,9 +433,9 @@ def _smfea_upgrade(model_args: dict) -> tuple[dict, dict]:
     return model_args, inputs
 
 
-def _smfea_after_training(run, cfg, log) -> None:
+def _smfea_after_training(run, cfg) -> None:
     from retr.trainers.evaluation.tree_accuracy import report_tree_accuracy
-    report_tree_accuracy(run, cfg, log)
+    report_tree_accuracy(run, cfg)
 
 
 register_model(ModelSpec(
@@ -462,7 +451,8 @@ register_model(ModelSpec(
     default_preset="f30k",
     inputs=(InputFile("trees", "trees.h5 from retr-pipeline parse-trees (required unless --no-trees)."),
             InputFile("concepts", "concepts.h5 from retr-pipeline build-concepts.", required=True),
-            InputFile("concept_vectors", "GloVe-format text file of concept word vectors (kept fixed, as CVSE); "
+            InputFile("concept_vectors", "Concept word vectors, kept fixed as CVSE: glove (GloVe 840B.300d, "
+                                         "downloaded on first use), glove-6b, or a GloVe-format .txt/.zip file; "
                                          "default: vectors learned from U(±0.1).")),
     load_inputs=_smfea_inputs,
     shortcuts={"--no-kl": ("Ablation 'w/o D_KL' (Table 5): --kl-weight 0.", {"kl_weight": 0.0}),

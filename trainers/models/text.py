@@ -1,8 +1,4 @@
-"""Caption encoders shared by the models: word embedding + GRU, as in the SCAN and VSE++ code.
-
-Parameter names (``embed.weight``, ``rnn.weight_ih_l0`` …, ``_reverse`` for the backward direction) are those
-of the authors' ``EncoderText``, so their checkpoints load without renaming.
-"""
+"""Caption encoders shared by the models: word embedding + GRU, with the authors' ``EncoderText`` parameter names."""
 from __future__ import annotations
 
 import torch
@@ -13,13 +9,7 @@ from retr.trainers.models.layers import EPS, l2norm
 
 
 class GRUWordEncoder(nn.Module):
-    """Per-word vectors ``[B, L, d]`` of captions ``[B, L]`` (SCAN's ``EncoderText``).
-
-    Embedding(V, word_dim) initialised uniform(±0.1) → packed GRU(word_dim → d). With ``bidirectional`` the two
-    directions are averaged (not concatenated), giving ``d`` per word. Each word vector is l2-normalised unless
-    ``normalize=False``; positions past a caption's length are 0. ``dropout`` acts on the word embeddings before
-    the GRU (CVSE's ``EncoderText``; 0, the default, is SCAN's encoder).
-    """
+    """Per-word vectors ``[B, L, d]`` of captions ``[B, L]`` (SCAN's ``EncoderText``; docs/trainer.md)."""
 
     def __init__(self, vocab_size: int, word_dim: int = 300, embed_size: int = 1024, num_layers: int = 1,
                  bidirectional: bool = True, normalize: bool = True, dropout: float = 0.0):
@@ -47,8 +37,7 @@ class GRUSentenceEncoder(GRUWordEncoder):
     """One vector ``[B, d]`` per caption: the GRU state at the last word (VSE++'s ``EncoderText``).
 
     Unidirectional by default as in VSE++; bidirectional averages the forward state at the last word with the
-    backward state at the first word (both have read the whole caption).
-    """
+    backward state at the first word (both have read the whole caption)."""
 
     def __init__(self, vocab_size: int, word_dim: int = 300, embed_size: int = 1024, num_layers: int = 1,
                  bidirectional: bool = False, normalize: bool = True, eps: float = EPS):
@@ -65,3 +54,19 @@ class GRUSentenceEncoder(GRUWordEncoder):
         if self.bidirectional:
             sentence = (sentence[:, :self.embed_size] + out[:, 0, self.embed_size:]) / 2
         return l2norm(sentence, dim=-1, eps=self.eps) if self.normalize_sentence else sentence
+
+
+@torch.no_grad()
+def install_word_vectors(embed: nn.Embedding, inputs: dict, freeze: bool = False) -> None:
+    """Copy ``inputs["word_vectors"]`` [V, D] into ``embed``'s first V rows where ``inputs["word_vectors_found"]``
+    [V] (other rows, and rows past V such as VSE∞'s ``<mask>``, keep their init); ``freeze`` stops training the
+    embedding. No ``word_vectors``: nothing changes."""
+    vectors = inputs.get("word_vectors")
+    if vectors is None:
+        return
+    rows, dim = embed.weight.shape
+    if vectors.shape[1] != dim or vectors.shape[0] > rows:
+        raise ValueError(f"word vectors are {tuple(vectors.shape)}, the embedding {(rows, dim)}")
+    found = inputs["word_vectors_found"].to(embed.weight.device)
+    embed.weight[:len(found)][found] = vectors.to(embed.weight)[found]
+    embed.weight.requires_grad_(not freeze)

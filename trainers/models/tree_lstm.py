@@ -1,29 +1,7 @@
-"""SMFEA's context-aware structured tree encoder (VCS-Tree / TCS-Tree): a 7-node tree-LSTM (its Eq. 5–14).
+"""SMFEA's structured tree encoder (VCS-Tree / TCS-Tree): a 7-node tree-LSTM (Eq. 5–14).
 
-The tree is the shared referral tree's shape, slots in in-order ``[E1 R2 E3 R4 E5 R6 E7]`` (index 0–6)::
-
-                 R4 (3)
-            /            \\
-        R2 (1)          R6 (5)
-        /    \\          /    \\
-     E1 (0)  E3 (2)   E5 (4)  E7 (6)
-
-Each node ``t`` has its own input ``x_t = W^o_t · v`` (Eq. 5: seven linear maps of the instance feature ``v``
-[B, d] to ``input_dim``). Leaves have no children (``h̃ = 0``, no memory term); R2 and R6 read two leaves, R4
-reads R2 and R6. Node update (Eq. 6–11), with ``h̃_t = Σ_{k∈T(t)} h_k``::
-
-    i_t = σ(W^i x_t + U^i h̃_t)      f_t = σ(W^f x_t + U^f h̃_t)      o_t = σ(W^o x_t + U^o h̃_t)
-    u_t = tanh(W^u x_t + U^u h̃_t)
-    c_t = i_t ⊙ u_t + f_t ⊙ Σ_k (f_k ⊙ c_k)        (``forget_gate="as-printed"``)
-    c_t = i_t ⊙ u_t + Σ_k σ(W^f x_t + U^f h_k) ⊙ c_k  (``forget_gate="per-child"``: Tai et al.'s child-sum)
-    h_t = o_t ⊙ tanh(c_t)
-
-The choices the paper leaves open (gate names, the forget gate, the node input size, which parameters are
-shared) and their options: ``docs/models-smfea.md``, decisions 2–5.
-
-Outputs: hidden states ``[B, 7, hidden]`` in slot order. Classifiers (Eq. 12–13) and the tree embedding
-(Eq. 14) live in :class:`StructuredTreeEncoder`.
-"""
+Slots ``[E1 R2 E3 R4 E5 R6 E7]`` (0–6), R4 the root; outputs: hidden states ``[B, 7, hidden]`` in slot order.
+Equations and choices: docs/models-smfea.md ("The model as implemented", decisions 2–5, C6)."""
 from __future__ import annotations
 
 import torch
@@ -88,19 +66,10 @@ class SevenNodeTreeLSTM(nn.Module):
 
 
 class StructuredTreeEncoder(nn.Module):
-    """One modality's tree (VCS-Tree or TCS-Tree): instance feature ``[B, d]`` → node logits and tree embedding.
+    """One modality's tree: instance feature ``[B, d]`` → node logits and tree embedding ``[B, d]``.
 
-    * Eq. 5: seven ``Linear(d → input_dim)`` maps, one per node;
-    * :class:`SevenNodeTreeLSTM` (Eq. 6–11);
-    * Eq. 12–13: leaves classified by ``W_e`` into the entity dictionary, inner nodes by ``W_r`` into the
-      relation dictionary (logits; softmax is taken by the losses);
-    * Eq. 14: ``tree = Σ_t W_t h_t`` with a separate ``Linear(hidden → d)`` per node, then l2-normalised so it
-      is on the scale of the instance and concept vectors it is fused with (the paper does not say; option
-      ``normalize``). ``residual=True`` adds the instance feature before normalising (the paper's sentence on
-      S_T "the sum of the hidden states … and the original instance-level feature S_D"). This module's own
-      default is off (Eq. 14 as it writes V_T); SMFEA passes its ``tree_residual`` setting, which is **on** by
-      default, for both trees alike (``docs/models-smfea.md``, C6; runs written before that default keep it off).
-    """
+    Eq. 5 input maps, :class:`SevenNodeTreeLSTM`, Eq. 12–13 classifiers (logits: leaves over entities, inner nodes
+    over relations), Eq. 14 embedding; ``residual`` adds the instance feature (off here; SMFEA passes its own)."""
 
     def __init__(self, embed_size: int, num_entities: int, num_relations: int, hidden_size: int = 128,
                  input_dim: int | None = None, forget_gate: str = "as-printed", normalize: bool = True,

@@ -1,15 +1,5 @@
-"""VSE++ (Faghri et al., BMVC 2018): global image and caption vectors, dot-product score, hardest negatives.
-
-Image side: the mean of the feature set's vectors over its K axis — regions (only real ones, by the mask),
-grid cells, or the ten crops (VSE++'s own 10-crop features are averaged the same way; ``crops="centre"`` takes
-the centre crop alone, SCAN Table 3's "VSE++ (fixed ResNet, 1 crop)") — then ``fc``
-(Linear(D_in → d), Xavier-uniform, bias 0) and l2norm, as ``EncoderImagePrecomp``. Caption side:
-:class:`GRUSentenceEncoder` (unidirectional GRU, last state, l2norm). Score: dot product of the l2-normalised
-vectors (cosine). Loss: hinge with hardest negatives (``--sum-violation`` gives VSE0).
-
-Presets: the VSE++ paper trains 30 epochs at 2e-4 then ×0.1 (from epoch 15), margin 0.2, batch 128,
-grad clip 2, d = 1024, word dim 300 — the same for COCO and Flickr30K.
-"""
+"""VSE++ (Faghri et al., BMVC 2018): global image ``[B, d]`` and caption ``[B, d]`` vectors, cosine score, hardest
+negatives. As implemented, with presets: docs/trainer.md ("SCAN and VSE++ as implemented")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,10 +18,7 @@ from retr.trainers.models.text import GRUSentenceEncoder
 
 
 class VSEPP(MatchingModel):
-    """VSE++ on any feature kind; settings: :class:`VSEPPConfig`.
-
-    No attention maps: both sides are pooled without weights (a mean, or a GRU's last state), so ``explains``
-    is empty and :meth:`explain` raises ``NotImplementedError``."""
+    """VSE++ on any feature kind; settings: :class:`VSEPPConfig`; no attention maps (``explain`` raises)."""
 
     def __init__(self, vocab_size: int, img_dim: int = 2048, config: "VSEPPConfig | None" = None, **settings):
         cfg = self.config = self.settings(VSEPPConfig, config, settings)

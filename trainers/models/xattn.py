@@ -1,40 +1,8 @@
 """Stacked cross attention scores (SCAN, Lee et al. 2018), vectorised over blocks of images and captions.
 
-The authors' code scores one caption against a block of images at a time and forms every attended vector.
-Here a block of ``n_img`` images × ``n_cap`` captions is scored at once, with masks for padded regions and
-words, and without forming attended vectors (which costs ``K·L·d`` per pair):
-
-* the region–word dot products of the whole block are one matrix product
-  ``D[b, i, c, j] = v_{b,i} · e_{c,j}`` ([n_img·K, d] × [d, n_cap·L]);
-* the attended vector's dot product with its query and its norm follow from ``D`` and a Gram matrix:
-  t-i: ``e_j · a_j = Σ_i α_ij D_ij`` and ``‖a_j‖² = α_jᵀ G α_j`` with the per-image ``G = V Vᵀ`` [K, K];
-  i-t: ``v_i · a_i = Σ_j α_ij D_ij`` and ``‖a_i‖² = α_iᵀ H α_i`` with the per-caption ``H = E Eᵀ`` [L, L].
-
-Equations (paper §3.1–3.2, with the authors' code for what the paper leaves open, ``reference/scan.md``):
-``attn = D`` normalised over the *query* axis (``clipped_l2norm``: LeakyReLU(0.1) then l2 norm, the default;
-``l2norm``; ``clipped``; ``softmax``; ``no_norm``), then ``α = softmax(λ_softmax · attn)`` over the *context*
-axis; ``R = cos(query, attended)`` with the authors' cosine ``x·y / max(‖x‖‖y‖, 1e-8)``; aggregated over the
-query axis by LogSumExp ``(1/λ_lse) log Σ exp(λ_lse R)``, mean (AVG), max or sum.
-
-Padding: the authors slice each caption to its length and always have 36 real regions; here padded words and
-regions (``mask`` False) are excluded from every normalisation, softmax and aggregation, which gives the same
-numbers for the real positions. Padded vectors are zeroed first, so padded positions have ``D = 0``: they then
-add nothing to an l2 norm, and masks are applied only where a zero is not neutral (softmaxes, aggregation) and
-only when the block has padding. Blocks with one image or one-word captions are ordinary cases.
-
-Precision: everything runs in ``dtype`` (default: the inputs'); the aggregation over the query axis runs in
-``agg_dtype`` (the evaluator's fast pass uses float32 work with float64 aggregation, then rescores the pairs
-that decide ranks in float64 throughout: :mod:`retr.trainers.evaluation.similarity`).
-
-Attention: :func:`xattn_block` is the scoring function; with ``keep_attention`` it also returns the weights
-``α`` of every pair of the block (SCAN's ``explain`` reads one pair's), and :func:`xattn_scores` is it with the
-weights dropped — the scores and the maps come from one computation and cannot disagree.
-
-Speed (no gradient needed, i.e. evaluation): the block is scored in chunks of about ``CHUNK_ELEMENTS`` entries of
-``D`` so the ``[I, K, C, L]`` temporaries stay in the CPU's L2/L3 cache, the chunk's temporaries are updated in
-place, and float32 products go through :func:`retr.trainers.evaluation.gemm.dot_products`. With gradients the same
-arithmetic runs out of place on the whole block. ``bench/eval.py`` measures it.
-"""
+A block of ``n_img`` images × ``n_cap`` captions is scored at once: region–word products
+``D[b, i, c, j] = v_{b,i} · e_{c,j}`` in one GEMM, attended vectors never formed. Equations, masking, precision and
+chunking: docs/trainer.md#evaluation."""
 from __future__ import annotations
 
 import torch
@@ -68,9 +36,7 @@ def _attention(dots: torch.Tensor, query_mask: torch.Tensor | None, context_mask
                query_dim: int, context_dim: int, norm: str, lambda_softmax: float, inplace: bool) -> torch.Tensor:
     """``α = softmax(λ · normalise(D))``: normalised over ``query_dim``, softmax over ``context_dim``.
 
-    Masks (broadcastable to ``dots``, True = real) are ``None`` when every position is real. Padded positions
-    hold ``D = 0``, so after clipping they add nothing to the l2 norm and need no mask there.
-    """
+    Masks (broadcastable to ``dots``, True = real) are None when every position is real."""
     if norm in ("clipped_l2norm", "clipped"):
         attn = F.leaky_relu(dots, 0.1)
     elif norm in ("l2norm", "softmax", "no_norm"):
@@ -153,15 +119,10 @@ def xattn_scores(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.
                  direction: str = "t2i", norm: str = "clipped_l2norm", agg: str = "lse",
                  lambda_softmax: float = 9.0, lambda_lse: float = 6.0,
                  dtype: torch.dtype | None = None, agg_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """SCAN similarities ``[n_img, n_cap]`` of a block, in ``agg_dtype``.
+    """SCAN similarities ``[n_img, n_cap]`` of a block, in ``agg_dtype`` (default ``dtype``, default the inputs').
 
-    Args:
-        regions: ``[n_img, K, d]`` region vectors; ``region_mask`` ``[n_img, K]`` bool (True = real region).
-        words: ``[n_cap, L, d]`` word vectors; ``word_mask`` ``[n_cap, L]`` bool (True = real word).
-        direction: ``t2i`` (words attend to regions, aggregate over words) or ``i2t`` (the reverse).
-        dtype: dtype of the products and attention (default: the inputs').
-        agg_dtype: dtype of the relevance aggregation over the query axis (default: ``dtype``).
-    """
+    ``regions`` ``[n_img, K, d]``, ``region_mask`` ``[n_img, K]`` bool; ``words`` ``[n_cap, L, d]``, ``word_mask``
+    ``[n_cap, L]`` bool; ``direction`` ``t2i`` (words attend to regions) or ``i2t``."""
     return xattn_block(regions, region_mask, words, word_mask, direction, norm, agg, lambda_softmax, lambda_lse,
                        dtype, agg_dtype, keep_attention=False)[0]
 
@@ -171,15 +132,9 @@ def xattn_block(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.T
                 lambda_softmax: float = 9.0, lambda_lse: float = 6.0,
                 dtype: torch.dtype | None = None, agg_dtype: torch.dtype | None = None,
                 keep_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`xattn_scores` (arguments as there) and, with ``keep_attention``, the attention weights the scores
-    were computed from: ``α`` ``[n_img, K, n_cap, L]`` in ``dtype`` (else None).
+    """:func:`xattn_scores` and, with ``keep_attention``, the weights ``α`` ``[n_img, K, n_cap, L]`` (else None).
 
-    ``α[i, k, c, j]`` is, for ``t2i``, the weight of region k in word j's attended image vector (a softmax over
-    k: each real word's weights over the real regions sum to 1); for ``i2t``, the weight of word j in region k's
-    attended caption vector (a softmax over j). Padded regions (t2i) / words (i2t) have weight 0; the rows of
-    padded queries are meaningless. :func:`xattn_scores` is this function with the attention dropped, so the
-    weights are the very ones behind the scores (SCAN's ``explain``).
-    """
+    t2i: ``α[i, k, c, j]`` is region k's weight for word j (softmax over k); i2t: word j's for region k (over j)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r} (expected t2i or i2t)")
     if norm not in NORMS:

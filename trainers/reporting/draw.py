@@ -1,19 +1,7 @@
-"""Drawing for ``retr-train show`` (:mod:`retr.trainers.reporting.report`): pixels only, no HTML.
+"""Drawing for ``retr-train show``: pixels only, no HTML, each by one stated rule a test reads back.
 
-Every function maps numbers to pixels by one stated rule, so a test can read the pixels back:
-
-* :func:`shade_boxes` — region attention (SCAN, SMFEA): each box is tinted with :data:`HIGHLIGHT` at opacity
-  ``BOX_ALPHA · w`` (``w`` ∈ [0, 1], the caller's weight scaled by the word's largest, so the most attended region
-  of a word is the most tinted); where boxes overlap, the larger opacity wins (the tints never add up), and the
-  :data:`OUTLINED` most attended boxes get a 2-px outline. Boxes are ``x1, y1, x2, y2`` in canvas pixels; a pixel
-  ``(x, y)`` belongs to a box when ``x1 ≤ x + 0.5 < x2`` and ``y1 ≤ y + 0.5 < y2`` (its centre is inside).
-* :func:`grid_heatmap` — grid attention (SMAN, JGCAR): the ``g × g`` cells (raster order, as the grid extractors
-  flatten them; the grid covers the whole image, which they resize to a square) are laid over the image, each
-  cell a flat block of ``colormap(w)`` at opacity :data:`HEAT_ALPHA` (nearest neighbour: a cell is a cell, the
-  features say nothing finer).
-* :func:`curves_png` — training curves (matplotlib, Agg backend).
-* :func:`matrix_png` — any 2-D map that has no place on the image (a labelled heat matrix).
-"""
+:func:`shade_boxes` (region attention), :func:`grid_heatmap` (grid attention), :func:`curves_png`,
+:func:`matrix_png`; the rules: docs/trainer.md ("Reports")."""
 from __future__ import annotations
 
 import math
@@ -135,7 +123,7 @@ def heat_colours(weights: np.ndarray, cmap: str = HEAT_CMAP) -> np.ndarray:
 def grid_heatmap(canvas: Image.Image, weights: np.ndarray, alpha: float = HEAT_ALPHA,
                  cmap: str = HEAT_CMAP) -> Image.Image:
     """``canvas`` under the ``g × g`` cell weights ``weights`` ``[g·g]`` (raster order, in [0, 1]) coloured by
-    ``cmap`` at opacity ``alpha`` (module docstring)."""
+    ``cmap`` at opacity ``alpha`` (docs/trainer.md, "Reports")."""
     weights = np.asarray(weights, dtype=np.float64).reshape(-1)
     side = math.isqrt(weights.size)
     if side * side != weights.size:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -44,6 +45,8 @@ from retr.common.version import __version__
 from retr.trainers.training import checkpoint as ckpt
 from retr.trainers.reporting import draw as draw
 from retr.trainers.evaluation.metrics import PROTOCOLS, coco_folds, i2t_ranks, t2i_ranks
+
+logger = logging.getLogger(__name__)
 
 ASSETS = "assets"
 THUMB, QUERY_SIDE, PANEL_SIDE = 120, 180, 150     # longest side (pixels) of retrieved, query and attention images
@@ -374,8 +377,8 @@ class Explainer:
         array = t.double().numpy() if is_float else t.long().numpy()
         while array.ndim > 1 and array.shape[0] == 1:
             array = array[0]
-        layout = map_layout(array.shape, is_float, (self.positions, real), len(tokens), self.m.kind,
-                            self.has_boxes)
+        layout = "matrix" if name in getattr(self.m.model, "rank_maps", ()) else map_layout(
+            array.shape, is_float, (self.positions, real), len(tokens), self.m.kind, self.has_boxes)
         title = f"<h4>{_e(name)} <span class='small'>[{'×'.join(map(str, t.shape))}] — {layout}</span></h4>"
         if layout == "tree":
             rows7 = array.reshape(-1, 7)
@@ -627,8 +630,7 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
                  top: int = 5, seed: int = 0, attention: int = 2, image_root: str | None = None,
                  features: str | None = None, manifest: str | None = None, which: str = "best",
                  device: str = "auto", precision: str = "refined", sims: str | None = None,
-                 allow_size_mismatch: bool = False, trust_checkpoint: bool = False, quiet: bool = False,
-                 log=print) -> Path:
+                 allow_size_mismatch: bool = False, trust_checkpoint: bool = False, quiet: bool = False) -> Path:
     """Write the report of ``runs`` (one run, or an ensemble) into the folder ``out``; returns ``out/index.html``.
     Sections and options: module docstring."""
     from retr.common.devices import resolve_device
@@ -718,8 +720,7 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
     index = out / "index.html"
     with atomic_text(index) as handle:
         handle.write(page)
-    if not quiet:
-        log(f"report: evaluation {t_eval - t0:.1f} s, queries/attention/curves {t_done - t_eval:.1f} s")
+    logger.debug(f"report: evaluation {t_eval - t0:.1f} s, queries/attention/curves {t_done - t_eval:.1f} s")
     return index
 
 

@@ -133,6 +133,8 @@ class Recipe:
     inputs: Mapping[str, InputProvenance] = field(default_factory=dict)
     #: what the published run had that retr cannot give yet: each is a reason on every report of this recipe
     unmet: tuple[str, ...] = ()
+    #: a model evaluated as it is, with no member trained: the settings of ``retr-train eval-clip`` (``prompt``)
+    zero_shot: Mapping[str, Any] | None = None
 
     @property
     def ensemble(self) -> bool:
@@ -204,7 +206,7 @@ SMFEA_CONCEPTS = InputProvenance(
     "nouns, 60 adjectives, 30 verbs)")
 SMFEA_CONCEPT_VECTORS = InputProvenance(
     {}, "concept vectors learned from U(±0.1) (CVSE's code, which SMFEA builds on, loads fixed GloVe vectors)",
-    "a GloVe-format text file of 300-d vectors (glove.840B.300d.txt) passed as --concept-vectors")
+    "--concept-vectors glove (GloVe 840B.300d, fetched on first use; docs/models-smfea.md)")
 
 SCAN_PAPER = "SCAN (Lee et al., ECCV 2018)"
 
@@ -305,7 +307,9 @@ _SMAN_ROWS = {
                              "SMAN-inter (α = 0.9)"),
     ("f30k", "inter-a1"): ({"alpha": 1.0, "intra_pair_weight": 0.0}, (54.9, 81.9, 89.3), (40.2, 70.6, 80.1), "Table I",
                            "SMAN-inter (α = 1)"),
+    ("f30k", "glove"): ({}, (57.3, 85.3, 92.2), (43.4, 73.7, 83.4), "Table I", "SMAN (Glove)"),
     ("coco", "sman"): ({}, (67.9, 90.6, 96.2), (58.8, 87.0, 93.7), "Table II", "SMAN (Random)"),
+    ("coco", "glove"): ({}, (68.4, 91.3, 96.6), (58.5, 87.4, 93.5), "Table II", "SMAN (Glove)"),
     ("coco", "inter-a0.9"): ({"intra_pair_weight": 0.0}, (67.3, 89.9, 94.6), (57.8, 86.5, 92.4), "Table II",
                              "SMAN-inter (α = 0.9)"),
     ("coco", "inter-a1"): ({"alpha": 1.0, "intra_pair_weight": 0.0}, (66.1, 89.0, 94.1), (55.7, 85.3, 90.2),
@@ -332,22 +336,23 @@ _SMAN_ROWS.update({
        for m2, i2t, t2i in ((0.15, (56.1, 84.2, 90.5), (42.1, 72.3, 81.9)), (0.2, (57.1, 85.0, 91.6), (43.1, 72.9, 83.2)),
                             (0.3, (56.7, 85.1, 91.6), (43.0, 73.1, 83.3)))},
 })
-#: Tables III-V report 'SMAN' with Table I's 'SMAN (Glove)' numbers (Table V's λ=1 row is that row): their runs
-#: most likely used GloVe word vectors, which retr's SMAN cannot load yet
-_SMAN_GLOVE = ("word vectors: this table's runs most likely used GloVe (its 'SMAN' row repeats Table I's 'SMAN "
-               "(Glove)'); retr's SMAN learns them from scratch")
+#: 'SMAN (Glove)': GloVe 840B (the paper's "Common-Crawl" set) initialises the 300-d word embeddings, fine-tuned
+#: (docs/models-seam-sman.md). Tables III-V report 'SMAN' with Table I's 'SMAN (Glove)' numbers (Table V's λ=1 row
+#: is that row): their runs are read as GloVe runs too
+SMAN_GLOVE = {"word_vectors": "glove", "word_dim": 300}
 _SMAN_MARGINS = ("The text asks for m2 much smaller than m1 yet sets m2 = 0.25 > m1 = 0.2 (§IV-A); 0.25 is used, "
                  "and the appendix's 'm2 drop to 5 from 10' matches none of Table V's values.")
 for (_dataset, _variant), (_settings, _i2t, _t2i, _table, _label) in _SMAN_ROWS.items():
     _row = Published(_i2t, _t2i, f"{SMAN_PAPER}, {_table}, '{_label}'")
     _name = "sman" if _variant == "sman" else f"sman-{_variant}"
-    _ablation = _table != "Table I" and _table != "Table II"
+    _glove = _variant == "glove" or _table not in ("Table I", "Table II")
     _add(Recipe(f"{_name}-{_dataset}", f"{_label} on {'Flickr30K' if _dataset == 'f30k' else 'COCO 1K (5 folds)'}",
-                RESNET_GRID, (Member(f"{_name}-{_dataset}", "sman", _dataset, _settings),),
+                RESNET_GRID, (Member(f"{_name}-{_dataset}", "sman", _dataset,
+                                     {**_settings, **SMAN_GLOVE} if _glove else _settings),),
                 "f30k-1k" if _dataset == "f30k" else "coco-1k", _row,
-                ("An ablation table: see the unmet reason. " if _ablation else
-                 "Word embeddings learned from scratch (the paper's 'Random' rows). ") + _SMAN_MARGINS,
-                unmet=(_SMAN_GLOVE,) if _ablation else ()))
+                ("GloVe 840B word vectors (--word-vectors glove, fetched on first use)" +
+                 (": the table's 'SMAN' row repeats Table I's 'SMAN (Glove)'. " if _variant != "glove" else ". ")
+                 if _glove else "Word embeddings learned from scratch (the paper's 'Random' rows). ") + _SMAN_MARGINS))
 
 # ------------------------------------------------------------------------------------------------- JGCAR
 JGCAR_PAPER = "JGCAR (ACM MM 2018)"
@@ -447,15 +452,16 @@ for (_table, _feat, _row_name), (_i2t, _t2i) in _SEAM_ROWS.items():
 SMFEA_PAPER = "SMFEA (ACM MM 2021)"
 _SMFEA_F30K = Published((73.7, 92.5, 96.1), (54.7, 82.1, 88.4), f"{SMFEA_PAPER}, Table 1, 'SMFEA(ours)'",
                         printed_rsum=487.5)
+_SMFEA_WORDS = AUTHORS_VOCAB    # words learned from scratch, as §4.2 says (C12)
 SMFEA_INPUTS = {"trees": SMFEA_TREES, "concepts": SMFEA_CONCEPTS, "concept_vectors": SMFEA_CONCEPT_VECTORS}
-_add(Recipe("smfea-f30k", "SMFEA on Flickr30K", BUTD, (Member("smfea-f30k", "smfea", "f30k", AUTHORS_VOCAB),), "f30k-1k",
+_add(Recipe("smfea-f30k", "SMFEA on Flickr30K", BUTD, (Member("smfea-f30k", "smfea", "f30k", _SMFEA_WORDS),), "f30k-1k",
             _SMFEA_F30K, "Needs --trees (retr-pipeline parse-trees) and --concepts (retr-pipeline build-concepts).",
             SMFEA_INPUTS))
-_add(Recipe("smfea-coco1k", "SMFEA on COCO 1K (5 folds)", BUTD, (Member("smfea-coco", "smfea", "coco", AUTHORS_VOCAB),), "coco-1k",
+_add(Recipe("smfea-coco1k", "SMFEA on COCO 1K (5 folds)", BUTD, (Member("smfea-coco", "smfea", "coco", _SMFEA_WORDS),), "coco-1k",
             Published((75.1, 95.4, 98.3), (62.5, 90.1, 96.2), f"{SMFEA_PAPER}, Table 2, 'SMFEA(ours)'",
                       printed_rsum=517.6),
             "The paper does not name its 1K protocol; the rows it compares with are five-fold means.", SMFEA_INPUTS))
-_add(Recipe("smfea-coco5k", "SMFEA on COCO 5K", BUTD, (Member("smfea-coco", "smfea", "coco", AUTHORS_VOCAB),), "coco-5k",
+_add(Recipe("smfea-coco5k", "SMFEA on COCO 5K", BUTD, (Member("smfea-coco", "smfea", "coco", _SMFEA_WORDS),), "coco-5k",
             Published((54.2, None, 89.9), (41.9, None, 83.7), f"{SMFEA_PAPER}, Table 3, 'SMFEA(ours)'",
                       printed_rsum=425.3),
             "The 5K table prints R@1 and R@10 only; its rSum includes the unprinted R@5s.", SMFEA_INPUTS))
@@ -474,9 +480,43 @@ _SMFEA_ABLATIONS = {
 }
 for _variant, (_settings, _i2t, _t2i, _table, _label, _note) in _SMFEA_ABLATIONS.items():
     _add(Recipe(f"smfea-f30k-{_variant}", f"SMFEA ablation {_label} on Flickr30K", BUTD,
-                (Member(f"smfea-f30k-{_variant}", "smfea", "f30k", {**_settings, **AUTHORS_VOCAB}),), "f30k-1k",
+                (Member(f"smfea-f30k-{_variant}", "smfea", "f30k", {**_settings, **_SMFEA_WORDS}),), "f30k-1k",
                 Published(_i2t, _t2i, f"{SMFEA_PAPER}, {_table}, '{_label}'"), _note,
                 {k: v for k, v in SMFEA_INPUTS.items() if k != "trees" or _settings.get("use_trees", True)}))
+
+
+# ------------------------------------------------------------------------------------------------- VSE∞
+VSE_INFINITY_PAPER = "VSE∞ (Chen et al., CVPR 2021)"
+_VSE_INF_NOTE = ("BUTD regions + BiGRU, the authors' bigru branch (train_region.sh: 25 epochs, lr 5e-4 ×0.1 after "
+                 "15, one warm-up epoch on summed violations; AdamW, size augmentation; docs/models-vse-infinity.md).")
+for _name, _member, _protocol, _i2t, _t2i, _rsum, _where in (
+        ("f30k", "f30k", "f30k-1k", (76.5, 94.2, 97.7), (56.4, 83.4, 89.9), 498.1, "Table 2 (Flickr30K 1K)"),
+        ("coco1k", "coco", "coco-1k", (78.5, 96.0, 98.7), (61.7, 90.3, 95.6), 520.8, "Table 2 (COCO 5-fold 1K)"),
+        ("coco5k", "coco", "coco-5k", (56.6, 83.6, 91.4), (39.3, 69.9, 81.1), 421.9, "supplement Table 5 (COCO 5K)")):
+    _add(Recipe(f"vse-infinity-{_name}", f"VSE∞ (BUTD regions, BiGRU) on {_where.split('(')[1][:-1]}", BUTD,
+                (Member(f"vse-infinity-{_member}", "vse-infinity", _member, AUTHORS_VOCAB),), _protocol,
+                Published(_i2t, _t2i, f"{VSE_INFINITY_PAPER}, {_where}, 'Our: VSE∞ Region' (BUTD + BiGRU)",
+                          printed_rsum=_rsum), _VSE_INF_NOTE))
+
+
+# ------------------------------------------------------------------------------------------------- CLIP
+CLIP_PAPER = "CLIP (Radford et al., ICML 2021, arXiv:2103.00020)"
+CLIP_L14_336 = FeatureProvenance(
+    "clip-vit-l-14-336", (577, 768),
+    {"weights": OneOf(("timm/vit_large_patch14_clip_336.openai",), "OpenAI's ViT-L/14@336px (open_clip ViT-L-14-336, "
+                      "tag openai)"), "clip_model": "ViT-L-14-336", "image_size": 336, "quick_gelu": True},
+    "retr-pipeline extract --extractor clip-vit-l-14-336 with OpenAI's weights (retr-pipeline fetch-weights "
+    "clip-vit-l-14-336)")
+_CLIP_NOTES = ("Zero-shot: nothing is trained (retr-train eval-clip). Table 13 reports CLIP's best model, ViT-L/14 at "
+               "336 px, and prepends 'a photo of' to every caption (its caption: +1 to 2 R@1), which the recipe does. "
+               "The paper does not name its split files; Karpathy's test split is assumed.")
+for _dataset, _protocol, _i2t, _t2i in (("f30k", "f30k-1k", (88.0, 98.7, 99.4), (68.7, 90.6, 95.2)),
+                                        ("coco5k", "coco-5k", (58.4, 81.5, 88.1), (37.8, 62.4, 72.2))):
+    _where = "Flickr30K 1K test" if _dataset == "f30k" else "MSCOCO 5K test"
+    _add(Recipe(f"clip-zero-shot-{_dataset}", f"Zero-shot CLIP ViT-L/14@336px on {_where}", CLIP_L14_336, (),
+                _protocol, Published(_i2t, _t2i, f"{CLIP_PAPER}, Table 13, zero-shot 'CLIP' row, {_where.split()[0]} "
+                                                  "(text retrieval = i2t, image retrieval = t2i)"),
+                _CLIP_NOTES, zero_shot={"prompt": "a photo of"}))
 
 
 # ------------------------------------------------------------------------------------------ no recipe (why)
@@ -489,13 +529,17 @@ NOT_EXPRESSED: tuple[NotExpressed, ...] = (
     NotExpressed(f"{SCAN_PAPER}, Table 5 (number of ROIs k)", "the table's numbers are not in papers/scan.txt"),
     NotExpressed(f"{SCAN_PAPER}, Tables 1-2, 'VSE++ (ResNet)'",
                  "VSE++'s fine-tuned ResNet: the CNN is trained end to end, which cached features cannot reach"),
-    NotExpressed(f"{SMAN_PAPER}, Tables I-II, 'SMAN (Glove)'",
-                 "GloVe word vectors: retr's SMAN learns its word embeddings from scratch"),
     NotExpressed(f"{JGCAR_PAPER}, Tables 1-2, 'GRL d=256'",
                  "GRL's numbers are the one-step (global) ranking of a β = 1 model: `retr-train eval` prints them as "
                  "the one-step row, but reproduce compares the two-step row"),
     NotExpressed(f"{JGCAR_PAPER}, Tables 1-2, 'SGCAR d=256'",
                  "two separately trained networks (global and co-attentive) combined at test time: no retr model"),
+    NotExpressed(f"{VSE_INFINITY_PAPER}, Table 2 and supplement Table 5, 'Our: VSE∞ Grid' and 'Region+Grid' "
+                 "(BUTD + BiGRU)", "the grid model fine-tunes the BUTD CNN end to end on 512×512 images, which cached "
+                 "features cannot reach; so neither the grid rows nor the region + grid ensembles have a recipe"),
+    NotExpressed(f"{VSE_INFINITY_PAPER}, Table 2, 'Our: VSE++ Region' (BUTD + BiGRU)",
+                 "the authors' VSE++ is their VSE∞ code with average pooling, not Faghri et al.'s model that "
+                 "retr's vsepp is"),
 )
 
 

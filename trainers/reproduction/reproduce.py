@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +24,8 @@ from retr.trainers.training import checkpoint as ckpt
 from retr.trainers.config import RESUME_APPLIES, TrainConfig, setting_fields
 from retr.trainers.reproduction.recipes import (FeatureProvenance, Member, Published, Recipe, accepts, list_recipes,
                                                said)
+
+logger = logging.getLogger(__name__)
 
 SIDES = ("i2t", "t2i")
 KEYS = ("r1", "r5", "r10")
@@ -55,6 +58,8 @@ def member_settings(member: Member, overrides: dict[str, Any]) -> dict[str, Any]
 def _check_overrides(recipe: Recipe, overrides: dict[str, Any]) -> None:
     from retr.trainers.models import get_spec
 
+    if recipe.zero_shot is not None and overrides:
+        raise UserError(f"{recipe.name} trains nothing (zero-shot): it has no setting to override")
     known = {f.name for f in setting_fields(TrainConfig)}
     for member in recipe.members:
         known |= {f.name for f in dataclasses.fields(get_spec(member.model).config_class)}
@@ -128,30 +133,30 @@ def plan_member(member: Member, out: Path, data: dict, overrides: dict[str, Any]
     return PlannedMember(member, cfg, run, member_state(run), differences)
 
 
-def set_aside(run: Path, log) -> Path:
+def set_aside(run: Path) -> Path:
     """``--retrain``: move a member's run out of the way (nothing is deleted) and return where it went."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     target = run.with_name(f"{run.name}.replaced-{stamp}")
     run.rename(target)
-    log(f"{run.name}: the earlier run moved to {target}")
+    logger.warning(f"{run.name}: the earlier run moved to {target}")
     return target
 
 
-def train_member(planned: PlannedMember, quiet: bool, log) -> Path:
+def train_member(planned: PlannedMember, quiet: bool) -> Path:
     """Train (or resume, or skip) one planned member whose run holds no differences; returns its folder."""
     from retr.trainers.training.loop import train
     from retr.trainers.models import get_spec
 
     cfg, run, state = planned.cfg, planned.run, planned.state
     if state == "finished" and ckpt.read_config(run).get("epochs", 0) >= cfg.epochs:
-        log(f"{planned.member.run}: finished, skipped (same settings and data)")
+        logger.info(f"{planned.member.run}: finished, skipped (same settings and data)")
         return run
     resume = (run / ckpt.CONFIG).is_file()
-    log(f"{planned.member.run}: {'resuming' if state != 'new' else 'training'} ({cfg.model}, preset {cfg.preset})")
-    train(cfg, resume=resume, quiet=quiet, log=log)
+    logger.info(f"{planned.member.run}: {'resuming' if state != 'new' else 'training'} ({cfg.model}, preset {cfg.preset})")
+    train(cfg, resume=resume, quiet=quiet)
     spec = get_spec(cfg.model)
     if spec.after_training is not None and state != "finished":
-        spec.after_training(str(run), cfg, log)
+        spec.after_training(str(run), cfg)
     return run
 
 
@@ -247,6 +252,8 @@ def override_reasons(recipe: Recipe, overrides: dict[str, Any]) -> list[str]:
     resolves it)."""
     from retr.trainers.models import get_spec
 
+    if not overrides:
+        return []
     member = recipe.members[0]
     spec = get_spec(member.model)
     recipe_values = {**dataclasses.asdict(TrainConfig()), **spec.resolve_preset(member.preset, member.settings),
@@ -285,7 +292,7 @@ def compare(kind: str, label: str, result: dict, row: Published | None) -> dict:
 
 
 def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], split: str = "test",
-              device: str = "auto", allow_size_mismatch: bool = False, quiet: bool = False, log=print,
+              device: str = "auto", allow_size_mismatch: bool = False, quiet: bool = False,
               retrain: tuple[str, ...] = ()) -> dict:
     """Train every member, evaluate singles and the ensemble, compare with the published numbers, and say
     whether this was a reproduction (``reproduction``) and, if not, every reason why (``reasons``).
@@ -318,11 +325,11 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
                           "aside) or choose another --out")
     for p in planned:
         if p.member.run in retrain and p.run.exists():
-            set_aside(p.run, log)
+            set_aside(p.run)
             p.state, p.differences = "new", []
     summary = features_summary(features.attrs)
     del features                     # the loop and the evaluator open the set themselves
-    runs = [train_member(p, quiet, log) for p in planned]
+    runs = [train_member(p, quiet) for p in planned]
     eval_args = dict(split=split, features=data["features"], manifest=data["manifest"], device=device,
                      quiet=True, allow_size_mismatch=allow_size_mismatch)
     rows, mismatch = [], None
@@ -333,6 +340,13 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
     if recipe.ensemble:
         result, _ = evaluate_runs([str(r) for r in runs], recipe.protocol, **eval_args)
         rows.append(compare("ensemble", " + ".join(m.run for m in recipe.members), result, recipe.published))
+    if recipe.zero_shot is not None:
+        from retr.trainers.evaluation.clip_zero_shot import evaluate_clip
+        result, _ = evaluate_clip(data["features"], data["manifest"], recipe.protocol, split, device=device,
+                                  allow_size_mismatch=allow_size_mismatch, quiet=True, **recipe.zero_shot)
+        mismatch = result.get("size_mismatch")
+        rows.append(compare("zero-shot", f"CLIP {result['clip_model']} ({result['weights']})", result,
+                            recipe.published))
     if mismatch:
         reasons.append(f"split size {mismatch['images']}, protocol {mismatch['expected']}")
     if split != "test":

@@ -41,20 +41,21 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from retr.common.atomic import atomic_file
 from retr.common.devices import resolve_device
 from retr.common.errors import UserError
 from retr.common.hashing import sha256_file
-from retr.common.optional import MissingExtraError, require
 from retr.store.vocab import Vocabulary, tokenize
 from retr.trainers.training import checkpoint as ckpt
 from retr.trainers.training.data import ImageFeatures, SplitData, data_identity, open_run_split, pad_tokens
 from retr.trainers.evaluation.similarity import SplitEmbeddings, _concat, score_blocks
 from retr.trainers.evaluation.two_step import encode_all
 from retr.trainers.models.base import Embeddings, cast_embeddings, slice_embeddings
+from retr.trainers.search.images import FeatureMaker, ImageInput, describe, image_files
+from retr.trainers.search.index import SHARD_SIZE, AddSummary, GalleryIndex, index_identity
+from retr.trainers.search.two_stage import shortlist_vectors
+from retr.trainers.search.vector_index import RESCORE_MARGIN, InnerProductIndex
 
-#: float32 candidates within this much of the k-th float32 score are rescored in float64 (float32 scoring errors
-#: of the models are below 1e-5 on cosine-scale scores; see ``bench/eval.py``'s refined mode)
-RESCORE_MARGIN = 1e-3
 CACHE_DIR = "search-cache"
 
 
@@ -86,29 +87,57 @@ class Retriever:
     """A trained model over one split's gallery; see the module docstring."""
 
     def __init__(self, model, vocab: Vocabulary, data: SplitData, gallery: dict, device: torch.device,
-                 use_faiss: bool | None = None):
+                 use_faiss: bool | None = None, vector_index: str = "exact", shortlist: int | None = None):
         self.model, self.vocab, self.data, self.device = model, vocab, data, device
-        self.gallery = gallery
-        self._wide = None
+        self.gallery, self.use_faiss, self.vector_index = gallery, use_faiss, vector_index
+        if shortlist is not None and shortlist < 1:
+            raise UserError(f"the shortlist must hold at least 1 item, not {shortlist}")
+        #: two-stage search (``docs/search.md``): a model whose score is no inner product scores only the
+        #: ``shortlist`` best items by its pair-independent shortlist vectors (None: the whole gallery)
+        self.shortlist = shortlist
         with torch.no_grad():
-            images = model.index_vectors(gallery["images"], "image")
+            self._inner_product = model.index_vectors(slice_embeddings(gallery["images"], slice(0, 1)),
+                                                      "image") is not None
+        self._vectors = ((lambda e, side: shortlist_vectors(model, e, side)) if shortlist else model.index_vectors)
+        self._wide = self._maker = None
+        #: set by :meth:`from_run`: the run, its checkpoint's sha256, the feature set (raw images and indexes)
+        self.run = self.checkpoint_sha256 = self.feature_set = None
+        self.extractor_options: dict = {}
+        with torch.no_grad():
             if "captions" in gallery:                       # two-step: every caption, manifest order
-                captions, caption_ids = model.index_vectors(gallery["captions"], "caption"), None
+                captions, caption_ids = self._vectors(gallery["captions"], "caption"), None
             else:                                           # one-step: each source caption once
-                captions, caption_ids = _caption_vectors(model, gallery)
-        #: exact inner-product indexes over the gallery (None: the model's score is no inner product)
-        self.image_index = InnerProductIndex(images, use_faiss=use_faiss) if images is not None else None
+                captions, caption_ids = _caption_vectors(self._vectors, gallery)
         self.caption_index = (InnerProductIndex(captions, caption_ids, use_faiss) if captions is not None
                               else None)
+        self._set_images(list(data.image_ids), gallery["images"])
+
+    def _set_images(self, image_ids: list[str], images: Embeddings) -> None:
+        """The gallery ``text_to_images`` searches: the split's images, or an index's."""
+        self.image_ids, self.images = image_ids, images
+        with torch.no_grad():
+            vectors = self._vectors(images, "image")
+        #: inner-product index over the gallery images (None: the model's score is no inner product)
+        self.image_index = (InnerProductIndex(vectors, use_faiss=self.use_faiss, kind=self.vector_index)
+                            if vectors is not None else None)
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
     def from_run(cls, run: str | os.PathLike, features: str | None = None, manifest: str | None = None,
                  split: str = "test", checkpoint: str = "best", device: str = "auto", cache: bool = True,
-                 trust_checkpoint: bool = False, quiet: bool = True, use_faiss: bool | None = None) -> "Retriever":
+                 trust_checkpoint: bool = False, quiet: bool = True, use_faiss: bool | None = None,
+                 index: str | os.PathLike | None = None, images: str | os.PathLike | None = None,
+                 extractor_weights: str | None = None, batch_size: int = 8, workers: int = 0,
+                 vector_index: str = "exact", shortlist: int | None = None) -> "Retriever":
         """The run's model (``checkpoint``: best, last or a file) over ``split`` of its feature set and
         manifest (or the ones given); the gallery's embeddings come from the run's cache when it matches.
-        ``use_faiss``: None uses faiss when installed, False never, True requires it."""
+        ``use_faiss``: None uses faiss when installed, False never, True requires it. ``index``: images are
+        searched in that gallery index instead of the split; ``images``: in that folder (indexed, and grown, in
+        ``RUN/search-cache/``). ``extractor_weights``: the extractor's weights file, where the feature set
+        records one by hash (raw images); ``batch_size``/``workers``: of that extraction. ``vector_index``:
+        ``exact``, or faiss's approximate ``ivf``/``hnsw`` over the gallery images of inner-product models.
+        ``shortlist``: two-stage search for models whose score is no inner product (SCAN, SEAM; SMAN's global
+        stage, exactly): only that many items per query are scored (``docs/search.md``)."""
         dev = resolve_device(device)
         run = Path(run)
         opened = open_run_split(run, split, features, manifest, checkpoint, dev, trust_checkpoint)
@@ -122,7 +151,63 @@ class Retriever:
             gallery = _encode_gallery(model, data, ImageFeatures(feature_set, data.image_ids), dev, quiet)
             if cache:
                 _write_cache(path, gallery)
-        return cls(model, vocab, data, gallery, dev, use_faiss)
+        retriever = cls(model, vocab, data, gallery, dev, use_faiss, vector_index, shortlist)
+        retriever.run, retriever.feature_set = run, feature_set
+        retriever.checkpoint_sha256 = sha256_file(ckpt.resolve_checkpoint(run, checkpoint))
+        retriever.extractor_options = {"weights": extractor_weights, "trust_checkpoint": trust_checkpoint,
+                                       "batch_size": batch_size, "workers": workers}
+        if images is not None:
+            digest = hashlib.sha256(str(Path(images).resolve()).encode()).hexdigest()[:16]
+            index = run / CACHE_DIR / f"folder-{digest}"
+            retriever.add_to_index(index, image_files(images), quiet=quiet)
+        if index is not None:
+            retriever.use_index(index)
+        return retriever
+
+    # -- raw images and gallery indexes ------------------------------------------------------------------
+    @property
+    def feature_maker(self) -> FeatureMaker:
+        """The run's feature extractor, rebuilt from its feature set's attributes (made on first use)."""
+        if self._maker is None:
+            if self.feature_set is None:
+                raise UserError("this Retriever was not made by from_run: it knows no feature set to embed images")
+            self._maker = FeatureMaker(self.feature_set, self.device, **self.extractor_options)
+        return self._maker
+
+    @torch.no_grad()
+    def encode_images(self, images: Sequence[ImageInput]) -> Embeddings:
+        """Image embeddings ``[N, …]`` of raw images (paths, bytes, PIL images), as the split's are made."""
+        features, mask = self.feature_maker(images)
+        return self.model.encode_images(features.to(self.device), mask.to(self.device))
+
+    @torch.no_grad()
+    def encode_files(self, paths: Sequence[str | os.PathLike]):
+        """Per batch of image files: ``(positions, embeddings [B, …], failures [(position, reason)])``."""
+        for positions, features, mask, failures in self.feature_maker.from_paths(paths):
+            embeddings = (self.model.encode_images(features.to(self.device), mask.to(self.device))
+                          if positions else None)
+            yield positions, embeddings, failures
+
+    def index_identity(self) -> dict:
+        if self.feature_set is None:
+            raise UserError("this Retriever was not made by from_run: it cannot build or check an index")
+        name = getattr(self.model, "name", None) or type(self.model).__name__
+        return index_identity(self.run, self.checkpoint_sha256, name, self.feature_set)
+
+    def add_to_index(self, folder: str | os.PathLike, items: Sequence[tuple[str, str | os.PathLike]],
+                     shard_size: int = SHARD_SIZE, quiet: bool = True) -> AddSummary:
+        """Encode the images ``[(id, path)]`` not yet in the gallery index ``folder`` (made if absent)."""
+        return GalleryIndex(folder).add(items, self.index_identity(), self.encode_files, shard_size=shard_size,
+                                        quiet=quiet)
+
+    def use_index(self, folder: str | os.PathLike) -> list[tuple[str, str]]:
+        """Search images in the gallery index ``folder`` from now on (refused if another run built it); returns
+        its recorded unusable images ``[(id, reason)]``."""
+        index = GalleryIndex(folder)
+        index.check(self.index_identity())
+        ids, images, errors = index.load(self.device)
+        self._set_images(ids, images)
+        return errors
 
     @property
     def two_step(self) -> bool:
@@ -138,59 +223,92 @@ class Retriever:
 
     @torch.no_grad()
     def text_to_images(self, texts: Sequence[str], k: int = 10) -> list[SearchResult]:
-        """The ``k`` best images of the split for each text (scores as eval's)."""
+        """The ``k`` best images of the gallery (the split's, or the index's) for each text (scores as eval's)."""
         if not texts:
             return []
         queries, unknown = self.encode_texts(list(texts))
-        images = self.gallery["images"]
-        n = self.data.num_images
+        images, n = self.images, len(self.image_ids)
         results = []
         for q, text in enumerate(texts):
             caption = slice_embeddings(queries, slice(q, q + 1))
-            vector = self.model.index_vectors(caption, "caption") if self.image_index is not None else None
+            vector = self._vectors(caption, "caption") if self.image_index is not None else None
             if self.two_step:
                 rows, scores = self._two_step(images, caption, n, image_side=False, index=self.image_index,
                                               query=vector)
             else:
                 if vector is not None:
-                    rows = self.image_index.candidates(vector, k)
+                    rows = self._first_stage(self.image_index, vector, k)
                 else:
                     rows = _candidates(score_blocks(lambda im, cap: self.model.score(im, cap), images,
                                                     [(np.array([0]), caption)], n, 1)[:, 0], k)
                 scores = self._score64(slice_embeddings(images, torch.from_numpy(rows).to(self.device)), caption)[:, 0]
             order = _best(scores, rows, k)
-            results.append(SearchResult(text, [Hit(r + 1, float(scores[i]), self.data.image_ids[rows[i]])
+            results.append(SearchResult(text, [Hit(r + 1, float(scores[i]), self.image_ids[rows[i]])
                                                for r, i in enumerate(order)], unknown[q]))
         return results
 
+    def _image_queries(self, images: Sequence) -> tuple[list[str], Embeddings | None]:
+        """Names and embeddings ``[Q, …]`` of image queries: an id of the split (its stored row) or of the
+        index gallery, an image file, a folder (each image in it), bytes or a PIL image (embedded anew)."""
+        split_row = {image_id: i for i, image_id in enumerate(self.data.image_ids)}
+        index_row = ({image_id: i for i, image_id in enumerate(self.image_ids)}
+                     if self.images is not self.gallery["images"] else {})
+        names, parts, raw = [], [], []
+        for image in images:
+            if isinstance(image, str) and (image in split_row or image in index_row):
+                source, row = ((self.gallery["images"], split_row[image]) if image in split_row
+                               else (self.images, index_row[image]))
+                names.append(image)
+                parts.append(("stored", slice_embeddings(source, slice(row, row + 1))))
+            elif isinstance(image, (str, os.PathLike)) and not Path(image).exists():
+                raise UserError(f"image {str(image)!r} is not in the gallery (split of {self.data.num_images} "
+                                f"images) and is no image file or folder")
+            else:
+                folder = isinstance(image, (str, os.PathLike)) and Path(image).is_dir()
+                files = [p for _, p in image_files(image)] if folder else [image]
+                names += [describe(f) for f in files]
+                parts += [("raw", len(raw) + i) for i in range(len(files))]
+                raw += files
+        if not names:
+            return [], None
+        fresh = self.encode_images(raw) if raw else None
+        rows = [emb if kind == "stored" else slice_embeddings(fresh, slice(emb, emb + 1)) for kind, emb in parts]
+        return names, _concat(rows)
+
     @torch.no_grad()
-    def image_to_texts(self, image_ids: Sequence[str], k: int = 10) -> list[SearchResult]:
-        """The ``k`` best captions of the split for each image id (scores as eval's)."""
-        row_of = {image_id: i for i, image_id in enumerate(self.data.image_ids)}
+    def image_to_texts(self, images: Sequence, k: int = 10) -> list[SearchResult]:
+        """The ``k`` best captions of the split for each image (see :meth:`_image_queries`; scores as eval's)."""
+        names, queries = self._image_queries(images)
         results = []
-        for image_id in image_ids:
-            if image_id not in row_of:
-                raise UserError(f"image {image_id!r} is not in the gallery (split of {self.data.num_images} images)")
-            row = row_of[image_id]
-            image = slice_embeddings(self.gallery["images"], slice(row, row + 1))
-            vector = self.model.index_vectors(image, "image") if self.caption_index is not None else None
+        for q, name in enumerate(names):
+            image = slice_embeddings(queries, slice(q, q + 1))
+            vector = self._vectors(image, "image") if self.caption_index is not None else None
             if self.two_step:
                 cols, scores = self._two_step(image, self.gallery["captions"], self.data.num_captions,
                                               image_side=True, index=self.caption_index, query=vector)
             else:
                 if vector is not None:      # the index holds each source caption once: expand to its copies
                     source = self.gallery["caption_source"]
-                    cols = np.flatnonzero(np.isin(source, self.caption_index.candidates(vector, k)))
+                    cols = np.flatnonzero(np.isin(source, self._first_stage(self.caption_index, vector, k)))
                 else:
                     cols = _candidates(self._caption_pass(image), k)
                 scores = self._score64(image, self._captions(cols))[0]
             order = _best(scores, cols, k)
-            results.append(SearchResult(image_id, [
+            results.append(SearchResult(name, [
                 Hit(r + 1, float(scores[i]), self.data.image_ids[self.data.caption_image[cols[i]]],
                     self.data.captions[cols[i]], int(cols[i])) for r, i in enumerate(order)]))
         return results
 
     # -- scoring -----------------------------------------------------------------------------------------
+    def _first_stage(self, index: InnerProductIndex, vector: torch.Tensor, k: int) -> np.ndarray:
+        """Sorted gallery ids to score in float64 for one query: every item near the k-th best inner product
+        (the exact top k of an inner-product model), or, in a two-stage search of a model whose score is no
+        inner product, its ``shortlist`` best shortlist vectors."""
+        if self.shortlist is None or self._inner_product:
+            return index.candidates(vector, k)
+        found = index.search(vector.detach().float().cpu().numpy(), max(k, self.shortlist))[1][0]
+        return np.sort(found[found >= 0])
+
     def _caption_pass(self, image: Embeddings) -> np.ndarray:
         """float32 scores ``[M]`` of one image against every caption (identical captions share a column)."""
         blocks, source = self.gallery["caption_blocks"], self.gallery["caption_source"]
@@ -243,70 +361,12 @@ def _top_stable(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.from_numpy(order).to(scores.device)
 
 
-class InnerProductIndex:
-    """Exact maximum-inner-product search over gallery vectors ``[n, d]``: faiss's ``IndexFlatIP`` where faiss
-    is installed (the ``search`` extra), else blockwise float32 matrix products with ``torch.topk``.
-
-    :meth:`candidates` returns the ids (``ids[row]``; default the row) of every row whose float32 inner product
-    is within :data:`RESCORE_MARGIN` of the k-th best: a superset of the exact top k, which the caller rescores
-    in float64.
-    """
-
-    def __init__(self, vectors: torch.Tensor, ids: np.ndarray | None = None, use_faiss: bool | None = None,
-                 block: int = 1 << 16):
-        self.vectors = np.ascontiguousarray(vectors.detach().float().cpu().numpy())
-        self.ids = np.arange(self.vectors.shape[0]) if ids is None else np.asarray(ids)
-        self.block = block
-        faiss = None
-        if use_faiss is not False:
-            try:
-                faiss = require("faiss", "search", "use_faiss=True")
-            except MissingExtraError:
-                if use_faiss:
-                    raise
-        self.backend = "faiss" if faiss is not None else "matmul"
-        if faiss is not None:
-            self.index = faiss.IndexFlatIP(self.vectors.shape[1])
-            self.index.add(self.vectors)
-
-    def __len__(self) -> int:
-        return self.vectors.shape[0]
-
-    def search(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(scores ``[k]``, rows ``[k]``) of the ``k`` largest inner products with ``query`` ``[d]``."""
-        query = np.ascontiguousarray(query, dtype=np.float32).reshape(1, -1)
-        if self.backend == "faiss":
-            scores, rows = self.index.search(query, k)
-            return scores[0], rows[0]
-        q = torch.from_numpy(query[0])
-        best_scores, best_rows = torch.empty(0), torch.empty(0, dtype=torch.long)
-        for start in range(0, len(self), self.block):
-            part = torch.from_numpy(self.vectors[start:start + self.block]) @ q
-            scores = torch.cat([best_scores, part])
-            rows = torch.cat([best_rows, torch.arange(start, start + part.numel())])
-            top = scores.topk(min(k, scores.numel()))
-            best_scores, best_rows = top.values, rows[top.indices]
-        return best_scores.numpy(), best_rows.numpy()
-
-    def candidates(self, query: torch.Tensor, k: int) -> np.ndarray:
-        """Rows within :data:`RESCORE_MARGIN` of the k-th best inner product with ``query`` ``[1, d]`` or ``[d]``."""
-        query = query.detach().float().cpu().numpy().reshape(-1)
-        k = min(k, len(self))
-        wanted = min(len(self), k + 16)
-        while True:
-            scores, rows = self.search(query, wanted)
-            kth = scores[k - 1]
-            if wanted == len(self) or scores[-1] < kth - RESCORE_MARGIN:
-                return np.sort(self.ids[rows[scores >= kth - RESCORE_MARGIN]])
-            wanted = min(len(self), 4 * wanted)
-
-
-def _caption_vectors(model, gallery: dict) -> tuple[torch.Tensor | None, np.ndarray | None]:
-    """``index_vectors`` of the gallery's source captions ``[S, d]`` and their caption ids ``[S]`` (None, None:
-    the model has no such vectors)."""
+def _caption_vectors(vectors_of, gallery: dict) -> tuple[torch.Tensor | None, np.ndarray | None]:
+    """``vectors_of`` (``index_vectors`` or the shortlist vectors) the gallery's source captions ``[S, d]`` and
+    their caption ids ``[S]`` (None, None: the model has no such vectors)."""
     ids, parts = [], []
     for idx, emb in gallery["caption_blocks"]:
-        vectors = model.index_vectors(emb, "caption")
+        vectors = vectors_of(emb, "caption")
         if vectors is None:
             return None, None
         ids.append(np.asarray(idx))
@@ -360,9 +420,8 @@ def _write_cache(path: Path, gallery: dict) -> None:
              "caption_blocks": [(torch.as_tensor(np.asarray(idx)), {k: v.cpu() for k, v in emb.items()})
                                 for idx, emb in gallery["caption_blocks"]],
              "caption_source": torch.as_tensor(np.asarray(gallery["caption_source"]))}
-    tmp = path.with_name(path.name + ".partial")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as partial:
+        torch.save(state, partial)
 
 
 def _read_cache(path: Path, device: torch.device) -> dict | None:

@@ -1,28 +1,6 @@
-"""Run directories and checkpoints.
+"""Run directories and checkpoints (read with ``torch.load(weights_only=True)`` unless ``trust``).
 
-Run directory (``--out``)::
-
-    config.json          every hyperparameter, the model's constructor arguments, the feature file's attributes,
-                         the manifest, the package version
-    vocab.json           the caption vocabulary (SCAN's format)
-    checkpoint-NNN.pt    after epoch NNN (the last ``keep`` are kept)
-    best.pt              the checkpoint with the best validation rSum
-    ema.pt               with --ema: the latest checkpoint with the moving average of the weights as its model
-    metrics.jsonl        one JSON line per logged step and per epoch (validation numbers)
-    eval.json            results of ``retr-train eval`` (every protocol, single model or ensemble)
-    run.lock             held (an OS lock) by the training process while it runs
-
-A checkpoint holds ``model`` (state dict), ``optimizer``, ``scheduler``, ``scaler`` (AMP), ``vocab``
-(``Vocabulary.to_json()``), ``epoch`` (finished epochs, 0-based index of the last one), ``best_rsum``,
-``rng`` (python, numpy, torch CPU and CUDA states), ``config`` and ``collapse_monitor`` — everything a resume
-needs (a resume also cuts ``metrics.jsonl`` back to the checkpoint's step).
-
-Trust: a checkpoint holds tensors, numbers, strings, lists, tuples and dicts only (the RNG states are stored as
-such), so it is read with ``torch.load(weights_only=True)``: no pickled object can run code. Runs written
-before that kept numpy's RNG state as an array; reading them allows exactly numpy's array reconstruction.
-Anything else (a checkpoint whose pickle names other Python objects) is refused in one line and loads only
-with ``trust=True`` (``--trust-checkpoint``).
-"""
+Files of a run, a checkpoint's keys and the trust rule: docs/trainer.md ("Run directory", "Interrupted runs")."""
 from __future__ import annotations
 
 import json
@@ -36,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from retr.common.atomic import atomic_file, atomic_text
 from retr.common.errors import UserError
 from retr.store.vocab import Vocabulary
 
@@ -47,11 +26,9 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
 
 def write_json(path: str | os.PathLike, data) -> Path:
     """Write JSON atomically (temporary file, then rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    with atomic_text(path) as handle:
+        handle.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    return Path(path)
 
 
 def read_config(run: str | os.PathLike) -> dict:
@@ -69,7 +46,17 @@ def absolute_paths(cfg):
 
     return dataclasses.replace(cfg, features=str(Path(cfg.features).resolve()),
                                manifest=str(Path(cfg.manifest).resolve()),
-                               inputs={k: str(Path(v).resolve()) for k, v in (cfg.inputs or {}).items()})
+                               inputs={k: _absolute(v) for k, v in (cfg.inputs or {}).items()})
+
+
+def _named(path: str) -> bool:
+    """A side input given as a resource fetched on first use (``--concept-vectors glove``), not a file."""
+    from retr.store.word_vectors import GLOVE_SETS
+    return path in GLOVE_SETS
+
+
+def _absolute(path: str) -> str:
+    return path if _named(path) else str(Path(path).resolve())
 
 
 def paths_from_run(cfg, run: str | os.PathLike) -> dict:
@@ -78,14 +65,12 @@ def paths_from_run(cfg, run: str | os.PathLike) -> dict:
     run = Path(run).resolve()
     rel = lambda p: os.path.relpath(Path(p).resolve(), run)   # noqa: E731
     return {"features": rel(cfg.features), "manifest": rel(cfg.manifest),
-            "inputs": {k: rel(v) for k, v in (cfg.inputs or {}).items()}}
+            "inputs": {k: rel(v) for k, v in (cfg.inputs or {}).items() if not _named(v)}}
 
 
 def resolve_paths(run: str | os.PathLike, config: dict) -> dict:
-    """``config`` with each data path (features, manifest, side files) taken, in order, as recorded when that
-    file exists (absolute in runs written since portable paths; relative to the working directory before), else
-    relative to the run directory (``paths_from_run``) when that exists; otherwise it stays as recorded, and the
-    reader's error names it."""
+    """``config`` with each data path taken as recorded if it exists, else relative to the run directory
+    (``paths_from_run``) if that exists, else as recorded."""
     from_run = config.get("paths_from_run") or {}
 
     def pick(recorded: str | None, relative: str | None) -> str | None:
@@ -135,11 +120,9 @@ def list_checkpoints(run: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
     """``torch.save`` to a temporary name, then rename (a killed run never leaves a truncated checkpoint)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    return path
+    with atomic_file(path) as partial:
+        torch.save(state, partial)
+    return Path(path)
 
 
 #: what older checkpoints need besides tensors: numpy's RNG key array (array reconstruction only)
@@ -157,7 +140,7 @@ def _numpy_reconstruct():
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = False,
                     allow: tuple = ()) -> dict:
-    """A checkpoint's contents, read without running code (module docstring): tensors and plain types, the
+    """A checkpoint's contents, read without running code (docs/trainer.md): tensors and plain types, the
     numpy arrays of older runs' RNG states, and the types in ``allow`` (e.g. ``argparse.Namespace`` for official
     SCAN checkpoints). ``trust=True`` reads any pickle (``--trust-checkpoint``; only for files you trust)."""
     path = Path(path)
@@ -171,7 +154,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = F
     try:
         with torch.serialization.safe_globals([*LEGACY_SAFE_GLOBALS, _numpy_reconstruct(), *allow]):
             return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
+    except pickle.UnpicklingError:
         allowed = {f"{g.__module__}.{g.__qualname__}" for g in (*LEGACY_SAFE_GLOBALS, _numpy_reconstruct(), *allow)}
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path) if zipfile.is_zipfile(path) else []
         names = [n for n in names if n not in allowed]

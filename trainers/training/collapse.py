@@ -1,34 +1,7 @@
-"""Telling a collapsed training run from a slow one, while it trains.
+"""Telling a collapsed training run from a slow one, while it trains: in-batch ranking against chance.
 
-The hardest-negative hinge (VSE++), trained from scratch on small or weak data, can drive every score of a
-batch to the same value: each hinge term then equals the margin, the loss sits at ``2·B·margin`` and the model
-ranks at chance (fartashf/vsepp#27, kuanghuei/SCAN#36). Neither the loss nor the spread of the scores tells
-this apart from a run that learns slowly: a run that learns sits at the same loss for epochs, with a score
-spread just as small. What differs is the *ordering*, so the monitor watches that.
-
-**In-batch retrieval.** After every step the model's :class:`~retr.trainers.training.losses.BatchRanking` says how many
-rows (images) and columns (captions) of the batch rank their matching pair strictly first, and how many would
-by chance (``1 / (n + 1)`` for a row with ``n`` negatives: ``1/B`` for a batch of ``B``). Over the last
-:data:`STRETCH` steps the counts are summed; the run is *at chance* when the hits exceed the chance
-expectation by less than :data:`Z_AT_CHANCE` standard deviations (a binomial count, normal approximation).
-
-* Why a stretch of 20 steps: a batch of 128 gives 256 rankings a step, so 20 steps hold 5,120 of them with a
-  chance expectation of 40 hits (two a step, whatever B; standard deviation 6.3). Measured on the 150-image synthetic set (docs/benchmarks.md,
-  "Training collapse"; 5 steps an epoch): over steps 1–20 the published SCAN loss ranked 0.58% first
-  (z = −1.9, it fires at step 20, epoch 4), while the runs that learn — `--sum-violation` and
-  `--warmup-epochs 1/2/4` — ranked 2.5–2.9% first (z = 14 to 17). Twenty steps are four epochs of that set.
-* Why two standard deviations: under true collapse the statistic is about N(0, 1) or below (ties count as
-  misses), so a check fires with probability 0.98 or more; a run that is learning at all is many deviations
-  above. The learning tests (SCAN and VSE++ on hardest negatives, batch 32) stay silent.
-* The first check is at step :data:`STRETCH` (a full stretch); every step after that is checked, so a run
-  that collapses later (after a warm-up, after a learning-rate change) is caught too. The warning is given
-  once per run, and the state is kept in the checkpoint, so a resumed run warns where the uninterrupted one did.
-* The loss is only a hint: the line quotes the hinge next to its equal-scores value.
-
-**Validation at chance.** At the end of training, the last validation recalls are compared with what a random
-ordering gives for the validation split's size (:func:`chance_recalls`): the R@1, R@5 and R@10 hits of both
-directions are summed and the same two-standard-deviation test applied.
-"""
+Why it watches the ordering, and why 20 steps and two standard deviations: docs/trainer.md ("Warm-up and the
+collapse monitor")."""
 from __future__ import annotations
 
 import math
@@ -120,12 +93,9 @@ def collapse_message(event: dict, epoch: int) -> str:
 # ------------------------------------------------------------------------------------------------ validation
 
 def chance_recalls(caption_image: np.ndarray, ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, dict[int, float]]:
-    """Probability that a random ordering puts a match in the top K, per direction: ``{"i2t": {K: p},
-    "t2i": {K: p}}`` for a split whose caption ``c`` shows image ``caption_image[c]`` ([n_cap] int).
+    """``{"i2t": {K: p}, "t2i": {K: p}}``: probability that a random ordering puts a match in the top K.
 
-    Text→image: one matching image among ``N``, so ``min(K, N) / N``. Image→text, for an image with ``c`` of the
-    ``T`` captions: ``1 − C(T − c, K) / C(T, K)``, averaged over the images.
-    """
+    ``caption_image`` ``[n_cap]`` int: the image of each caption."""
     caption_image = np.asarray(caption_image)
     n_cap = caption_image.size
     per_image = np.bincount(caption_image)

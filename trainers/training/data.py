@@ -1,18 +1,8 @@
 """Cached-feature datasets: a feature set joined by id with the manifest's captions of some splits.
 
-* :class:`SplitData` — the images of the chosen splits in manifest order, their captions flattened (caption
-  ``m`` belongs to image ``caption_image[m]``; with five captions per image that is ``m // 5``), and the token
-  ids of every caption.
-* :class:`ImageFeatures` — the feature rows of those images. Features stay float16 as on disk; they are read
-  lazily per batch from HDF5 (sorted-row reads, works inside DataLoader workers) unless preloaded, which happens
-  in host memory with ``preload="host"``, on the training device with ``preload="gpu"`` (batches gathered
-  there) or, with ``preload="auto"``, in host memory when they take less than ``preload_limit_bytes``.
-  ``get`` returns float32 features ``[B, K, D]`` and the region mask ``[B, K]`` (``num_boxes`` of regions sets;
-  all True for other kinds).
-* :class:`CaptionBatches` — a map-style dataset whose item is a whole batch (a list of caption indices), so one
-  HDF5 read serves a batch; used with :class:`EpochBatchSampler`, which shuffles captions per epoch from
-  ``(seed, epoch)`` alone (resume needs no sampler state) and cuts each global batch into per-rank parts.
-"""
+:class:`SplitData` (images in manifest order, captions flattened: caption ``m`` of image ``caption_image[m]``),
+:class:`ImageFeatures` (``get`` → float32 ``[B, K, D]`` and mask ``[B, K]``), :class:`CaptionBatches` with
+:class:`EpochBatchSampler` (batches from ``(seed, epoch)`` alone, cut per rank)."""
 from __future__ import annotations
 
 import hashlib
@@ -72,8 +62,7 @@ def load_split(manifest: str | os.PathLike, splits: Sequence[str], vocab: Vocabu
     """The images of ``splits`` that have features; returns (data, ids without features).
 
     ``missing="error"`` (evaluation: a protocol must see every image) raises when an image has no features;
-    ``missing="skip"`` (training) leaves such images out and returns their ids so the caller can say so.
-    """
+    ``missing="skip"`` (training) leaves such images out and returns their ids so the caller can say so."""
     records = read_manifest(manifest, splits=list(splits))
     if not records:
         raise UserError(f"{manifest} has no images in split(s) {', '.join(splits)}")
@@ -93,18 +82,8 @@ def load_split(manifest: str | os.PathLike, splits: Sequence[str], vocab: Vocabu
 class ImageFeatures:
     """Feature rows ``[N, K, D]`` of a list of image ids, preloaded or read per batch.
 
-    ``preload`` (``TrainConfig.preload``; the old ``True``/``False``/``None`` mean ``host``/``off``/``auto``):
-
-    * ``host`` — every row in host memory (numpy, the stored dtype);
-    * ``gpu`` — every row as one tensor on ``device`` (the stored dtype, float16 by default: half the memory of
-      float32), with the region counts; :meth:`get` gathers a batch there with one indexing op, so no batch
-      crosses the bus. Rows that do not fit (:func:`fits_on_device`) are held in host memory instead, and
-      :attr:`note` says so. On a CPU device this is the same code on host tensors (what the tests run);
-    * ``off`` — rows read from HDF5 per batch;
-    * ``auto`` — when the rows take at most ``preload_limit_bytes``: ``gpu`` on a CUDA device they fit on, else
-      ``host``; larger sets ``off``.
-
-    :attr:`where` is what was chosen: ``"host"``, ``"gpu"`` or ``"file"``.
+    ``preload``: ``host``, ``gpu`` (one device tensor; what does not fit stays in host memory, with :attr:`note`),
+    ``off`` or ``auto`` (docs/trainer.md, "Training options in detail"); :attr:`where`: ``host``, ``gpu`` or ``file``.
     """
 
     _memory: np.ndarray | None = None                                  # rows in host memory
@@ -197,13 +176,8 @@ def pad_tokens(token_lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torc
 
 
 class CaptionBatches(torch.utils.data.Dataset):
-    """Item = one batch of captions given as a list of caption indices, with their images' features.
-
-    Returns a dict: ``features`` [B, K, D] float32 (``as_stored``: the stored dtype, converted to float32 by the
-    training step once on the device), ``mask`` [B, K] bool, ``tokens`` [B, L] long, ``lengths`` [B],
-    ``image_index`` [B] and ``caption_index`` [B] (indices into the :class:`SplitData`). An image appears once
-    per caption of it in the batch, as in the authors' loaders.
-    """
+    """Item = one batch of caption indices → ``features`` [B, K, D] (float32, or stored with ``as_stored``),
+    ``mask`` [B, K] bool, ``tokens`` [B, L] long, ``lengths`` [B], ``image_index`` [B], ``caption_index`` [B]."""
 
     def __init__(self, data: SplitData, features: ImageFeatures, as_stored: bool = False):
         self.data, self.features, self.as_stored = data, features, as_stored

@@ -1,11 +1,5 @@
-"""Multi-process training under ``torchrun`` (DDP): process-group setup and the embedding gather.
-
-Hardest negatives must come from the *global* batch. Every rank encodes its part of the batch, gathers all
-ranks' embeddings (padding every dim to the largest rank's, then trimming), and puts its own tensors back in its
-slot so gradients flow through the local part. Each rank then computes the same global loss; its gradient
-reaches only the local encoders' work, and the all-reduce of DDP (an average over ranks) times the loss scale
-``world_size`` gives exactly the single-process gradient of the global batch.
-"""
+"""Multi-process training under ``torchrun`` (DDP): process-group setup and the embedding gather (hardest negatives
+from the global batch; docs/trainer.md, "DDP")."""
 from __future__ import annotations
 
 
@@ -70,10 +64,6 @@ def world_size() -> int:
 
 
 def scale_grad(p: torch.Tensor, scale: float) -> torch.Tensor:
-    """``p`` unchanged in value, with its gradient multiplied by ``scale``.
-
-    Under DDP every process scores the gathered global batch, so a parameter used only after the gather would
-    receive the full-batch gradient on every process (world size × too much once the loop scales the loss by
-    the world size and DDP averages); scaling it by 1/world size makes the sum over processes exact.
-    """
+    """``p`` unchanged in value, its gradient multiplied by ``scale`` (1/world size for parameters used only after
+    the gather)."""
     return p if scale == 1.0 else p * scale + p.detach() * (1 - scale)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import random
 import shutil
@@ -60,8 +61,11 @@ from retr.trainers.evaluation.metrics import retrieval_metrics
 from retr.trainers.models import ModelInputs, create_model, get_spec
 from retr.trainers.models.base import MatchingModel
 from retr.trainers.training.optim import apply_implementation
+from retr.trainers.training.side_inputs import add_word_vectors
 from retr.trainers.evaluation.similarity import similarity_matrix
 from retr.store.vocab import Vocabulary
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TrainConfig", "train", "train_step", "resolve_device"]
 
@@ -74,10 +78,11 @@ def seed_everything(seed: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ the loop
 
-def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False, log=print,
-          trust_checkpoint: bool = False) -> dict:
+def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False, trust_checkpoint: bool = False,
+          notes: tuple[str, ...] = ()) -> dict:
     """Train ``cfg.model``; returns the last epoch's validation metrics. Resumable with ``resume=True``
-    (``trust_checkpoint``: read a checkpoint holding other Python objects, see :func:`checkpoint.load_checkpoint`)."""
+    (``trust_checkpoint``: read a checkpoint holding other Python objects, see :func:`checkpoint.load_checkpoint`).
+    Progress goes to the ``retr`` logger; ``notes`` are logged once the run has started (its settings checked)."""
     summary_writer(tuple(cfg.log))   # an unknown --log target or a missing extra stops before anything is written
     device = resolve_device(cfg.device)
     info = init_from_env(device.type)
@@ -86,21 +91,21 @@ def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False, log=print
         torch.cuda.set_device(device)
     try:
         with run_lock(cfg.out, info):
-            run = build_run(cfg, resume, device, info, log, trust_checkpoint)
+            run = build_run(cfg, resume, device, info, trust_checkpoint, notes)
             last_val: dict = {}
             epoch = run.start_epoch - 1
             for epoch in range(run.start_epoch, run.cfg.epochs):
                 started = time.time()
-                losses = train_one_epoch(run, epoch, quiet, log)
+                losses = train_one_epoch(run, epoch, quiet)
                 if info.is_main:
                     last_val = validate(run)
                     is_best = run.record_epoch(epoch, losses, last_val)
                     if epoch == run.cfg.epochs - 1 or run.early_stop_due(epoch):
-                        report_val_at_chance(run, last_val, epoch, log)   # logged before the last checkpoint
-                    save_epoch(run, epoch, is_best, losses, last_val, time.time() - started, log)
+                        report_val_at_chance(run, last_val, epoch)   # logged before the last checkpoint
+                    save_epoch(run, epoch, is_best, losses, last_val, time.time() - started)
                 else:
                     run.scheduler.step()
-                if should_stop(run, epoch, log):
+                if should_stop(run, epoch):
                     break
             if run.log is not None:
                 run.log.close()
@@ -177,10 +182,10 @@ def lr_schedule(optimizer: torch.optim.Optimizer, lr_update: int) -> torch.optim
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, lr_update), gamma=0.1)
 
 
-def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistInfo, log,
-              trust_checkpoint: bool = False) -> Run:
+def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistInfo,
+              trust_checkpoint: bool = False, notes: tuple[str, ...] = ()) -> Run:
     """Open (or resume) the run directory, load the data, build the model, optimiser and data loader."""
-    folder, state = _open_run_folder(cfg, resume, info, log, trust_checkpoint)
+    folder, state = _open_run_folder(cfg, resume, info, trust_checkpoint)
     if not Path(cfg.manifest).is_file():
         raise UserError(f"manifest {cfg.manifest} {'is a folder' if Path(cfg.manifest).is_dir() else 'does not exist'}"
                         " (expected a JSON Lines file)")
@@ -207,7 +212,7 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
         vocab = Vocabulary.build((c for r in records for c in r.captions), cfg.vocab_threshold)
     train_data, absent = load_split(cfg.manifest, list(cfg.train_splits), vocab, features, missing="skip")
     if absent and info.is_main:
-        log(f"note: {len(absent)} training image(s) have no features and are left out (first: {absent[0]})")
+        logger.warning(f"note: {len(absent)} training image(s) have no features and are left out (first: {absent[0]})")
     val_data, _ = load_split(cfg.manifest, [cfg.val_split], vocab, features, missing="skip")
     if cfg.val_images and val_data.num_images > cfg.val_images:
         val_data = val_data.subset_images(0, cfg.val_images)
@@ -216,12 +221,12 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     workers = cfg.workers
     if info.is_main:
         for note in dict.fromkeys(f.note for f in (train_feats, val_feats) if f.note):
-            log(f"note: {note}")
+            logger.warning(f"note: {note}")
         if cfg.preload == "gpu" and device.type != "cuda":
-            log(f"note: --preload gpu on {device}: the features are held in host memory")
+            logger.warning(f"note: --preload gpu on {device}: the features are held in host memory")
     if train_feats.where == "gpu" and workers:
         if info.is_main:
-            log("note: the features are held on the device and batches are gathered there, in the training "
+            logger.warning("note: the features are held on the device and batches are gathered there, in the training "
                 "process; --workers is ignored")
         workers = 0
 
@@ -229,9 +234,10 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     config = spec.make_config({k: v for k, v in cfg.model_args.items() if k in _config_names(spec)})
     inputs = (spec.load_inputs(train_data, dict(cfg.inputs), config, len(vocab)) if spec.load_inputs
               else ModelInputs())
+    inputs = add_word_vectors(inputs, config, vocab, cfg.model_args.get("word_vectors_file", ""))  # --word-vectors
     if info.is_main:
         for note in inputs.notes:
-            log(f"note: {note}")
+            logger.warning(f"note: {note}")
     # config.json keeps the model's full config (not only the values given), so a later default change cannot
     # alter what a stored run means (the specs' upgrade_args fill absent fields with their old values)
     cfg.model_args = {**cfg.model_args, **asdict(config), "vocab_size": len(vocab),
@@ -245,7 +251,7 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
         model.compile_scoring(mode=cfg.compile)
     scheduler = lr_schedule(optimizer, cfg.lr_update)
     if cfg.amp == "fp16" and device.type != "cuda" and info.is_main:
-        log("note: --amp fp16 needs CUDA; training in float32 on " + str(device) + " (--amp bf16 runs on CPU)")
+        logger.warning("note: --amp fp16 needs CUDA; training in float32 on " + str(device) + " (--amp bf16 runs on CPU)")
     if cfg.accum_steps < 1 or cfg.batch_size % cfg.accum_steps:
         raise UserError(f"--accum-steps {cfg.accum_steps} must divide --batch-size {cfg.batch_size}")
     scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16" and device.type == "cuda")
@@ -285,7 +291,9 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
                                                "val_images_used": val_data.num_images,
                                                "data_identity": identity, "environment": environment()})
     if info.is_main and run.start_epoch < cfg.epochs:
-        log(f"training {cfg.model}{f' (preset {cfg.preset})' if cfg.preset else ''} on {train_data.num_images} "
+        for note in notes:
+            logger.warning(note)
+        logger.info(f"training {cfg.model}{f' (preset {cfg.preset})' if cfg.preset else ''} on {train_data.num_images} "
             f"images / {train_data.num_captions} captions "
             f"({FEATURES_HELD[train_feats.where]}), device {device}, optimizer {'+'.join(optimizer_impls)}"
             f"{f', compiled ({cfg.compile})' if cfg.compile != 'off' else ''}, "
@@ -322,7 +330,7 @@ def _config_names(spec) -> set[str]:
     return {f.name for f in fields(spec.config_class)}
 
 
-def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo, log=print,
+def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo,
                      trust_checkpoint: bool = False) -> tuple[Path, dict | None]:
     """The run directory and, with ``resume``, its newest checkpoint's state (None: start from the beginning).
 
@@ -336,7 +344,7 @@ def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo, log=print,
         if not (folder / ckpt.CONFIG).is_file():
             raise UserError(f"nothing to resume in {folder} (no run there); start without --resume")
         if info.is_main:
-            log(f"note: {folder} stopped before its first checkpoint; starting it again from the beginning")
+            logger.warning(f"note: {folder} stopped before its first checkpoint; starting it again from the beginning")
             for name in (ckpt.METRICS, ckpt.BEST):
                 (folder / name).unlink(missing_ok=True)
         return folder, None
@@ -515,7 +523,7 @@ def train_step(model, batch: dict, optimizer, scaler: torch.amp.GradScaler | Non
     return total
 
 
-def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]:
+def train_one_epoch(run: Run, epoch: int, quiet: bool) -> list[float]:
     """One pass over the training captions; a metrics line every ``log_every`` steps, the collapse monitor
     after every step (:mod:`retr.trainers.training.collapse`). Returns the losses.
 
@@ -524,7 +532,7 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]
     run.sampler.set_epoch(epoch)
     run.model.warming_up = epoch < cfg.warmup_epochs
     if info.is_main and cfg.warmup_epochs and epoch == cfg.warmup_epochs and run.model.max_violation:
-        log(f"epoch {epoch + 1}: warm-up over ({cfg.warmup_epochs} epoch(s) on the sum of violations), "
+        logger.info(f"epoch {epoch + 1}: warm-up over ({cfg.warmup_epochs} epoch(s) on the sum of violations), "
             "training on hardest negatives")
     losses = []
     run.epoch_pairs = []
@@ -552,7 +560,7 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool, log=print) -> list[float]
         event = run.monitor.observe(run.step, ranking)
         if event is not None:
             run.log.event(event, epoch)
-            log(collapse_message(event, epoch))
+            logger.warning(collapse_message(event, epoch))
         if hasattr(bar, "set_postfix"):           # a tqdm bar (not the plain iterator of --quiet)
             bar.set_postfix(loss=f"{loss:.3f}")
     return losses
@@ -594,7 +602,7 @@ def validate(run: Run) -> dict:
 
 # ------------------------------------------------------------------------------------------------ save
 
-def save_epoch(run: Run, epoch: int, is_best: bool, losses: list[float], val: dict, seconds: float, log) -> None:
+def save_epoch(run: Run, epoch: int, is_best: bool, losses: list[float], val: dict, seconds: float) -> None:
     """Metrics line, scheduler step, ``checkpoint-NNN.pt`` (and ``best.pt``), pruning, one log line."""
     run.log.epoch(epoch, run.step, losses, run.epoch_pairs, run.optimizer.param_groups[0]["lr"], val, is_best,
                   seconds)
@@ -613,21 +621,21 @@ def save_epoch(run: Run, epoch: int, is_best: bool, losses: list[float], val: di
         ckpt.save_checkpoint(run.folder / ckpt.EMA, {**state, "model": run.ema.module.state_dict()})
     path = ckpt.save_checkpoint(ckpt.checkpoint_path(run.folder, epoch), state)
     ckpt.prune_checkpoints(run.folder, run.cfg.keep_checkpoints)
-    log(f"epoch {epoch + 1}/{run.cfg.epochs}: loss {np.mean(losses):.4f}, val rsum {val['rsum']:.1f} "
+    logger.info(f"epoch {epoch + 1}/{run.cfg.epochs}: loss {np.mean(losses):.4f}, val rsum {val['rsum']:.1f} "
         f"(i2t R@1 {val['i2t']['r1']:.1f}, t2i R@1 {val['t2i']['r1']:.1f}){' best' if is_best else ''} "
         f"→ {path.name}")
 
 
-def report_val_at_chance(run: Run, val: dict, epoch: int, log) -> None:
+def report_val_at_chance(run: Run, val: dict, epoch: int) -> None:
     """At the end of training: one warning line (and a ``metrics.jsonl`` event) when the last validation recall
     is no better than a random ordering of the validation split."""
     event = recall_at_chance(val, run.val_data.caption_image)
     if event is not None:
         run.log.event({**event, "step": run.step}, epoch)
-        log(val_at_chance_message(event, epoch + 1))
+        logger.warning(val_at_chance_message(event, epoch + 1))
 
 
-def should_stop(run: Run, epoch: int, log) -> bool:
+def should_stop(run: Run, epoch: int) -> bool:
     """Early stop (``early_stop`` epochs without a better validation rSum), decided by rank 0 for all ranks."""
     cfg, info = run.cfg, run.info
     stop = info.is_main and run.early_stop_due(epoch)
@@ -637,6 +645,6 @@ def should_stop(run: Run, epoch: int, log) -> bool:
         stop = bool(flag.item())
     barrier(info)
     if stop and info.is_main:
-        log(f"early stop: no better validation rSum for {cfg.early_stop} epochs "
+        logger.info(f"early stop: no better validation rSum for {cfg.early_stop} epochs "
             f"(best {run.best_rsum:.1f} at epoch {run.best_epoch + 1})")
     return stop

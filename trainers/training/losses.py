@@ -1,18 +1,8 @@
-"""The bidirectional hinge (triplet) loss every model trains with, written once.
+"""The bidirectional hinge (triplet) loss every model trains with (VSE++ / SCAN ``ContrastiveLoss``).
 
-For a score matrix ``S`` [B, B] of images (rows) × captions (columns) whose diagonal holds the matching pairs
-(VSE++ / SCAN, ``ContrastiveLoss``)::
-
-    cost_s[i, j]  = [margin + S[i, j] - S[i, i]]₊   caption j as a negative of image i
-    cost_im[i, j] = [margin + S[i, j] - S[j, j]]₊   image i as a negative of caption j
-
-with the diagonal zeroed. ``max_violation=True`` (hardest negatives, VSE++) keeps only the largest violation of
-each row of ``cost_s`` and each column of ``cost_im``; otherwise every violation counts. The result is a **sum**
-over the batch, as in the authors' code (not a mean: the learning rates of the papers assume it).
-
-As in the authors' code, two captions of one image in a batch are negatives of each other; pass
-``positives`` (a [B, B] bool mask of pairs that must not be used as negatives) to exclude such pairs instead.
-"""
+``S`` [B, B] images × captions, diagonal matching: ``cost_s[i, j] = [m + S[i, j] − S[i, i]]₊``,
+``cost_im[i, j] = [m + S[i, j] − S[j, j]]₊``, diagonal zeroed; ``max_violation`` keeps each row's / column's
+largest. A **sum** over the batch, as the authors'; ``positives`` [B, B] bool excludes pairs as negatives."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,19 +30,10 @@ def hinge_triplet_loss(scores: torch.Tensor, margin: float = 0.2, max_violation:
 
 @dataclass
 class BatchRanking:
-    """How the matching pairs of one training batch rank among its other pairs (tensors, no gradient).
+    """How the matching pairs of one training batch rank among its other pairs (0-d tensors, no gradient).
 
-    The collapse monitor (:mod:`retr.trainers.training.collapse`) reads these after each step: a model whose scores have
-    collapsed to equal values ranks the matching pair first no more often than chance, whatever its loss.
-
-    * ``hits`` — 0-d: rows (images) whose matching caption outscores every negative caption, plus columns
-      (captions) whose matching image outscores every negative image (a tie counts as a miss);
-    * ``expected`` / ``variance`` — 0-d: the mean and variance of ``hits`` for scores in random order (a row with
-      ``n`` negatives ranks its pair first with probability ``1 / (n + 1)``);
-    * ``trials`` — rows plus columns that have at least one negative;
-    * ``hinge`` — 0-d: the batch's hinge loss; ``hinge_at_equal_scores`` — its value when every score is equal
-      (``2·B·margin`` for hardest negatives, ``2·B·(B−1)·margin`` for the sum, fewer with ``positives``).
-    """
+    ``hits`` (rows and columns whose match strictly outscores every negative), ``expected``/``variance`` under a
+    random order, ``trials``, ``hinge`` and ``hinge_at_equal_scores``; read by the collapse monitor."""
 
     hits: torch.Tensor
     expected: torch.Tensor

@@ -1,12 +1,7 @@
-"""Import an official SCAN checkpoint (``model_best.pth.tar`` of kuanghuei/SCAN) as a retr run.
+"""Import official SCAN / VSE++ checkpoints (``model_best.pth.tar``) as retr runs.
 
-The official file is a pickle ``{'epoch', 'model': [img_enc_state, txt_enc_state], 'best_rsum', 'opt',
-'Eiters'}`` whose ``opt`` is an ``argparse.Namespace``; it is read with ``weights_only=True`` allowing exactly
-that type (a file holding any other object is refused unless ``--trust-checkpoint``). Parameter names of both encoders are those of :class:`SCAN` here
-(``fc.*`` / ``fc.weight_g``, ``fc.weight_v``; ``embed.weight``, ``rnn.*``), so the states are copied under
-``img_enc.`` and ``txt_enc.``. The run gets ``config.json`` (the options translated), ``vocab.json`` and
-``best.pt``; it records no features or manifest, so ``retr-train eval`` needs ``--features/--manifest``.
-"""
+Read with ``weights_only=True`` allowing exactly ``argparse.Namespace`` (else ``--trust-checkpoint``); the run gets
+``config.json``, ``vocab.json`` and ``best.pt``, but no features or manifest."""
 from __future__ import annotations
 
 import argparse
@@ -40,12 +35,8 @@ def _check_fields(opt: dict) -> None:
 
 
 def scan_args_from_opt(opt) -> dict:
-    """SCAN settings from the official ``opt`` Namespace (their defaults where absent).
-
-    Every field is honoured (:data:`HONOURED`), listed as irrelevant to scoring (:data:`IRRELEVANT`) or refused
-    by name; so are values retr cannot reproduce (``l1norm``/``clipped_l1norm``, which the official code cannot
-    run either: it raises NameError; a ``measure`` other than cosine).
-    """
+    """SCAN settings from the official ``opt`` Namespace: each field honoured (:data:`HONOURED`), irrelevant
+    (:data:`IRRELEVANT`) or refused by name, as are values retr cannot reproduce."""
     fields = dict(vars(opt)) if not isinstance(opt, dict) else dict(opt)
     _check_fields(fields)
     get = fields.get
@@ -131,12 +122,8 @@ VSEPP_IRRELEVANT = tuple(f for f in IRRELEVANT if f != "use_abs") + ("precomp_en
 
 
 def vsepp_args_from_opt(opt) -> dict:
-    """VSE++ settings from the official ``opt`` of fartashf/vsepp (precomputed-feature model only).
-
-    Honoured: sizes, ``num_layers``, ``no_imgnorm``, margin and hardest negatives. Refused by name: ``measure``
-    other than cosine (order embeddings), ``use_abs`` (retr's VSE++ has no absolute value), a model on raw images
-    (``data_name`` not ``*_precomp``: its CNN is part of the checkpoint), unknown fields.
-    """
+    """VSE++ settings from fartashf/vsepp's ``opt`` (precomputed-feature models only); ``measure`` other than
+    cosine, ``use_abs``, raw-image models and unknown fields are refused by name."""
     fields = dict(vars(opt)) if not isinstance(opt, dict) else dict(opt)
     unknown = sorted(set(fields) - set(VSEPP_HONOURED) - set(VSEPP_IRRELEVANT))
     if unknown:

@@ -7,12 +7,9 @@ import torch
 
 
 class PerGroupOptimizer(torch.optim.Optimizer):
-    """Several torch optimisers, each over its own parameters, behaving as one :class:`~torch.optim.Optimizer`.
+    """Several torch optimisers, each over its own parameters, behaving as one (JGCAR's SGD + RMSprop, §3.1).
 
-    JGCAR trains its global part with SGD and its co-attention with RMSprop (§3.1). The shared loop holds one
-    optimiser and one learning-rate scheduler; this wrapper shares the inner optimisers' ``param_groups``
-    (the same dicts, so a scheduler's lr changes reach them), steps each, and saves/loads their states
-    together. torch has no built-in for this (``torch.optim`` optimisers apply one algorithm to all groups).
+    Shares the inner ``param_groups`` dicts (a scheduler's lr reaches them), steps each, saves/loads them together.
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
@@ -71,16 +68,9 @@ def resolve_implementation(requested: str, optimizer: torch.optim.Optimizer, dev
 
 
 def apply_implementation(optimizer: torch.optim.Optimizer, requested: str, device: torch.device) -> list[str]:
-    """Run every inner optimiser of ``optimizer`` with the implementation ``requested`` resolves to (see
-    :func:`resolve_implementation`); returns them, one per inner optimiser, e.g. ``["fused"]`` or
-    ``["fused", "foreach"]`` (JGCAR's SGD + RMSprop).
-
-    torch reads ``fused``/``foreach`` from each parameter group at every step, so this works on an optimiser a
-    model built (its ``configure_optimizer``) and again after a checkpoint's ``load_state_dict`` (which brings back
-    the groups' flags of the run that saved it: a run may resume on another device or implementation). The
-    state's ``step`` counters move to where the implementation keeps them: on the parameter's device as
-    float32 for fused, on the CPU otherwise. All implementations compute the same update up to rounding
-    (``tests/test_train_gpu_paths.py``)."""
+    """Run every inner optimiser with the implementation ``requested`` resolves to; returns one name per optimiser
+    (e.g. ``["fused", "foreach"]``). Works after ``load_state_dict`` too, moving ``step`` counters (docs/trainer.md,
+    "On the GPU")."""
     chosen = []
     for inner in inner_optimizers(optimizer):
         impl = resolve_implementation(requested, inner, device)

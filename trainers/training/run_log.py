@@ -1,23 +1,5 @@
-"""A run's log: ``metrics.jsonl`` (always) and TensorBoard event files (``--log tensorboard``).
-
-``metrics.jsonl`` holds typed JSON lines, appended as training goes:
-
-* ``{"type": "step", "epoch", "step", "loss", "loss_mean", "lr", "in_batch_top1"}`` every ``--log-every`` steps —
-  ``loss`` is the objective as the papers define it (a sum over the batch's pairs), ``loss_mean`` the same per
-  pair;
-* ``{"type": "epoch", "epoch", "step", "train_loss", "train_loss_mean", "lr", "val", "best", "seconds"}`` after
-  each epoch;
-* ``{"type": "event", "event": "collapse" | "val_at_chance", …}`` (:mod:`retr.trainers.training.collapse`).
-
-``epoch`` counts from 1, as the console does (the checkpoint files keep their 0-based names:
-``checkpoint-000.pt`` is written after epoch 1). Lines written before records carried their ``type`` counted
-epochs from 0; :func:`read_metrics` gives every record its type and a 1-based epoch.
-
-TensorBoard (``torch.utils.tensorboard``; ``pip install tensorboard``) gets the same numbers under
-``RUN/tensorboard/``: ``train/loss``, ``train/loss_mean``, ``train/lr``, ``train/in_batch_top1`` per step and
-``val/rsum``, ``val/i2t_r1`` … per epoch, at the global step. A resumed run opens its writer with
-``purge_step`` = the checkpoint's step, so TensorBoard drops what the interrupted run logged after it, as
-``metrics.jsonl`` is cut back.
+"""A run's log: typed ``metrics.jsonl`` lines and TensorBoard event files (``--log tensorboard``); record types:
+docs/trainer.md ("Run directory").
 """
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""A run's settings from what was asked: defaults, preset, settings file and explicit values merged into a
-:class:`~retr.trainers.config.TrainConfig`, or a stored run's own settings for ``--resume``.
-
-A value is taken from, lowest first: the config dataclass's default; the preset (``preset``, else the settings
-file's, else the model's default preset); the settings file (``config``: a flat JSON/YAML mapping, or a run's
-``config.json``); the values given explicitly. ``values`` is ``{setting name: value}`` as a command collected
-them, ``explicit`` the names the user gave.
-"""
+"""A run's settings: defaults, preset, settings file and explicit values merged into a
+:class:`~retr.trainers.config.TrainConfig` (precedence: docs/trainer.md), or a stored run's for ``--resume``."""
 from __future__ import annotations
 
 import dataclasses

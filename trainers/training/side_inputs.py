@@ -1,37 +1,22 @@
 """The data side of models that need more than features and captions: side files read into tensors.
 
-Each model's :class:`~retr.trainers.models.registry.ModelSpec` points its ``load_inputs`` here; the models
-themselves read no file and receive what these functions return (:class:`~retr.trainers.models.registry.ModelInputs`).
-
-JGCAR (:func:`load_jgcar_inputs`): the intra-modal labels of each training image, from a label file
-(``--labels``: COCO's instance categories, Flickr30K Entities' phrase head nouns, made by ``retr-pipeline labels coco`` /
-``retr-pipeline labels f30k-entities``) or, without one, the caption-concept fallback (:func:`caption_concepts`),
-with a note at training start that the caption-side loss J3 is then nearly inert.
-
-SMFEA (:func:`load_smfea_inputs`), from ``trees.h5`` and ``concepts.h5`` joined to the training captions:
-
-* ``nodes`` [M, 7] int64 — the referral tree of each training caption, looked up by caption key
-  ``<image id>#<k>``; a caption the parser could not handle (``trees.h5`` ``failures``) gets −100 in every slot,
-  which the cross-entropy ignores (it is not taught that the caption is all ``null``);
-* ``image_labels`` [M, C] float — the concept labels of each caption's image (CVSE's training labels);
-* ``adjacency`` [C, C], ``vectors`` [C, D] or absent (``learned``), ``token_concepts`` [V] — vocabulary id →
-  concept id through the word forms recorded in ``concepts.h5`` (``dogs`` → ``dog``). The vocabulary's words are
-  recovered from the captions themselves (their tokens line up with their ids), so no vocabulary is needed.
-"""
+Each :class:`~retr.trainers.models.registry.ModelSpec`'s ``load_inputs`` points here; the models read no file.
+JGCAR's labels: docs/models-jgcar.md; SMFEA's ``nodes`` [M, 7], ``image_labels`` [M, C], ``adjacency`` [C, C],
+``vectors`` [C, D], ``token_concepts`` [V]: docs/models-smfea.md ("Data flow")."""
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from retr.common.errors import UserError
-from retr.store.concepts import ConceptSet, read_word_vectors
+from retr.store.concepts import ConceptSet
 from retr.store.labels import read_label_file
 from retr.store.vocab import FUNCTION_WORDS, SPECIALS, UNK_ID, tokenize
+from retr.store.word_vectors import RANDOM, resolve_vectors, vocabulary_vectors
 from retr.trainers.models.registry import ModelInputs
 
 # ------------------------------------------------------------------------------------------------- JGCAR
@@ -91,11 +76,8 @@ def no_labels_note(data) -> str:
 def load_jgcar_inputs(data, labels_path: str | None, concept_min_captions: int = 2) -> ModelInputs:
     """JGCAR's intra-modal label table of the training images of ``data`` (a ``SplitData``).
 
-    With ``labels_path`` (a label file): every training image needs an entry (an empty list is allowed), and a
-    caption has its image's labels. Without: the caption-concept fallback for images, same-image for captions —
-    and a note (:func:`no_labels_note`) that J3 is then nearly inert: a random batch of 200 of COCO's ≈567k
-    training captions holds about 0.14 same-image pairs.
-    """
+    With ``labels_path`` every training image needs an entry; without, the caption-concept fallback and a note
+    (:func:`no_labels_note`) that J3 is then nearly inert."""
     if labels_path:
         table = read_label_file(labels_path)
         missing = [i for i in data.image_ids if i not in table]
@@ -123,6 +105,7 @@ class TrainingInputs:
     vectors: torch.Tensor | None
     token_concepts: torch.Tensor
     missing_vectors: list[str]
+    vectors_file: str = ""          #: the concept vectors' file (name sha256:…)
 
 
 def caption_keys(data) -> list[str]:
@@ -168,31 +151,19 @@ def read_training_inputs(data, trees_path: str | None, concepts_path: str | None
     concepts = ConceptSet(concepts_path)
     keys = caption_keys(data)
     image_labels = concepts.labels_for_images([data.image_ids[i] for i in data.caption_image.tolist()])
-    vectors, missing = None, []
+    vectors, missing, label = None, [], ""
     if concept_vectors != "learned":
-        found, missing = read_word_vectors(concept_vectors, concepts.concepts)
-        vectors = torch.from_numpy(found)
-        rows = [concepts.concepts.index(w) for w in missing]      # absent words keep a random start vector
-        vectors[rows] = torch.empty(len(rows), found.shape[1]).uniform_(-0.1, 0.1)
+        source = resolve_vectors(concept_vectors)
+        found, present = vocabulary_vectors(source, concepts.concepts)
+        vectors, label = torch.from_numpy(found.copy()), source.label
+        missing = [w for w, ok in zip(concepts.concepts, present) if not ok]
+        absent = torch.from_numpy(~present)                     # absent words keep a random start vector
+        vectors[absent] = torch.empty(len(missing), found.shape[1]).uniform_(-0.1, 0.1)
     size = vocab_size or (max(max(t) for t in data.tokens) + 1)
     nodes = torch.from_numpy(read_tree_nodes(trees_path, keys)[0]) if trees_path else None
     return TrainingInputs(nodes, torch.from_numpy(image_labels.astype(np.float32)),
                           torch.from_numpy(concepts.adjacency), vectors,
-                          token_concept_map(data, concepts.forms, size), missing)
-
-
-def vector_file_dim(path: str) -> int:
-    """Dimension of a GloVe-format text file (from its first line)."""
-    p = Path(path)
-    if not p.is_file():
-        read_word_vectors(p, [])            # raises the one-line MissingResourceError
-    with open(p, encoding="utf-8", errors="replace") as handle:
-        first = handle.readline().rstrip("\n").split(" ")
-    if len(first) < 2:
-        raise UserError(f"{path} is not GloVe text format ('word v1 … vD' per line)")
-    return len(first) - 1
-
-
+                          token_concept_map(data, concepts.forms, size), missing, label)
 
 
 def load_smfea_inputs(data, files: dict, config, vocab_size: int) -> ModelInputs:
@@ -210,7 +181,8 @@ def load_smfea_inputs(data, files: dict, config, vocab_size: int) -> ModelInputs
         tree_set = TreeSet(trees)
         sizes.update(num_entities=len(tree_set.entities), num_relations=len(tree_set.relations))
     if vectors:
-        sizes.update(concept_vectors="fixed", concept_word_dim=int(inputs.vectors.shape[1]))
+        sizes.update(concept_vectors="fixed", concept_word_dim=int(inputs.vectors.shape[1]),
+                     concept_vectors_file=inputs.vectors_file)
     tensors = {"adjacency": inputs.adjacency, "token_concepts": inputs.token_concepts,
                "image_labels": inputs.image_labels}
     if inputs.nodes is not None:
@@ -220,3 +192,29 @@ def load_smfea_inputs(data, files: dict, config, vocab_size: int) -> ModelInputs
     notes = [f"{len(inputs.missing_vectors)} concept(s) have no vector in {vectors} and start random "
              f"(first: {inputs.missing_vectors[0]})"] if inputs.missing_vectors else []
     return ModelInputs(sizes=sizes, tensors=tensors, notes=notes)
+
+
+# ------------------------------------------------------------------------------------------------- word vectors
+
+def add_word_vectors(inputs: ModelInputs, config, vocab, recorded: str = "") -> ModelInputs:
+    """``--word-vectors glove|glove-6b|FILE``: the vocabulary's rows ``word_vectors`` [V, D] and
+    ``word_vectors_found`` [V] bool added to ``inputs`` (for ``prepare_training``), the file's ``name sha256:…``
+    to the run's ``word_vectors_file``, a note of the words it lacks. ``random``: ``inputs`` unchanged. A resumed
+    run must find the vectors it ``recorded``."""
+    spec = getattr(config, "word_vectors", RANDOM)
+    if spec == RANDOM:
+        return inputs
+    source = resolve_vectors(spec)
+    if recorded and recorded != source.label:
+        raise UserError(f"this run's word vectors were {recorded}; --word-vectors {spec} is {source.label}")
+    matrix, found = vocabulary_vectors(source, vocab.idx2word)
+    if matrix.shape[1] != config.word_dim:
+        raise UserError(f"--word-vectors {spec} holds {matrix.shape[1]}-d vectors: give --word-dim {matrix.shape[1]} "
+                        f"(not {config.word_dim})")
+    inputs.tensors.update(word_vectors=torch.from_numpy(matrix.copy()), word_vectors_found=torch.from_numpy(found))
+    inputs.sizes["word_vectors_file"] = source.label
+    absent = [w for w, ok in zip(vocab.idx2word, found) if not ok and w not in SPECIALS]
+    inputs.notes.append(f"word vectors {source.label[:40]}…: {len(vocab) - len(SPECIALS) - len(absent)} of "
+                        f"{len(vocab) - len(SPECIALS)} vocabulary words found; {len(absent)} keep the model's random "
+                        f"init{f' (first: {absent[0]})' if absent else ''}")
+    return inputs

@@ -1,5 +1,7 @@
-"""Issue 16, the trainer: one process per run, resume from anything a kill leaves, the same data and settings on
-resume, non-finite values and wrong-kind features stopped in one line."""
+"""Training runs that stop and go on (trainers/training/loop.py, checkpoint.py, common/locks.py): one process per
+run, resume from anything a kill leaves — to the losses of the uninterrupted run —, the same data and settings on
+resume, non-finite values and wrong-kind features stopped in one line.
+"""
 from __future__ import annotations
 
 import json
@@ -20,9 +22,10 @@ from click.testing import CliRunner
 
 from retr.common.errors import UserError
 from retr.common.locks import exclusive_lock
-from retr.trainers.training import checkpoint as ckpt
 from retr.trainers.commands import cli
+from retr.trainers.training import checkpoint as ckpt
 from trainer_synthetic import make_synthetic, write_uninformative_regions
+
 
 TINY = ["--embed-size", "16", "--word-dim", "8", "--batch-size", "16", "--quiet", "--log-every", "1",
         "--val-images", "10", "--device", "cpu"]
@@ -321,7 +324,7 @@ def test_the_default_preset_is_named_when_the_run_starts(data, tmp_path):
 
 
 def test_runs_read_their_data_from_anywhere_and_after_moving_with_it(data, tmp_path, monkeypatch):
-    """Issue 18: a run trained with relative paths evaluates from another folder, and a project folder (runs and
+    """A run trained with relative paths evaluates from another folder, and a project folder (runs and
     data) moved elsewhere still finds its data through the run-relative paths."""
     folder, manifest, features = data
     project = tmp_path / "project"
@@ -344,3 +347,54 @@ def test_runs_read_their_data_from_anywhere_and_after_moving_with_it(data, tmp_p
     assert resumed.exit_code == 0, resumed.output
     assert json.loads((tmp_path / "moved/runs/a" / ckpt.CONFIG).read_text())["features"].startswith(
         str(tmp_path / "moved"))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Resume continues exactly: the losses of 1 epoch + resume equal those of an uninterrupted 2-epoch run.
+
+SCAN_ARGS = ["--embed-size", "16", "--word-dim", "8", "--batch-size", "16", "--quiet", "--log-every", "1",
+        "--val-images", "10"]
+
+
+def _train_scan(features, manifest, out, epochs, *extra):
+    return CliRunner().invoke(cli, ["scan", "--features", features, "--manifest", manifest, "--out", str(out),
+                                    "--epochs", str(epochs), *SCAN_ARGS, *extra], catch_exceptions=False)
+
+
+def _scan_losses(run):
+    """The step and epoch lines (not the events: a run stopped at 1 epoch has ended, and may say so)."""
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if "event" not in line]
+
+
+@pytest.mark.slow
+def test_resume_gives_the_same_losses(data, tmp_path):
+    _, manifest, features = data
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert _train_scan(features, manifest, straight, 2).exit_code == 0
+    assert _train_scan(features, manifest, split, 1).exit_code == 0
+    with pytest.raises(UserError, match="--resume"):
+        _train_scan(features, manifest, split, 2)
+    assert _train_scan(features, manifest, split, 2, "--resume").exit_code == 0
+    a, b = _scan_losses(straight), _scan_losses(split)
+    assert [line.get("loss") for line in a] == [line.get("loss") for line in b]
+    assert [line.get("val") for line in a] == [line.get("val") for line in b]
+    assert sum("loss" in line for line in a) > 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("left", [[], ["run.lock"], None])
+def test_resume_of_a_run_killed_before_its_settings_starts_it(tmp_path, left):
+    """Requeue scripts always pass --resume: a run killed before config.json (nothing there, only run.lock, or
+    no folder at all) starts with a note and trains as a fresh run does."""
+    manifest, features = make_synthetic(tmp_path, images=40)
+    out = tmp_path / "run"
+    if left is not None:
+        out.mkdir()
+        for name in left:
+            (out / name).write_text("")
+    result = CliRunner().invoke(cli, ["scan", "--features", str(features), "--manifest", str(manifest), "--out",
+                                      str(out), "--epochs", "1", *SCAN_ARGS, "--resume"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "nothing to resume" in result.stderr and "starting the run" in result.stderr
+    assert (out / "best.pt").is_file() and json.loads((out / "config.json").read_text())["epochs"] == 1

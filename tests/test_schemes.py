@@ -1,8 +1,9 @@
-"""Label schemes of CoNLL-U made elsewhere (issue 21): UD v1, Stanford basic dependencies and ClearNLP parses
+"""Label schemes of CoNLL-U made elsewhere (parsers/schemes.py): UD v1, Stanford basic dependencies and ClearNLP parses
 of the same captions give the referral trees of their UD v2 parses; detection names each scheme; an unknown
 scheme is refused in one line; a sentence that cannot be converted is a failure with its reason.
 
-Every caption below is parsed by hand four times, as the parsers that emit each scheme analyse it:
+``tests/data/schemes/captions.<scheme>.conllu`` hold 24 captions, each parsed by hand four times, as the parsers
+that emit each scheme analyse it (``captions.json``: each caption's expected tree and what it exercises):
 
 * ``ud2`` — UD v2 as stanza's English EWT models produce it (the scheme the tree rules read);
 * ``ud1`` — UD v1 (CoreNLP 3.5.2–3.9, models trained on UD English ≤ 1.4): ``dobj``, ``nsubjpass``,
@@ -13,9 +14,6 @@ Every caption below is parsed by hand four times, as the parsers that emit each 
 * ``clearnlp`` — ClearNLP labels as spaCy's English pipelines emit them: SD's ``prep``/``pobj`` with ``ROOT``,
   ``compound``, ``nummod``, ``acl``, ``relcl``, ``case`` for 's, ``agent``, ``dative``, and the copula heads
   its clause (``attr``, ``acomp``; ``attr`` for the noun of "there is").
-
-A word line is ``form lemma UPOS XPOS`` then ``head:label`` in each scheme, in that order; ``=`` repeats the
-previous scheme's ``head:label``.
 """
 from __future__ import annotations
 
@@ -37,324 +35,25 @@ from retr.pipeline.commands import cli
 from retr.pipeline.parse_trees import TooManyFailures, run_parse_trees
 from retr.store.trees import TreeSet
 
-#: caption → (expected tree, hand-made parses)
-CAPTIONS: dict[str, tuple[str, str]] = {
-    # a PP on the verb, a PP on its noun
-    "a dog runs on the grass near a fence": ("[dog null null run_PREP grass near fence]", """
-a      a      DET   DT   2:det     =        =       =
-dog    dog    NOUN  NN   3:nsubj   =        =       =
-runs   run    VERB  VBZ  0:root    =        =       0:ROOT
-on     on     ADP   IN   6:case    =        3:prep  =
-the    the    DET   DT   6:det     =        =       =
-grass  grass  NOUN  NN   3:obl     3:nmod   4:pobj  =
-near   near   ADP   IN   9:case    =        6:prep  =
-a      a      DET   DT   9:det     =        =       =
-fence  fence  NOUN  NN   6:nmod    =        7:pobj  =
-"""),
-    # a PP on the subject, an object, a PP on the verb
-    "A man in a red shirt is riding a bike down the street.": ("[man in red_shirt ride bike down street]", """
-A       a       DET    DT   2:det     =         =        =
-man     man     NOUN   NN   8:nsubj   =         =        =
-in      in      ADP    IN   6:case    =         2:prep   =
-a       a       DET    DT   6:det     =         =        =
-red     red     ADJ    JJ   6:amod    =         =        =
-shirt   shirt   NOUN   NN   2:nmod    =         3:pobj   =
-is      be      AUX    VBZ  8:aux     =         =        =
-riding  ride    VERB   VBG  0:root    =         =        0:ROOT
-a       a       DET    DT   10:det    =         =        =
-bike    bike    NOUN   NN   8:obj     8:dobj    =        =
-down    down    ADP    IN   13:case   =         8:prep   =
-the     the     DET    DT   13:det    =         =        =
-street  street  NOUN   NN   8:obl     8:nmod    11:pobj  =
-.       .       PUNCT  .    8:punct   =         =        =
-"""),
-    # passive with an agent
-    "A kite is being flown by a young boy on the beach.": ("[kite null null fly_PREP young_boy on beach]", """
-A      a      DET    DT   2:det         =              =          =
-kite   kite   NOUN   NN   5:nsubj:pass  5:nsubjpass    =          =
-is     be     AUX    VBZ  5:aux         =              =          =
-being  be     AUX    VBG  5:aux:pass    5:auxpass      =          =
-flown  fly    VERB   VBN  0:root        =              =          0:ROOT
-by     by     ADP    IN   9:case        =              5:prep     5:agent
-a      a      DET    DT   9:det         =              =          =
-young  young  ADJ    JJ   9:amod        =              =          =
-boy    boy    NOUN   NN   5:obl:agent   5:nmod:agent   6:pobj     =
-on     on     ADP    IN   12:case       =              5:prep     =
-the    the    DET    DT   12:det        =              =          =
-beach  beach  NOUN   NN   5:obl         5:nmod         10:pobj    =
-.      .      PUNCT  .    5:punct       =              =          =
-"""),
-    # passive, plural subject
-    "Several cars are parked along the street.": ("[car null null park_PREP street null null]", """
-Several  several  ADJ    JJ   2:amod        =            =        =
-cars     car      NOUN   NNS  4:nsubj:pass  4:nsubjpass  =        =
-are      be       AUX    VBP  4:aux:pass    4:auxpass    =        =
-parked   park     VERB   VBN  0:root        =            =        0:ROOT
-along    along    ADP    IN   7:case        =            4:prep   =
-the      the      DET    DT   7:det         =            =        =
-street   street   NOUN   NN   4:obl         4:nmod       5:pobj   =
-.        .        PUNCT  .    4:punct       =            =        =
-"""),
-    # compound noun, "next to" on a noun, participle adjective
-    "A red fire hydrant next to a parked car": ("[fire_hydrant null null next_to parked_car null null]", """
-A        a        DET   DT   4:det       =       =         =
-red      red      ADJ   JJ   4:amod      =       =         =
-fire     fire     NOUN  NN   4:compound  =       4:nn      4:compound
-hydrant  hydrant  NOUN  NN   0:root      =       =         0:ROOT
-next     next     ADJ   JJ   9:case      =       4:amod    4:advmod
-to       to       ADP   IN   5:fixed     5:mwe   5:prep    =
-a        a        DET   DT   9:det       =       =         =
-parked   park     VERB  VBN  9:amod      =       =         =
-car      car      NOUN  NN   4:nmod      =       6:pobj    =
-"""),
-    # "next to" on a verb, relative clause with a prepositional predicate
-    "A giraffe standing next to a tree that is in a zoo": ("[giraffe null null stand_PREP tree in zoo]", """
-A         a         DET   DT   2:det        =        =         =
-giraffe   giraffe   NOUN  NN   0:root       =        =         0:ROOT
-standing  stand     VERB  VBG  2:acl        =        2:vmod    2:acl
-next      next      ADJ   JJ   7:case       =        3:advmod  =
-to        to        ADP   IN   4:fixed      4:mwe    4:prep    =
-a         a         DET   DT   7:det        =        =         =
-tree      tree      NOUN  NN   3:obl        3:nmod   5:pobj    =
-that      that      PRON  WDT  12:nsubj     =        9:nsubj   =
-is        be        AUX   VBZ  12:cop       =        7:rcmod   7:relcl
-in        in        ADP   IN   12:case      =        9:prep    =
-a         a         DET   DT   12:det       =        =         =
-zoo       zoo       NOUN  NN   7:acl:relcl  =        10:pobj   =
-"""),
-    # possessive noun
-    "A dog's ball is lying on the grass.": ("[ball null null lie_PREP grass null null]", """
-A      a      DET    DT   2:det        =       =             =
-dog    dog    NOUN   NN   4:nmod:poss  =       4:poss        =
-'s     's     PART   POS  2:case       =       2:possessive  2:case
-ball   ball   NOUN   NN   6:nsubj      =       =             =
-is     be     AUX    VBZ  6:aux        =       =             =
-lying  lie    VERB   VBG  0:root       =       =             0:ROOT
-on     on     ADP    IN   9:case       =       6:prep        =
-the    the    DET    DT   9:det        =       =             =
-grass  grass  NOUN   NN   6:obl        6:nmod  7:pobj        =
-.      .      PUNCT  .    6:punct      =       =             =
-"""),
-    # possessive pronoun, verbless caption with a participle
-    "A young boy brushing his teeth.": ("[young_boy null null brush tooth null null]", """
-A         a       DET    DT    3:det        =       =        =
-young     young   ADJ    JJ    3:amod       =       =        =
-boy       boy     NOUN   NN    0:root       =       =        0:ROOT
-brushing  brush   VERB   VBG   3:acl        =       3:vmod   3:acl
-his       he      PRON   PRP$  6:nmod:poss  =       6:poss   =
-teeth     tooth   NOUN   NNS   4:obj        4:dobj  =        =
-.         .       PUNCT  .     3:punct      =       =        =
-"""),
-    # relative clause on the subject
-    "A man who is holding an umbrella walks down the street.": ("[man hold umbrella walk_PREP street null null]", """
-A         a         DET    DT   2:det        =       =         =
-man       man       NOUN   NN   8:nsubj      =       =         =
-who       who       PRON   WP   5:nsubj      =       =         =
-is        be        AUX    VBZ  5:aux        =       =         =
-holding   hold      VERB   VBG  2:acl:relcl  =       2:rcmod   2:relcl
-an        a         DET    DT   7:det        =       =         =
-umbrella  umbrella  NOUN   NN   5:obj        5:dobj  =         =
-walks     walk      VERB   VBZ  0:root       =       =         0:ROOT
-down      down      ADP    IN   11:case      =       8:prep    =
-the       the       DET    DT   11:det       =       =         =
-street    street    NOUN   NN   8:obl        8:nmod  9:pobj    =
-.         .         PUNCT  .    8:punct      =       =         =
-"""),
-    # passive relative clause, relational noun ("the side of")
-    "A bus that is parked on the side of the road": ("[bus null null park_PREP road null null]", """
-A       a       DET   DT   2:det         =            =        =
-bus     bus     NOUN  NN   0:root        =            =        0:ROOT
-that    that    PRON  WDT  5:nsubj:pass  5:nsubjpass  =        =
-is      be      AUX   VBZ  5:aux:pass    5:auxpass    =        =
-parked  park    VERB  VBN  2:acl:relcl   =            2:rcmod  2:relcl
-on      on      ADP   IN   8:case        =            5:prep   =
-the     the     DET   DT   8:det         =            =        =
-side    side    NOUN  NN   5:obl         5:nmod       6:pobj   =
-of      of      ADP   IN   11:case       =            8:prep   =
-the     the     DET   DT   11:det        =            =        =
-road    road    NOUN  NN   8:nmod        =            9:pobj   =
-"""),
-    # the issue's example: a relational noun under a participle
-    "six sharks swimming on the bottom of the sea": ("[shark null null swim_PREP sea null null]", """
-six       six     NUM   CD   2:nummod  =       2:num    2:nummod
-sharks    shark   NOUN  NNS  0:root    =       =        0:ROOT
-swimming  swim    VERB  VBG  2:acl     =       2:vmod   2:acl
-on        on      ADP   IN   6:case    =       3:prep   =
-the       the     DET   DT   6:det     =       =        =
-bottom    bottom  NOUN  NN   3:obl     3:nmod  4:pobj   =
-of        of      ADP   IN   9:case    =       6:prep   =
-the       the     DET   DT   9:det     =       =        =
-sea       sea     NOUN  NN   6:nmod    =       7:pobj   =
-"""),
-    # multi-word preposition with a relational noun
-    "A woman standing in front of a mirror.": ("[woman null null stand_PREP mirror null null]", """
-A         a         DET    DT   2:det     =       =        =
-woman     woman     NOUN   NN   0:root    =       =        0:ROOT
-standing  stand     VERB   VBG  2:acl     =       2:vmod   2:acl
-in        in        ADP    IN   5:case    =       3:prep   =
-front     front     NOUN   NN   3:obl     3:nmod  4:pobj   =
-of        of        ADP    IN   8:case    =       5:prep   =
-a         a         DET    DT   8:det     =       =        =
-mirror    mirror    NOUN   NN   5:nmod    =       6:pobj   =
-.         .         PUNCT  .    2:punct   =       =        =
-"""),
-    # copula with a prepositional predicate
-    "A cat is on a bed.": ("[cat null null on bed null null]", """
-A    a    DET    DT   2:det    =  =        =
-cat  cat  NOUN   NN   6:nsubj  =  3:nsubj  =
-is   be   AUX    VBZ  6:cop    =  0:root   0:ROOT
-on   on   ADP    IN   6:case   =  3:prep   =
-a    a    DET    DT   6:det    =  =        =
-bed  bed  NOUN   NN   0:root   =  4:pobj   =
-.    .    PUNCT  .    6:punct  =  3:punct  =
-"""),
-    # existential; SD hangs the PP on the noun, ClearNLP's noun is attr
-    "There is a cat on the bed.": ("[cat null null on bed null null]", """
-There  there  PRON   EX   2:expl   =       =        =
-is     be     VERB   VBZ  0:root   =       =        0:ROOT
-a      a      DET    DT   4:det    =       =        =
-cat    cat    NOUN   NN   2:nsubj  =       =        2:attr
-on     on     ADP    IN   7:case   =       4:prep   2:prep
-the    the    DET    DT   7:det    =       =        =
-bed    bed    NOUN   NN   2:obl    2:nmod  5:pobj   =
-.      .      PUNCT  .    2:punct  =       =        =
-"""),
-    # copula with an adjective and its complement
-    "The sky is full of kites.": ("[sky null null full_PREP kite null null]", """
-The    the    DET    DT   2:det    =       =        =
-sky    sky    NOUN   NN   4:nsubj  =       =        3:nsubj
-is     be     AUX    VBZ  4:cop    =       =        0:ROOT
-full   full   ADJ    JJ   0:root   =       =        3:acomp
-of     of     ADP    IN   6:case   =       4:prep   =
-kites  kite   NOUN   NNS  4:obl    4:nmod  5:pobj   =
-.      .      PUNCT  .    4:punct  =       =        3:punct
-"""),
-    # copula with a noun
-    "The man is a chef.": ("[man null null be chef null null]", """
-The   the   DET    DT   2:det    =  =  =
-man   man   NOUN   NN   5:nsubj  =  =  3:nsubj
-is    be    AUX    VBZ  5:cop    =  =  0:ROOT
-a     a     DET    DT   5:det    =  =  =
-chef  chef  NOUN   NN   0:root   =  =  3:attr
-.     .     PUNCT  .    5:punct  =  =  3:punct
-"""),
-    # coordinated subjects, numeral
-    "Two men and a woman are sitting on a bench.": ("[man and woman sit_PREP bench null null]", """
-Two      two      NUM    CD   2:nummod  =       2:num    2:nummod
-men      man      NOUN   NNS  7:nsubj   =       =        =
-and      and      CCONJ  CC   5:cc      2:cc    =        =
-a        a        DET    DT   5:det     =       =        =
-woman    woman    NOUN   NN   2:conj    =       =        =
-are      be       AUX    VBP  7:aux     =       =        =
-sitting  sit      VERB   VBG  0:root    =       =        0:ROOT
-on       on       ADP    IN   10:case   =       7:prep   =
-a        a        DET    DT   10:det    =       =        =
-bench    bench    NOUN   NN   7:obl     7:nmod  8:pobj   =
-.        .        PUNCT  .    7:punct   =       =        =
-"""),
-    # "or": the conjunction is read from the cc on the following conjunct
-    "A cat or a dog sleeping on a couch": ("[cat or dog sleep_PREP couch null null]", """
-A         a       DET    DT   2:det    =       =          =
-cat       cat     NOUN   NN   0:root   =       =          0:ROOT
-or        or      CCONJ  CC   5:cc     2:cc    =          =
-a         a       DET    DT   5:det    =       =          =
-dog       dog     NOUN   NN   2:conj   =       =          =
-sleeping  sleep   VERB   VBG  2:acl    =       2:partmod  2:acl
-on        on      ADP    IN   9:case   =       6:prep     =
-a         a       DET    DT   9:det    =       =          =
-couch     couch   NOUN   NN   6:obl    6:nmod  7:pobj     =
-"""),
-    # coordinated objects of a participle
-    "A plate topped with broccoli and rice": ("[plate null null top_PREP broccoli and rice]", """
-A         a         DET    DT   2:det    =       =          =
-plate     plate     NOUN   NN   0:root   =       =          0:ROOT
-topped    top       VERB   VBN  2:acl    =       2:partmod  2:acl
-with      with      ADP    IN   5:case   =       3:prep     =
-broccoli  broccoli  NOUN   NN   3:obl    3:nmod  4:pobj     =
-and       and       CCONJ  CC   7:cc     5:cc    =          =
-rice      rice      NOUN   NN   5:conj   =       =          =
-"""),
-    # xcomp with an infinitive "to"
-    "A dog is trying to catch a frisbee.": ("[dog null null catch frisbee null null]", """
-A        a        DET    DT   2:det    =       =       =
-dog      dog      NOUN   NN   4:nsubj  =       =       =
-is       be       AUX    VBZ  4:aux    =       =       =
-trying   try      VERB   VBG  0:root   =       =       0:ROOT
-to       to       PART   TO   6:mark   =       6:aux   =
-catch    catch    VERB   VB   4:xcomp  =       =       =
-a        a        DET    DT   8:det    =       =       =
-frisbee  frisbee  NOUN   NN   6:obj    6:dobj  =       =
-.        .        PUNCT  .    4:punct  =       =       =
-"""),
-    # particle verb
-    "A man picks up a surfboard on the beach.": ("[man null null pick_up surfboard on beach]", """
-A          a          DET    DT   2:det           =       =       =
-man        man        NOUN   NN   3:nsubj         =       =       =
-picks      pick       VERB   VBZ  0:root          =       =       0:ROOT
-up         up         ADP    RP   3:compound:prt  =       3:prt   =
-a          a          DET    DT   6:det           =       =       =
-surfboard  surfboard  NOUN   NN   3:obj           3:dobj  =       =
-on         on         ADP    IN   9:case          =       3:prep  =
-the        the        DET    DT   9:det           =       =       =
-beach      beach      NOUN   NN   3:obl           3:nmod  7:pobj  =
-.          .          PUNCT  .    3:punct         =       =       =
-"""),
-    # negation
-    "A dog is not sleeping on the couch": ("[dog null null sleep_PREP couch null null]", """
-A         a      DET   DT   2:det     =       =       =
-dog       dog    NOUN  NN   5:nsubj   =       =       =
-is        be     AUX   VBZ  5:aux     =       =       =
-not       not    PART  RB   5:advmod  5:neg   =       =
-sleeping  sleep  VERB  VBG  0:root    =       =       0:ROOT
-on        on     ADP   IN   8:case    =       5:prep  =
-the       the    DET   DT   8:det     =       =       =
-couch     couch  NOUN  NN   5:obl     5:nmod  6:pobj  =
-"""),
-    # object and two PPs; ClearNLP's "to" is dative
-    "A man throws a frisbee to a dog in the park.": ("[man null null throw frisbee to dog]", """
-A        a        DET    DT   2:det    =       =       =
-man      man      NOUN   NN   3:nsubj  =       =       =
-throws   throw    VERB   VBZ  0:root   =       =       0:ROOT
-a        a        DET    DT   5:det    =       =       =
-frisbee  frisbee  NOUN   NN   3:obj    3:dobj  =       =
-to       to       ADP    IN   8:case   =       3:prep  3:dative
-a        a        DET    DT   8:det    =       =       =
-dog      dog      NOUN   NN   3:obl    3:nmod  6:pobj  =
-in       in       ADP    IN   11:case  =       3:prep  =
-the      the      DET    DT   11:det   =       =       =
-park     park     NOUN   NN   3:obl    3:nmod  9:pobj  =
-.        .        PUNCT  .    3:punct  =       =       =
-"""),
-    # a preposition whose complement is a clause (SD/ClearNLP pcomp)
-    "A man resting after eating a sandwich": ("[man null null rest null null null]", """
-A         a         DET    DT   2:det     =       =       =
-man       man       NOUN   NN   0:root    =       =       0:ROOT
-resting   rest      VERB   VBG  2:acl     =       2:vmod  2:acl
-after     after     SCONJ  IN   5:mark    =       3:prep  =
-eating    eat       VERB   VBG  3:advcl   =       4:pcomp =
-a         a         DET    DT   7:det     =       =       =
-sandwich  sandwich  NOUN   NN   5:obj     5:dobj  =       =
-"""),
-}
+DATA = Path(__file__).parent / "data" / "schemes"
+#: caption → expected tree, in file order
+CAPTIONS: dict[str, str] = {c["text"]: c["tree"] for c in json.loads((DATA / "captions.json").read_text())["captions"]}
+
+
+def _blocks(scheme: str) -> dict[str, list[str]]:
+    """``captions.<scheme>.conllu`` → per caption text, its word lines."""
+    blocks = {}
+    for block in (DATA / f"captions.{scheme}.conllu").read_text().strip().split("\n\n"):
+        text = next(line for line in block.splitlines() if line.startswith("# text = "))[len("# text = "):]
+        blocks[text] = [line for line in block.splitlines() if not line.startswith("#")]
+    assert list(blocks) == list(CAPTIONS), scheme
+    return blocks
+
+
+BLOCKS = {scheme: _blocks(scheme) for scheme in SCHEMES}
 
 #: captions whose SD/ClearNLP parse attaches something elsewhere than the UD v2 parse (same tree, other arcs)
 OTHER_ATTACHMENT = {("sd", "There is a cat on the bed.")}
-
-
-def _parses(table: str) -> dict[str, list[tuple[str, ...]]]:
-    """The hand-made table → per scheme, the CoNLL-U word lines' columns."""
-    rows: dict[str, list[tuple[str, ...]]] = {s: [] for s in SCHEMES}
-    for i, line in enumerate(table.strip().splitlines(), 1):
-        form, lemma, upos, xpos, *arcs = line.split()
-        assert len(arcs) == 4, line
-        previous = None
-        for scheme, arc in zip(SCHEMES, arcs):
-            arc = previous if arc == "=" else arc
-            head, label = arc.split(":", 1)
-            feats = "PronType=Rel" if xpos in ("WDT", "WP") else "_"
-            rows[scheme].append((str(i), form, lemma, upos, xpos, feats, head, label, "_", "_"))
-            previous = arc
-    return rows
 
 
 def conllu(scheme: str, captions=None, ids: bool = True, ptb_upos: bool = False) -> str:
@@ -364,9 +63,10 @@ def conllu(scheme: str, captions=None, ids: bool = True, ptb_upos: bool = False)
     for n, text in enumerate(captions or CAPTIONS):
         lines = [f"# sent_id = img{n:02d}#0"] if ids else []
         lines.append(f"# text = {text}")
-        for cols in _parses(CAPTIONS[text][1])[scheme]:
+        for line in BLOCKS[scheme][text]:
+            cols = line.split("\t")
             if ptb_upos:
-                cols = cols[:3] + (cols[4], "_") + cols[5:]
+                cols = cols[:3] + [cols[4], "_"] + cols[5:]
             lines.append("\t".join(cols))
         blocks.append("\n".join(lines) + "\n\n")
     return "".join(blocks)
@@ -399,7 +99,7 @@ def test_the_test_captions_cover_what_the_issue_names():
 
 @pytest.mark.parametrize("text", list(CAPTIONS))
 def test_every_scheme_gives_the_ud2_tree(text):
-    expected, _ = CAPTIONS[text]
+    expected = CAPTIONS[text]
     for scheme in SCHEMES:
         sentence = sentences(scheme, captions=[text])[0]
         converted, _ = to_ud2(sentence, scheme)
@@ -421,7 +121,7 @@ def test_without_conversion_the_trees_are_poorer():
     """What the issue saw: read as UD v2, UD v1 and SD parses lose objects and relations."""
     wrong = {}
     for scheme in ("ud1", "sd", "clearnlp"):
-        wrong[scheme] = sum(str(build_tree(s)) != CAPTIONS[text][0]
+        wrong[scheme] = sum(str(build_tree(s)) != CAPTIONS[text]
                             for text, s in zip(CAPTIONS, sentences(scheme)))
     assert wrong == {"ud1": 21, "sd": 23, "clearnlp": 23}, wrong
 
@@ -437,7 +137,7 @@ def test_conversions_are_counted_by_name():
     assert clear == {"nsubjpass→nsubj:pass": 1, "auxpass→aux:pass": 1, "agent+pobj→case+obl:agent": 1,
                      "prep+pobj→case+obl": 1}
     ud2, none = to_ud2(sentences("ud2", captions=[text])[0], "ud2")
-    assert none == {} and str(build_tree(ud2)) == CAPTIONS[text][0]
+    assert none == {} and str(build_tree(ud2)) == CAPTIONS[text]
 
 
 def test_stanford_parser_conll_x_output_without_upos():
@@ -445,7 +145,7 @@ def test_stanford_parser_conll_x_output_without_upos():
     for text, sentence in zip(CAPTIONS, sentences("sd", ptb_upos=True)):
         converted, counts = to_ud2(sentence, "sd")
         assert counts["PTB tag→UPOS"] == len(sentence.words)
-        assert str(build_tree(converted)) == CAPTIONS[text][0], text
+        assert str(build_tree(converted)) == CAPTIONS[text], text
     assert detect_scheme(sentences("sd", ptb_upos=True)).scheme == "sd"
 
 
@@ -639,7 +339,7 @@ def test_unconvertible_sentences_are_failures_with_reasons(dataset):
     assert summary.scheme.how == "given" and "the labels look like ud1" in summary.lines()[1]
     reasons = dict(summary.failures)
     outside = [f"img{n:02d}#0" for n, text in enumerate(CAPTIONS)
-               if any(not accepts("ud2", cols[7]) for cols in _parses(CAPTIONS[text][1])["ud1"])]
+               if any(not accepts("ud2", line.split("\t")[7]) for line in BLOCKS["ud1"][text])]
     assert sorted(reasons) == outside and len(outside) == 13 and summary.trees == len(CAPTIONS) - 13
     assert all(r.startswith("cannot convert from ud2 to UD v2: label ") for r in reasons.values())
     broken = conllu("sd").replace("\t7\tpobj\t", "\t6\tpobj\t", 1)  # "fence" under "grass"

@@ -1,0 +1,70 @@
+"""``retr-train index``: build or grow a gallery index of new images (:mod:`retr.trainers.search.index`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from retr.common.cli import quiet_option
+from retr.common.errors import UserError
+
+
+@click.command("index")
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--images", type=click.Path(file_okay=False), help="A folder of images (searched recursively); "
+              "an image's id is its path inside the folder.")
+@click.option("--manifest", type=click.Path(dir_okay=False), help="A manifest of images instead (ids as listed).")
+@click.option("--image-root", type=click.Path(file_okay=False),
+              help="Folder the manifest's paths are relative to (default: the manifest's folder).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="The index folder (made or grown).")
+@click.option("--checkpoint", default="best", show_default=True, help="best, last, or a file in the run.")
+@click.option("--features", type=click.Path(dir_okay=False),
+              help="The run's feature set, if moved (its attributes say how images are embedded).")
+@click.option("--extractor-weights", type=click.Path(dir_okay=False),
+              help="The extractor's weights file, where the feature set records one by hash.")
+@click.option("--shard-size", default=256, show_default=True, help="Images per index shard (the unit of resume).")
+@click.option("--batch-size", default=8, show_default=True, help="Images per network call.")
+@click.option("--workers", default=2, show_default=True, help="Image-decoding processes (0: in this one).")
+@click.option("--split", default="test", show_default=True, help="The split whose captions image queries search.")
+@click.option("--device", default="auto", show_default=True)
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Read a checkpoint that holds Python objects besides tensors (only for files you trust).")
+@quiet_option
+def index_command(run, images, manifest, image_root, out, checkpoint, features, extractor_weights, shard_size,
+                  batch_size, workers, split, device, trust_checkpoint, quiet):
+    """Embed a folder (or manifest) of images with a trained run into a gallery index, once; a re-run adds only
+    the images not in it yet. Unusable images are recorded and skipped.
+
+    \b
+    Example:
+      retr-train index runs/scan-f30k --images photos/ --out photos.index
+      retr-train search runs/scan-f30k --index photos.index --query "a dog on a beach"
+    """
+    from retr.trainers.search.images import image_files
+    from retr.trainers.search.retrieval import Retriever
+
+    if (images is None) == (manifest is None):
+        raise UserError("give one of --images DIR or --manifest FILE")
+    if image_root and not manifest:
+        raise UserError("--image-root goes with --manifest")
+    if batch_size < 1 or workers < 0:
+        raise UserError("--batch-size must be ≥ 1 and --workers ≥ 0")
+    if images is not None:
+        items = image_files(images)
+    else:
+        from retr.manifests.schema import outside_root_reason, read_manifest
+        records = read_manifest(manifest)
+        root = Path(image_root) if image_root else Path(manifest).resolve().parent
+        outside = [r.id for r in records if outside_root_reason(r.path)]
+        if outside:
+            raise UserError(f"image {outside[0]!r} of {manifest} leaves the image root {root}; index images under it")
+        items = [(r.id, root / r.path) for r in records]
+    if not items:
+        raise UserError(f"{images or manifest} holds no images to index")
+    retriever = Retriever.from_run(run, features, split=split, checkpoint=checkpoint, device=device,
+                                   trust_checkpoint=trust_checkpoint, quiet=quiet,
+                                   extractor_weights=extractor_weights, batch_size=batch_size, workers=workers)
+    summary = retriever.add_to_index(out, items, shard_size=shard_size, quiet=quiet)
+    click.echo(summary.line(Path(out)))
+    for image_id, reason in summary.errors:
+        click.echo(f"  unusable: {image_id}: {reason}")

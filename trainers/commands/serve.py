@@ -1,0 +1,72 @@
+"""``retr-train serve``: the search page of a run (:mod:`retr.trainers.search.serve_app`) on waitress."""
+from __future__ import annotations
+
+import signal
+import sys
+
+import click
+
+from retr.common.cli import quiet_option
+from retr.common.errors import UserError
+
+
+@click.command("serve")
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--index", type=click.Path(file_okay=False), help="A gallery index (retr-train index) instead of the split.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on: loopback, this machine only; 0.0.0.0 exposes the page to your network.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port.")
+@click.option("--split", default="test", show_default=True, help="The gallery: this split of the run's data.")
+@click.option("--features", type=click.Path(dir_okay=False), help="Override the run's feature set.")
+@click.option("--manifest", type=click.Path(dir_okay=False), help="Override the run's manifest.")
+@click.option("--image-root", type=click.Path(file_okay=False),
+              help="Folder the manifest's image paths are relative to (default: the manifest's folder).")
+@click.option("--checkpoint", default="best", show_default=True, help="best, last, or a file in the run.")
+@click.option("--device", default="auto", show_default=True)
+@click.option("--top", default=10, show_default=True, type=click.IntRange(1, 100), help="Results per query.")
+@click.option("--max-upload-mb", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Largest image file a user may upload.")
+@click.option("--threads", default=4, show_default=True, type=click.IntRange(1, 64), help="Request threads.")
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Read a checkpoint that holds Python objects besides tensors (only for files you trust).")
+@quiet_option
+def serve_command(run, index, host, port, split, features, manifest, image_root, checkpoint, device, top,
+                  max_upload_mb, threads, trust_checkpoint, quiet):
+    """Serve a search page for a trained run: a sentence → images, an image (picked or uploaded) → captions,
+    each result's attention maps where the model has them, and the run's summary. Stop it with Ctrl-C.
+
+    Listens on loopback (this machine only) unless --host says otherwise.
+
+    \b
+    Example:
+      retr-train serve runs/scan-f30k --image-root data/f30k/images
+      retr-train serve runs/scan-f30k --port 8080 --host 0.0.0.0     # reachable from your network
+    """
+    from retr.trainers.search.retrieval import Retriever
+    from retr.trainers.search.serve_app import SearchPage, create_app, server_modules
+
+    _, waitress = server_modules()
+    retriever = Retriever.from_run(run, features, manifest, split, checkpoint, device,
+                                   trust_checkpoint=trust_checkpoint, quiet=quiet,
+                                   **({"index": index} if index else {}))
+    page = SearchPage(retriever, run, split, features, manifest, image_root, checkpoint, top,
+                      int(max_upload_mb * (1 << 20)), index)
+    try:
+        server = waitress.create_server(create_app(page), host=host, port=port, threads=threads,
+                                        max_request_body_size=2 * page.max_upload + (1 << 20))
+    except OSError as exc:
+        page.close()
+        raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): choose another --port "
+                        "(0: any free one)") from None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))      # a plain kill still removes the drawings
+    where = ("this machine only; --host 0.0.0.0 exposes it to your network"
+             if host in ("127.0.0.1", "localhost", "::1") else f"open to whoever reaches {host}")
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"serving {run} at http://{shown}:{server.effective_port}/ ({where}); Ctrl-C stops it")
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        page.close()

@@ -1,0 +1,274 @@
+"""The search page of ``retr-train serve``: a Flask app over a :class:`~retr.trainers.search.retrieval.Retriever`.
+
+Routes; a bad request gets HTTP 4xx with ``{"error": "one line"}``, and the server goes on serving::
+
+    GET  /                                   the page (web/index.html, app.js, style.css; report.css: the report's)
+    GET  /api/info                           the run's summary (the report's tables), the gallery, the limits
+    GET  /api/search?q=TEXT&k=K              text → images (Retriever.text_to_images: search's results)
+    GET  /api/captions?image=ID&k=K          a gallery image → captions (Retriever.image_to_texts)
+    POST /api/captions  (form file "image")  an uploaded image → captions; at most ``max_upload`` bytes
+    GET  /api/explain?image=ID&caption=TEXT  the report's attention drawings of that pair (``caption_index=N``:
+                                             a gallery caption)
+    GET  /image/ID                           a gallery image's file: the manifest's path under the image root
+                                             (a request names an id, never a path)
+    GET  /assets/NAME                        the drawings /api/explain made (a temporary folder)
+
+One request uses the model at a time (a lock).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import tempfile
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from retr.common.errors import UserError
+from retr.trainers.search.index import GalleryIndex
+from retr.common.optional import require
+
+WEB = Path(__file__).with_name("web")
+MAX_K = 100
+KEPT = 64            # explained pairs whose drawings are kept (the oldest are deleted)
+logger = logging.getLogger(__name__)
+
+
+class RequestError(UserError):
+    """A bad request: its one-line message goes back with ``status``."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class SearchPage:
+    """What the routes need of a run: the retriever, the gallery's image files, the report's summary and
+    explainer (:mod:`retr.trainers.reporting.report`), the drawings' folder.
+
+    The gallery is the retriever's: the split's images, found through the manifest under ``image_root`` (default:
+    the manifest's folder), or those of the gallery index ``index``, read from the files it recorded when each
+    image was added. Captions are the split's."""
+
+    def __init__(self, retriever, run, split: str = "test", features: str | None = None,
+                 manifest: str | None = None, image_root: str | None = None, checkpoint: str = "best",
+                 top: int = 10, max_upload: int = 10 << 20, index: str | None = None):
+        from retr.manifests.schema import read_manifest, resolve_image_root
+        from retr.trainers.reporting import report
+        from retr.trainers.training import checkpoint as ckpt
+
+        self.r, self.run, self.split, self.top, self.max_upload = retriever, str(run), split, top, max_upload
+        config = ckpt.read_config(run)
+        manifest = manifest or config["manifest"]
+        data, fs = retriever.data, retriever.feature_set
+        by_id = {r.id: r for r in read_manifest(manifest, splits=[split])}
+        self.records = [by_id[i] for i in data.image_ids]
+        self.split_row = {image_id: i for i, image_id in enumerate(data.image_ids)}
+        self.gallery = f"the index {index}" if index else f"the {split} split"
+        self.root = None if index else resolve_image_root(manifest, image_root)
+        # gallery id → the index's recorded file, or the manifest's path under the root
+        self.paths = GalleryIndex(index).image_paths() if index else {r.id: r.path for r in self.records}
+        self.member = report.Member(self.run, config, retriever.model, retriever.vocab,
+                                    ckpt.resolve_checkpoint(run, checkpoint), fs, report._read_metrics(self.run),
+                                    data, str(manifest))
+        self.image_hw = fs.read_rows(fs.rows_of(data.image_ids), "image_hw") if "image_hw" in fs.datasets else None
+        self.keys = [f"{r.id}#{n}" for r in self.records for n in range(len(r.captions))]
+        self.summary = report._member_rows([self.member]) + report._stored_results([self.run])
+        self.lock = threading.Lock()
+        self._tmp = tempfile.TemporaryDirectory(prefix="retr-serve-")
+        self.drawings = Path(self._tmp.name)
+        self._explained: OrderedDict[str, str] = OrderedDict()
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+    # -- the gallery -------------------------------------------------------------------------------------
+    def check_id(self, image_id: str) -> str:
+        """``image_id`` when it is an image of the gallery (else a one-line 400/404)."""
+        if not image_id:
+            raise RequestError("no image: type or pick an image id of the gallery, or upload an image")
+        if image_id not in self.paths:
+            raise RequestError(f"image {image_id!r} is not in the gallery ({len(self.paths)} images)", 404)
+        return image_id
+
+    def image_path(self, image_id: str) -> Path:
+        """The file of gallery image ``image_id`` (404: not in the gallery, outside the root, no file)."""
+        from retr.manifests.schema import outside_root_reason
+
+        path = self.paths[self.check_id(image_id)]
+        if self.root is None:                   # an index: the file it read, recorded by whoever built it
+            if not path.is_file():
+                raise RequestError(f"image {image_id!r}: its file {path} is gone", 404)
+            return path
+        if (why := outside_root_reason(path)) is not None:
+            raise RequestError(f"image {image_id!r} is not served: its path {path!r} leaves the image root ({why})",
+                               404)
+        file = self.root / path
+        if not file.is_file():
+            raise RequestError(f"image {image_id!r}: no file {path} under {self.root}", 404)
+        return file
+
+    # -- queries -----------------------------------------------------------------------------------------
+    def search(self, text: str, k: int) -> dict:
+        if not text.strip():
+            raise RequestError("empty query: type a sentence describing the images you want")
+        with self.lock:
+            return self.r.text_to_images([text], k)[0].to_json()
+
+    def captions(self, image, k: int) -> dict:
+        """Captions of a gallery image id (str) or of an uploaded file's bytes."""
+        if isinstance(image, str):
+            self.check_id(image)      # an id of the gallery: never a path the API would open
+        with self.lock:
+            return self.r.image_to_texts([image], k)[0].to_json()
+
+    def explain(self, image_id: str, caption: str | None, caption_index: int | None) -> str:
+        """The report's HTML (and drawings) of ``explain`` for the pair; kept for the :data:`KEPT` last pairs."""
+        from retr.trainers.reporting import report
+
+        if self.check_id(image_id) not in self.split_row or image_id not in self.member.feature_set:
+            raise RequestError(f"no attention maps for {image_id!r}: they are drawn for the images of the run's "
+                               "feature set")
+        row = self.split_row[image_id]
+        if caption_index is not None:
+            if not 0 <= caption_index < len(self.keys):
+                raise RequestError(f"caption_index must be from 0 to {len(self.keys) - 1}", 404)
+            captions, keys = [self.r.data.captions[caption_index]], [self.keys[caption_index]]
+        elif caption and caption.strip():
+            captions, keys = [caption], ["query"]
+        else:
+            raise RequestError("no caption: give the sentence (caption) or a gallery caption (caption_index)")
+        tag = hashlib.sha256(f"{image_id}\0{keys[0]}\0{captions[0]}".encode()).hexdigest()[:16]
+        with self.lock:
+            if tag not in self._explained:
+                fs = self.member.feature_set
+                images = report.ImageSource(self.records, self.root, self.image_hw,
+                                            bool(fs.attrs.get("exif_orientation", False)))
+                explainer = report.Explainer(self.member, self.r.data.image_ids, captions, images,
+                                             report.Assets(self.drawings), self.r.device, keys)
+                self._explained[tag] = explainer.section([report.Pair(row, 0, "a search result",
+                                                                      "the maps of its score")], tag)
+                while len(self._explained) > KEPT:
+                    old, _ = self._explained.popitem(last=False)
+                    for file in (self.drawings / report.ASSETS).glob(f"att-{old}-*"):
+                        file.unlink()
+            self._explained.move_to_end(tag)
+            return self._explained[tag]
+
+    def too_large(self) -> str:
+        return (f"the upload is larger than the limit of {self.max_upload / (1 << 20):.3g} MB "
+                "(retr-train serve --max-upload-mb)")
+
+    def info(self) -> dict:
+        model = self.r.model
+        return {"run": self.run, "model": self.member.config.get("model"), "gallery": self.gallery,
+                "images": len(self.paths), "captions": self.r.data.num_captions, "top": self.top,
+                "max_upload": self.max_upload, "explains": list(getattr(model, "explains", ()) or ()),
+                "ids": list(self.paths)[:1000], "summary_html": self.summary}
+
+
+def check_image(name: str, data: bytes) -> None:
+    """A one-line :class:`RequestError` unless ``data`` is an image file PIL can open."""
+    from PIL import Image, UnidentifiedImageError
+
+    name = name or "the upload"
+    if not data:
+        raise RequestError(f"{name} is empty")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.verify()
+    except UnidentifiedImageError:
+        raise RequestError(f"{name} is not an image file (no image format Pillow knows)") from None
+    except Exception as exc:   # noqa: BLE001 - a damaged image raises many types
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RequestError(f"{name} is not a readable image file ({reason})") from None
+
+
+def server_modules():
+    """(flask, waitress): the ``serve`` extra, or one line naming it."""
+    return require("flask", "serve", "retr-train serve"), require("waitress", "serve", "retr-train serve")
+
+
+def create_app(page: SearchPage):
+    """The Flask app of ``page``."""
+    flask, _ = server_modules()
+    from werkzeug.exceptions import HTTPException
+
+    app = flask.Flask(__name__, static_folder=str(WEB), static_url_path="/static")
+    app.config["MAX_CONTENT_LENGTH"] = page.max_upload + (64 << 10)     # room for the form around the file
+
+    def top() -> int:
+        value = flask.request.values.get("k", str(page.top))
+        if not value.isdigit() or not 1 <= int(value) <= MAX_K:
+            raise RequestError(f"k must be a whole number from 1 to {MAX_K}, not {value!r}")
+        return int(value)
+
+    @app.errorhandler(RequestError)
+    def request_error(exc: RequestError):
+        return flask.jsonify(error=str(exc)), exc.status
+
+    @app.errorhandler(UserError)
+    def user_error(exc: UserError):
+        return flask.jsonify(error=str(exc)), 400
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):
+        return flask.jsonify(error=page.too_large() if exc.code == 413 else exc.description), exc.code
+
+    @app.errorhandler(Exception)
+    def failure(exc: Exception):
+        logger.exception(f"{flask.request.path}: {type(exc).__name__}: {exc}")
+        return flask.jsonify(error=f"the server failed on this request: {type(exc).__name__}: "
+                                   f"{(str(exc).splitlines() or [''])[0]}"), 500
+
+    @app.get("/")
+    def index():
+        return flask.send_from_directory(WEB, "index.html")
+
+    @app.get("/report.css")
+    def report_css():
+        from retr.trainers.reporting.report import CSS
+
+        return flask.Response(CSS, mimetype="text/css")
+
+    @app.get("/api/info")
+    def info():
+        return flask.jsonify(page.info())
+
+    @app.get("/api/search")
+    def search():
+        return flask.jsonify(page.search(flask.request.args.get("q", ""), top()))
+
+    @app.route("/api/captions", methods=["GET", "POST"])
+    def captions():
+        if flask.request.method == "GET":
+            return flask.jsonify(page.captions(flask.request.args.get("image", ""), top()))
+        upload = flask.request.files.get("image")
+        if upload is None:
+            raise RequestError("no file: choose an image to upload (form field 'image')")
+        data = upload.read(page.max_upload + 1)
+        if len(data) > page.max_upload:
+            raise RequestError(page.too_large(), 413)
+        check_image(upload.filename, data)
+        return flask.jsonify({**page.captions(data, top()), "query": upload.filename})
+
+    @app.get("/api/explain")
+    def explain():
+        values = flask.request.args
+        index = values.get("caption_index")
+        if index is not None and not index.isdigit():
+            raise RequestError(f"caption_index must be a whole number, not {index!r}")
+        return flask.jsonify(html=page.explain(values.get("image", ""), values.get("caption"),
+                                               None if index is None else int(index)))
+
+    @app.get("/image/<path:image_id>")
+    def image(image_id: str):
+        return flask.send_file(page.image_path(image_id), max_age=3600)
+
+    @app.get("/assets/<name>")
+    def assets(name: str):
+        return flask.send_from_directory(page.drawings / "assets", name, max_age=3600)
+
+    return app
+
