@@ -346,7 +346,7 @@ def test_explain_takes_one_pair(name):
 
 def test_scan_attention_is_scores_own_over_a_chunked_block(monkeypatch):
     """SCAN's ``xattn_block`` keeps every chunk's attention; its scores are ``xattn_scores``' bit for bit, and each
-    pair's slice of the block's attention is that pair's ``explain``."""
+    pair's slice of the block's attention is that pair's ``explain`` (to float32 rounding)."""
     from retr.trainers.models import xattn
 
     monkeypatch.setattr(xattn, "CHUNK_ELEMENTS", 50)                     # many image and caption chunks
@@ -363,7 +363,10 @@ def test_scan_attention_is_scores_own_over_a_chunked_block(monkeypatch):
                 for c in range(3):
                     (weights,) = model.explain(row(images, i), row(captions, c)).values()
                     block = attention[i, :, c][images["mask"][i]][:, captions["mask"][c]]
-                    torch.testing.assert_close(weights, block.t() if direction == "t2i" else block, rtol=0, atol=0)
+                    # one pair alone and the whole block are reductions of other shapes: with one thread bit
+                    # for bit; with several each may be split otherwise (1 float32 ulp seen at 2 threads)
+                    torch.testing.assert_close(weights, block.t() if direction == "t2i" else block,
+                                               rtol=2 * torch.finfo(torch.float32).eps, atol=0)
 
 
 def test_smfea_node_ids_are_its_trees_predictions():
