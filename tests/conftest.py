@@ -35,10 +35,26 @@ NUMERICAL = ("test_golden_scan", "test_golden_vsepp", "test_golden_seam", "test_
              "test_concepts")
 
 
+#: files whose module fixtures take a minute or more of one core (the slowest first): they start first, so that
+#: `make test`'s workers (one file at a time each, pytest-xdist --dist loadfile) do not end with one of them
+#: running alone. The order among the others, and among these, stays pytest-randomly's.
+LONG_FILES = ("test_golden_butd.py", "test_extract.py", "test_bench_gpu.py", "test_training_resume.py")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name.startswith(NUMERICAL):
             item.add_marker(pytest.mark.numerical)
+
+
+class _LongFilesFirst:
+    @pytest.hookimpl(trylast=True)                  # after pytest-randomly's shuffle and -m's deselection
+    def pytest_collection_modifyitems(self, items):
+        items.sort(key=lambda item: item.path.name not in LONG_FILES)   # stable: the shuffle stays within each
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_LongFilesFirst(), "retr-long-files-first")
 
 
 def grid_attrs(**overrides):
