@@ -162,3 +162,30 @@ def test_split_options_take_repeats_and_commas_alike(tmp_path):
         params = {p.name: p for p in pipeline_cli.commands[command].params}
         option = next(p for p in params.values() if flag in p.opts)
         assert option.multiple and option.process_value(click.Context(pipeline_cli), ("a,b", "c")) == ("a", "b", "c")
+
+
+def test_library_log_records_print_as_lines_and_v_adds_debug():
+    """A command group prints the ``retr`` logger's records as plain lines on stderr (INFO and above; notes and
+    warnings as written); ``-v`` adds DEBUG. Printed through click, so ``CliRunner`` sees them."""
+    import logging
+
+    from retr.common.cli import log_to_stderr, quiet_option
+
+    @click.group()
+    def group():
+        log_to_stderr()
+
+    @group.command()
+    @quiet_option
+    def work(quiet):
+        logger = logging.getLogger("retr.trainers.training.loop")
+        logger.debug("took 1.0 s")
+        logger.info("epoch 1/1: loss 1.0")
+        logger.warning("note: something to know")
+
+    plain = CliRunner().invoke(group, ["work"])
+    assert plain.exit_code == 0 and plain.output.splitlines() == ["epoch 1/1: loss 1.0", "note: something to know"]
+    verbose = CliRunner().invoke(group, ["work", "-v"])
+    assert verbose.output.splitlines() == ["took 1.0 s", "epoch 1/1: loss 1.0", "note: something to know"]
+    again = CliRunner().invoke(group, ["work", "--quiet"])          # the level is set anew by each invocation
+    assert again.output.splitlines() == plain.output.splitlines()
