@@ -26,7 +26,8 @@ data and weights (random weights: the arithmetic of real ones, nothing to downlo
   as their code runs on a GPU) timed on ``eval_baseline_captions`` captions and extrapolated to the matrix;
   ``identical_ranks_vs_float64`` compares every t2i and i2t rank with a float64 matrix of the same embeddings.
 
-Every timed section ends with a device synchronisation; each is preceded by an untimed warm-up.
+Every timed section ends with a device synchronisation; each is preceded by an untimed warm-up (``--tiny``
+skips the extraction stages' warm-ups: its figures mean nothing, and they were half of its CPU time).
 
     .venv/bin/python bench/gpu.py [--device auto] [--stages backbone,butd,train,eval] [--tiny] [--compile]
                                   [--out FILE]
@@ -75,6 +76,7 @@ class Sizes:
     eval_regions: int
     eval_dim: int
     eval_baseline_captions: int     # … captions the authors'-style loop is timed on
+    warm_up_extraction: bool = True  # an untimed pass before each timed extraction section
 
 
 #: the features each model trains on: regions, grid, maps, ten-crop globals (DESIGN.md)
@@ -95,7 +97,7 @@ TINY = Sizes(images=4, source_size=(96, 72), image_size=64, batch_size=2, extrac
                              "smfea": {**TINY_MODEL, "tree_hidden": 8, "num_regions": 4},
                              "sman": TINY_MODEL, "jgcar": {**TINY_MODEL, "hidden_size": 8, "num_regions": 4},
                              "seam": {**TINY_MODEL, "attention_hidden": 8, "gru_size": 8}},
-             eval_images=40, eval_regions=6, eval_dim=16, eval_baseline_captions=20)
+             eval_images=40, eval_regions=6, eval_dim=16, eval_baseline_captions=20, warm_up_extraction=False)
 
 
 def synchronize(device: torch.device) -> None:
@@ -151,10 +153,12 @@ def bench_backbone(name: str, paths: list[str], device: torch.device, sizes: Siz
             rows.append(plain.forward_only(x[None].to(device)).cpu().numpy())
         return np.concatenate(rows)
 
-    baseline()                                                          # warm-up
+    if sizes.warm_up_extraction:
+        baseline()
     t_base, base_features = timed(baseline, device)
 
-    extract_paths(fast, paths[:sizes.batch_size], batch_size=sizes.batch_size, workers=workers)   # warm-up
+    if sizes.warm_up_extraction:
+        extract_paths(fast, paths[:sizes.batch_size], batch_size=sizes.batch_size, workers=workers)
     t_loop, (outputs, failures) = timed(
         lambda: extract_paths(fast, paths, batch_size=sizes.batch_size, workers=workers), device)
     if failures:
@@ -163,7 +167,8 @@ def bench_backbone(name: str, paths: list[str], device: torch.device, sizes: Siz
     # bound: the loop's network and precision on batches already on the device
     stacked = torch.stack([plain.load(path) for path in paths]).to(device)     # Pillow-decoded tensors
     batches = list(torch.split(stacked, sizes.batch_size))
-    fast.forward_only(batches[0])                                       # warm-up
+    if sizes.warm_up_extraction:
+        fast.forward_only(batches[0])
     t_bound, _ = timed(lambda: [fast.forward_only(b) for b in batches], device)
 
     n = len(paths)
@@ -188,7 +193,8 @@ def bench_butd(paths: list[str], device: torch.device, sizes: Sizes) -> dict:
     def detect(batch_size: int):
         return extractor.regions_batched(images, batch_size=batch_size)
 
-    detect(1), detect(sizes.detector_batch)                             # warm-up (kernel selection)
+    if sizes.warm_up_extraction:                                        # kernel selection
+        detect(1), detect(sizes.detector_batch)
     t_one, one = timed(lambda: detect(1), device)
     t_batched, batched = timed(lambda: detect(sizes.detector_batch), device)
     same = [a.boxes.shape == b.boxes.shape for a, b in zip(one, batched)]
