@@ -222,7 +222,8 @@ def _compare_compiled(name, backend):
     compiled.compile_scoring(backend=backend)
     eager.train()
     compiled.train()
-    # three batches: two caption lengths and a smaller last batch, as an epoch has (a recompile, then reuse)
+    # three batches: two caption lengths and a smaller last batch, as an epoch has (three compiles: the static
+    # graph, then the caption length dynamic, then the batch size: test_scoring_compiles_into_one_graph_per_shape)
     batches = [_batch(12, seed=1), _batch(12, seed=2), _batch(7, seed=3)]
     batches[1]["tokens"] = batches[1]["tokens"][:, :4]
     batches[1]["lengths"] = batches[1]["lengths"].clamp(max=4)
@@ -246,6 +247,22 @@ def test_every_models_training_scoring_compiles_and_equals_eager(name):
     kernels; inductor's code generation is SCAN's test above, one compile being ~30 s on two cores)."""
     torch._dynamo.reset()
     _compare_compiled(name, "aot_eager")
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_scoring_compiles_into_one_graph_per_shape(name):
+    """No graph break: a break splits the compiled function into several graphs, each compiled on its own (SCAN's
+    eager shortcut for full masks, ``bool(mask.all())``, split its scoring into four and cost inductor 13 s a run)."""
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = create_model(name, **SMALL[name]).train()
+    counter = CompileCounter()
+    model.compile_scoring(backend=counter)
+    batch = _batch(12, seed=1)
+    model(batch["features"], batch["mask"], batch["tokens"], batch["lengths"],
+          **{k: batch[k] for k in model.batch_extras}).backward()
+    assert counter.frame_count == len(model.compiled_functions)
 
 
 def test_a_compiled_model_copies_and_saves_like_an_eager_one():

@@ -148,10 +148,14 @@ def xattn_block(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.T
     region_mask, word_mask = region_mask.bool(), word_mask.bool()
     regions = regions.to(dtype)
     words = words.to(dtype) * word_mask.unsqueeze(-1).to(dtype)                  # padded words → 0
-    rmask = None if bool(region_mask.all()) else region_mask
+    # full masks are skipped in eager mode; under torch.compile reading a mask's value would break the graph in four
+    if torch.compiler.is_compiling():
+        rmask, wmask = region_mask, word_mask
+    else:
+        rmask = None if bool(region_mask.all()) else region_mask
+        wmask = None if bool(word_mask.all()) else word_mask
     if rmask is not None:
         regions = regions * rmask.unsqueeze(-1).to(dtype)
-    wmask = None if bool(word_mask.all()) else word_mask
     needs_grad = torch.is_grad_enabled() and (regions.requires_grad or words.requires_grad)
     inplace = not needs_grad
     attention = regions.new_empty(n_img, k, n_cap, length) if keep_attention else None
