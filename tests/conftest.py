@@ -25,20 +25,19 @@ os.environ["RETR_WORD_VECTORS"] = __import__("tempfile").mkdtemp(prefix="retr-wo
 #: Test files whose assertions compare computed numbers at a tolerance: `make test` runs them with 1 thread (the
 #: default above), `make test-matrix` again with 2 and 4 threads (OMP_NUM_THREADS), since a reduction's order, and so its rounding, depends on the thread count.
 #: Left out: test_extract (its autocast tests compare bf16/fp16 with float32 at a ~2 % tolerance, far above any
-#: thread rounding, and run minutes of emulated bf16 convolutions on a CPU without bf16 units) and test_golden_butd (a
-#: 600-px float32 detector against MILVLG's at tolerances 30-100× its measured gap, checked with 1, 2 and 4 threads
-#: when it was written; 90 s a run).
-NUMERICAL = ("test_golden_scan", "test_golden_vsepp", "test_golden_seam", "test_golden_cvse",
+#: thread rounding, and spend ~30 s in emulated bf16 convolutions on a CPU without bf16 units).
+NUMERICAL = ("test_golden_scan", "test_golden_vsepp", "test_golden_seam", "test_golden_cvse", "test_golden_butd",
              "test_golden_vse_infinity", "test_similarity", "test_evaluation", "test_gemm", "test_training_loop",
              "test_explain", "test_model_registry", "test_scan", "test_seam", "test_sman", "test_smfea", "test_jgcar",
              "test_vsepp", "test_vse_infinity", "test_butd_core", "test_butd_model", "test_butd_batched",
              "test_concepts")
 
 
-#: files whose module fixtures take a minute or more of one core (the slowest first): they start first, so that
+#: files that take half a minute or more of one core (the slowest first): they start first, so that
 #: `make test`'s workers (one file at a time each, pytest-xdist --dist loadfile) do not end with one of them
 #: running alone. The order among the others, and among these, stays pytest-randomly's.
-LONG_FILES = ("test_golden_butd.py", "test_extract.py", "test_bench_gpu.py", "test_training_resume.py")
+LONG_FILES = ("test_training_loop.py", "test_extract.py", "test_butd_batched.py", "test_training_resume.py",
+              "test_golden_butd.py")       # test_training_loop: inductor's C++ compiles, ~45 s with a cold cache
 
 
 def pytest_collection_modifyitems(config, items):

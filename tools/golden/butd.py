@@ -24,10 +24,11 @@ and runs their extraction path for the fix-36 model on the CPU:
   MODEL.WEIGHTS <the seeded weights written as a .pth>``, then ``extract_feat_singlegpu`` over a folder holding
   the two stored images as PNG (lossless: ``cv2.imread`` gives back the stored pixels): ``DefaultTrainer.build_model``,
   ``DetectionCheckpointer(...).resume_or_load``, ``get_image_blob`` (mean subtraction, 600/1000 scale, bilinear
-  resize), ``GeneralizedBUARCNN`` (BUARPN 6000/300, ROIPool 14×14, res5 dilation 2, attribute head) and
+  resize), ``GeneralizedBUARCNN`` (BUARPN 6000/300 — here 6000/100, :data:`POST_NMS_TOPK` — ROIPool 14×14, res5
+  dilation 2, attribute head) and
   ``save_roi_features`` (class NMS 0.3 for every class, conf 0.2, 36/36), whose ``.npz`` files are read back;
 * a forward hook on their model (added at run time, not a source patch) records what ``model([dataset_dict])``
-  returned to their loop: all 300 proposals, their class and attribute probabilities.
+  returned to their loop: all 100 proposals, their class and attribute probabilities.
 
 Weights: no checkpoint can be downloaded here, and a 250 MB state dict is not stored. :func:`golden_state` makes
 a deterministic random state dict in MILVLG's key layout from a seed (each tensor from its own generator seeded
@@ -44,10 +45,10 @@ Per-tensor sums and absolute sums are stored, so a changed recipe is caught befo
 Writes ``tests/data/golden/butd/``:
 
 * ``inputs.npz`` — ``image.a`` [120, 160, 3] and ``image.b`` [96, 210, 3] uint8 BGR (smooth seeded noise with
-  rectangles; ``b`` hits the 1000-pixel cap: scale 1000/210), ``weights.seed``, ``weights.names``,
+  rectangles; ``b`` hits the 1000-pixel cap: scale 1000/210), ``post_nms_topk``, ``weights.seed``, ``weights.names``,
   ``weights.sum``, ``weights.abs_sum`` (float64, per key);
-* ``figures.npz`` — per image ``x`` in (a, b): ``x.scale``, ``x.proposals`` [300, 4] (resized pixels, their order),
-  ``x.proposal_object_{ids,conf}`` / ``x.proposal_attr_{ids,conf}`` [300] (argmax / max over classes 1… of the
+* ``figures.npz`` — per image ``x`` in (a, b): ``x.scale``, ``x.proposals`` [100, 4] (resized pixels, their order),
+  ``x.proposal_object_{ids,conf}`` / ``x.proposal_attr_{ids,conf}`` [100] (argmax / max over classes 1… of the
   probabilities their model returned, 0-based), and from their ``.npz``: ``x.features`` [36, 2048] float32,
   ``x.boxes`` [36, 4] (original pixels), ``x.object_ids``, ``x.object_conf``, ``x.attr_ids``, ``x.attr_conf``
   (``info``), ``x.num_boxes``, and ``x.keep`` [36] (the index in ``x.proposals`` of each kept box, found by
@@ -80,6 +81,10 @@ IMAGE_SEED = 7
 IMAGE_SHAPES = {"a": (120, 160), "b": (96, 210)}
 IMAGES = tuple(IMAGE_SHAPES)
 MIN_MAX_BOXES = 36
+#: proposals kept after the RPN's NMS: the config's 300, lowered with their own option (``MODEL.RPN.POST_NMS_TOPK_TEST``)
+#: because res5 on every proposal is the test's cost (300: 65 s of the suite's CPU time, 100: a third). The same code
+#: runs per proposal; the top 100 are the first 100 of the 300, in the same order.
+POST_NMS_TOPK = 100
 
 BUA_PATCHES = [
     Patch("bua/caffe/modeling/layers/csrc/nms/nms_cpu.cpp",
@@ -263,7 +268,7 @@ def run_authors(bua: Path, d2: Path, cache: Path | None) -> tuple[dict, dict, di
     argv = ["--mode", "caffe", "--extract-mode", "roi_feats", "--min-max-boxes", f"{MIN_MAX_BOXES},{MIN_MAX_BOXES}",
             "--config-file", "configs/caffe/test-caffe-r101-fix36.yaml", "--image-dir", str(image_dir),
             "--out-dir", str(out_dir), "--gpus", "", "MODEL.DEVICE", "cpu", "OUTPUT_DIR", str(work / "output"),
-            "MODEL.WEIGHTS", str(work / "golden-weights.pth")]
+            "MODEL.WEIGHTS", str(work / "golden-weights.pth"), "MODEL.RPN.POST_NMS_TOPK_TEST", str(POST_NMS_TOPK)]
     args = _their_args(single, argv)
     cfg = single.setup(args)
     model = single.DefaultTrainer.build_model(cfg)
@@ -315,7 +320,7 @@ def run_authors(bua: Path, d2: Path, cache: Path | None) -> tuple[dict, dict, di
         })
         assert np.array_equal(features[keep].numpy(), saved["x"])
     inputs = {f"image.{k}": v for k, v in images.items()}
-    inputs.update({"anchors": CAFFE_ANCHORS, "weights.seed": np.int64(WEIGHTS_SEED), "weights.names": names, "weights.sum": sums,
+    inputs.update({"anchors": CAFFE_ANCHORS, "post_nms_topk": np.int64(POST_NMS_TOPK), "weights.seed": np.int64(WEIGHTS_SEED), "weights.names": names, "weights.sum": sums,
                    "weights.abs_sum": abs_sums})
     notes = {"detectron2": DETECTRON2, "detectron2_commit": commit_of(d2), "their_argv": argv,
              "threads": torch.get_num_threads(), "weights": "golden_state(seed) in tools/golden/butd.py"}
