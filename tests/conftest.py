@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+from PIL import Image
 
 # One intra-op thread unless asked otherwise (subprocesses inherit it): the tests' tensors are tiny, and on a
 # 2-core box shared with anything else two threads wait on each other at every op (measured on the 2-core box
@@ -61,6 +62,21 @@ def grid_attrs(**overrides):
                  image_size=448, manifest_sha256="0" * 64)
     attrs.update(overrides)
     return attrs
+
+
+@pytest.fixture
+def noise_jpegs(tmp_path):
+    """``make([(w, h), …])`` writes ``img0.jpg``, ``img1.jpg``, … of uniform RGB noise (one seeded generator, in
+    order; quality 95) into tmp_path and returns their paths."""
+    def make(sizes):
+        rng = np.random.default_rng(0)
+        paths = []
+        for k, (w, h) in enumerate(sizes):
+            path = tmp_path / f"img{k}.jpg"
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB").save(path, quality=95)
+            paths.append(path)
+        return paths
+    return make
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import numpy as np
 import open_clip
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import save_file
 
 from retr.common.downloads import SOURCES
@@ -26,14 +25,8 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 
 
 @pytest.fixture
-def jpegs(tmp_path) -> list[Path]:
-    rng = np.random.default_rng(0)
-    paths = []
-    for k, (w, h) in enumerate([(96, 64), (70, 120)]):
-        path = tmp_path / f"img{k}.jpg"
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB").save(path, quality=95)
-        paths.append(path)
-    return paths
+def jpegs(noise_jpegs) -> list[Path]:
+    return noise_jpegs([(96, 64), (70, 120)])
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

@@ -363,14 +363,8 @@ CROP = MIN_CROP_IRV2  # 75
 
 
 @pytest.fixture
-def jpegs(tmp_path) -> list[Path]:
-    rng = np.random.default_rng(0)
-    paths = []
-    for k, (w, h) in enumerate([(96, 64), (80, 120)]):
-        path = tmp_path / f"img{k}.jpg"
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB").save(path, quality=95)
-        paths.append(path)
-    return paths
+def jpegs(noise_jpegs) -> list[Path]:
+    return noise_jpegs([(96, 64), (80, 120)])
 
 
 def _timm_pooled(model: torch.nn.Module, crops: torch.Tensor) -> torch.Tensor:
