@@ -15,6 +15,8 @@ The authors' code never enters this repository; the figures do.
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import platform
 import shutil
@@ -65,6 +67,24 @@ def authors_checkout(description: str, what: str, commit: str, patches: list[Pat
     if commit_of(source) != commit:
         print(f"note: {source} is not at {commit}, the commit these patches and figures were made for")
     return source, patched_copy(source, patches)
+
+
+@contextlib.contextmanager
+def recorded_clip_norms(module, name: str):
+    """Within the block ``module.<name>``, their gradient-clipping function, also records the norm each call
+    returns, into the list yielded; restored on exit."""
+    norms: list[float] = []
+    clip = getattr(module, name)
+
+    def recording(params, max_norm, *args, **kwargs):
+        norm = clip(params, max_norm, *args, **kwargs)
+        norms.append(float(norm))
+        return norm
+    setattr(module, name, recording)
+    try:
+        yield norms
+    finally:
+        setattr(module, name, clip)
 
 
 def padded(token_lists, width: int) -> np.ndarray:

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Patch, authors_checkout, padded, write_figures  # noqa: E402
+from common import Patch, authors_checkout, padded, recorded_clip_norms, write_figures  # noqa: E402
 from vsepp import Recorder  # noqa: E402
 
 REPOSITORY = "https://github.com/woodfrog/vse_infty"
@@ -201,14 +201,6 @@ def main() -> None:
 
     # ---- training: their main loop's epoch body and their train()
     model = fresh_model()
-    grad_norms: list[float] = []
-    clip = a_vse.clip_grad_norm_
-
-    def recording_clip(params, max_norm, *a, **k):
-        norm = clip(params, max_norm, *a, **k)
-        grad_norms.append(float(norm))
-        return norm
-    a_vse.clip_grad_norm_ = recording_clip
     snapshots = {}
 
     def on_value(name, value, step):
@@ -223,13 +215,13 @@ def main() -> None:
         batch_size = BATCH
 
     loader = Loader(batch(b) for b in range(TRAIN_BATCHES))
-    for epoch in range(opt.num_epochs):                   # their main(), without validation and checkpoints
-        a_train.adjust_learning_rate(opt, model.optimizer, epoch, [opt.lr_update])
-        if epoch >= opt.vse_mean_warmup_epochs:
-            opt.max_violation = True
-            model.set_max_violation(opt.max_violation)
-        a_train.train(opt, loader, model, epoch, None)
-    a_vse.clip_grad_norm_ = clip
+    with recorded_clip_norms(a_vse, "clip_grad_norm_") as grad_norms:
+        for epoch in range(opt.num_epochs):               # their main(), without validation and checkpoints
+            a_train.adjust_learning_rate(opt, model.optimizer, epoch, [opt.lr_update])
+            if epoch >= opt.vse_mean_warmup_epochs:
+                opt.max_violation = True
+                model.set_max_violation(opt.max_violation)
+            a_train.train(opt, loader, model, epoch, None)
     figures["train.loss"] = recorder.series("Le")
     figures["train.lr"] = recorder.series("lr")
     figures["train.grad_norm"] = np.array(grad_norms)

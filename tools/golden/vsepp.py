@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Patch, authors_checkout, padded, write_figures  # noqa: E402
+from common import Patch, authors_checkout, padded, recorded_clip_norms, write_figures  # noqa: E402
 
 REPOSITORY = "https://github.com/fartashf/vsepp"
 COMMIT = "abe382fd9c751d1b92c95030df8fb804a7d5ef53"
@@ -236,14 +236,6 @@ def main() -> None:
 
     # ---- training: their epoch loop (main without validation/checkpoints), their train() and train_emb
     model = fresh_model()
-    grad_norms: list[float] = []
-    clip = a_model.clip_grad_norm
-
-    def recording_clip(params, max_norm, *a, **k):
-        norm = clip(params, max_norm, *a, **k)
-        grad_norms.append(float(norm))
-        return norm
-    a_model.clip_grad_norm = recording_clip
     snapshots = {}
 
     def on_value(name, value, step):
@@ -251,10 +243,10 @@ def main() -> None:
             snapshots.update({k: p.detach().numpy().copy() for k, p in named_parameters(model).items()})
     recorder.on_value = on_value
     recorder.values.clear()
-    for epoch in range(opt.num_epochs):
-        a_train.adjust_learning_rate(opt, model.optimizer, epoch)
-        a_train.train(opt, batches, model, epoch, None)
-    a_model.clip_grad_norm = clip
+    with recorded_clip_norms(a_model, "clip_grad_norm") as grad_norms:
+        for epoch in range(opt.num_epochs):
+            a_train.adjust_learning_rate(opt, model.optimizer, epoch)
+            a_train.train(opt, batches, model, epoch, None)
     steps = EPOCHS * TRAIN_BATCHES
     figures["train.loss"] = recorder.series("Le")
     figures["train.lr"] = recorder.series("lr")
