@@ -34,7 +34,7 @@ NUMERICAL = ("test_golden_scan", "test_golden_vsepp", "test_golden_seam", "test_
              "test_concepts")
 
 
-#: files that take half a minute or more of one core (the slowest first): they start first, so that
+#: files that take half a minute or more of one core: they start first, so that
 #: `make test`'s workers (one file at a time each, pytest-xdist --dist loadfile) do not end with one of them
 #: running alone. The order among the others, and among these, stays pytest-randomly's.
 LONG_FILES = ("test_training_loop.py", "test_extract.py", "test_butd_batched.py", "test_training_resume.py",

@@ -251,7 +251,7 @@ def test_every_models_training_scoring_compiles_and_equals_eager(name):
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
-def test_scoring_compiles_into_one_graph_per_shape(name):
+def test_scoring_compiles_into_one_graph(name):
     """No graph break: a break splits the compiled function into several graphs, each compiled on its own (SCAN's
     eager shortcut for full masks, ``bool(mask.all())``, split its scoring into four and cost inductor 13 s a run)."""
     from torch._dynamo.testing import CompileCounter
