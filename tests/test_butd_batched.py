@@ -113,9 +113,10 @@ def test_batched_detector_equals_one_image_at_a_time_bitwise(detector, images):
 @pytest.mark.slow
 def test_batched_detector_with_default_kernels_agrees_closely(detector, images):
     """oneDNN's kernels (sum order depends on the spatial size): measured on this CPU 2026-11-25 (30 proposals an
-    image), max |Δ| of the proposals 3.7e-4 px, features 4.5e-6, class probabilities 1.6e-9, attribute
-    probabilities 9.3e-10 (with 60 proposals: 8.5e-4, 4.9e-6, 1.4e-9, 9.3e-10); same proposals in the same order. (The selection then agrees unless two boxes' ``max_conf`` differ by less than
-    that, which these random weights' flat 1/1600 probabilities do: one image swaps boxes.)"""
+    image), max |Δ| of the proposals 3.7e-4 px, features 4.5e-6, class probabilities 1.6e-9, attribute probabilities
+    9.3e-10 (with 60 proposals: 8.5e-4, 4.9e-6, 1.4e-9, 9.3e-10); same proposals in the same order. (The selection
+    then agrees unless two boxes' ``max_conf`` differ by less than that, which these random weights' flat 1/1600
+    probabilities do: one image swaps boxes.)"""
     with torch.no_grad():
         one = [detector.detect(image, scale) for image, scale in zip(images, SCALES)]
         batched = detector.detect_batch(images, SCALES)

@@ -2,37 +2,37 @@
 (``tests/data/golden/butd/``).
 
 ``tools/golden/butd.py`` ran MILVLG's single-GPU extraction script for the fix-36 model (``test-caffe-r101-fix36``,
-``--min-max-boxes 36,36``: short side 600, long side ≤ 1000, 6000 proposals, NMS 0.7, ROIPool 14×14, class NMS
-0.3, confidence 0.2, 36 boxes; the 300 proposals kept after NMS lowered to 100 with their config option, the
-generator's ``POST_NMS_TOPK``, since res5 on every proposal is this test's cost) on detectron2 v0.2.1, on the CPU in float32, patched only to build and import on
-current torch, Pillow and without apex/ray (``provenance.json`` lists every patch and why), on two stored
-synthetic images (120×160, and 96×210, which hits the 1000-pixel cap). No checkpoint can be downloaded, so the
-weights are a seeded random state dict in MILVLG's key layout (``golden_state`` in the generator, imported here
-and checked against the stored per-tensor sums), written as a MILVLG ``.pth`` — with the Caffe anchor table as
-``cell_anchors.0``, as their released files carry it — and loaded by retr's strict checkpoint loader, the way a
-user's file enters. retr's extractor then runs on the same pixels (``preprocess_bgr`` of the stored arrays; their
-side read them back from lossless PNGs).
+``--min-max-boxes 36,36``: short side 600, long side ≤ 1000, 6000 proposals, NMS 0.7, ROIPool 14×14, class NMS 0.3,
+confidence 0.2, 36 boxes; the 300 proposals kept after NMS lowered to 100 with their config option, the generator's
+``POST_NMS_TOPK``, since res5 on every proposal is this test's cost) on detectron2 v0.2.1, on the CPU in float32,
+patched only to build and import on current torch, Pillow and without apex/ray (``provenance.json`` lists every
+patch and why), on two stored synthetic images (120×160, and 96×210, which hits the 1000-pixel cap). No checkpoint
+can be downloaded, so the weights are a seeded random state dict in MILVLG's key layout (``golden_state`` in the
+generator, imported here and checked against the stored per-tensor sums), written as a MILVLG ``.pth`` — with the
+Caffe anchor table as ``cell_anchors.0``, as their released files carry it — and loaded by retr's strict checkpoint
+loader, the way a user's file enters. retr's extractor then runs on the same pixels (``preprocess_bgr`` of the
+stored arrays; their side read them back from lossless PNGs).
 
 Compared per image: the resize scale (exact); all 100 proposals in their order (resized pixels); for every
 proposal the best object and attribute class (exact) and its probability; the 36 kept boxes — which proposals,
 in which order (exact) — their boxes in original pixels, object/attribute ids (exact) and confidences, and the
 36×2048 features.
 
-Tolerances. Both sides compute in float32 on the CPU with the same kinds of operators on the same weights, but
-not the same arithmetic: MILVLG subtracts the means in float64 before the float32 cast (retr in float32), its
-res4/res5 norms are ``nn.BatchNorm2d`` in eval mode (retr folds every norm as ``FrozenBatchNorm2d``), its box
-decode and NMS order their float32 operations differently. So the results agree to float32 rounding grown
-through ~100 layers, not bitwise. Measured on this machine with OMP_NUM_THREADS 1, 2 and 4 (2026-11-25, 100
-proposals): proposals ≤ 1.1e-3 px (resized boxes up to 1000 px: a few float32 ulps), kept boxes ≤ 2.0e-4
-original px, probabilities ≤ 5.5e-6, features ≤ 5.7e-6 absolute on values up to ~26 (three ulps of the largest).
-Every proposal, its order, the best classes and the 36 kept boxes and their order are identical. (Their 100
-proposals and per-proposal classes are bit for bit the first 100 of their run with 300, whose figures this test
-compared before, at gaps ≤ 1.4e-3, 2.9e-4, 5.8e-6 and 3.9e-6.) The tolerances leave ~9–17× above those and are far below what a modelling error moves: a dropped "+1" in the box decode shifts
-boxes by ~0.5 px, ``roi_align`` for ``roi_pool`` or a wrong anchor centre changes features by O(1), a wrong
-softmax or attribute embedding changes probabilities by >1e-2. The weights were chosen so that no score ties or
-near-ties decide anything (see the generator): with saturated objectness (float32 ties at 1.0) the order of equal
-scores, unspecified in MILVLG's and Caffe's sorts, picked different proposals — a property of the weights, not a
-difference of the code.
+Tolerances. Both sides compute in float32 on the CPU with the same kinds of operators on the same weights, but not
+the same arithmetic: MILVLG subtracts the means in float64 before the float32 cast (retr in float32), its res4/res5
+norms are ``nn.BatchNorm2d`` in eval mode (retr folds every norm as ``FrozenBatchNorm2d``), its box decode and NMS
+order their float32 operations differently. So the results agree to float32 rounding grown through ~100 layers, not
+bitwise. Measured on this machine with OMP_NUM_THREADS 1, 2 and 4 (2026-11-25, 100 proposals): proposals ≤ 1.1e-3 px
+(resized boxes up to 1000 px: a few float32 ulps), kept boxes ≤ 2.0e-4 original px, probabilities ≤ 5.5e-6, features
+≤ 5.7e-6 absolute on values up to ~26 (three ulps of the largest). Every proposal, its order, the best classes and
+the 36 kept boxes and their order are identical. (Their 100 proposals and per-proposal classes are bit for bit the
+first 100 of their run with 300, whose figures this test compared before, at gaps ≤ 1.4e-3, 2.9e-4, 5.8e-6 and
+3.9e-6.) The tolerances leave ~9–17× above those and are far below what a modelling error moves: a dropped "+1" in
+the box decode shifts boxes by ~0.5 px, ``roi_align`` for ``roi_pool`` or a wrong anchor centre changes features by
+O(1), a wrong softmax or attribute embedding changes probabilities by >1e-2. The weights were chosen so that no
+score ties or near-ties decide anything (see the generator): with saturated objectness (float32 ties at 1.0) the
+order of equal scores, unspecified in MILVLG's and Caffe's sorts, picked different proposals — a property of the
+weights, not a difference of the code.
 """
 from __future__ import annotations
 

@@ -81,9 +81,9 @@ IMAGE_SEED = 7
 IMAGE_SHAPES = {"a": (120, 160), "b": (96, 210)}
 IMAGES = tuple(IMAGE_SHAPES)
 MIN_MAX_BOXES = 36
-#: proposals kept after the RPN's NMS: the config's 300, lowered with their own option (``MODEL.RPN.POST_NMS_TOPK_TEST``)
-#: because res5 on every proposal is the test's cost (300: 65 s of the suite's CPU time, 100: a third). The same code
-#: runs per proposal; the top 100 are the first 100 of the 300, in the same order.
+#: proposals kept after the RPN's NMS: the config's 300, lowered with their own option
+#: (``MODEL.RPN.POST_NMS_TOPK_TEST``) because res5 on every proposal is the test's cost (300: 65 s of the suite's CPU
+#: time, 100: a third). The same code runs per proposal; the top 100 are the first 100 of the 300, in the same order.
 POST_NMS_TOPK = 100
 
 BUA_PATCHES = [
