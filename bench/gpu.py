@@ -13,7 +13,8 @@ data and weights (random weights: the arithmetic of real ones, nothing to downlo
   ``agreement_min_cosine`` compares the loop's features with the baseline's, row by row.
 * ``butd`` — ``butd-regions`` detection of preprocessed images (:func:`retr.extractors.butd.model.run_detector`)
   ``--detector-batch`` images per forward, against one image per forward (the original's), with the largest
-  box and feature differences and the share of images that keep the same boxes (within 0.01 px).
+  box and feature differences and the share of images that keep the same boxes (within 0.01 px); on CUDA once
+  in exact float32 (the default) and once with ``--tf32``.
 * ``train`` (per model) — training steps as ``retr-train`` runs them (:func:`retr.trainers.training.loop.train_step` over
   the loop's :class:`CaptionBatches` loader; on CUDA: features held on the GPU, ``--preload gpu``, the fused
   optimiser, ``--amp bf16``; with ``--compile``, also compiled), in steps/s, against an authors'-style loop:
@@ -183,11 +184,12 @@ def bench_backbone(name: str, paths: list[str], device: torch.device, sizes: Siz
             "agreement_min_cosine": round(min_row_cosine(outputs["features"], base_features), 6)}
 
 
-def bench_butd(paths: list[str], device: torch.device, sizes: Sizes) -> dict:
-    """Batched ``butd-regions`` detection against one image per forward, on the same loaded images."""
+def bench_butd(paths: list[str], device: torch.device, sizes: Sizes, tf32: bool = False) -> dict:
+    """Batched ``butd-regions`` detection against one image per forward, on the same loaded images (``tf32``: the
+    ``--tf32`` option, TF32 convolutions on CUDA)."""
     from retr.extractors.base import build_extractor
 
-    extractor = build_extractor("butd-regions", weights="random", device=str(device), **sizes.butd)
+    extractor = build_extractor("butd-regions", weights="random", device=str(device), tf32=tf32, **sizes.butd)
     images = [extractor.load(path) for path in paths]
 
     def detect(batch_size: int):
@@ -207,7 +209,7 @@ def bench_butd(paths: list[str], device: torch.device, sizes: Sizes) -> dict:
                      for a, b, s in zip(one, batched, same))
     n = len(images)
     return {"bench": "gpu", "stage": "butd", "device": device_name(device), "images": n,
-            "detector_batch": sizes.detector_batch, "settings": sizes.butd or "the original's",
+            "detector_batch": sizes.detector_batch, "settings": sizes.butd or "the original's", "tf32": tf32,
             "images_per_s": round(n / t_batched, 2),
             "baseline": {"what": "one image per forward (the original's)", "images_per_s": round(n / t_one, 2)},
             "speedup": round(t_one / t_batched, 2), "same_boxes": f"{same_boxes}/{n}",
@@ -401,6 +403,8 @@ def run(stages: tuple[str, ...], device: torch.device, sizes: Sizes, autocast: s
                 yield bench_backbone(name, paths, device, sizes, autocast, workers)
         if "butd" in stages:
             yield bench_butd(paths, device, sizes)
+            if device.type == "cuda":                                   # TF32 exists on CUDA only
+                yield bench_butd(paths, device, sizes, tf32=True)
         if "train" in stages:
             for name in models:
                 yield from bench_train(name, Path(tmp), device, sizes, compile_too)

@@ -4,7 +4,8 @@ torch is imported when :func:`resolve_device` is called, not when this module is
 passes a device name along (the stanza backend) does not pay for torch at import time."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
 
 from retr.common.errors import ParameterError
 
@@ -32,3 +33,30 @@ def resolve_device(name: str | torch.device) -> torch.device:
         raise ParameterError(f"device {device} asked for, but CUDA is not available here (use device cpu)",
                              "device")
     return device
+
+
+@contextmanager
+def exact_float32() -> Iterator[None]:
+    """Inside: CUDA convolutions (cuDNN) and matrix products in full float32, never TF32; restored on exit.
+
+    PyTorch lets cuDNN convolutions use TF32 by default (10-bit mantissas on Ampere and later GPUs). Where a
+    discrete choice follows the arithmetic (the detector's top-k, NMS and box selection), that rounding chooses
+    other boxes for one image alone than for the same image in a batch (docs/butd.md, TF32). No effect on a CPU."""
+    import torch
+
+    backends = torch.backends
+    if hasattr(backends.cudnn, "conv"):     # torch >= 2.9: per-backend precisions (mixing in the old flags breaks them)
+        settings = [(backends.cudnn.conv, "fp32_precision"), (backends.cudnn.rnn, "fp32_precision"),
+                    (backends.cuda.matmul, "fp32_precision")]
+        exact = "ieee"
+    else:
+        settings = [(backends.cudnn, "allow_tf32"), (backends.cuda.matmul, "allow_tf32")]
+        exact = False
+    saved = [getattr(owner, name) for owner, name in settings]
+    for owner, name in settings:
+        setattr(owner, name, exact)
+    try:
+        yield
+    finally:
+        for (owner, name), value in zip(settings, saved):
+            setattr(owner, name, value)

@@ -144,6 +144,38 @@ def test_run_detector_moves_images_to_the_models_device_and_dtype(detector, imag
         run_detector(detector, images, SCALES, batch_size=0)
 
 
+def _tf32_settings() -> tuple:
+    """The convolution and matrix-product precisions in force (per-backend on torch >= 2.9, else the flags)."""
+    b = torch.backends
+    if hasattr(b.cudnn, "conv"):
+        return b.cudnn.conv.fp32_precision, b.cuda.matmul.fp32_precision
+    return b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32
+
+
+def test_detection_is_exact_float32_unless_tf32_is_asked_for(detector, images):
+    """On an H200, TF32 convolutions (PyTorch's default) made a batch keep other boxes than its images alone, in
+    every image; in float32 the two were bitwise equal (docs/butd.md, TF32). So the detector runs with TF32 off
+    unless ``tf32``; seen here through the settings in force at its first convolution and its last linear layer
+    (a CPU ignores them; CUDA's arithmetic follows them)."""
+    exact = ("ieee", "ieee") if hasattr(torch.backends.cudnn, "conv") else (False, False)
+    seen: list[tuple] = []
+    hooks = [module.register_forward_pre_hook(lambda *_: seen.append(_tf32_settings()))
+             for module in (detector.backbone.stem.conv1, detector.roi_heads.box_predictor.attr_linear2)]
+    outside = _tf32_settings()
+    try:
+        for batch_size in (1, 2):
+            seen.clear()
+            run_detector(detector, [images[3], images[3]], [SCALES[3]] * 2, batch_size=batch_size)
+            assert seen and set(seen) == {exact}, batch_size
+        seen.clear()
+        run_detector(detector, [images[3]], [SCALES[3]], tf32=True)
+        assert seen and set(seen) == {outside} and outside != exact
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert _tf32_settings() == outside
+
+
 def _random_case(rng: np.random.Generator, num_boxes: int, num_classes: int, sharpness: float):
     xy = rng.uniform(0, 150, size=(num_boxes, 2))
     wh = rng.uniform(4, 60, size=(num_boxes, 2))
@@ -199,6 +231,7 @@ def test_detector_batch_option_default_record_and_refusal(images):
     fast = dict(weights="random", short_side=96, max_side=128, pre_nms_topk=600, post_nms_topk=40, pooled_size=7)
     extractor = build_butd_regions(**fast)
     assert extractor.detector_batch == 1 and extractor.attrs()["detector_batch"] == 1     # CPU default
+    assert extractor.attrs()["tf32"] is False and build_butd_regions(**fast, tf32=True).attrs()["tf32"] is True
     batched = build_butd_regions(**fast, detector_batch=3)                 # groups of 3 and 1
     assert batched.attrs()["detector_batch"] == 3
     batch = [CaffeImage(image, scale, (int(image.shape[-2] / scale), int(image.shape[-1] / scale)))
@@ -223,3 +256,4 @@ def test_detector_batch_is_a_command_line_option_with_its_default():
     result = CliRunner().invoke(extract_command, ["--help"], terminal_width=200)
     assert result.exit_code == 0
     assert "--detector-batch" in result.output and "default 4 on CUDA, 1 on" in " ".join(result.output.split())
+    assert "--tf32" in result.output and "default: exact float32" in " ".join(result.output.split())

@@ -265,3 +265,16 @@ def test_absent_weights_say_which_and_how_to_fetch(grid, tmp_path, monkeypatch):
         writer.append(["x"], np.zeros((1, 36, 2048), np.float32))
     with pytest.raises(MissingResourceError, match="fetch-weights butd"):
         search_images.resolve_weights(FeatureSet(path))
+
+
+def test_butd_tf32_choice_is_rebuilt_from_the_feature_set(tmp_path):
+    """``--tf32`` changes which boxes CUDA keeps (docs/butd.md, TF32), so a new image is detected as the set was."""
+    from retr.extractors.butd.model import DetectorSettings
+    attrs = {"kind": "regions", "extractor": "butd-regions", "backbone": "x", "weights": "random",
+             "image_size": "600", "short_side": 600, "max_side": 1000, "exif_orientation": False,
+             "detector_settings": json.dumps(DetectorSettings().__dict__), "min_boxes": 36, "max_boxes": 36,
+             "conf_threshold": 0.2, "detector_batch": 4, "manifest_sha256": "0" * 64}
+    name, options = extraction_options(_set_with(tmp_path, {**attrs, "tf32": True}, "tf32"))
+    assert name == "butd-regions" and options["tf32"] is True and options["detector_batch"] == 4
+    _, older = extraction_options(_set_with(tmp_path, attrs, "older"))
+    assert "tf32" not in older                  # made before the option: the builder's default, exact float32

@@ -79,7 +79,8 @@ class BottomUpRegionExtractor(Extractor):
     """Caffe preprocessing in workers, the detector and generate_tsv's selection in the main process.
 
     ``weights``: ``random``, a ``.pth``/``.pkl`` path, or None for :data:`DEFAULT_CHECKPOINT`; ``detector_batch``:
-    images per forward (None: :data:`DEFAULT_DETECTOR_BATCH` of the device). Settings: docs/butd.md."""
+    images per forward (None: :data:`DEFAULT_DETECTOR_BATCH` of the device); ``tf32``: let CUDA use TF32 (faster,
+    not the exact float32 of the default). Settings: docs/butd.md."""
 
     name = "butd-regions"
     kind = "regions"
@@ -88,7 +89,7 @@ class BottomUpRegionExtractor(Extractor):
                  settings: DetectorSettings = DetectorSettings(), short_side: int = SHORT_SIDE,
                  max_side: int = MAX_SIDE, exif_orientation: bool = False, object_vocab: str | None = None,
                  attr_vocab: str | None = None, allow_partial: bool = False, trust_checkpoint: bool = False,
-                 detector_batch: int | None = None):
+                 detector_batch: int | None = None, tf32: bool = False):
         opencv()  # the pipeline extra, checked here: DataLoader workers read the images with it
         if detector_batch is not None and detector_batch < 1:
             raise ParameterError(f"detector_batch must be at least 1, not {detector_batch}", "detector_batch")
@@ -106,6 +107,7 @@ class BottomUpRegionExtractor(Extractor):
         self.half = bool(half)
         self.device = resolve_device(device, self.half)
         self.requested_detector_batch = detector_batch
+        self.tf32 = bool(tf32)
         self.settings = settings
         self.short_side, self.max_side, self.exif_orientation = short_side, max_side, bool(exif_orientation)
         self.object_names = read_vocab(object_vocab, NUM_OBJECTS, "object") if object_vocab else None
@@ -144,7 +146,7 @@ class BottomUpRegionExtractor(Extractor):
             "preprocessing": "Caffe: BGR, minus pixel means [102.9801, 115.9465, 122.7717], bilinear resize",
             "exif_orientation": self.exif_orientation, "half": self.half,
             "detector_settings": json.dumps(s.__dict__, sort_keys=True),
-            "detector_batch": self.detector_batch,
+            "detector_batch": self.detector_batch, "tf32": self.tf32,
             "min_boxes": s.min_boxes, "max_boxes": s.max_boxes, "conf_threshold": s.conf_threshold,
             "object_ids_base": "0-based into the 1600 Visual Genome objects (network class id - 1)",
             "attr_ids_base": "0-based into the 400 Visual Genome attributes (network attribute id - 1)",
@@ -186,7 +188,7 @@ class BottomUpRegionExtractor(Extractor):
         """The kept regions of each image, ``batch_size`` (default :attr:`detector_batch`) per forward; tensors
         stay on the device (see :func:`retr.extractors.butd.model.run_detector`)."""
         return run_detector(self.network, [image.pixels for image in images], [image.scale for image in images],
-                            self.detector_batch if batch_size is None else batch_size)
+                            self.detector_batch if batch_size is None else batch_size, tf32=self.tf32)
 
     def extract(self, batch: list[CaffeImage]) -> dict[str, np.ndarray]:
         k, b = self.settings.max_boxes, len(batch)
@@ -216,7 +218,8 @@ def build_butd_regions(weights: str | None = None, device: str = "cpu", half: bo
                        pre_nms_topk: int = 6000, post_nms_topk: int = 300, pooled_size: int = 14,
                        object_vocab: str | None = None, attr_vocab: str | None = None,
                        allow_partial: bool = False, trust_checkpoint: bool = False,
-                       detector_batch: int | None = None, **unused: Any) -> BottomUpRegionExtractor:
+                       detector_batch: int | None = None, tf32: bool = False,
+                       **unused: Any) -> BottomUpRegionExtractor:
     """Bottom-up-attention regions; defaults are the original's (600/1000, 6000/300, 14×14 pool, 36/36, 0.2).
 
     Smaller sizes are speed options (the demo's); other extractors' options are refused unless None."""
@@ -228,4 +231,4 @@ def build_butd_regions(weights: str | None = None, device: str = "cpu", half: bo
     return BottomUpRegionExtractor(weights=weights, device=device, half=half, settings=settings,
                                    short_side=short_side, max_side=max_side, exif_orientation=exif_orientation,
                                    object_vocab=object_vocab, attr_vocab=attr_vocab, allow_partial=allow_partial,
-                                   trust_checkpoint=trust_checkpoint, detector_batch=detector_batch)
+                                   trust_checkpoint=trust_checkpoint, detector_batch=detector_batch, tf32=tf32)

@@ -1,12 +1,14 @@
 """The whole bottom-up-attention detector: backbone → proposals → region head → generate_tsv selection."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 
+from retr.common.devices import exact_float32
 from retr.extractors.butd.anchors import caffe_cell_anchors
 from retr.extractors.butd.batching import pad_images
 from retr.extractors.butd.backbone import ResNetC4
@@ -117,21 +119,25 @@ class BottomUpAttention(nn.Module):
 
 @torch.no_grad()
 def run_detector(model: BottomUpAttention, images: Sequence[torch.Tensor], scales: Sequence[float],
-                 batch_size: int = 1) -> list[Regions]:
+                 batch_size: int = 1, tf32: bool = False) -> list[Regions]:
     """One :class:`Regions` per image (on the model's device), ``batch_size`` images per forward (1: the original's
-    one-image :meth:`BottomUpAttention.forward`)."""
+    one-image :meth:`BottomUpAttention.forward`).
+
+    On CUDA the float32 arithmetic is exact (:func:`~retr.common.devices.exact_float32`) unless ``tf32``: TF32
+    convolutions let a batch keep other boxes than its images alone (docs/butd.md, TF32)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
     if len(images) != len(scales):
         raise ValueError(f"{len(images)} images but {len(scales)} scales")
     parameter = next(model.parameters())
     inputs = [image.to(parameter.device, dtype=parameter.dtype) for image in images]
-    if batch_size == 1:
-        return [model(image, scale) for image, scale in zip(inputs, scales)]
-    regions: list[Regions] = []
-    for start in range(0, len(inputs), batch_size):
-        regions += model.forward_batch(inputs[start:start + batch_size], list(scales[start:start + batch_size]))
-    return regions
+    with nullcontext() if tf32 else exact_float32():
+        if batch_size == 1:
+            return [model(image, scale) for image, scale in zip(inputs, scales)]
+        regions: list[Regions] = []
+        for start in range(0, len(inputs), batch_size):
+            regions += model.forward_batch(inputs[start:start + batch_size], list(scales[start:start + batch_size]))
+        return regions
 
 
 def empty_detector(settings: DetectorSettings = DetectorSettings(),

@@ -31,7 +31,7 @@ ImageInput = Union[str, os.PathLike, bytes, "Image.Image"]
 #: file suffixes a folder of images is read for
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 #: builder options that say how to run, not what comes out (set from the device or the recorded weights)
-RUNTIME_OPTIONS = {"device", "weights", "half", "decode", "autocast", "channels_last", "detector_batch",
+RUNTIME_OPTIONS = {"device", "weights", "half", "decode", "autocast", "channels_last", "detector_batch", "tf32",
                    "object_vocab", "attr_vocab", "allow_partial", "trust_checkpoint"}
 
 
@@ -71,7 +71,7 @@ def extraction_options(feature_set: FeatureSet) -> tuple[str, dict[str, Any]]:
                         f"new image cannot be embedded as its rows were; re-extract it with retr-pipeline extract")
     options = {key: _plain(recorded[key]) for key in wanted}
     options["half"] = bool(recorded.get("half_precision", recorded.get("half", False)))
-    for key in ("autocast", "channels_last", "decode", "detector_batch"):
+    for key in ("autocast", "channels_last", "decode", "detector_batch", "tf32"):
         if key in declared_options(name) and key in recorded:
             options[key] = _plain(recorded[key])
     return name, options
