@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneD
 
 # speed settings (30 proposals: the res5 head on every proposal is most of the time); min_boxes 20 > the proposals
 # of the 40×52 image (11), so that it yields fewer rows
-SETTINGS = DetectorSettings(pre_nms_topk=600, post_nms_topk=30, pooled_size=7, min_boxes=20, max_boxes=36)
+SETTINGS = DetectorSettings(pre_nms_topk=600, post_nms_topk=30, pooled_size=7, min_boxes=20, max_boxes=30)
 # (h, w): landscape, portrait, square, tiny; the batch's largest height and width come from different images;
 # width 106 = 16·6 + 10 makes an ROI's last bin reach one res4 cell past the image (clipped there, zero here)
 SIZES = [(97, 130), (150, 88), (64, 106), (40, 52)]
@@ -54,6 +54,19 @@ def images() -> list[torch.Tensor]:
         coarse = torch.randn(1, 3, h // 8 + 2, w // 8 + 2, generator=generator) * 60.0
         out.append(torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear")[0])
     return out
+
+
+@pytest.fixture(scope="module")
+def alone(detector, images) -> list:
+    """Each image's one-image forward (the original's path), with oneDNN off and one thread (see
+    :func:`one_thread`): what the bitwise checks compare a batch with."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.backends.mkldnn.flags(enabled=False):
+            return [detector(image, scale) for image, scale in zip(images, SCALES)]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_stage_sizes_are_those_of_the_one_image_forward():
@@ -98,10 +111,10 @@ def test_masks_are_what_makes_padded_res4_exact(detector, images):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
-def test_batched_detector_equals_one_image_at_a_time_bitwise(detector, images):
+def test_batched_detector_equals_one_image_at_a_time_bitwise(detector, images, alone):
     """All four images in one padded forward (groups: see the extractor test) against each alone."""
+    one = alone
     with torch.backends.mkldnn.flags(enabled=False):
-        one = [detector(image, scale) for image, scale in zip(images, SCALES)]
         batched = detector.forward_batch(images, SCALES)
     assert [len(r.boxes) for r in one] == [20, 20, 20, 11]       # min_boxes, and fewer proposals than that
     assert (one[2].boxes[:, 2] == 105).any()                     # kept boxes reach the 16k+10 edge (scale 1)
@@ -224,26 +237,36 @@ def test_box_choice_of_a_batch_reads_nothing_back_from_the_device():
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
-def test_detector_batch_option_default_record_and_refusal(images):
+def test_detector_batch_option_default_record_and_refusal(detector, images, alone):
+    """The extractor in groups of 3 and 1 gives, bit for bit, the arrays of each image's one-image forward."""
     from retr.extractors.butd.extractor import BottomUpRegionExtractor, build_butd_regions
     from retr.extractors.butd.preprocess import CaffeImage
 
-    fast = dict(weights="random", short_side=96, max_side=128, pre_nms_topk=600, post_nms_topk=40, pooled_size=7)
+    fast = dict(weights="random", pre_nms_topk=600, post_nms_topk=30, pooled_size=7, min_boxes=20, max_boxes=30)
     extractor = build_butd_regions(**fast)
     assert extractor.detector_batch == 1 and extractor.attrs()["detector_batch"] == 1     # CPU default
     assert extractor.attrs()["tf32"] is False and build_butd_regions(**fast, tf32=True).attrs()["tf32"] is True
     batched = build_butd_regions(**fast, detector_batch=3)                 # groups of 3 and 1
     assert batched.attrs()["detector_batch"] == 3
+    # the settings and (seeded) random weights of the `detector` fixture, so `alone` is this extractor's own path
+    assert batched.settings == SETTINGS
+    reference = detector.state_dict()
+    assert all(torch.equal(value, reference[key]) for key, value in batched.network.state_dict().items())
     batch = [CaffeImage(image, scale, (int(image.shape[-2] / scale), int(image.shape[-1] / scale)))
              for image, scale in zip(images, SCALES)]
     with torch.backends.mkldnn.flags(enabled=False):
-        one, together = extractor.extract(batch), batched.extract(batch)
-    assert one.keys() == together.keys()
-    for key in one:
-        assert np.array_equal(one[key], together[key]), key
-    assert one["object_ids"].dtype == np.int32 and one["num_boxes"].max() == 36
-    few = int(np.argmin(one["num_boxes"]))                 # the 40×52 image has fewer proposals than 36
-    assert one["num_boxes"][few] < 36 and not one["features"][few, one["num_boxes"][few]:].any()
+        together = batched.extract(batch)
+    assert together["object_ids"].dtype == np.int32 and together["features"].shape == (4, 30, 2048)
+    assert together["num_boxes"].tolist() == [len(r.boxes) for r in alone] == [20, 20, 20, 11]
+    for i, r in enumerate(alone):
+        n = len(r.boxes)
+        expected = {"features": r.features, "boxes": r.boxes, "object_conf": r.cls_prob[:, 1:].max(1).values,
+                    "object_ids": r.cls_prob[:, 1:].argmax(1), "attr_conf": r.attr_prob[:, 1:].max(1).values,
+                    "attr_ids": r.attr_prob[:, 1:].argmax(1)}
+        for key, value in expected.items():
+            assert np.array_equal(together[key][i, :n], value.numpy()), (i, key)
+            assert not together[key][i, n:].any(), (i, key)                # rows past num_boxes are zeros
+        assert together["image_hw"][i].tolist() == list(batch[i].original_hw)
     with pytest.raises(ParameterError, match="detector_batch"):
         BottomUpRegionExtractor(weights="random", detector_batch=0)
 
