@@ -41,7 +41,7 @@ from retr.extractors.base import register
 from retr.extractors.images import check_aspect, decode_image, normalize_uint8, to_normalized_tensor
 from retr.extractors.timm_weights import (cached_hub_file, download_hub_file, missing_hub_weights,
                                           read_weights_file)
-from retr.extractors.weights import RANDOM_SEED, LoadedWeights, load_checked
+from retr.extractors.weights import RANDOM_SEED, LoadedWeights, load_checked, seeded_random_model
 
 #: extractor name → open_clip architecture
 FAMILY = {"clip-vit-b-32": "ViT-B-32", "clip-vit-b-16": "ViT-B-16", "clip-vit-l-14": "ViT-L-14",
@@ -108,7 +108,7 @@ def build_clip(arch: str, weights: str) -> tuple[nn.Module, LoadedWeights]:
         raise ParameterError(f"{arch!r} is not a CLIP architecture retr knows ({', '.join(FAMILY.values())})", "arch")
     path, quick_gelu = Path(weights), True
     if weights == "random":
-        model = _create(arch, True)
+        model = seeded_random_model(("open_clip", arch), lambda: _create(arch, True))
         name, attrs = "random", {"weights_seed": RANDOM_SEED}
     elif path.is_file():
         model = _create(arch, True)

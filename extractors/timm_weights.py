@@ -15,7 +15,8 @@ from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.common.hashing import sha256_file
 from retr.common.optional import require
-from retr.extractors.weights import RANDOM_SEED, LoadedWeights, first_line, load_checked, read_state_dict
+from retr.extractors.weights import (RANDOM_SEED, LoadedWeights, first_line, load_checked, read_state_dict,
+                                     seeded_random_model)
 
 #: The tag ``--weights imagenet`` means (timm's default for ``inception_resnet_v2``).
 TIMM_DEFAULT_TAG = "tf_in1k"
@@ -140,9 +141,9 @@ def build_timm_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] 
     mean, std = _normalisation(arch)
     head = tuple(unused_prefixes)
     if weights == "random":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(RANDOM_SEED)
-            model = _timm().create_model(arch, pretrained=False, num_classes=0, **builder_options)
+        model = seeded_random_model(("timm", arch, *sorted(builder_options.items())),
+                                    lambda: _timm().create_model(arch, pretrained=False, num_classes=0,
+                                                                 **builder_options))
         return model.eval(), LoadedWeights("random", {"weights_seed": RANDOM_SEED}, mean, std)
     path = Path(weights)
     tag = TIMM_DEFAULT_TAG if weights == "imagenet" else weights.removeprefix(f"{arch}.")

@@ -4,10 +4,12 @@
 Cache, mirror and offline behaviour: docs/extraction.md ("Options of retr-pipeline extract", "Downloads")."""
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import sys
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -66,9 +68,8 @@ def build_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] = (),
     builder with ``weights=None`` (e.g. ``zero_init_residual``)."""
     builder: Callable[..., nn.Module] = tvm.get_model_builder(arch)
     if weights == "random":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(RANDOM_SEED)
-            model = builder(weights=None, **builder_options)
+        model = seeded_random_model(("torchvision", arch, *sorted(builder_options.items())),
+                                    lambda: builder(weights=None, **builder_options))
         from retr.extractors.images import IMAGENET_MEAN, IMAGENET_STD
         loaded = LoadedWeights("random", {"weights_seed": RANDOM_SEED}, IMAGENET_MEAN, IMAGENET_STD)
     elif is_enum_spec(weights) and not Path(weights).exists():
@@ -136,6 +137,28 @@ def _skeleton(builder: Callable[..., nn.Module]) -> nn.Module:
     overwrites (VGG-19's 144M parameters take seconds to initialise)."""
     with torch.device("meta"):
         return builder(weights=None)
+
+
+#: the last :data:`RANDOM_MODELS_KEPT` random models made (key → a private copy, on the CPU)
+_RANDOM_MODELS: OrderedDict[tuple, nn.Module] = OrderedDict()
+#: how many random models a process keeps (VGG-19's weights are 575 MB)
+RANDOM_MODELS_KEPT = 2
+
+
+def seeded_random_model(key: tuple, make: Callable[[], nn.Module]) -> nn.Module:
+    """``make()`` under :data:`RANDOM_SEED` (the caller's random state untouched), made once per process: a later
+    call with the same ``key`` gets a copy of the same tensors instead of initialising again (ResNet-152 and VGG
+    take 1–2 s on a CPU; tests and benchmarks build them dozens of times)."""
+    kept = _RANDOM_MODELS.get(key)
+    if kept is None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_SEED)
+            kept = make()
+        _RANDOM_MODELS[key] = kept
+        while len(_RANDOM_MODELS) > RANDOM_MODELS_KEPT:
+            _RANDOM_MODELS.popitem(last=False)
+    _RANDOM_MODELS.move_to_end(key)
+    return copy.deepcopy(kept)
 
 
 def _materialise_leftovers(model: nn.Module) -> None:

@@ -506,3 +506,36 @@ def test_only_the_coco_preset_runs_it():
     from retr.manifests.presets import get_preset
     assert get_preset("coco").extractors[-1] == "tencrop-irv2"
     assert "tencrop-irv2" not in get_preset("f30k").extractors + get_preset("synthetic").extractors
+
+
+def test_random_weights_are_made_once_and_each_build_gets_its_own_copy(monkeypatch):
+    """``--weights random`` is the same seeded initialisation every time; a process makes it once per
+    architecture (weights.seeded_random_model) and hands out copies, keeping at most RANDOM_MODELS_KEPT."""
+    from retr.extractors import weights
+
+    monkeypatch.setattr(weights, "_RANDOM_MODELS", weights.OrderedDict())
+    made = []
+    real = torchvision.models.resnet18
+
+    def counting(**options):
+        made.append(options)
+        return real(**options)
+    monkeypatch.setattr(weights.tvm, "get_model_builder", lambda arch: counting)
+    state = torch.random.get_rng_state()
+    first, _ = weights.build_backbone("resnet18", "random")
+    second, loaded = weights.build_backbone("resnet18", "random")
+    assert len(made) == 1 and loaded.name == "random" and not second.training
+    assert torch.equal(torch.random.get_rng_state(), state)              # the caller's random state untouched
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), name  # equal values, separate storage
+    with torch.no_grad():
+        first.fc.weight.zero_()                                          # one copy changed …
+    assert second.fc.weight.abs().sum() > 0                              # … leaves the others alone
+    third, _ = weights.build_backbone("resnet18", "random", zero_init_residual=True)   # other options: made anew
+    assert len(made) == 2 and made[-1] == {"weights": None, "zero_init_residual": True}
+    weights.build_backbone("resnet18", "random", zero_init_residual=False)
+    assert len(weights._RANDOM_MODELS) == weights.RANDOM_MODELS_KEPT == 2
+    weights._RANDOM_MODELS.clear()                                       # a fresh initialisation: the same values
+    fresh, _ = weights.build_backbone("resnet18", "random")
+    for (name, a), b in zip(fresh.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b), name
