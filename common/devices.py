@@ -1,4 +1,5 @@
-"""Device names → ``torch.device``: one resolver for extraction, parsing and training.
+"""Device names → ``torch.device``: one resolver for extraction, parsing and training; and
+:func:`exact_float32`, CUDA arithmetic without TF32 where a discrete choice follows it.
 
 torch is imported when :func:`resolve_device` is called, not when this module is imported, so a module that only
 passes a device name along (the stanza backend) does not pay for torch at import time."""
@@ -41,7 +42,12 @@ def exact_float32() -> Iterator[None]:
 
     PyTorch lets cuDNN convolutions use TF32 by default (10-bit mantissas on Ampere and later GPUs). Where a
     discrete choice follows the arithmetic (the detector's top-k, NMS and box selection), that rounding chooses
-    other boxes for one image alone than for the same image in a batch (docs/butd.md, TF32). No effect on a CPU."""
+    other boxes for one image alone than for the same image in a batch (docs/butd.md, TF32). No effect on a CPU.
+
+    The settings are process-wide, so this is not for threads running CUDA work side by side. On torch >= 2.9 it
+    sets torch's per-backend precisions (the older ``allow_tf32`` flags, mixed in, make torch refuse to read
+    either); inside, reading ``torch.backends.cudnn.allow_tf32`` raises, and on exit each setting gets back the
+    value it read as on entry (one that followed its parent's then keeps that value)."""
     import torch
 
     backends = torch.backends

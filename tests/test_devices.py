@@ -1,4 +1,5 @@
-"""retr.common.devices.resolve_device: the one device resolver of extraction, parsing and training."""
+"""retr.common.devices: resolve_device, the one device resolver of extraction, parsing and training, and
+exact_float32."""
 from __future__ import annotations
 
 import functools
@@ -45,7 +46,6 @@ def test_importing_the_module_does_not_import_torch():
     code = "import sys, retr.common.devices, retr.parsers.backends; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
-
 
 
 def _precisions():

@@ -27,9 +27,9 @@ bitwise. Measured on this machine with OMP_NUM_THREADS 1, 2 and 4 (2026-11-26, 5
 ≤ 4.3e-6 absolute on values up to ~25 (two ulps of the largest). Every proposal, its order, the best classes and
 the 36 kept boxes and their order are identical. (Their 50 proposals and per-proposal classes are bit for bit the
 first 50 of their runs with 100 and 300, whose figures this test compared before, at gaps ≤ 1.1e-3, 2.0e-4, 5.5e-6,
-5.7e-6 and ≤ 1.4e-3, 2.9e-4, 5.8e-6, 3.9e-6.) The tolerances leave ~10–23× above those and are far below what a modelling error moves: a dropped "+1" in
-the box decode shifts boxes by ~0.5 px, ``roi_align`` for ``roi_pool`` or a wrong anchor centre changes features by
-O(1), a wrong softmax or attribute embedding changes probabilities by >1e-2. The weights were chosen so that no
+5.7e-6 and ≤ 1.4e-3, 2.9e-4, 5.8e-6, 3.9e-6.) The tolerances leave ~9–23× above those and are far below what a
+modelling error moves: a dropped "+1" in the box decode shifts boxes by ~0.5 px, ``roi_align`` for ``roi_pool`` or a
+wrong anchor centre changes features by O(1), a wrong softmax or attribute embedding changes probabilities by >1e-2. The weights were chosen so that no
 score ties or near-ties decide anything (see the generator): with saturated objectness (float32 ties at 1.0) the
 order of equal scores, unspecified in MILVLG's and Caffe's sorts, picked different proposals — a property of the
 weights, not a difference of the code.

@@ -277,4 +277,4 @@ def test_butd_tf32_choice_is_rebuilt_from_the_feature_set(tmp_path):
     name, options = extraction_options(_set_with(tmp_path, {**attrs, "tf32": True}, "tf32"))
     assert name == "butd-regions" and options["tf32"] is True and options["detector_batch"] == 4
     _, older = extraction_options(_set_with(tmp_path, attrs, "older"))
-    assert "tf32" not in older                  # made before the option: the builder's default, exact float32
+    assert older["tf32"] is False               # made before it was recorded: read as exact float32

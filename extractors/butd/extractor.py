@@ -107,7 +107,7 @@ class BottomUpRegionExtractor(Extractor):
         self.half = bool(half)
         self.device = resolve_device(device, self.half)
         self.requested_detector_batch = detector_batch
-        self.tf32 = bool(tf32)
+        self.tf32 = bool(tf32)                      # asked for; recorded as what runs (CUDA only, see attrs)
         self.settings = settings
         self.short_side, self.max_side, self.exif_orientation = short_side, max_side, bool(exif_orientation)
         self.object_names = read_vocab(object_vocab, NUM_OBJECTS, "object") if object_vocab else None
@@ -146,7 +146,7 @@ class BottomUpRegionExtractor(Extractor):
             "preprocessing": "Caffe: BGR, minus pixel means [102.9801, 115.9465, 122.7717], bilinear resize",
             "exif_orientation": self.exif_orientation, "half": self.half,
             "detector_settings": json.dumps(s.__dict__, sort_keys=True),
-            "detector_batch": self.detector_batch, "tf32": self.tf32,
+            "detector_batch": self.detector_batch, "tf32": self.tf32 and self.device.type == "cuda",
             "min_boxes": s.min_boxes, "max_boxes": s.max_boxes, "conf_threshold": s.conf_threshold,
             "object_ids_base": "0-based into the 1600 Visual Genome objects (network class id - 1)",
             "attr_ids_base": "0-based into the 400 Visual Genome attributes (network attribute id - 1)",

@@ -74,7 +74,8 @@ class BottomUpAttention(nn.Module):
 
     @torch.no_grad()
     def forward(self, image: torch.Tensor, scale: float) -> Regions:
-        """Detect and keep the regions ``generate_tsv`` keeps (see :mod:`retr.extractors.butd.selection`)."""
+        """Detect and keep the regions ``generate_tsv`` keeps (see :mod:`retr.extractors.butd.selection`). In the
+        precision torch is set to: :func:`run_detector` makes CUDA's exact."""
         s = self.settings
         proposals, features, cls_prob, attr_prob = self.detect(image, scale)
         boxes = proposals / scale

@@ -148,6 +148,7 @@ BUTD = FeatureProvenance(
     {"weights": OneOf(("bua-caffe-frcn-r101-k36.pth sha256:",), "the bottom-up-attention fix36 Caffe model "
                       "(MILVLG's bua-caffe-frcn-r101-k36.pth, docs/butd.md)", prefix=True),
      "short_side": 600, "max_side": 1000, "min_boxes": 36, "max_boxes": 36, "conf_threshold": 0.2, "half": False,
+     "tf32": False,
      "detector_settings.pre_nms_topk": 6000, "detector_settings.post_nms_topk": 300,
      "detector_settings.pooled_size": 14, "detector_settings.rpn_nms_threshold": 0.7,
      "detector_settings.class_nms_threshold": 0.3},

@@ -367,7 +367,8 @@ def features_summary(attrs: dict) -> dict:
     """What the report records of the feature set used (its attributes ``attrs``): extractor, weights (with the
     sha256 extraction recorded), source when imported, and the extraction settings."""
     keys = ("extractor", "weights", "source", "image_size", "short_side", "max_side", "detector_settings",
-            "min_boxes", "max_boxes", "half", "half_precision", "autocast", "decode", "manifest_sha256")
+            "min_boxes", "max_boxes", "half", "half_precision", "autocast", "decode", "tf32", "detector_batch",
+            "manifest_sha256")
     return {k: attrs[k] for k in keys if k in attrs}
 
 
