@@ -533,7 +533,7 @@ def test_random_weights_are_made_once_and_each_build_gets_its_own_copy(monkeypat
     assert second.fc.weight.abs().sum() > 0                              # … leaves the others alone,
     again, _ = weights.build_backbone("resnet18", "random")
     assert len(made) == 1 and torch.equal(again.fc.weight, second.fc.weight)   # the kept one too
-    third, _ = weights.build_backbone("resnet18", "random", zero_init_residual=True)   # other options: made anew
+    weights.build_backbone("resnet18", "random", zero_init_residual=True)          # other options: made anew
     assert len(made) == 2 and made[-1] == {"weights": None, "zero_init_residual": True}
     weights.build_backbone("resnet18", "random", zero_init_residual=False)
     assert len(weights._RANDOM_MODELS) == weights.RANDOM_MODELS_KEPT == 2

@@ -29,10 +29,10 @@ the 36 kept boxes and their order are identical. (Their 50 proposals and per-pro
 first 50 of their runs with 100 and 300, whose figures this test compared before, at gaps ≤ 1.1e-3, 2.0e-4, 5.5e-6,
 5.7e-6 and ≤ 1.4e-3, 2.9e-4, 5.8e-6, 3.9e-6.) The tolerances leave ~9–23× above those and are far below what a
 modelling error moves: a dropped "+1" in the box decode shifts boxes by ~0.5 px, ``roi_align`` for ``roi_pool`` or a
-wrong anchor centre changes features by O(1), a wrong softmax or attribute embedding changes probabilities by >1e-2. The weights were chosen so that no
-score ties or near-ties decide anything (see the generator): with saturated objectness (float32 ties at 1.0) the
-order of equal scores, unspecified in MILVLG's and Caffe's sorts, picked different proposals — a property of the
-weights, not a difference of the code.
+wrong anchor centre changes features by O(1), a wrong softmax or attribute embedding changes probabilities by >1e-2.
+The weights were chosen so that no score ties or near-ties decide anything (see the generator): with saturated
+objectness (float32 ties at 1.0) the order of equal scores, unspecified in MILVLG's and Caffe's sorts, picked
+different proposals — a property of the weights, not a difference of the code.
 """
 from __future__ import annotations
 

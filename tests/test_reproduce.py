@@ -205,6 +205,7 @@ def test_smfea_recipe_inputs_are_the_pipeline_defaults():
      "features: detector_settings.pooled_size 7 (recipe 14)"),
     ({"max_boxes": 100, "min_boxes": 10}, "features: min_boxes 10 (recipe 36)"),
     ({"half": True}, "features: half true (recipe false)"),
+    ({"tf32": True}, "features: tf32 true (recipe false)"),     # TF32 keeps other boxes (docs/butd.md, TF32)
     ({"extractor": "resnet152-grid"}, "features: extractor resnet152-grid (recipe butd-regions)"),
     ({"manifest_sha256": "x" * 64}, "features: made from another manifest than --manifest"),
     ({"source": "tsv", "weights": "from a TSV"}, "features: imported from tsv (recipe: extracted by retr, or "
