@@ -110,13 +110,14 @@ def _near_tied_table(n: int, m: int, seed: int) -> np.ndarray:
     return np.round(rng.random((n, m)), 2) + 1e-6 * rng.random((n, m))   # ~50 values per 0.01: many near-ties
 
 
-def test_refined_ranks_equal_float64_even_when_the_probe_underestimates_the_error():
+def test_refined_ranks_equal_float64_even_when_the_first_estimate_underestimates_the_error():
     n, m = 60, 300
     table = _near_tied_table(n, m, seed=1)
     owner = np.arange(m) // 5
     rng = np.random.default_rng(2)
     error = 3e-6 * rng.standard_normal((n, m))
-    error[:32, :32] *= 1e-3                    # the probe block sees almost no error
+    error[:32, :32] *= 1e-3                    # the probe block …
+    error[owner, np.arange(m)] *= 1e-3         # … and the true pairs (the first estimate) see almost no error
     scorer = _table_scorer(table, error)
     fast = combined_matrix([scorer], "float32")
     assert any((a != b).any() for a, b in zip(_ranks(fast, owner), _ranks(table, owner)))   # float32 alone errs
@@ -154,7 +155,8 @@ def test_refine_gives_up_loudly_when_the_margin_stops_growing(monkeypatch):
     n, m = 60, 300
     table = _near_tied_table(n, m, seed=1)
     error = 3e-6 * np.random.default_rng(2).standard_normal((n, m))
-    error[:32, :32] *= 1e-3
+    error[:32, :32] *= 1e-3                    # the first estimate (probe block, true pairs) too small
+    error[np.arange(m) // 5, np.arange(m)] *= 1e-3
     with pytest.raises(UserError, match="--precision float64"):
         combined_matrix([_table_scorer(table, error)], "refined", np.arange(m) // 5)
 

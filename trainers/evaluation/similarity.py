@@ -23,7 +23,7 @@ MAX_ROUNDS = 5              # ε grows at most this many times
 CPU_PAIR_BUDGET = 1 << 16   # pairs per score call on the CPU: the block's attention stays in the caches
 GPU_MEMORY_SHARE = 0.5      # on CUDA, one score call may use this share of the free memory …
 GPU_PAIR_BUDGET_MAX = 1 << 24   # … and hold at most this many pairs
-PAIR_STRATEGIES = ("auto", "image", "block")
+PAIR_STRATEGIES = ("auto", "image", "block", "aligned")
 
 
 
@@ -202,15 +202,22 @@ class Scorer:
     def pairs(self, image_rows: np.ndarray, captions: np.ndarray, strategy: str = "auto") -> np.ndarray:
         """float64 scores ``[P]`` of the listed pairs (``image_rows[p]``, ``captions[p]``).
 
-        ``strategy``: ``image`` (a call per image), ``block`` (``pair_score`` per caption block), ``auto``."""
+        ``strategy``: ``image`` (a call per image), ``block`` (``pair_score`` per caption block), ``aligned`` (one
+        ``pair_score`` over every listed caption: models whose ``pair_score_is_aligned``), ``auto`` (``aligned``
+        where the model allows it, else ``block`` on CUDA and ``image`` on a CPU)."""
         if strategy not in PAIR_STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(PAIR_STRATEGIES)}, not {strategy!r}")
+        if strategy == "aligned" and not self.model.pair_score_is_aligned:
+            raise ValueError(f"strategy aligned needs a model whose pair_score scores aligned pairs, not "
+                             f"{self.model.name or type(self.model).__name__}")
         if strategy == "auto":
-            strategy = "block" if self.device.type == "cuda" else "image"
+            strategy = ("aligned" if self.model.pair_score_is_aligned
+                        else "block" if self.device.type == "cuda" else "image")
         image_rows = np.asarray(image_rows, dtype=np.int64)
         keys = image_rows * self.embeddings.num_captions + self.embeddings.sources[np.asarray(captions, dtype=np.int64)]
         keys, back = np.unique(keys, return_inverse=True)
-        distinct = (self._pairs_by_caption_block if strategy == "block" else self._pairs_by_image)
+        distinct = {"block": self._pairs_by_caption_block, "image": self._pairs_by_image,
+                    "aligned": self._pairs_aligned}[strategy]
         return distinct(keys // self.embeddings.num_captions, keys % self.embeddings.num_captions)[back]
 
     def _wide_images(self) -> Embeddings:
@@ -231,6 +238,16 @@ class Scorer:
             scores = self._with_dtype(torch.float64, lambda model: model.score(image, caps, dtype=torch.float64))
             out[listed] = scores[0].double().cpu().numpy()
         return out
+
+    def _pairs_aligned(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
+        """One ``pair_score`` call over every listed pair: the listed captions gathered from their blocks."""
+        distinct, inverse = np.unique(captions, return_inverse=True)
+        caps = cast_embeddings(self._captions(distinct), torch.float64)
+        device = self.device
+        scores = self._with_dtype(torch.float64, lambda model: model.pair_score(
+            self._wide_images(), caps, torch.as_tensor(image_rows, device=device),
+            torch.as_tensor(inverse.reshape(-1), device=device), dtype=torch.float64))
+        return scores.double().cpu().numpy()
 
     def _pairs_by_caption_block(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
         out = np.empty(len(image_rows), dtype=np.float64)
@@ -274,6 +291,27 @@ def gpu_pair_budget(free_bytes: int, bytes_per_pair: float) -> int:
     return max(CPU_PAIR_BUDGET, min(GPU_PAIR_BUDGET_MAX, fits))
 
 
+def merged_caption_blocks(caption_blocks, captions: int) -> list[tuple[np.ndarray, Embeddings]]:
+    """Consecutive caption blocks joined while they hold at most ``captions`` captions together (each padded to
+    the longest; length-sorted blocks carry little padding), so a score call takes as many captions as its pair
+    budget allows rather than one encoding batch."""
+    merged, group, size = [], [], 0
+
+    def close() -> None:
+        if group:
+            merged.append(group[0] if len(group) == 1 else
+                          (np.concatenate([idx for idx, _ in group]), _concat([caps for _, caps in group])))
+
+    for idx, caps in caption_blocks:
+        if group and size + len(idx) > captions:
+            close()
+            group, size = [], 0
+        group.append((idx, caps))
+        size += len(idx)
+    close()
+    return merged
+
+
 def score_blocks(score, images: Embeddings, caption_blocks, num_images: int, num_captions: int,
                  image_block: int = 128, pair_budget: int = CPU_PAIR_BUDGET, cast: torch.dtype | None = None,
                  quiet: bool = True) -> np.ndarray:
@@ -281,7 +319,7 @@ def score_blocks(score, images: Embeddings, caption_blocks, num_images: int, num
     caption_step = max(1, pair_budget // max(1, min(image_block, num_images)))
     sims = np.empty((num_images, num_captions), dtype=np.float64)
     work = []
-    for idx, caps in caption_blocks:
+    for idx, caps in merged_caption_blocks(caption_blocks, caption_step):
         for s in range(0, len(idx), caption_step):
             work.append((idx[s:s + caption_step], slice_embeddings(caps, slice(s, s + caption_step))))
     for cap_idx, caps in progress(work, desc="score", unit="block", quiet=quiet):
@@ -357,14 +395,14 @@ def refine(sims: np.ndarray, caption_image: np.ndarray,
         sims[rows, cols] = values
         exact[rows, cols] = True
 
+    # the probe block and every true pair in one call: the largest error they show sets the first margin
     probe = np.ix_(np.arange(min(PROBE, num_images)), np.arange(min(PROBE, num_captions)))
     rows, cols = (np.broadcast_to(a, (len(probe[0]), probe[1].shape[1])).ravel() for a in probe)
-    rescore_pairs(rows, cols)
+    true_cols = np.arange(num_captions)
+    keys = np.unique(np.concatenate([rows * num_captions + cols, caption_image * num_captions + true_cols]))
+    rescore_pairs(keys // num_captions, keys % num_captions)
     scale = float(np.max(np.abs(sims), initial=0.0))
     margin = SAFETY * max(worst, 2.0 ** -23 * scale, np.finfo(np.float64).tiny)
-    true_cols = np.arange(num_captions)
-    keep = ~exact[caption_image, true_cols]
-    rescore_pairs(caption_image[keep], true_cols[keep])                 # every true pair, first
     rounds = 0
     while True:
         rounds += 1

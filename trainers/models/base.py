@@ -43,6 +43,9 @@ class MatchingModel(nn.Module):
     batch_extras: tuple[str, ...] = ()
     #: two-step evaluation: candidates re-ranked per query (0: score every pair); see :mod:`retr.trainers.evaluation.two_step`
     shortlist: int = 0
+    #: True when :meth:`pair_score` computes only the listed pairs (its cost grows with their number, not with the
+    #: images × captions they span): the evaluator then rescores listed pairs in a few large calls on any device
+    pair_score_is_aligned: bool = False
     #: True when :meth:`global_score` is a pair-independent first stage that :meth:`pair_score` re-ranks
     has_global_stage: bool = False
 

@@ -16,7 +16,7 @@ from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import EPS, lengths_mask, l2norm
 from retr.trainers.models.text import GRUWordEncoder, install_word_vectors
-from retr.trainers.models.xattn import AGGREGATIONS, DIRECTIONS, NORMS, xattn_block
+from retr.trainers.models.xattn import AGGREGATIONS, DIRECTIONS, NORMS, xattn_block, xattn_pair_scores
 
 ENCODER_TYPES = ("basic", "weight_norm")
 
@@ -80,6 +80,19 @@ class SCAN(MatchingModel):
         """Cross-attention similarities ``[n_img, n_cap]``; with ``dtype`` the arithmetic runs in it and the
         aggregation in float64 (the evaluator's exact scoring)."""
         return self._cross_attention(images, captions, dtype, keep_attention=False)[0]
+
+    #: :meth:`pair_score` costs what the listed pairs cost (aligned pairs), so the evaluator rescores in few calls
+    pair_score_is_aligned = True
+
+    def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor, cap_idx: torch.Tensor,
+                   dtype: torch.dtype | None = None, **_block_sizes) -> torch.Tensor:
+        """``score`` of the listed pairs ``[P]``: each pair's own cross attention, all pairs in batched kernels
+        (:func:`~retr.trainers.models.xattn.xattn_pair_scores`); with ``dtype``, aggregated in float64 as
+        :meth:`score`."""
+        return xattn_pair_scores(images["regions"][img_idx], images["mask"][img_idx].bool(),
+                                 captions["words"][cap_idx], captions["mask"][cap_idx].bool(),
+                                 self.direction, self.norm, self.agg, self.lambda_softmax, self.lambda_lse,
+                                 dtype=dtype, agg_dtype=torch.float64 if dtype else None)
 
     def _cross_attention(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None,
                          keep_attention: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

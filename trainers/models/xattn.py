@@ -1,6 +1,6 @@
 """Stacked cross attention scores (SCAN, Lee et al. 2018), vectorised over blocks of images and captions.
 
-A block of ``n_img`` images × ``n_cap`` captions is scored at once: region–word products
+A block of ``n_img`` images × ``n_cap`` captions (or ``P`` aligned pairs) is scored at once: region–word products
 ``D[b, i, c, j] = v_{b,i} · e_{c,j}`` in one GEMM, attended vectors never formed. Equations, masking, precision and
 chunking: docs/trainer.md#evaluation."""
 from __future__ import annotations
@@ -15,16 +15,18 @@ AGGREGATIONS = ("lse", "avg", "max", "sum")
 DIRECTIONS = ("t2i", "i2t")
 EPS = 1e-8
 _TINY = 1e-30   # keeps sqrt's gradient finite where an attended vector is exactly zero (padding)
-CHUNK_ELEMENTS = 1 << 19   # entries of D per chunk without gradients (2 MiB in float32: fits a 2 MiB L2 + L3)
+CHUNK_ELEMENTS = 1 << 23   # entries of D per chunk without gradients on a CPU (32 MiB in float32; default_chunk_elements)
 
 
-def _aggregate(r: torch.Tensor, mask: torch.Tensor, dim: int, agg: str, lambda_lse: float) -> torch.Tensor:
-    """Aggregate relevance ``r`` over ``dim`` where ``mask`` is True."""
+def _aggregate(r: torch.Tensor, mask: torch.Tensor, dim: int, agg: str, lambda_lse: float,
+               pad: torch.Tensor | None = None) -> torch.Tensor:
+    """Aggregate relevance ``r`` over ``dim`` where ``mask`` is True (``pad``: ``~mask``, when already made)."""
+    pad = ~mask if pad is None else pad
     if agg == "lse":
-        return torch.logsumexp((lambda_lse * r).masked_fill(~mask, float("-inf")), dim=dim) / lambda_lse
+        return torch.logsumexp((lambda_lse * r).masked_fill(pad, float("-inf")), dim=dim) / lambda_lse
     if agg == "max":
-        return r.masked_fill(~mask, float("-inf")).amax(dim=dim)
-    total = r.masked_fill(~mask, 0).sum(dim=dim)
+        return r.masked_fill(pad, float("-inf")).amax(dim=dim)
+    total = r.masked_fill(pad, 0).sum(dim=dim)
     if agg == "sum":
         return total
     if agg == "avg":
@@ -36,7 +38,7 @@ def _attention(dots: torch.Tensor, query_mask: torch.Tensor | None, context_mask
                query_dim: int, context_dim: int, norm: str, lambda_softmax: float, inplace: bool) -> torch.Tensor:
     """``α = softmax(λ · normalise(D))``: normalised over ``query_dim``, softmax over ``context_dim``.
 
-    Masks (broadcastable to ``dots``, True = real) are None when every position is real."""
+    Padding masks (broadcastable to ``dots``, True = padding) are None when every position is real."""
     if norm in ("clipped_l2norm", "clipped"):
         attn = F.leaky_relu(dots, 0.1)
     elif norm in ("l2norm", "softmax", "no_norm"):
@@ -45,7 +47,8 @@ def _attention(dots: torch.Tensor, query_mask: torch.Tensor | None, context_mask
         raise ValueError(f"unknown attention normalisation {norm!r} (expected one of {', '.join(NORMS)})")
     if norm in ("clipped_l2norm", "l2norm"):
         # λ folded into the per-row scale: one pass over D instead of two
-        if inplace:   # PyTorch's vector_norm over a non-innermost axis is ~25× slower than this (no gradient here)
+        if inplace and query_dim not in (-1, attn.dim() - 1):
+            # PyTorch's vector_norm over a non-innermost axis is ~25× slower than this (no gradient here)
             norm_ = attn.square().sum(dim=query_dim, keepdim=True).sqrt_()
         else:         # vector_norm's gradient is finite at an all-zero (padded) row
             norm_ = torch.linalg.vector_norm(attn, dim=query_dim, keepdim=True)
@@ -54,12 +57,12 @@ def _attention(dots: torch.Tensor, query_mask: torch.Tensor | None, context_mask
     else:
         if norm == "softmax":
             if query_mask is not None:
-                attn = attn.masked_fill(~query_mask, float("-inf"))
+                attn = attn.masked_fill(query_mask, float("-inf"))
             attn = _softmax(attn, query_dim, inplace)
         attn = attn.mul_(lambda_softmax) if inplace else attn * lambda_softmax
     if context_mask is not None:
-        attn = attn.masked_fill_(~context_mask, float("-inf")) if inplace else attn.masked_fill(~context_mask,
-                                                                                                 float("-inf"))
+        attn = attn.masked_fill_(context_mask, float("-inf")) if inplace else attn.masked_fill(context_mask,
+                                                                                               float("-inf"))
     return _softmax(attn, context_dim, inplace)
 
 
@@ -73,7 +76,8 @@ def _softmax(x: torch.Tensor, dim: int, inplace: bool) -> torch.Tensor:
 
 
 def _block_dots(regions, rmask, words, wmask):
-    """``D`` [I, K, C, L] of a chunk, and its region and word masks as views broadcastable to it (or None)."""
+    """``D`` [I, K, C, L] of a chunk, and its region and word padding masks (``rmask`` [I, K], ``wmask`` [C, L],
+    True = padding) as views broadcastable to it (or None)."""
     n_img, k, d = regions.shape
     n_cap, length, _ = words.shape
     dots = dot_products(regions.reshape(n_img * k, d), words.reshape(n_cap * length, d))
@@ -111,44 +115,29 @@ def _i2t(regions, rmask, region_norm, words, wmask, gram, norm, lambda_softmax,
     return rel, alpha
 
 
-def _chunks(total: int, step: int):
-    return [slice(s, min(s + step, total)) for s in range(0, total, step)]
+def _chunk_steps(n_img: int, n_cap: int, per_pair: int, budget: int | None) -> tuple[int, int]:
+    """``(images, captions)`` a chunk takes: the whole block when it fits ``budget`` entries of ``D``
+    (``per_pair`` = K·L of them a pair; None: no bound), else every caption with as many images as fit, else one
+    image with as many captions as fit."""
+    if budget is None or n_img * n_cap * per_pair <= budget:
+        return n_img, n_cap
+    if n_cap * per_pair <= budget:
+        return max(1, budget // (n_cap * per_pair)), n_cap
+    return 1, max(1, budget // per_pair)
 
 
-def xattn_scores(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
-                 direction: str = "t2i", norm: str = "clipped_l2norm", agg: str = "lse",
-                 lambda_softmax: float = 9.0, lambda_lse: float = 6.0,
-                 dtype: torch.dtype | None = None, agg_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """SCAN similarities ``[n_img, n_cap]`` of a block, in ``agg_dtype`` (default ``dtype``, default the inputs').
-
-    ``regions`` ``[n_img, K, d]``, ``region_mask`` ``[n_img, K]`` bool; ``words`` ``[n_cap, L, d]``, ``word_mask``
-    ``[n_cap, L]`` bool; ``direction`` ``t2i`` (words attend to regions) or ``i2t``."""
-    return xattn_block(regions, region_mask, words, word_mask, direction, norm, agg, lambda_softmax, lambda_lse,
-                       dtype, agg_dtype, keep_attention=False)[0]
+def default_chunk_elements(device: torch.device) -> int | None:
+    """Entries of ``D`` one chunk holds without gradients on ``device``: :data:`CHUNK_ELEMENTS` on a CPU; no
+    bound on a GPU, where the caller sizes its blocks to the free memory (docs/trainer.md#evaluation)."""
+    return None if device.type == "cuda" else CHUNK_ELEMENTS
 
 
-def xattn_block(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
-                direction: str = "t2i", norm: str = "clipped_l2norm", agg: str = "lse",
-                lambda_softmax: float = 9.0, lambda_lse: float = 6.0,
-                dtype: torch.dtype | None = None, agg_dtype: torch.dtype | None = None,
-                keep_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`xattn_scores` and, with ``keep_attention``, the weights ``α`` ``[n_img, K, n_cap, L]`` (else None).
-
-    t2i: ``α[i, k, c, j]`` is region k's weight for word j (softmax over k); i2t: word j's for region k (over j)."""
-    if direction not in DIRECTIONS:
-        raise ValueError(f"unknown direction {direction!r} (expected t2i or i2t)")
-    if norm not in NORMS:
-        raise ValueError(f"unknown attention normalisation {norm!r} (expected one of {', '.join(NORMS)})")
-    if agg not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {agg!r} (expected one of {', '.join(AGGREGATIONS)})")
-    dtype = dtype or regions.dtype
-    agg_dtype = agg_dtype or dtype
-    n_img, k, _ = regions.shape
-    n_cap, length, _ = words.shape
+def _prepare(regions, region_mask, words, word_mask, dtype):
+    """Inputs in ``dtype`` with padding zeroed, and the masks a chunk needs (None where every position is real;
+    under torch.compile the masks are always kept, since reading one's value would break the graph)."""
     region_mask, word_mask = region_mask.bool(), word_mask.bool()
     regions = regions.to(dtype)
     words = words.to(dtype) * word_mask.unsqueeze(-1).to(dtype)                  # padded words → 0
-    # full masks are skipped in eager mode; under torch.compile reading a mask's value would break the graph in four
     if torch.compiler.is_compiling():
         rmask, wmask = region_mask, word_mask
     else:
@@ -156,43 +145,144 @@ def xattn_block(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.T
         wmask = None if bool(word_mask.all()) else word_mask
     if rmask is not None:
         regions = regions * rmask.unsqueeze(-1).to(dtype)
+    return regions, region_mask, rmask, words, word_mask, wmask
+
+
+def _check(direction: str, norm: str, agg: str) -> None:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"unknown direction {direction!r} (expected t2i or i2t)")
+    if norm not in NORMS:
+        raise ValueError(f"unknown attention normalisation {norm!r} (expected one of {', '.join(NORMS)})")
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {agg!r} (expected one of {', '.join(AGGREGATIONS)})")
+
+
+def xattn_scores(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
+                 direction: str = "t2i", norm: str = "clipped_l2norm", agg: str = "lse",
+                 lambda_softmax: float = 9.0, lambda_lse: float = 6.0,
+                 dtype: torch.dtype | None = None, agg_dtype: torch.dtype | None = None,
+                 chunk_elements: int | None = None) -> torch.Tensor:
+    """SCAN similarities ``[n_img, n_cap]`` of a block, in ``agg_dtype`` (default ``dtype``, default the inputs').
+
+    ``regions`` ``[n_img, K, d]``, ``region_mask`` ``[n_img, K]`` bool; ``words`` ``[n_cap, L, d]``, ``word_mask``
+    ``[n_cap, L]`` bool; ``direction`` ``t2i`` (words attend to regions) or ``i2t``; ``chunk_elements``: entries
+    of the ``[I, K, C, L]`` products a chunk holds without gradients (None: :func:`default_chunk_elements`)."""
+    return xattn_block(regions, region_mask, words, word_mask, direction, norm, agg, lambda_softmax, lambda_lse,
+                       dtype, agg_dtype, keep_attention=False, chunk_elements=chunk_elements)[0]
+
+
+def xattn_block(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
+                direction: str = "t2i", norm: str = "clipped_l2norm", agg: str = "lse",
+                lambda_softmax: float = 9.0, lambda_lse: float = 6.0,
+                dtype: torch.dtype | None = None, agg_dtype: torch.dtype | None = None,
+                keep_attention: bool = False,
+                chunk_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`xattn_scores` and, with ``keep_attention``, the weights ``α`` ``[n_img, K, n_cap, L]`` (else None).
+
+    t2i: ``α[i, k, c, j]`` is region k's weight for word j (softmax over k); i2t: word j's for region k (over j).
+    Without gradients the block is scored in as few chunks as ``chunk_elements`` allows (one on a GPU)."""
+    _check(direction, norm, agg)
+    dtype = dtype or regions.dtype
+    agg_dtype = agg_dtype or dtype
+    n_img, k, _ = regions.shape
+    n_cap, length, _ = words.shape
+    regions, region_mask, rmask, words, word_mask, wmask = _prepare(regions, region_mask, words, word_mask, dtype)
+    rpad = None if rmask is None else ~rmask                                      # True = padding, made once
+    wpad = None if wmask is None else ~wmask
     needs_grad = torch.is_grad_enabled() and (regions.requires_grad or words.requires_grad)
     inplace = not needs_grad
     attention = regions.new_empty(n_img, k, n_cap, length) if keep_attention else None
 
     def part(mask: torch.Tensor | None, index: slice) -> torch.Tensor | None:
-        return None if mask is None else mask[index]
+        return None if mask is None else rows(mask, index)
+
+    def rows(x: torch.Tensor, index: slice) -> torch.Tensor:
+        return x if index == everything else x[index]
 
     def keep(i: slice, c: slice, alpha: torch.Tensor) -> None:
         if attention is not None:
             attention[i, :, c] = alpha.detach()
 
     if direction == "t2i":
-        gram = regions @ regions.transpose(1, 2)                                  # [I, K, K]
-        word_norm = words.norm(dim=-1)                                            # [C, L]
+        gram = torch.bmm(regions, regions.transpose(1, 2))                        # [I, K, K]
+        word_norm = torch.linalg.vector_norm(words, dim=-1)                       # [C, L]
+        word_pad = ~word_mask
 
         def chunk(i: slice, c: slice) -> torch.Tensor:
-            rel, alpha = _t2i(regions[i], part(rmask, i), gram[i], words[c], word_norm[c], part(wmask, c), norm,
-                              lambda_softmax, inplace)
+            rel, alpha = _t2i(rows(regions, i), part(rpad, i), rows(gram, i), rows(words, c),
+                              rows(word_norm, c), part(wpad, c), norm, lambda_softmax, inplace)
             keep(i, c, alpha)
-            return _aggregate(rel.to(agg_dtype), word_mask[c].unsqueeze(0), 2, agg, lambda_lse)
+            return _aggregate(rel.to(agg_dtype), rows(word_mask, c).unsqueeze(0), 2, agg, lambda_lse,
+                              rows(word_pad, c).unsqueeze(0))
     else:
-        gram = words @ words.transpose(1, 2)                                      # [C, L, L]
-        region_norm = regions.norm(dim=-1)                                        # [I, K]
+        gram = torch.bmm(words, words.transpose(1, 2))                            # [C, L, L]
+        region_norm = torch.linalg.vector_norm(regions, dim=-1)                   # [I, K]
+        region_pad = ~region_mask
 
         def chunk(i: slice, c: slice) -> torch.Tensor:
-            rel, alpha = _i2t(regions[i], part(rmask, i), region_norm[i], words[c], part(wmask, c), gram[c], norm,
-                              lambda_softmax, inplace)
+            rel, alpha = _i2t(rows(regions, i), part(rpad, i), rows(region_norm, i), rows(words, c),
+                              part(wpad, c), rows(gram, c), norm, lambda_softmax, inplace)
             keep(i, c, alpha)
-            return _aggregate(rel.to(agg_dtype), region_mask[i].unsqueeze(-1), 1, agg, lambda_lse)
+            return _aggregate(rel.to(agg_dtype), rows(region_mask, i).unsqueeze(-1), 1, agg, lambda_lse,
+                              rows(region_pad, i).unsqueeze(-1))
 
     everything = slice(None)
-    if needs_grad:
+    if chunk_elements is None:
+        chunk_elements = default_chunk_elements(regions.device)
+    img_step, cap_step = _chunk_steps(n_img, n_cap, k * max(1, length), None if needs_grad else chunk_elements)
+    if img_step >= n_img and cap_step >= n_cap:
         return chunk(everything, everything), attention
-    img_step = min(n_img, 16)
-    cap_step = max(1, CHUNK_ELEMENTS // (img_step * k * max(1, length)))
     out = torch.empty(n_img, n_cap, dtype=agg_dtype, device=regions.device)
-    for i in _chunks(n_img, img_step):
-        for c in _chunks(n_cap, cap_step):
-            out[i, c] = chunk(i, c)
+    for i in range(0, n_img, img_step):
+        for c in range(0, n_cap, cap_step):
+            image_slice, caption_slice = slice(i, min(i + img_step, n_img)), slice(c, min(c + cap_step, n_cap))
+            out[image_slice, caption_slice] = chunk(image_slice, caption_slice)
     return out, attention
+
+
+def xattn_pair_scores(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
+                      direction: str = "t2i", norm: str = "clipped_l2norm", agg: str = "lse",
+                      lambda_softmax: float = 9.0, lambda_lse: float = 6.0,
+                      dtype: torch.dtype | None = None, agg_dtype: torch.dtype | None = None,
+                      chunk_elements: int | None = None) -> torch.Tensor:
+    """SCAN similarities ``[P]`` of ``P`` aligned pairs: image ``p`` (``regions`` ``[P, K, d]``, ``region_mask``
+    ``[P, K]``) with caption ``p`` (``words`` ``[P, L, d]``, ``word_mask`` ``[P, L]``); the arithmetic of
+    :func:`xattn_block` on each pair alone (one batched GEMM for all ``D[p] = V_p E_pᵀ``), without gradients."""
+    _check(direction, norm, agg)
+    dtype = dtype or regions.dtype
+    agg_dtype = agg_dtype or dtype
+    n_pairs, k, _ = regions.shape
+    length = words.shape[1]
+    if n_pairs == 0:
+        return regions.new_zeros(0, dtype=agg_dtype)
+    regions, region_mask, rmask, words, word_mask, wmask = _prepare(regions, region_mask, words, word_mask, dtype)
+    if chunk_elements is None:
+        chunk_elements = default_chunk_elements(regions.device)
+    step = n_pairs if chunk_elements is None else max(1, chunk_elements // (k * max(1, length)))
+    out = []
+    with torch.no_grad():
+        for s in range(0, n_pairs, step):
+            p = slice(s, s + step)
+            v, e = regions[p], words[p]
+            dots = torch.bmm(v, e.transpose(1, 2)).unsqueeze(2)                    # [P, K, 1, L]
+            region_axis = None if rmask is None else ~rmask[p].view(-1, k, 1, 1)     # True = padding
+            word_axis = None if wmask is None else ~wmask[p].view(-1, 1, 1, length)
+            if direction == "t2i":
+                alpha = _attention(dots, word_axis, region_axis, 3, 1, norm, lambda_softmax, True)
+                along = dots.mul_(alpha).sum(dim=1)                                # e_j · a_j  [P, 1, L]
+                gram = torch.bmm(v, v.transpose(1, 2))                             # [P, K, K]
+                g_alpha = torch.bmm(gram, alpha.view(-1, k, length))
+                attended_sq = g_alpha.mul_(alpha.view(-1, k, length)).sum(dim=1, keepdim=True)   # [P, 1, L]
+                word_norm = torch.linalg.vector_norm(e, dim=-1).unsqueeze(1)       # [P, 1, L]
+                rel = along.div_((word_norm * attended_sq.clamp_(min=_TINY).sqrt_()).clamp_(min=EPS))
+                out.append(_aggregate(rel.to(agg_dtype), word_mask[p].unsqueeze(1), 2, agg, lambda_lse)[:, 0])
+            else:
+                alpha = _attention(dots, region_axis, word_axis, 1, 3, norm, lambda_softmax, True)
+                along = dots.mul_(alpha).sum(dim=3)                                # v_i · a_i  [P, K, 1]
+                gram = torch.bmm(e, e.transpose(1, 2))                             # [P, L, L]
+                h_alpha = torch.bmm(alpha.view(-1, k, length), gram)
+                attended_sq = h_alpha.mul_(alpha.view(-1, k, length)).sum(dim=2, keepdim=True)  # [P, K, 1]
+                region_norm = torch.linalg.vector_norm(v, dim=-1).unsqueeze(-1)    # [P, K, 1]
+                rel = along.div_((region_norm * attended_sq.clamp_(min=_TINY).sqrt_()).clamp_(min=EPS))
+                out.append(_aggregate(rel.to(agg_dtype), region_mask[p].unsqueeze(-1), 1, agg, lambda_lse)[:, 0])
+    return torch.cat(out) if len(out) != 1 else out[0]
