@@ -102,17 +102,22 @@ def _t2i(regions, rmask, gram, words, word_norm, wmask, norm, lambda_softmax,
 def _i2t(regions, rmask, region_norm, words, wmask, gram, norm, lambda_softmax,
          inplace) -> tuple[torch.Tensor, torch.Tensor]:
     """Relevance ``R`` [I, K, C] of each region to its attended caption vector (regions attend to words), and the
-    attention ``α`` [I, K, C, L] (softmax over the words, axis 3) it was computed with."""
-    dots, region_axis, word_axis = _block_dots(regions, rmask, words, wmask)
-    n_img, k, n_cap, length = dots.shape
-    alpha = _attention(dots, region_axis, word_axis, 1, 3, norm, lambda_softmax, inplace)
-    along = (dots.mul_(alpha) if inplace else dots * alpha).sum(dim=3)         # v_i · a_i   [I, K, C]
-    alpha_c = alpha.permute(2, 0, 1, 3).reshape(n_cap, n_img * k, length)         # [C, I·K, L]
-    h_alpha = torch.bmm(alpha_c, gram)                                            # gram is symmetric
-    attended_sq = (h_alpha.mul_(alpha_c) if inplace else h_alpha * alpha_c).sum(dim=2)   # ‖a_i‖²  [C, I·K]
-    attended_sq = attended_sq.view(n_cap, n_img, k).permute(1, 2, 0)
-    rel = along / (region_norm.view(n_img, k, 1) * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
-    return rel, alpha
+    attention ``α`` [I, K, C, L] (softmax over the words) it was computed with.
+
+    The mirror of :func:`_t2i`: ``D`` is laid out caption-major, ``[C, L, I, K]`` (one GEMM, words × regions), so
+    ``‖a_i‖² = α_iᵀ H_c α_i`` is one batched GEMM with each caption's Gram matrix ``H_c`` [L, L] and ``α`` is
+    never reordered."""
+    n_img, k, d = regions.shape
+    n_cap, length, _ = words.shape
+    dots = dot_products(words.reshape(n_cap * length, d), regions.reshape(n_img * k, d)).view(n_cap, length, n_img, k)
+    region_axis = None if rmask is None else rmask.view(1, 1, n_img, k)
+    word_axis = None if wmask is None else wmask.view(n_cap, length, 1, 1)
+    alpha = _attention(dots, region_axis, word_axis, 3, 1, norm, lambda_softmax, inplace)        # [C, L, I, K]
+    along = (dots.mul_(alpha) if inplace else dots * alpha).sum(dim=1)         # v_i · a_i   [C, I, K]
+    h_alpha = torch.bmm(gram, alpha.view(n_cap, length, n_img * k)).view(n_cap, length, n_img, k)
+    attended_sq = (h_alpha.mul_(alpha) if inplace else h_alpha * alpha).sum(dim=1)   # ‖a_i‖²  [C, I, K]
+    rel = along / (region_norm.view(1, n_img, k) * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
+    return rel.permute(1, 2, 0), alpha.permute(2, 3, 0, 1)
 
 
 def _chunk_steps(n_img: int, n_cap: int, per_pair: int, budget: int | None) -> tuple[int, int]:
