@@ -440,3 +440,26 @@ def test_ddp_gradients_sum_to_the_single_process_ones(monkeypatch):
     assert set(total) == set(single)
     for name in single:
         torch.testing.assert_close(total[name], single[name], rtol=1e-7, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("budget", [None, 2 * 3 * 4 * 5])
+def test_tanh_contraction_gradients_equal_autograd_of_the_direct_formula(monkeypatch, budget):
+    """The co-attention logits' hand-written backward (recomputing tanh chunk by chunk) against autograd of the
+    formula, in float64 where both are exact to rounding (1e-10 is far above float64 rounding of these sums);
+    with a budget of two rows a chunk, the chunks' partial gradients of ``b`` add up."""
+    import retr.trainers.models.jgcar as jgcar
+    if budget is not None:
+        monkeypatch.setattr(jgcar, "CPU_CHUNK_ELEMENTS", budget)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 3, 6, dtype=torch.float64, generator=g, requires_grad=True)    # [P, M, d]
+    b = torch.randn(4, 6, 5, dtype=torch.float64, generator=g, requires_grad=True)    # [C, d, l]
+    w = torch.randn(5, 3, 5, dtype=torch.float64, generator=g, requires_grad=True)    # [P, M, l]
+    direct = (torch.tanh(torch.einsum("pmd,cdl->pmcl", a, b)) * w.unsqueeze(2)).sum(-1)
+    got = jgcar.TanhContraction.apply(a, b, w)
+    torch.testing.assert_close(got, direct, rtol=1e-12, atol=1e-12)
+    upstream = torch.randn(5, 3, 4, dtype=torch.float64, generator=g)
+    want = torch.autograd.grad(direct, (a, b, w), upstream)
+    have = torch.autograd.grad(got, (a, b, w), upstream)
+    for x, y in zip(have, want):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradcheck(jgcar.TanhContraction.apply, (a, b, w))

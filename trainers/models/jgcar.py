@@ -73,6 +73,67 @@ class MapEncoder(nn.Module):
         return torch.tanh(self.fc(self.dropout(features)))
 
 
+#: entries of one chunk's ``[rows, M, C, l]`` tanh temporary in :class:`TanhContraction`: on a CPU (cache-sized
+#: work) and on a GPU (a few large kernels; 2^28 float32 entries are 1 GiB)
+CPU_CHUNK_ELEMENTS = 1 << 23
+GPU_CHUNK_ELEMENTS = 1 << 28
+
+
+class TanhContraction(torch.autograd.Function):
+    """``out[p, m, c] = Σ_l tanh(a[p, m] · b[c, :, l]) · w[p, m, l]`` — the co-attention logits of Eq. 11–12 for
+    every pair of a block: ``a`` ``[P, M, d]``, ``b`` ``[C, d, l]``, ``w`` ``[P, M, l]`` → ``[P, M, C]``.
+
+    The ``[P, M, C, l]`` tanh is formed chunk by chunk (rows of ``a``, :data:`CPU_CHUNK_ELEMENTS` or
+    :data:`GPU_CHUNK_ELEMENTS` entries a chunk) and never kept: backward recomputes it from the three inputs,
+    so a training step's co-attention costs a handful of kernels per chunk (one GEMM, the tanh, one batched GEMV
+    forward; a GEMM, the tanh, three batched products and two GEMMs backward) whatever the batch."""
+
+    @staticmethod
+    def _steps(a: torch.Tensor, b: torch.Tensor) -> list[slice]:
+        per_row = a.shape[1] * b.shape[0] * b.shape[2]
+        budget = GPU_CHUNK_ELEMENTS if a.is_cuda else CPU_CHUNK_ELEMENTS
+        step = max(1, budget // max(1, per_row))
+        return [slice(s, s + step) for s in range(0, a.shape[0], step)] or [slice(0, 0)]
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        n_rows, m, d = a.shape
+        n_cols, _, l = b.shape
+        b_flat = b.permute(1, 0, 2).reshape(d, n_cols * l)                        # [d, C·l]
+        parts = []
+        for rows in TanhContraction._steps(a, b):
+            t = torch.tanh(a[rows].reshape(-1, d) @ b_flat).view(-1, n_cols, l)   # [p·M, C, l]
+            parts.append(torch.bmm(t, w[rows].reshape(-1, l, 1)).view(-1, m, n_cols))
+        ctx.save_for_backward(a, b, w)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b, w = ctx.saved_tensors
+        n_rows, m, d = a.shape
+        n_cols, _, l = b.shape
+        b_flat = b.permute(1, 0, 2).reshape(d, n_cols * l)
+        need_a, need_b, need_w = ctx.needs_input_grad
+        grad_a, grad_w = [], []
+        grad_b = torch.zeros(d, n_cols * l, dtype=b.dtype, device=b.device) if need_b else None
+        for rows in TanhContraction._steps(a, b):
+            a_rows = a[rows].reshape(-1, d)                                       # [p·M, d]
+            g = grad[rows].reshape(-1, 1, n_cols)                                 # [p·M, 1, C]
+            t = torch.tanh(a_rows @ b_flat).view(-1, n_cols, l)                   # [p·M, C, l]
+            if need_w:
+                grad_w.append(torch.bmm(g, t).view(-1, m, l))
+            if need_a or need_b:
+                pre = torch.bmm(g.transpose(1, 2), w[rows].reshape(-1, 1, l))     # g ⊗ w  [p·M, C, l]
+                pre = pre.addcmul_(pre, t.square_(), value=-1).view(-1, n_cols * l)   # · (1 − tanh²)
+                if need_a:
+                    grad_a.append((pre @ b_flat.t()).view(-1, m, d))
+                if need_b:
+                    grad_b.add_(a_rows.t() @ pre)
+        return (torch.cat(grad_a) if need_a else None,
+                grad_b.view(d, n_cols, l).permute(1, 0, 2) if need_b else None,
+                torch.cat(grad_w) if need_w else None)
+
+
 class CoAttention(nn.Module):
     """Parallel co-attention of Eq. 11–15; scores aligned pairs (``pair_scores``) or whole blocks (``block_scores``)."""
 
@@ -162,38 +223,21 @@ class CoAttention(nn.Module):
 
     def _block_attention(self, v, vmask, x, r, s, smask, z, q) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Scores ``[I, C]`` of every pair of a block and the co-attention: ``a^v`` ``[I, N, C]`` (softmax over regions)
-        and ``a^s`` ``[C, T, I]`` (over words), padding 0; ``V_i Q_j`` and ``S_j R_i`` are one GEMM each.
-        """
-        n_img, n, d = v.shape
-        n_cap, t, _ = s.shape
-        l = x.shape[-1]
+        and ``a^s`` ``[C, T, I]`` (over words), padding 0; the logits by :class:`TanhContraction` (``V_i Q_j`` and
+        ``S_j R_i`` one GEMM a chunk each, no ``[I, N, C, l]`` tensor kept for backward)."""
         w_hv, w_hs = self._attention_weights(v.dtype)
-        vq = (v @ q.permute(1, 0, 2).reshape(d, n_cap * l)).view(n_img, n, n_cap, l)
-        logit_v = (x.unsqueeze(2) * torch.tanh(vq)) @ w_hv                                            # [I, N, C]
-        sr = (s.reshape(n_cap * t, d) @ r.permute(1, 0, 2).reshape(d, n_img * l)).view(n_cap, t, n_img, l)
-        logit_s = (z.unsqueeze(2) * torch.tanh(sr)) @ w_hs                                            # [C, T, I]
+        logit_v = TanhContraction.apply(v, q, x * w_hv)                           # Σ_l w_hv x tanh(V Q)  [I, N, C]
+        logit_s = TanhContraction.apply(s, r, z * w_hs)                           # Σ_l w_hs z tanh(S R)  [C, T, I]
         av = masked_softmax(logit_v, vmask.unsqueeze(2), dim=1)                                       # [I, N, C]
         as_ = masked_softmax(logit_s, smask.unsqueeze(2), dim=1)                                      # [C, T, I]
         v_bar = torch.einsum("inc,ind->icd", av, v)                                                   # [I, C, d]
         s_bar = torch.einsum("cti,ctd->icd", as_, s)                                                  # [I, C, d]
         return F.cosine_similarity(v_bar, s_bar, dim=-1, eps=1e-8), av, as_
 
-    def block_scores(self, images: Embeddings, captions: Embeddings, chunk: int = 256,
-                     recompute: bool = False) -> torch.Tensor:
-        """α of every pair of a block → ``[I, C]``, ``max(1, chunk // C)`` images at a time (checkpointed with
-        ``recompute``)."""
-        n_img, n_cap = images["regions"].shape[0], captions["words"].shape[0]
-        step = max(1, chunk // max(1, n_cap))
-        cap = (captions["words"], captions["mask"], captions["Z"], captions["Q"])
-        rows = []
-        for start in range(0, n_img, step):
-            sl = slice(start, start + step)
-            img = (images["regions"][sl], images["mask"][sl], images["X"][sl], images["R"][sl])
-            if recompute:
-                rows.append(checkpoint(self._block, *img, *cap, use_reentrant=False))
-            else:
-                rows.append(self._block(*img, *cap))
-        return torch.cat(rows) if rows else images["regions"].new_zeros(0, n_cap)
+    def block_scores(self, images: Embeddings, captions: Embeddings) -> torch.Tensor:
+        """α of every pair of a block → ``[I, C]`` (memory: :class:`TanhContraction`'s chunks)."""
+        return self._block(images["regions"], images["mask"], images["X"], images["R"],
+                           captions["words"], captions["mask"], captions["Z"], captions["Q"])
 
 
 # ------------------------------------------------------------------------------------------------ losses
@@ -334,7 +378,7 @@ class JGCAR(MatchingModel):
     def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Co-attentive α of every pair of the block ``[n_img, n_cap]`` (Eq. 11–15): the re-rank score."""
         img, cap = self._sides(images, captions, dtype or images["regions"].dtype)
-        return self.coattn.block_scores(img, cap, self.pair_chunk)
+        return self.coattn.block_scores(img, cap)
 
     def explain(self, images: Embeddings, captions: Embeddings) -> dict[str, torch.Tensor]:
         """The co-attention behind ``score`` for one pair, padding dropped (class docstring: names and shapes)."""
@@ -416,7 +460,7 @@ class JGCAR(MatchingModel):
         cap_idx = torch.cat([rows, s_neg.reshape(-1), anchor.reshape(-1), anchor.reshape(-1), s_neg_j.reshape(-1)])
         img, cap = self._sides(images, captions, images["regions"].dtype)
         # every pair of the batch as one block (no per-pair gathers), then the comparison sets' entries
-        alpha = self.coattn.block_scores(img, cap, self.pair_chunk, recompute=torch.is_grad_enabled())[img_idx, cap_idx]
+        alpha = self.coattn.block_scores(img, cap)[img_idx, cap_idx]
         pos, rest = alpha[:b].view(b, 1), alpha[b:].view(4, b, m)
 
         def comparison(neg: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""Operators dispatched by scoring and training, counted on the CPU (retr.common.op_count): on a GPU nearly every
+one is a kernel launch, so these counts are what keeps evaluation and training from being launch-bound there.
+The bounds are the targets in docs/benchmarks.md ("Operators dispatched"); the counts do not depend on the
+embedding size, so the inputs are small where that keeps the test fast."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from retr.common.op_count import OpCounter, count_ops
+from retr.trainers.evaluation.similarity import (Scorer, SplitEmbeddings, combined_matrix, gpu_image_block,
+                                                 gpu_pair_budget)
+from retr.trainers.evaluation.metrics import i2t_ranks, t2i_ranks
+from retr.trainers.models import create_model
+
+
+def _scan_embeddings(n_img: int, n_cap: int, k: int, max_len: int, dim: int, seed: int = 0) -> SplitEmbeddings:
+    """What SCAN's encoders hand the evaluator: unit regions, and unit words in length-sorted blocks of 128."""
+    g = torch.Generator().manual_seed(seed)
+    norm = torch.nn.functional.normalize
+    images = norm(torch.randn(n_img, k, dim, generator=g), dim=-1)
+    lengths = torch.randint(3, max_len + 1, (n_cap,), generator=g).numpy()
+    order = np.argsort(lengths, kind="stable")
+    blocks = []
+    for start in range(0, n_cap, 128):
+        idx = order[start:start + 128]
+        longest = int(lengths[idx].max())
+        mask = torch.arange(longest) < torch.as_tensor(lengths[idx])[:, None]
+        words = norm(torch.randn(len(idx), longest, dim, generator=g), dim=-1) * mask.unsqueeze(-1)
+        blocks.append((idx, {"words": words, "mask": mask}))
+    return SplitEmbeddings({"regions": images, "mask": torch.ones(n_img, k, dtype=torch.bool)}, blocks)
+
+
+def _scan(direction: str):
+    return create_model("scan", vocab_size=8, img_dim=8, embed_size=8, word_dim=8, direction=direction,
+                        agg="lse", lambda_softmax=9.0 if direction == "t2i" else 4.0).eval()
+
+
+@pytest.mark.parametrize("direction", ["t2i", "i2t"])
+def test_scan_scoring_of_200_captions_by_1000_images_takes_at_most_1000_ops(direction):
+    """The float32 and float64 matrices each ≤ 1,000 operators (before: ~42 a caption, 8,400); ``refined`` adds
+    its float64 rescoring of the rank-deciding pairs, ≤ 200 more, and its ranks are float64's."""
+    embeddings = _scan_embeddings(1000, 200, k=36, max_len=12, dim=16)
+    model = _scan(direction)
+    owner = np.arange(200) // 5 * 7 % 1000
+    counts = {}
+    for precision in ("float32", "float64", "refined"):
+        counter, sims = count_ops(combined_matrix, [Scorer(model, embeddings)], precision, owner)
+        counts[precision] = counter.total
+        if precision == "float64":
+            wide = sims
+    assert counts["float32"] <= 1000 and counts["float64"] <= 1000, counts
+    assert counts["refined"] <= 1200, counts
+    refined = combined_matrix([Scorer(model, embeddings)], "refined", owner)
+    np.testing.assert_array_equal(t2i_ranks(refined, owner), t2i_ranks(wide, owner))
+    np.testing.assert_array_equal(i2t_ranks(refined, owner), i2t_ranks(wide, owner))
+
+
+@pytest.mark.parametrize("direction", ["t2i", "i2t"])
+def test_scan_scoring_with_a_gpus_block_sizes_takes_under_one_op_a_caption(monkeypatch, direction):
+    """On CUDA a score call is not cut into chunks and the blocks fill a share of the free memory
+    (similarity.block_sizes): the same policy on the CPU, as if 40 GB were free and a pair took 16 bytes per
+    region–word product (four float32 temporaries), dispatches fewer operators than there are captions."""
+    import retr.trainers.models.xattn as xattn
+    monkeypatch.setattr(xattn, "default_chunk_elements", lambda device: None)
+    n_img, n_cap, k, max_len = 400, 2000, 4, 6
+    embeddings = _scan_embeddings(n_img, n_cap, k=k, max_len=max_len, dim=8)
+    budget = gpu_pair_budget(40 << 30, 16 * k * max_len)
+    image_block = gpu_image_block(budget, max(len(idx) for idx, _ in embeddings.caption_blocks))
+    counter = OpCounter()
+    with counter:
+        combined_matrix([Scorer(_scan(direction), embeddings)], "float32", image_block=image_block,
+                        pair_budget=budget)
+    assert counter.total < n_cap, counter.most_common(8)
+
+
+def _jgcar_batch(batch: int, regions: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 17, (batch,), generator=g)
+    tokens = torch.randint(4, 60, (batch, int(lengths.max())), generator=g)
+    return {"features": torch.rand(batch, regions, 32, generator=g), "mask": torch.ones(batch, regions, dtype=torch.bool),
+            "tokens": tokens, "lengths": lengths, "image_index": torch.arange(batch)}
+
+
+def _step_ops(model, batch: dict) -> OpCounter:
+    from retr.trainers.training.loop import train_step
+    optimizer = model.configure_optimizer(1e-4)
+    train_step(model, batch, optimizer, None, 2.0, torch.device("cpu"))          # warm-up (lazy state)
+    counter = OpCounter()
+    with counter:
+        train_step(model, batch, optimizer, None, 2.0, torch.device("cpu"))
+    return counter
+
+
+def test_jgcar_co_attention_in_a_training_step_is_a_few_hundred_ops(monkeypatch):
+    """JGCAR's co-attentive term J_C over a batch of 128 (every pair of the batch scored, then the comparison
+    sets' entries): the step's operators beyond those of the same step without J_C (β = 1) stay ≤ 600 with the
+    GPU's chunk budget (before: one checkpointed chunk every two images, ~20,000 operators). The rest of the step
+    is dominated by the CPU's step-by-step LSTM, which CUDA runs as one cuDNN call each way."""
+    import retr.trainers.models.jgcar as jgcar
+    monkeypatch.setattr(jgcar, "CPU_CHUNK_ELEMENTS", jgcar.GPU_CHUNK_ELEMENTS)
+    settings = dict(vocab_size=64, img_dim=32, embed_size=32, word_dim=16, hidden_size=64, num_regions=49,
+                    dropout=0.0)
+    batch = _jgcar_batch(128, 49)
+    counts = {}
+    for beta in (0.5, 1.0):
+        torch.manual_seed(0)
+        counts[beta] = _step_ops(create_model("jgcar", beta=beta, **settings), batch).total
+    assert counts[0.5] - counts[1.0] <= 600, counts
+
+
+@pytest.mark.parametrize("budget", ["cpu", "gpu"])
+def test_jgcar_co_attention_ops_grow_with_chunks_not_with_pairs(monkeypatch, budget):
+    """The co-attention logits (forward and backward) cost a fixed handful of operators per chunk: 8 images or
+    128, scored against as many captions, dispatch the same number when each side fits one chunk."""
+    import retr.trainers.models.jgcar as jgcar
+    if budget == "gpu":
+        monkeypatch.setattr(jgcar, "CPU_CHUNK_ELEMENTS", jgcar.GPU_CHUNK_ELEMENTS)
+    counts = []
+    for rows in (8, 128):
+        g = torch.Generator().manual_seed(rows)
+        a = torch.randn(rows, 9, 8, generator=g, requires_grad=True)
+        b = torch.randn(rows, 8, 6, generator=g, requires_grad=True)
+        w = torch.randn(rows, 9, 6, generator=g, requires_grad=True)
+        with OpCounter() as counter:
+            jgcar.TanhContraction.apply(a, b, w).sum().backward()
+        counts.append(counter.total)
+    assert counts[0] == counts[1] <= 50, counts     # 49 with the sum and its backward
