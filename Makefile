@@ -11,12 +11,13 @@ PYTEST_ARGS ?=
 # modules there, so a second run (make test-matrix after make test) collects in 3 s instead of 11 s a process.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup test test-matrix demo extract clean-demo help
+.PHONY: setup test test-matrix test-gpu demo extract clean-demo help
 
 help:
 	@echo "make setup                 create .venv and install retr (editable, every extra + test tools: .[dev], pinned torch)"
 	@echo "make test                  run the test suite in a shuffled order (sets up first if needed)"
 	@echo "make test-matrix           the numerical tests again with 2 and 4 threads (CI runs both)"
+	@echo "make test-gpu              on a CUDA machine: the files whose tests take CUDA paths (record the result in docs/benchmarks.md)"
 	@echo "make demo                  run every stage on the synthetic dataset and print the results table"
 	@echo "make extract DATASET=coco  run every extractor of a dataset preset (coco, f30k, synthetic)"
 
@@ -44,6 +45,16 @@ test: $(STAMP)
 test-matrix: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q -m numerical -p no:randomly $(PYTEST_ARGS)
 	OMP_NUM_THREADS=4 $(BIN)/python -m pytest -q -m numerical $(PYTEST_ARGS)
+
+# On a machine with CUDA: every test file with a CUDA path or a device-dependent assertion (the rest of the suite
+# runs the same on any device). CI has no GPU; run it whenever one is at hand and record it in docs/benchmarks.md.
+GPU_TESTS := tests/test_devices.py tests/test_evaluation_devices.py tests/test_op_counts.py tests/test_similarity.py \
+	tests/test_training_loop.py tests/test_search.py tests/test_search_images.py tests/test_trainer_import.py \
+	tests/test_butd_batched.py tests/test_device_decode.py tests/test_extractors.py tests/test_extract.py \
+	tests/test_bench_gpu.py
+test-gpu: $(STAMP)
+	@$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: CUDA is not available here')"
+	$(BIN)/python -m pytest -q -p no:randomly $(GPU_TESTS) $(PYTEST_ARGS)
 
 # Every stage that exists, run on the synthetic dataset; each line is a command a user can copy.
 demo: $(STAMP)

@@ -66,3 +66,12 @@ def exact_float32() -> Iterator[None]:
     finally:
         for (owner, name), value in zip(settings, saved):
             setattr(owner, name, value)
+
+
+def float32_arithmetic(tf32: bool = False):
+    """The context that CUDA float32 work runs in: :func:`exact_float32`, unless ``tf32`` (a recorded speed
+    option: PyTorch's defaults then, with cuDNN's convolutions and RNNs in TF32). Evaluation uses it, so the
+    same run scores the same on a CPU and on a GPU (docs/trainer.md#evaluation)."""
+    from contextlib import nullcontext
+
+    return nullcontext() if tf32 else exact_float32()

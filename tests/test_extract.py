@@ -243,7 +243,8 @@ def test_command_errors_are_one_line(dataset, tmp_path, monkeypatch, capsys):
     base = ["extract", "--manifest", str(manifest), "--extractor", NAME, "--out", str(tmp_path / "out")]
     for extra, expected in [(["--weights", str(path)], "does not fit resnet152"),
                             ([], "ImageNet weights ResNet152_Weights.IMAGENET1K_V1 (resnet152-394f9c45.pth) not found"),
-                            (["--weights", "random", "--half"], "error: --half needs --device cuda (half-precision"),
+                            (["--weights", "random", "--half", "--device", "cpu"],
+                             "error: --half needs --device cuda (half-precision"),
                             (["--weights", "random", "--shard-index", "1"],
                              "error: --shard-index needs --num-shards\n"),
                             (["--weights", "random", "--image-size", "16"],
@@ -302,7 +303,8 @@ def test_extract_preset_runs_every_available_extractor(tmp_path, monkeypatch):
     assert [c[0] for c in calls] == ["resnet152-grid", "vgg16-maps", "tencrop-vgg19", "tencrop-resnet152"]
     assert all(c[1:4] == (tmp_path / "m.jsonl", tmp_path / "f", tmp_path / "img") for c in calls)
     # the synthetic preset extracts at the demo's CPU sizes (grid/maps from 224 px, ten 64-px crops)
-    assert [c[4] for c in calls] == [{"device": "cpu", "weights": "random", "image_size": size}
+    device = "cuda" if torch.cuda.is_available() else "cpu"        # --device auto: the GPU where there is one
+    assert [c[4] for c in calls] == [{"device": device, "weights": "random", "image_size": size}
                                      for size in (224, 224, 64, 64)]
     assert "butd-regions: not available yet" in result.output and "tencrop-vgg19: done" in result.output
 

@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
 def _eval_sims(run, folder):
     path = folder / f"{run.name}-sims.npy"
     _invoke(["eval", run, "--protocol", "f30k-1k", "--allow-size-mismatch", "--precision", "float64",
-             "--save-sims", path, "--quiet"])
+             "--save-sims", path, "--device", "cpu", "--quiet"])         # the device the search side runs on
     return np.load(path)
 
 
@@ -212,5 +212,6 @@ def test_a_shortlist_as_large_as_the_gallery_is_the_exhaustive_search(runs):
     assert {full.image_ids.index(h.image_id) for h in result.hits} == short
     exhaustive = {h.image_id: h.score for h in full.text_to_images([texts[0]], n_images)[0].hits}
     assert all(h.score == pytest.approx(exhaustive[h.image_id], abs=1e-12) for h in result.hits)
-    out = _invoke(["search", run["scan"], "--query", texts[0], "--top", "3", "--shortlist", "3", "--json"])
+    out = _invoke(["search", run["scan"], "--query", texts[0], "--top", "3", "--shortlist", "3", "--json",
+                   "--device", "cpu"])
     assert json.loads(out) == result.to_json()

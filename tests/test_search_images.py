@@ -38,7 +38,8 @@ def _make_run(folder, run_cli, extractor, options, seed=0):
     if not data.exists():
         generate_synthetic(data, num_images=4, seed=0)
     run_cli("pipeline", "extract", "--manifest", data / "manifest.jsonl", "--extractor", extractor, "--weights",
-            "random", "--out", folder / "features", "--workers", "0", "--quiet", *options)
+            "random", "--out", folder / "features", "--workers", "0", "--device", "cpu", "--quiet",
+            *options)                                   # the device the searches below embed new images on
     run = folder / f"run-{seed}"
     run_cli("train", "vsepp", "--features", folder / "features" / f"{extractor}.h5", "--manifest",
             data / "manifest.jsonl", "--out", run, "--seed", seed, *TRAIN)

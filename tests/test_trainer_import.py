@@ -66,7 +66,8 @@ def test_official_checkpoint_imports_and_evaluates(tmp_path, weight_norm):
     sims_path = tmp_path / "sims.npy"
     result = CliRunner().invoke(cli, ["eval", str(run), "--protocol", "f30k-1k", "--allow-size-mismatch",
                                       "--features", str(features),
-                                      "--manifest", str(manifest), "--save-sims", str(sims_path), "--json"],
+                                      "--manifest", str(manifest), "--save-sims", str(sims_path), "--json",
+                                      "--device", "cpu"],                   # the reference below runs on the CPU
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     fs = FeatureSet(features)

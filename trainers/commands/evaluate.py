@@ -50,6 +50,9 @@ def echo_numbers(result: dict, what: str) -> None:
                    "(every rank, so every metric, equals float64's); float64: everything in float64 (full "
                    "orderings too); float32: one pass.")
 @click.option("--device", default="auto", show_default=True)
+@click.option("--tf32", is_flag=True,
+              help="On CUDA, let cuDNN (the GRU/LSTM encoders, convolutions) and matrix products use TF32: faster, "
+                   "but no longer the CPU's numbers (recorded in the result). Default: exact float32.")
 @click.option("--preload/--no-preload", default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number.")
 @click.option("--save-sims", type=click.Path(dir_okay=False), default=None,
@@ -65,7 +68,7 @@ def echo_numbers(result: dict, what: str) -> None:
               help="Read checkpoints that hold Python objects besides tensors (they can run code: only for files "
                    "you trust).")
 @quiet_option
-def eval_command(runs, protocol, split, features, manifest, which, precision, device, preload, as_json,
+def eval_command(runs, protocol, split, features, manifest, which, precision, device, tf32, preload, as_json,
                  save_sims, ties, allow_size_mismatch, trust_checkpoint, quiet) -> None:
     """Evaluate one run, or an ensemble of runs (their similarity matrices averaged).
 
@@ -78,7 +81,7 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
     """
     result, sims = evaluate_runs(list(runs), protocol, split, features, manifest, device, precision, which,
                                  preload, quiet, trust_checkpoint=trust_checkpoint,
-                                 allow_size_mismatch=allow_size_mismatch, ties=ties)
+                                 allow_size_mismatch=allow_size_mismatch, ties=ties, tf32=tf32)
     if save_sims and sims is None:
         raise UserError("--save-sims: a two-step run has no single similarity matrix (one per direction)")
     if save_sims:

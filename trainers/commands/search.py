@@ -50,6 +50,7 @@ def search_command(run, queries, images, top, split, index, gallery, extractor_w
       retr-train search runs/scan-f30k --image 1000092795 --image photos/dog.jpg --json
       retr-train search runs/scan-f30k --images photos/ --query "a dog on a beach"
     """
+    from retr.common.devices import exact_float32
     from retr.trainers.search.retrieval import Retriever
 
     if not queries and not images:
@@ -58,11 +59,12 @@ def search_command(run, queries, images, top, split, index, gallery, extractor_w
         raise UserError("--top must be ≥ 1")
     if index and gallery:
         raise UserError("give --index or --images, not both")
-    retriever = Retriever.from_run(run, features, manifest, split, checkpoint, device, cache=not no_cache,
-                                   trust_checkpoint=trust_checkpoint, quiet=quiet, index=index, images=gallery,
-                                   extractor_weights=extractor_weights, vector_index=vector_index,
-                                   shortlist=shortlist)
-    results = retriever.text_to_images(queries, top) + retriever.image_to_texts(images, top)
+    with exact_float32():                    # the scores eval gives, on a GPU too (docs/search.md)
+        retriever = Retriever.from_run(run, features, manifest, split, checkpoint, device, cache=not no_cache,
+                                       trust_checkpoint=trust_checkpoint, quiet=quiet, index=index, images=gallery,
+                                       extractor_weights=extractor_weights, vector_index=vector_index,
+                                       shortlist=shortlist)
+        results = retriever.text_to_images(queries, top) + retriever.image_to_texts(images, top)
     for result in results:
         if as_json:
             click.echo(json.dumps(result.to_json()))

@@ -42,6 +42,7 @@ def serve_command(run, index, host, port, split, features, manifest, image_root,
       retr-train serve runs/scan-f30k --image-root data/f30k/images
       retr-train serve runs/scan-f30k --port 8080 --host 0.0.0.0     # reachable from your network
     """
+    from retr.common.devices import exact_float32
     from retr.trainers.search.retrieval import Retriever
     from retr.trainers.search.serve_app import SearchPage, create_app, server_modules
 
@@ -64,7 +65,8 @@ def serve_command(run, index, host, port, split, features, manifest, image_root,
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"serving {run} at http://{shown}:{server.effective_port}/ ({where}); Ctrl-C stops it")
     try:
-        server.run()
+        with exact_float32():       # for the server's life (its threads share these settings): eval's scores
+            server.run()
     except KeyboardInterrupt:
         pass
     finally:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retr.common.devices import resolve_device
+from retr.common.devices import float32_arithmetic, resolve_device
 from retr.common.errors import UserError
 from retr.trainers.evaluation.metrics import protocol_metrics
 from retr.trainers.evaluation.similarity import DEFAULT_PRECISION, Scorer, SplitEmbeddings, combined_matrix
@@ -18,12 +18,24 @@ from retr.trainers.training.data import ImageFeatures, open_run_split
 def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features: str | None = None,
                   manifest: str | None = None, device: str = "auto", precision: str = DEFAULT_PRECISION,
                   which: str = "best", preload: bool | None = None, quiet: bool = False,
-                  trust_checkpoint: bool = False, allow_size_mismatch: bool = False, ties: str = "pessimistic"):
+                  trust_checkpoint: bool = False, allow_size_mismatch: bool = False, ties: str = "pessimistic",
+                  tf32: bool = False):
     """Score ``split`` with every run, average the similarity matrices (ensemble) and apply ``protocol``.
 
     Returns ``(result dict, sims [N_img, M] float64)``. Every run's embeddings are kept until the end, so that
-    ``refined`` precision can rescore near-ties of the *averaged* matrix in float64."""
+    ``refined`` precision can rescore near-ties of the *averaged* matrix in float64. On CUDA the float32 work is
+    exact unless ``tf32`` (:func:`~retr.common.devices.float32_arithmetic`); the result records ``tf32`` as what
+    ran (True only on CUDA)."""
     dev = resolve_device(device)
+    with float32_arithmetic(tf32):
+        result, sims = _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, which, preload,
+                                      quiet, trust_checkpoint, allow_size_mismatch, ties)
+    result["tf32"] = bool(tf32 and dev.type == "cuda")
+    return result, sims
+
+
+def _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, which, preload, quiet,
+                   trust_checkpoint, allow_size_mismatch, ties):
     reference, models, scorers = None, [], []
     for run in runs:
         opened = open_run_split(run, split, features, manifest, which, dev, trust_checkpoint)

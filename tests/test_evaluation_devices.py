@@ -1,0 +1,67 @@
+"""Evaluation's float32 arithmetic: exact (no TF32) on CUDA unless ``--tf32`` asks for it, recorded as what ran;
+and, where CUDA is present, the same run scored on the CPU and on the GPU gives the same ranks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from retr.trainers.evaluation.metrics import i2t_ranks, t2i_ranks
+from retr.trainers.evaluation.similarity import similarity_matrix
+from retr.trainers.models import create_model
+from retr.trainers.training.data import ImageFeatures, SplitData
+
+
+def _precisions() -> tuple[str, str]:
+    """What cuDNN's RNNs and convolutions are allowed now ("ieee": exact float32)."""
+    backends = torch.backends.cudnn
+    if hasattr(backends, "rnn"):
+        return backends.rnn.fp32_precision, backends.conv.fp32_precision
+    return ("tf32" if backends.allow_tf32 else "ieee",) * 2
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_evaluation_runs_in_exact_float32_unless_tf32_and_records_what_ran(monkeypatch, tf32):
+    import retr.trainers.evaluation.runs as runs
+    before = _precisions()
+    seen = []
+
+    def fake(*args):
+        seen.append(_precisions())
+        return {}, None
+    monkeypatch.setattr(runs, "_evaluate_runs", fake)
+    result, _ = runs.evaluate_runs(["run"], "f30k-1k", device="cpu", tf32=tf32)
+    assert seen == [before if tf32 else ("ieee", "ieee")]
+    assert _precisions() == before                              # restored
+    assert result["tf32"] is False                              # a CPU never runs TF32: recorded as what ran
+
+
+class _Features(ImageFeatures):
+    def __init__(self, array):
+        self._memory, self.num_boxes, self.feature_shape = array, np.full(len(array), array.shape[1]), array.shape[1:]
+        self.rows = np.arange(len(array))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on a GPU machine: make test-gpu)")
+@pytest.mark.parametrize("name", ["scan", "vsepp"])
+def test_the_same_run_scores_the_same_on_the_cpu_and_on_cuda(name):
+    """A GRU caption encoder and cross attention, float32 on both devices inside exact float32: scores within
+    float32 rounding of a few hundred-term sums (1e-5) and, refined, every rank equal."""
+    from retr.common.devices import exact_float32
+    rng = np.random.default_rng(0)
+    n, per = 60, 5
+    tokens = [[1] + [int(t) for t in rng.integers(4, 40, size=int(rng.integers(3, 12)))] + [2] for _ in range(n * per)]
+    data = SplitData([f"i{j}" for j in range(n)], ["x"] * (n * per), np.arange(n * per) // per, tokens)
+    feats = _Features(rng.standard_normal((n, 36, 64)).astype(np.float32))
+    torch.manual_seed(0)
+    model = create_model(name, vocab_size=40, img_dim=64, embed_size=32, word_dim=16).eval()
+    out = {}
+    with exact_float32():
+        for device in ("cpu", "cuda"):
+            model.to(device)
+            out[device] = {p: similarity_matrix(model, data, feats, device, precision=p, quiet=True)
+                           for p in ("float32", "refined")}
+    np.testing.assert_allclose(out["cuda"]["float32"], out["cpu"]["float32"], rtol=0, atol=1e-5)
+    owner = data.caption_image
+    np.testing.assert_array_equal(t2i_ranks(out["cuda"]["refined"], owner), t2i_ranks(out["cpu"]["refined"], owner))
+    np.testing.assert_array_equal(i2t_ranks(out["cuda"]["refined"], owner), i2t_ranks(out["cpu"]["refined"], owner))
