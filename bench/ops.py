@@ -1,0 +1,120 @@
+"""Operators dispatched (retr.common.op_count): what a GPU would launch, counted on any machine, one JSON line each
+with its baseline counted in the same run.
+
+* ``scoring`` — SCAN's similarity matrix of ``--images`` × ``--captions`` (36 regions, captions of 3–12 words) as
+  ``retr-train eval`` scores it, at each precision, with the CPU's block sizes and with a GPU's (no chunking
+  inside a score call, blocks sized to 40 GB of free memory); baseline: the authors' evaluation loop (per caption,
+  blocks of 128 images, attended vectors formed: bench/eval.py's ``baseline``) on the same embeddings.
+* ``train`` — one training step (forward, backward, optimiser) of each model at batch ``--batch`` on random data,
+  and JGCAR's co-attentive term alone (the step with β = 0.5 minus the step with β = 1) with the GPU's chunk
+  budget; baseline: the same co-attention logits written as one autograd expression (the ``[B, N, B, l]`` tanh
+  formed and kept for backward). Counts on a CPU include each RNN's step-by-step CPU kernels; CUDA runs each
+  GRU/LSTM as one cuDNN call each way.
+
+    .venv/bin/python bench/ops.py [--images 1000 --captions 200 --dim 64 --batch 128]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from eval import baseline  # noqa: E402  (the authors' loop)
+from test_op_counts import _jgcar_batch, _scan, _scan_embeddings, _step_ops  # noqa: E402
+
+from retr.common.op_count import count_ops  # noqa: E402
+from retr.trainers.evaluation.similarity import Scorer, combined_matrix, gpu_image_block, gpu_pair_budget  # noqa: E402
+from retr.trainers.models import create_model  # noqa: E402
+
+
+def scoring(n_img: int, n_cap: int, dim: int) -> list[dict]:
+    import retr.trainers.models.xattn as xattn
+    embeddings = _scan_embeddings(n_img, n_cap, k=36, max_len=12, dim=dim)
+    owner = np.arange(n_cap) // 5 * 7 % n_img
+    words = [caps["words"][row][caps["mask"][row]] for _, caps in embeddings.caption_blocks
+             for row in range(len(caps["words"]))]
+    records = []
+    for direction in ("t2i", "i2t"):
+        model = _scan(direction)
+        base, _ = count_ops(baseline, embeddings.images["regions"], words, direction, model.lambda_softmax, 6.0)
+        for policy in ("cpu", "gpu"):
+            kwargs, restore = {}, xattn.default_chunk_elements
+            if policy == "gpu":
+                budget = gpu_pair_budget(40 << 30, 16 * 36 * 12)
+                kwargs = {"image_block": gpu_image_block(budget, 128), "pair_budget": budget}
+                xattn.default_chunk_elements = lambda device: None
+            try:
+                for precision in ("float32", "float64", "refined"):
+                    ops, _ = count_ops(combined_matrix, [Scorer(model, embeddings)], precision, owner, **kwargs)
+                    records.append({"bench": "ops", "stage": "scoring", "model": f"scan {direction} lse",
+                                    "images": n_img, "captions": n_cap, "block_policy": policy,
+                                    "precision": precision, "ops": ops.total, "launching": ops.launching,
+                                    "host_syncs": ops.host_syncs, "ops_per_caption": round(ops.total / n_cap, 2),
+                                    "baseline": {"what": "authors' loop: per caption, 128-image blocks",
+                                                 "ops": base.total,
+                                                 "ops_per_caption": round(base.total / n_cap, 2)}})
+            finally:
+                xattn.default_chunk_elements = restore
+    return records
+
+
+def training(batch: int) -> list[dict]:
+    import retr.trainers.models.jgcar as jgcar
+    records = []
+    shapes = {"vsepp": (36, 32), "scan": (36, 32), "seam": (10, 32), "sman": (49, 32)}
+    for name, (k, d) in shapes.items():
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(8, 17, (batch,), generator=g)
+        step = {"features": torch.rand(batch, k, d, generator=g), "mask": torch.ones(batch, k, dtype=torch.bool),
+                "tokens": torch.randint(4, 60, (batch, int(lengths.max())), generator=g), "lengths": lengths,
+                "image_index": torch.arange(batch)}
+        torch.manual_seed(0)
+        model = create_model(name, vocab_size=64, img_dim=d, **({"text_encoder": "c"} if name == "seam" else {}))
+        ops = _step_ops(model, step)
+        records.append({"bench": "ops", "stage": "train", "model": name, "batch": batch, "features": [k, d],
+                        "ops": ops.total, "launching": ops.launching, "host_syncs": ops.host_syncs})
+    jgcar.CPU_CHUNK_ELEMENTS, saved = jgcar.GPU_CHUNK_ELEMENTS, jgcar.CPU_CHUNK_ELEMENTS
+    try:
+        settings = dict(vocab_size=64, img_dim=32, embed_size=32, word_dim=16, hidden_size=64, num_regions=49,
+                        dropout=0.0)
+        step = _jgcar_batch(batch, 49)
+        totals = {}
+        for beta in (0.5, 1.0):
+            torch.manual_seed(0)
+            totals[beta] = _step_ops(create_model("jgcar", beta=beta, **settings), step).total
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(batch, 49, 32, generator=g, requires_grad=True)
+        b = torch.randn(batch, 32, 64, generator=g, requires_grad=True)
+        w = torch.randn(batch, 49, 64, generator=g, requires_grad=True)
+        direct, _ = count_ops(lambda: (torch.tanh(torch.einsum("pmd,cdl->pmcl", a, b)) * w.unsqueeze(2))
+                              .sum(-1).sum().backward())
+        ours, _ = count_ops(lambda: jgcar.TanhContraction.apply(a, b, w).sum().backward())
+    finally:
+        jgcar.CPU_CHUNK_ELEMENTS = saved
+    records.append({"bench": "ops", "stage": "train", "model": "jgcar", "batch": batch, "features": [49, 32],
+                    "ops": totals[0.5], "co_attention_ops": totals[0.5] - totals[1.0],
+                    "one_side_logits_fwd_bwd_ops": ours.total,
+                    "baseline": {"what": "one side's logits as one autograd expression ([B, N, B, l] tanh kept)",
+                                 "one_side_logits_fwd_bwd_ops": direct.total}})
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=1000)
+    parser.add_argument("--captions", type=int, default=200)
+    parser.add_argument("--dim", type=int, default=64, help="embedding size (op counts do not depend on it)")
+    parser.add_argument("--batch", type=int, default=128)
+    args = parser.parse_args()
+    for record in scoring(args.images, args.captions, args.dim) + training(args.batch):
+        print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()
