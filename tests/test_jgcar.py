@@ -463,3 +463,25 @@ def test_tanh_contraction_gradients_equal_autograd_of_the_direct_formula(monkeyp
     for x, y in zip(have, want):
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
     assert torch.autograd.gradcheck(jgcar.TanhContraction.apply, (a, b, w))
+
+
+def test_tanh_contraction_backward_runs_under_forwards_autocast():
+    """With ``--amp bf16`` the forward's logits are bfloat16: backward recomputes under the same autocast (else its
+    bfloat16 gradient meets float32 tensors and fails), and the gradients are float32's to bfloat16 rounding
+    (8 mantissa bits: 5e-2 relative over these 6-term sums)."""
+    from retr.trainers.models.jgcar import TanhContraction
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(4, 3, 8, generator=g), torch.randn(5, 8, 6, generator=g), torch.randn(4, 3, 6, generator=g)]
+    grads = {}
+    for amp in (False, True):
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = TanhContraction.apply(*leaves)
+        assert out.dtype == (torch.bfloat16 if amp else torch.float32)
+        out.float().sum().backward()
+        grads[amp] = [x.grad for x in leaves]
+    for low, full in zip(grads[True], grads[False]):
+        assert low.dtype == torch.float32
+        torch.testing.assert_close(low, full, rtol=5e-2, atol=5e-2)
+    empty = TanhContraction.apply(torch.zeros(0, 3, 8), inputs[1], torch.zeros(0, 3, 6))
+    assert empty.shape == (0, 3, 5)

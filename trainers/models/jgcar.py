@@ -86,7 +86,13 @@ class TanhContraction(torch.autograd.Function):
     The ``[P, M, C, l]`` tanh is formed chunk by chunk (rows of ``a``, :data:`CPU_CHUNK_ELEMENTS` or
     :data:`GPU_CHUNK_ELEMENTS` entries a chunk) and never kept: backward recomputes it from the three inputs,
     so a training step's co-attention costs a handful of kernels per chunk (one GEMM, the tanh, one batched GEMV
-    forward; a GEMM, the tanh, three batched products and two GEMMs backward) whatever the batch."""
+    forward; a GEMM, the tanh, three batched products and two GEMMs backward) whatever the batch. Backward runs
+    under the autocast state forward ran under (``--amp``), as ``torch.amp.custom_bwd`` does for one device."""
+
+    @staticmethod
+    def _autocast(ctx) -> torch.autocast:
+        device, enabled, dtype = ctx.autocast_state
+        return torch.autocast(device, dtype=dtype, enabled=enabled)
 
     @staticmethod
     def _steps(a: torch.Tensor, b: torch.Tensor) -> list[slice]:
@@ -103,12 +109,19 @@ class TanhContraction(torch.autograd.Function):
         parts = []
         for rows in TanhContraction._steps(a, b):
             t = torch.tanh(a[rows].reshape(-1, d) @ b_flat).view(-1, n_cols, l)   # [p·M, C, l]
-            parts.append(torch.bmm(t, w[rows].reshape(-1, l, 1)).view(-1, m, n_cols))
+            parts.append(torch.bmm(t, w[rows].reshape(-1, l, 1)).view(a[rows].shape[0], m, n_cols))
         ctx.save_for_backward(a, b, w)
+        device = a.device.type
+        ctx.autocast_state = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        with TanhContraction._autocast(ctx):
+            return TanhContraction._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad: torch.Tensor):
         a, b, w = ctx.saved_tensors
         n_rows, m, d = a.shape
         n_cols, _, l = b.shape
@@ -118,15 +131,16 @@ class TanhContraction(torch.autograd.Function):
         grad_b = torch.zeros(d, n_cols * l, dtype=b.dtype, device=b.device) if need_b else None
         for rows in TanhContraction._steps(a, b):
             a_rows = a[rows].reshape(-1, d)                                       # [p·M, d]
+            p = a[rows].shape[0]
             g = grad[rows].reshape(-1, 1, n_cols)                                 # [p·M, 1, C]
             t = torch.tanh(a_rows @ b_flat).view(-1, n_cols, l)                   # [p·M, C, l]
             if need_w:
-                grad_w.append(torch.bmm(g, t).view(-1, m, l))
+                grad_w.append(torch.bmm(g, t).view(p, m, l))
             if need_a or need_b:
                 pre = torch.bmm(g.transpose(1, 2), w[rows].reshape(-1, 1, l))     # g ⊗ w  [p·M, C, l]
                 pre = pre.addcmul_(pre, t.square_(), value=-1).view(-1, n_cols * l)   # · (1 − tanh²)
                 if need_a:
-                    grad_a.append((pre @ b_flat.t()).view(-1, m, d))
+                    grad_a.append((pre @ b_flat.t()).view(p, m, d))
                 if need_b:
                     grad_b.add_(a_rows.t() @ pre)
         return (torch.cat(grad_a) if need_a else None,
