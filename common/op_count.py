@@ -22,9 +22,9 @@ NON_LAUNCHING = frozenset({
     "view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze", "select",
     "slice", "as_strided", "alias", "detach", "unbind", "split", "split_with_sizes", "chunk", "narrow",
     "_reshape_alias", "view_as", "expand_as", "diagonal", "unfold", "empty", "empty_like", "empty_strided",
-    "new_empty", "new_empty_strided", "lift_fresh", "_to_copy_noop", "sym_size", "sym_stride", "sym_numel",
-    "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type", "result_type", "dim", "size",
-    "stride", "numel", "_local_scalar_dense_noop", "set_", "resize_", "_unsafe_index_noop",
+    "new_empty", "new_empty_strided", "lift_fresh", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+    "is_same_size", "_has_compatible_shallow_copy_type", "result_type", "dim", "size", "stride", "numel", "set_",
+    "resize_",
 })
 
 

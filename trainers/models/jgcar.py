@@ -9,6 +9,7 @@ re-rank) of two-step retrieval (:mod:`retr.trainers.evaluation.two_step`); :meth
 Equations, decisions and cost: docs/models-jgcar.md."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping
 
@@ -90,9 +91,9 @@ class TanhContraction(torch.autograd.Function):
     under the autocast state forward ran under (``--amp``), as ``torch.amp.custom_bwd`` does for one device."""
 
     @staticmethod
-    def _autocast(ctx) -> torch.autocast:
+    def _autocast(ctx):
         device, enabled, dtype = ctx.autocast_state
-        return torch.autocast(device, dtype=dtype, enabled=enabled)
+        return torch.autocast(device, dtype=dtype) if enabled else contextlib.nullcontext()
 
     @staticmethod
     def _steps(a: torch.Tensor, b: torch.Tensor) -> list[slice]:
@@ -109,7 +110,7 @@ class TanhContraction(torch.autograd.Function):
         parts = []
         for rows in TanhContraction._steps(a, b):
             t = torch.tanh(a[rows].reshape(-1, d) @ b_flat).view(-1, n_cols, l)   # [p·M, C, l]
-            parts.append(torch.bmm(t, w[rows].reshape(-1, l, 1)).view(a[rows].shape[0], m, n_cols))
+            parts.append(torch.bmm(t, w[rows].reshape(-1, l, 1)).view(len(range(n_rows)[rows]), m, n_cols))
         ctx.save_for_backward(a, b, w)
         device = a.device.type
         ctx.autocast_state = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -131,7 +132,7 @@ class TanhContraction(torch.autograd.Function):
         grad_b = torch.zeros(d, n_cols * l, dtype=b.dtype, device=b.device) if need_b else None
         for rows in TanhContraction._steps(a, b):
             a_rows = a[rows].reshape(-1, d)                                       # [p·M, d]
-            p = a[rows].shape[0]
+            p = len(range(n_rows)[rows])
             g = grad[rows].reshape(-1, 1, n_cols)                                 # [p·M, 1, C]
             t = torch.tanh(a_rows @ b_flat).view(-1, n_cols, l)                   # [p·M, C, l]
             if need_w:

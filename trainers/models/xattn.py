@@ -85,6 +85,11 @@ def _block_dots(regions, rmask, words, wmask):
             None if wmask is None else wmask.view(1, 1, n_cap, length))
 
 
+def _relevance(along: torch.Tensor, norms: torch.Tensor, attended_sq: torch.Tensor) -> torch.Tensor:
+    """``R = q·a / max(‖q‖‖a‖, 1e-8)`` (the authors' cosine) from ``q·a``, ``‖q‖`` and ``‖a‖²`` (broadcastable)."""
+    return along / (norms * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
+
+
 def _t2i(regions, rmask, gram, words, word_norm, wmask, norm, lambda_softmax,
          inplace) -> tuple[torch.Tensor, torch.Tensor]:
     """Relevance ``R`` [I, C, L] of each word to its attended image vector (words attend to regions), and the
@@ -95,8 +100,7 @@ def _t2i(regions, rmask, gram, words, word_norm, wmask, norm, lambda_softmax,
     along = (dots.mul_(alpha) if inplace else dots * alpha).sum(dim=1)         # e_j · a_j   [I, C, L]
     g_alpha = torch.bmm(gram, alpha.view(n_img, k, n_cap * length)).view(n_img, k, n_cap, length)
     attended_sq = (g_alpha.mul_(alpha) if inplace else g_alpha * alpha).sum(dim=1)   # ‖a_j‖²  [I, C, L]
-    rel = along / (word_norm.view(1, n_cap, length) * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
-    return rel, alpha
+    return _relevance(along, word_norm.view(1, n_cap, length), attended_sq), alpha
 
 
 def _i2t(regions, rmask, region_norm, words, wmask, gram, norm, lambda_softmax,
@@ -116,7 +120,7 @@ def _i2t(regions, rmask, region_norm, words, wmask, gram, norm, lambda_softmax,
     along = (dots.mul_(alpha) if inplace else dots * alpha).sum(dim=1)         # v_i · a_i   [C, I, K]
     h_alpha = torch.bmm(gram, alpha.view(n_cap, length, n_img * k)).view(n_cap, length, n_img, k)
     attended_sq = (h_alpha.mul_(alpha) if inplace else h_alpha * alpha).sum(dim=1)   # ‖a_i‖²  [C, I, K]
-    rel = along / (region_norm.view(1, n_img, k) * attended_sq.clamp(min=_TINY).sqrt()).clamp(min=EPS)
+    rel = _relevance(along, region_norm.view(1, n_img, k), attended_sq)
     return rel.permute(1, 2, 0), alpha.permute(2, 3, 0, 1)
 
 
@@ -278,8 +282,7 @@ def xattn_pair_scores(regions: torch.Tensor, region_mask: torch.Tensor, words: t
                 gram = torch.bmm(v, v.transpose(1, 2))                             # [P, K, K]
                 g_alpha = torch.bmm(gram, alpha.view(-1, k, length))
                 attended_sq = g_alpha.mul_(alpha.view(-1, k, length)).sum(dim=1, keepdim=True)   # [P, 1, L]
-                word_norm = torch.linalg.vector_norm(e, dim=-1).unsqueeze(1)       # [P, 1, L]
-                rel = along.div_((word_norm * attended_sq.clamp_(min=_TINY).sqrt_()).clamp_(min=EPS))
+                rel = _relevance(along, torch.linalg.vector_norm(e, dim=-1).unsqueeze(1), attended_sq)
                 out.append(_aggregate(rel.to(agg_dtype), word_mask[p].unsqueeze(1), 2, agg, lambda_lse)[:, 0])
             else:
                 alpha = _attention(dots, region_axis, word_axis, 1, 3, norm, lambda_softmax, True)
@@ -287,7 +290,6 @@ def xattn_pair_scores(regions: torch.Tensor, region_mask: torch.Tensor, words: t
                 gram = torch.bmm(e, e.transpose(1, 2))                             # [P, L, L]
                 h_alpha = torch.bmm(alpha.view(-1, k, length), gram)
                 attended_sq = h_alpha.mul_(alpha.view(-1, k, length)).sum(dim=2, keepdim=True)  # [P, K, 1]
-                region_norm = torch.linalg.vector_norm(v, dim=-1).unsqueeze(-1)    # [P, K, 1]
-                rel = along.div_((region_norm * attended_sq.clamp_(min=_TINY).sqrt_()).clamp_(min=EPS))
+                rel = _relevance(along, torch.linalg.vector_norm(v, dim=-1).unsqueeze(-1), attended_sq)
                 out.append(_aggregate(rel.to(agg_dtype), region_mask[p].unsqueeze(-1), 1, agg, lambda_lse)[:, 0])
     return torch.cat(out) if len(out) != 1 else out[0]
