@@ -24,25 +24,46 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from eval import baseline  # noqa: E402  (the authors' loop)
-from test_op_counts import _jgcar_batch, _scan, _scan_embeddings, _step_ops  # noqa: E402
+from eval import baseline, embeddings  # noqa: E402  (bench/eval.py: the authors' loop, SCAN's encoder outputs)
 
-from retr.common.op_count import count_ops  # noqa: E402
+from retr.common.op_count import OpCounter, count_ops  # noqa: E402
 from retr.trainers.evaluation.similarity import Scorer, combined_matrix, gpu_image_block, gpu_pair_budget  # noqa: E402
 from retr.trainers.models import create_model  # noqa: E402
+from retr.trainers.training.loop import train_step  # noqa: E402
+
+
+def _batch(batch: int, regions: int, dim: int, seed: int = 0) -> dict:
+    """A training batch as the loop hands it over: random features, captions of 8–16 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 17, (batch,), generator=g)
+    return {"features": torch.rand(batch, regions, dim, generator=g),
+            "mask": torch.ones(batch, regions, dtype=torch.bool),
+            "tokens": torch.randint(4, 60, (batch, int(lengths.max())), generator=g), "lengths": lengths,
+            "image_index": torch.arange(batch)}
+
+
+def _step_ops(model, batch: dict) -> OpCounter:
+    """Operators of one ``train_step`` (after a warm-up step that makes the optimiser's state)."""
+    optimizer = model.configure_optimizer(1e-4)
+    train_step(model, batch, optimizer, None, 2.0, torch.device("cpu"))
+    with OpCounter() as counter:
+        train_step(model, batch, optimizer, None, 2.0, torch.device("cpu"))
+    return counter
 
 
 def scoring(n_img: int, n_cap: int, dim: int) -> list[dict]:
     import retr.trainers.models.xattn as xattn
-    embeddings = _scan_embeddings(n_img, n_cap, k=36, max_len=12, dim=dim)
+    g = torch.Generator().manual_seed(0)
+    norm = torch.nn.functional.normalize
+    images = norm(torch.randn(n_img, 36, dim, generator=g), dim=-1)
+    words = [norm(torch.randn(int(n), dim, generator=g), dim=-1) for n in torch.randint(3, 13, (n_cap,), generator=g)]
+    split = embeddings(images, words)
     owner = np.arange(n_cap) // 5 * 7 % n_img
-    words = [caps["words"][row][caps["mask"][row]] for _, caps in embeddings.caption_blocks
-             for row in range(len(caps["words"]))]
     records = []
     for direction in ("t2i", "i2t"):
-        model = _scan(direction)
-        base, _ = count_ops(baseline, embeddings.images["regions"], words, direction, model.lambda_softmax, 6.0)
+        model = create_model("scan", vocab_size=8, img_dim=8, embed_size=8, word_dim=8, direction=direction,
+                             agg="lse", lambda_softmax=9.0 if direction == "t2i" else 4.0).eval()
+        base, _ = count_ops(baseline, images, words, direction, model.lambda_softmax, 6.0)
         for policy in ("cpu", "gpu"):
             kwargs, restore = {}, xattn.default_chunk_elements
             if policy == "gpu":
@@ -51,7 +72,7 @@ def scoring(n_img: int, n_cap: int, dim: int) -> list[dict]:
                 xattn.default_chunk_elements = lambda device: None
             try:
                 for precision in ("float32", "float64", "refined"):
-                    ops, _ = count_ops(combined_matrix, [Scorer(model, embeddings)], precision, owner, **kwargs)
+                    ops, _ = count_ops(combined_matrix, [Scorer(model, split)], precision, owner, **kwargs)
                     records.append({"bench": "ops", "stage": "scoring", "model": f"scan {direction} lse",
                                     "images": n_img, "captions": n_cap, "block_policy": policy,
                                     "precision": precision, "ops": ops.total, "launching": ops.launching,
@@ -69,11 +90,7 @@ def training(batch: int) -> list[dict]:
     records = []
     shapes = {"vsepp": (36, 32), "scan": (36, 32), "seam": (10, 32), "sman": (49, 32)}
     for name, (k, d) in shapes.items():
-        g = torch.Generator().manual_seed(0)
-        lengths = torch.randint(8, 17, (batch,), generator=g)
-        step = {"features": torch.rand(batch, k, d, generator=g), "mask": torch.ones(batch, k, dtype=torch.bool),
-                "tokens": torch.randint(4, 60, (batch, int(lengths.max())), generator=g), "lengths": lengths,
-                "image_index": torch.arange(batch)}
+        step = _batch(batch, k, d)
         torch.manual_seed(0)
         model = create_model(name, vocab_size=64, img_dim=d, **({"text_encoder": "c"} if name == "seam" else {}))
         ops = _step_ops(model, step)
@@ -83,7 +100,7 @@ def training(batch: int) -> list[dict]:
     try:
         settings = dict(vocab_size=64, img_dim=32, embed_size=32, word_dim=16, hidden_size=64, num_regions=49,
                         dropout=0.0)
-        step = _jgcar_batch(batch, 49)
+        step = _batch(batch, 49, 32)
         totals = {}
         for beta in (0.5, 1.0):
             torch.manual_seed(0)
