@@ -105,6 +105,17 @@ def make_feature_set(tmp_path):
     return make
 
 
+def in_memory_features(array: np.ndarray, num_boxes=None):
+    """``array`` [N, K, D] as the evaluator's ``ImageFeatures`` (rows in order, ``num_boxes`` [N] real rows each,
+    default all K), without a store: for tests of scoring (the store path is tested in test_trainer_data)."""
+    from retr.trainers.training.data import ImageFeatures
+    features = ImageFeatures.__new__(ImageFeatures)
+    features._memory, features.feature_shape = array, array.shape[1:]
+    features.num_boxes = np.full(len(array), array.shape[1]) if num_boxes is None else np.asarray(num_boxes)
+    features.rows = np.arange(len(array))
+    return features
+
+
 class CliRunnerHelper:
     """Runs ``retr-pipeline``/``retr-train`` commands for tests (the one CLI helper; fixture :func:`run_cli`).
 

@@ -9,7 +9,8 @@ import torch
 from retr.trainers.evaluation.metrics import i2t_ranks, t2i_ranks
 from retr.trainers.evaluation.similarity import similarity_matrix
 from retr.trainers.models import create_model
-from retr.trainers.training.data import ImageFeatures, SplitData
+from retr.trainers.training.data import SplitData
+from tests.conftest import in_memory_features
 
 
 def _precisions() -> tuple[str, str]:
@@ -36,12 +37,6 @@ def test_evaluation_runs_in_exact_float32_unless_tf32_and_records_what_ran(monke
     assert result["tf32"] is False                              # a CPU never runs TF32: recorded as what ran
 
 
-class _Features(ImageFeatures):
-    def __init__(self, array):
-        self._memory, self.num_boxes, self.feature_shape = array, np.full(len(array), array.shape[1]), array.shape[1:]
-        self.rows = np.arange(len(array))
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on a GPU machine: make test-gpu)")
 @pytest.mark.parametrize("name", ["scan", "vsepp"])
 def test_the_same_run_scores_the_same_on_the_cpu_and_on_cuda(name):
@@ -52,7 +47,7 @@ def test_the_same_run_scores_the_same_on_the_cpu_and_on_cuda(name):
     n, per = 60, 5
     tokens = [[1] + [int(t) for t in rng.integers(4, 40, size=int(rng.integers(3, 12)))] + [2] for _ in range(n * per)]
     data = SplitData([f"i{j}" for j in range(n)], ["x"] * (n * per), np.arange(n * per) // per, tokens)
-    feats = _Features(rng.standard_normal((n, 36, 64)).astype(np.float32))
+    feats = in_memory_features(rng.standard_normal((n, 36, 64)).astype(np.float32))
     torch.manual_seed(0)
     model = create_model(name, vocab_size=40, img_dim=64, embed_size=32, word_dim=16).eval()
     out = {}

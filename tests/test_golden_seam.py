@@ -34,6 +34,7 @@ from retr.trainers.evaluation.metrics import i2t_ranks, retrieval_metrics, t2i_r
 from retr.trainers.training.loop import train_step
 from retr.trainers.models.seam import SEAM, attention_penalty
 from retr.trainers.evaluation.similarity import SplitEmbeddings, similarity_matrix
+from tests.conftest import in_memory_features
 from tests.golden_support import load_golden
 
 PROVENANCE, INPUTS, FIGURES = load_golden("seam")
@@ -106,21 +107,13 @@ def train_batch(step: int) -> dict[str, torch.Tensor]:
             "lengths": torch.from_numpy(INPUTS["train/lengths"][step])}
 
 
-class _Features(ImageFeatures):
-    """The stored crops as an in-memory feature set (float32, as the stores hand them over)."""
-
-    def __init__(self, array: np.ndarray):
-        self._memory, self.feature_shape = array, array.shape[1:]
-        self.num_boxes = np.full(len(array), array.shape[1])
-        self.rows = np.arange(len(array))
-
-
-def eval_split() -> tuple[SplitData, _Features]:
+def eval_split() -> tuple[SplitData, ImageFeatures]:
+    """The stored eval split; its crops as an in-memory feature set (float32, as the stores hand them over)."""
     tokens = [list(map(int, t[:n])) for t, n in zip(INPUTS["eval/tokens"], INPUTS["eval/lengths"])]
     images = INPUTS["eval/features"]
     data = SplitData([f"i{j}" for j in range(len(images))], [f"c{m}" for m in range(len(tokens))],
                      INPUTS["eval/caption_image"], tokens)
-    return data, _Features(images)
+    return data, in_memory_features(images)
 
 
 def test_provenance_names_the_authors_commit_and_every_patch_with_its_reason():

@@ -5,21 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-from retr.trainers.training.data import ImageFeatures, SplitData, pad_tokens
+from retr.trainers.training.data import SplitData, pad_tokens
 from retr.trainers.models import create_model
 from retr.trainers.models.base import MatchingModel
 from retr.trainers.evaluation.metrics import i2t_ranks, retrieval_metrics, t2i_ranks
 from retr.trainers.evaluation.similarity import (Scorer, SplitEmbeddings, caption_sources, combined_matrix, rank_deciding_pairs,
                                       similarity_matrix, with_shared_captions)
 from retr.store.vocab import Vocabulary
+from tests.conftest import in_memory_features
 
 
-class _Features(ImageFeatures):
-    """In-memory stand-in with variable num_boxes (the store path is tested in test_trainer_data)."""
-
-    def __init__(self, array, num_boxes):
-        self._memory, self.num_boxes, self.feature_shape = array, num_boxes, array.shape[1:]
-        self.rows = np.arange(len(array))
 
 
 @pytest.mark.parametrize("name,kwargs", [("scan", {"direction": "t2i"}), ("scan", {"direction": "i2t", "agg": "avg"}),
@@ -32,7 +27,7 @@ def test_blockwise_matrix_equals_one_block(name, kwargs):
     captions = [" ".join(rng.choice(["a", "b", "c", "d"], size=int(rng.integers(1, 6)))) for _ in range(n * 2)]
     owner = np.arange(n * 2) // 2
     data = SplitData([f"i{k}" for k in range(n)], captions, owner, [vocab.encode(c) for c in captions])
-    feats = _Features(rng.standard_normal((n, 5, 6)).astype(np.float16), rng.integers(1, 6, size=n))
+    feats = in_memory_features(rng.standard_normal((n, 5, 6)).astype(np.float16), rng.integers(1, 6, size=n))
     model = create_model(name, vocab_size=len(vocab), img_dim=6, embed_size=8, word_dim=4, **kwargs)
     whole = similarity_matrix(model, data, feats, precision="float64", encode_batch=3, image_block=100,
                               pair_budget=10_000, quiet=True)
@@ -188,7 +183,7 @@ def test_listed_pairs_and_refined_ranks_match_the_float64_matrix(case):
     tokens = [[1] + [int(t) for t in rng.integers(4, 30, size=int(rng.integers(1, 7)))] + [2] for _ in range(n * per)]
     assert len({tuple(t) for t in tokens}) < len(tokens)
     data = SplitData([f"i{j}" for j in range(n)], ["x"] * (n * per), np.arange(n * per) // per, tokens)
-    feats = _Features(rng.standard_normal((n, k, dim)).astype(np.float16), np.full(n, k))
+    feats = in_memory_features(rng.standard_normal((n, k, dim)).astype(np.float16), np.full(n, k))
     full = similarity_matrix(model, data, feats, precision="float64", encode_batch=16, quiet=True)
     scorer = Scorer(model, SplitEmbeddings.encode(model, data, feats, batch_size=16, quiet=True))
     rows, cols = rng.integers(0, n, 60), rng.integers(0, n * per, 60)
@@ -225,7 +220,7 @@ def test_evaluation_at_every_precision_leaves_the_model_as_it_was(case):
     n, per = 6, 2
     tokens = [[1] + [int(t) for t in rng.integers(4, 30, size=int(rng.integers(1, 7)))] + [2] for _ in range(n * per)]
     data = SplitData([f"i{j}" for j in range(n)], ["x"] * (n * per), np.arange(n * per) // per, tokens)
-    feats = _Features(rng.standard_normal((n, k, dim)).astype(np.float16), np.full(n, k))
+    feats = in_memory_features(rng.standard_normal((n, k, dim)).astype(np.float16), np.full(n, k))
     attributes = _attributes(model)
     state = {key: (v.dtype, v.clone()) for key, v in model.state_dict().items()}
     first = {p: similarity_matrix(model, data, feats, precision=p, encode_batch=4, quiet=True)
@@ -256,7 +251,7 @@ def test_identical_captions_tie_exactly_and_count_against_the_query():
     # encoded in blocks of 2 by length, caption 2 would share a block with the longer caption 3 (padding 6, not 4)
     tokens = [[1, 5, 6, 2], [1, 7, 5, 2], [1, 5, 6, 2], [1, 8, 9, 10, 11, 2]]
     data = SplitData(["a", "b"], ["x"] * 4, np.array([0, 1, 1, 1]), tokens)
-    feats = _Features(np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float16), np.full(2, 4))
+    feats = in_memory_features(np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float16), np.full(2, 4))
     for precision in ("float64", "float32", "refined"):
         sims = similarity_matrix(model, data, feats, precision=precision, encode_batch=2, quiet=True)
         np.testing.assert_array_equal(sims[:, 0], sims[:, 2])
@@ -299,7 +294,7 @@ def test_gpu_sized_blocks_give_the_cpu_blocks_matrix():
     n = 300
     tokens = [[1] + [int(t) for t in rng.integers(4, 30, size=int(rng.integers(1, 7)))] + [2] for _ in range(2 * n)]
     data = SplitData([f"i{j}" for j in range(n)], ["x"] * (2 * n), np.arange(2 * n) // 2, tokens)
-    feats = _Features(rng.standard_normal((n, 6, 8)).astype(np.float16), np.full(n, 6))
+    feats = in_memory_features(rng.standard_normal((n, 6, 8)).astype(np.float16), np.full(n, 6))
     scorer = Scorer(model, SplitEmbeddings.encode(model, data, feats, batch_size=64, quiet=True))
     for dtype in (torch.float64, torch.float32):
         cpu = scorer.matrix(dtype)
