@@ -60,3 +60,30 @@ def test_the_same_run_scores_the_same_on_the_cpu_and_on_cuda(name):
     owner = data.caption_image
     np.testing.assert_array_equal(t2i_ranks(out["cuda"]["refined"], owner), t2i_ranks(out["cpu"]["refined"], owner))
     np.testing.assert_array_equal(i2t_ranks(out["cuda"]["refined"], owner), i2t_ranks(out["cpu"]["refined"], owner))
+
+
+@pytest.mark.parametrize("argv,exact", [(["eval", "{run}", "--protocol", "f30k-1k"], True),
+                                        (["eval", "{run}", "--protocol", "f30k-1k", "--tf32"], False),
+                                        (["search", "{run}", "--query", "a dog"], True)])
+def test_the_commands_score_in_exact_float32_unless_tf32(monkeypatch, tmp_path, argv, exact):
+    """``eval`` hands ``--tf32`` to the evaluator (which records it); ``search`` builds and queries its
+    retriever inside exact float32 (what cuDNN may use there is read when the work starts)."""
+    from click.testing import CliRunner
+
+    import retr.trainers.commands.evaluate as evaluate
+    from retr.common.errors import UserError
+    from retr.trainers.commands import cli
+    from retr.trainers.search.retrieval import Retriever
+    seen = []
+
+    def fake_eval(*args, tf32=False, **kwargs):
+        seen.append(not tf32)
+        raise UserError("stop here")
+
+    def fake_from_run(*args, **kwargs):
+        seen.append(_precisions() == ("ieee", "ieee"))
+        raise UserError("stop here")
+    monkeypatch.setattr(evaluate, "evaluate_runs", fake_eval)
+    monkeypatch.setattr(Retriever, "from_run", staticmethod(fake_from_run))
+    result = CliRunner().invoke(cli, [a.format(run=tmp_path) for a in argv])
+    assert str(result.exception) == "stop here" and seen == [exact]
