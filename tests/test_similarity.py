@@ -189,6 +189,9 @@ def test_listed_pairs_and_refined_ranks_match_the_float64_matrix(case):
     rows, cols = rng.integers(0, n, 60), rng.integers(0, n * per, 60)
     # float64 throughout (a float64 copy of the model scores): the pairs agree with the matrix to rounding, one
     # image at a time (the CPU's way) and caption block by caption block through pair_score (the GPU's way)
+    if not model.pair_score_is_aligned:
+        with pytest.raises(ValueError, match="strategy aligned needs a model"):
+            scorer.pairs(rows, cols, "aligned")
     for strategy in ("image", "block") + (("aligned",) if model.pair_score_is_aligned else ()):
         np.testing.assert_allclose(scorer.pairs(rows, cols, strategy), full[rows, cols], rtol=1e-9, atol=1e-12)
         refined = combined_matrix([scorer], "refined", data.caption_image, pair_strategy=strategy)

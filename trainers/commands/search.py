@@ -59,7 +59,7 @@ def search_command(run, queries, images, top, split, index, gallery, extractor_w
         raise UserError("--top must be ≥ 1")
     if index and gallery:
         raise UserError("give --index or --images, not both")
-    with exact_float32():                    # the scores eval gives, on a GPU too (docs/search.md)
+    with exact_float32():                    # eval's scores, on a GPU too (docs/search.md)
         retriever = Retriever.from_run(run, features, manifest, split, checkpoint, device, cache=not no_cache,
                                        trust_checkpoint=trust_checkpoint, quiet=quiet, index=index, images=gallery,
                                        extractor_weights=extractor_weights, vector_index=vector_index,
