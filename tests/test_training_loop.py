@@ -13,6 +13,8 @@ reference path it replaces:
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -458,3 +460,36 @@ def test_ema_checkpoint_follows_the_weights_resumes_and_evaluates(tmp_path):
     result = CliRunner().invoke(cli, ["eval", str(straight), "--checkpoint", "ema.pt", "--protocol", "f30k-1k",
                                       "--allow-size-mismatch", "--json", "--quiet"])
     assert result.exit_code == 0 and json.loads(result.output)["models"][0]["checkpoint"] == "ema.pt"
+
+
+def _progress_lines(synthetic, tmp_path, seconds: str) -> list[str]:
+    """The progress lines ``retr-train vsepp`` writes to a log file (stderr redirected, as under nohup or SLURM)
+    when progress is drawn every ``seconds`` seconds: 2 epochs (of 20 batches of 8 on this set)."""
+    import os
+    import subprocess
+    import sys
+
+    folder, manifest, features = synthetic
+    log = tmp_path / f"train-{seconds}.log"
+    with open(log, "w") as stderr:
+        subprocess.run([str(Path(sys.executable).parent / "retr-train"), "vsepp", "--features", str(features),
+                        "--manifest", str(manifest), "--out", str(tmp_path / f"run-{seconds}"), "--embed-size", "16",
+                        "--word-dim", "8", "--batch-size", "8", "--epochs", "2", "--val-images", "10",
+                        "--device", "cpu"], stdout=subprocess.DEVNULL, stderr=stderr, check=True,
+                       env={**os.environ, "RETR_PROGRESS_SECONDS": seconds})
+    return [line for line in log.read_text().splitlines() if line.startswith("epoch ") and "batch" in line]
+
+
+def test_training_progress_in_a_log_file_is_a_line_per_interval_not_per_batch(synthetic, tmp_path):
+    # an interval longer than the run: no progress line at all (each batch's loss used to redraw the bar, a line a
+    # batch whose counter stood at 0)
+    assert _progress_lines(synthetic, tmp_path, "3600") == []
+    # an interval of 0 draws every update: the bar's first line, one per batch with its counter and loss, and the
+    # final state again as the bar closes
+    lines = _progress_lines(synthetic, tmp_path, "0")
+    for epoch in (1, 2):
+        counts = [tuple(map(int, re.search(r" (\d+)/(\d+) ", line).groups()))
+                  for line in lines if line.startswith(f"epoch {epoch}/2")]
+        total = counts[0][1]
+        assert total > 1 and counts == [(n, total) for n in range(total + 1)] + [(total, total)], lines
+    assert all("loss=" in line for line in lines if not re.search(r" 0/\d+ ", line)), lines

@@ -562,7 +562,8 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool) -> list[float]:
             run.log.event(event, epoch)
             logger.warning(collapse_message(event, epoch))
         if hasattr(bar, "set_postfix"):           # a tqdm bar (not the plain iterator of --quiet)
-            bar.set_postfix(loss=f"{loss:.3f}")
+            # shown at the bar's next redraw: refreshing here would print a line a batch off a terminal
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
     return losses
 
 
