@@ -348,3 +348,25 @@ def test_predicted_trees_are_drawn_beside_the_parsed_one(tmp_path):
     missing = rp.Explainer(SimpleNamespace(feature_set=fs, config={"inputs": {}}), ["a"], ["x"], None, None,
                            torch.device("cpu"), ["a#0"])
     assert "not available" in missing.draw_trees([("nodes", np.arange(7))], rp.Pair(0, 0, "", ""))
+
+
+def test_stored_results_mark_a_split_of_another_size_than_the_protocol(tmp_path):
+    """The summary's table of stored results (the report's and the search page's) marks a result evaluated with
+    --allow-size-mismatch and says in a note what was evaluated; a result of the protocol's size is unmarked."""
+    from retr.trainers.evaluation.runs import record_result
+
+    metrics = {"i2t": {"r1": 50.0, "r5": 80.0, "r10": 90.0}, "t2i": {"r1": 40.0, "r5": 70.0, "r10": 85.0},
+               "rsum": 415.0, "ensemble": False}
+    run = tmp_path / "vsepp-small"
+    run.mkdir()
+    models = [{"run": str(run), "model": "vsepp"}]
+    record_result(str(run), {"protocol": "f30k-1k", "split": "test", "runs": [str(run)], "models": models,
+                             "size_mismatch": {"expected": 1000, "images": 16}, **metrics})
+    record_result(str(run), {"protocol": "coco-5k", "split": "test", "runs": [str(run)], "models": models,
+                             **metrics})
+    html = rp._stored_results([str(run)])
+    cells = re.findall(r"<td>([^<]*)</td>", html)
+    assert "f30k-1k*" in cells and "coco-5k" in cells and "coco-5k*" not in cells
+    notes = re.findall(r"<p class='note'>([^<]*)</p>", html)
+    assert notes == ["* vsepp-small: f30k-1k on a test split of 16 images, not the protocol&#x27;s 1,000 "
+                     "(--allow-size-mismatch): not comparable with published numbers"], html

@@ -121,15 +121,20 @@ def test_table_tells_seeds_apart_in_every_format(synthetic, tmp_path):
     text = _invoke(["table", *runs])
     lines = text.splitlines()
     assert lines[0].split()[:7] == ["run", "model", "preset", "seed", "protocol", "split", "kind"]
-    rows = [line.split() for line in lines[2:]]
-    assert [r[:7] for r in rows] == [["vsepp-s0", "vsepp", "f30k", "0", "f30k-1k", "test", "single"],
-                                     ["vsepp-s1", "vsepp", "f30k", "1", "f30k-1k", "test", "single"]]
+    rows = [line.split() for line in lines[2:4]]
+    # each run was evaluated on its 20-image test split, not f30k-1k's 1,000: the protocol is marked and a note says so
+    assert [r[:7] for r in rows] == [["vsepp-s0", "vsepp", "f30k", "0", "f30k-1k*", "test", "single"],
+                                     ["vsepp-s1", "vsepp", "f30k", "1", "f30k-1k*", "test", "single"]]
+    assert lines[4:] == [f"* vsepp-s{s}: f30k-1k on a test split of 20 images, not the protocol's 1,000 "
+                         "(--allow-size-mismatch): not comparable with published numbers" for s in (0, 1)]
     import csv
     import io
 
     table = list(csv.reader(io.StringIO(_invoke(["table", *runs, "--format", "csv"]))))
     stored = json.loads((tmp_path / "vsepp-s1" / "eval.json").read_text())["results"][0]
     assert table[2][0] == "vsepp-s1" and float(table[2][-1]) == stored["rsum"]      # csv: full precision
+    assert len(table) == 3 and table[2][4] == "f30k-1k*"            # csv: data rows only, the mark in the cell
     markdown = _invoke(["table", *runs, "--format", "markdown"])
     assert markdown.splitlines()[0].startswith("| run") and markdown.splitlines()[1].startswith("|---")
+    assert markdown.splitlines()[-1].startswith("* vsepp-s1: f30k-1k on a test split of 20 images")
     assert "\\begin{tabular}" in _invoke(["table", *runs, "--format", "latex"])

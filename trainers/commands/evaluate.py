@@ -123,8 +123,8 @@ def table_command(runs, fmt) -> None:
     """
     from tabulate import tabulate
 
-    header, rows = table_rows(runs)
-    if fmt == "csv":
+    header, rows, notes = table_rows(runs)
+    if fmt == "csv":                  # data only: a size-mismatched protocol keeps its mark, the notes are not rows
         import csv
         import io
 
@@ -133,3 +133,5 @@ def table_command(runs, fmt) -> None:
         click.echo(buffer.getvalue(), nl=False)
         return
     click.echo(tabulate(rows, headers=header, tablefmt=TABLE_FORMATS[fmt], floatfmt=".1f"))
+    for note in notes:
+        click.echo(f"% {note}" if fmt == "latex" else note)

@@ -99,10 +99,16 @@ def record_result(run: str, result: dict) -> None:
 METRIC_COLUMNS = [("i2t", "r1"), ("i2t", "r5"), ("i2t", "r10"), ("t2i", "r1"), ("t2i", "r5"), ("t2i", "r10")]
 
 
-def table_rows(runs) -> tuple[list[str], list[list]]:
-    """(header, rows) of every result stored in the runs' ``eval.json``, one row per (protocol, split, run set):
-    run name(s), model(s), preset, seed, protocol, split, single/ensemble, the six recalls and rSum (floats)."""
-    rows, seen = [], set()
+#: appended to the protocol of a stored result whose split did not have the protocol's size
+MISMATCH_MARK = "*"
+
+
+def table_rows(runs) -> tuple[list[str], list[list], list[str]]:
+    """(header, rows, notes) of every result stored in the runs' ``eval.json``, one row per (protocol, split, run
+    set): run name(s), model(s), preset, seed, protocol, split, single/ensemble, the six recalls and rSum (floats).
+    A result evaluated with ``--allow-size-mismatch`` on a split of another size has its protocol marked
+    :data:`MISMATCH_MARK`, and one note says what was evaluated instead."""
+    rows, notes, seen = [], [], set()
     for run in runs:
         path = Path(run) / ckpt.EVAL
         if not path.is_file():
@@ -113,15 +119,21 @@ def table_rows(runs) -> tuple[list[str], list[list]]:
                 continue
             seen.add(key)
             configs = [_config_or_empty(m["run"]) for m in r["models"]]
+            names = "+".join(Path(m["run"]).name for m in r["models"])
             models = "+".join(m["model"] + (f"({m['direction']})" if m.get("direction") else "") for m in r["models"])
-            rows.append(["+".join(Path(m["run"]).name for m in r["models"]), models,
-                         "+".join(sorted({str(c.get("preset") or "-") for c in configs})),
+            protocol = r["protocol"]
+            if mismatch := r.get("size_mismatch"):
+                protocol += MISMATCH_MARK
+                notes.append(f"{MISMATCH_MARK} {names}: {r['protocol']} on a {r['split']} split of "
+                             f"{mismatch['images']:,} images, not the protocol's {mismatch['expected']:,} "
+                             "(--allow-size-mismatch): not comparable with published numbers")
+            rows.append([names, models, "+".join(sorted({str(c.get("preset") or "-") for c in configs})),
                          "+".join(sorted({str(c.get("seed", "-")) for c in configs})),
-                         r["protocol"], r["split"], f"ensemble of {len(r['runs'])}" if r["ensemble"] else "single",
+                         protocol, r["split"], f"ensemble of {len(r['runs'])}" if r["ensemble"] else "single",
                          *(float(r[d][k]) for d, k in METRIC_COLUMNS), float(r["rsum"])])
     header = ["run", "model", "preset", "seed", "protocol", "split", "kind",
               "i2t R@1", "i2t R@5", "i2t R@10", "t2i R@1", "t2i R@5", "t2i R@10", "rSum"]
-    return header, rows
+    return header, rows, notes
 
 
 def _config_or_empty(run: str) -> dict:

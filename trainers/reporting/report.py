@@ -498,10 +498,11 @@ def _stored_results(runs: Sequence[str]) -> str:
     with_eval = [r for r in runs if (Path(r) / ckpt.EVAL).is_file()]
     if not with_eval:
         return "<p class='small'>no results stored in eval.json yet</p>"
-    header, rows = table_rows(with_eval)
+    header, rows, notes = table_rows(with_eval)
     cells = lambda v: f"{v:.1f}" if isinstance(v, float) else _e(v)   # noqa: E731
     body = "".join("<tr>" + "".join(f"<td>{cells(v)}</td>" for v in row) + "</tr>" for row in rows)
-    return ("<table class='stored'><tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + f"</tr>{body}</table>")
+    return ("<table class='stored'><tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + f"</tr>{body}</table>"
+            + "".join(f"<p class='note'>{_e(note)}</p>" for note in notes))
 
 
 def _best_epoch(records: list[dict]) -> str:
