@@ -23,6 +23,7 @@ import click
 from click.core import ParameterSource
 
 from retr.common.cli import quiet_option
+from retr.common.errors import UserError
 from retr.trainers.training.checkpoint import CONFIG
 from retr.trainers.config import TrainConfig, choices_of, field_types, setting_fields
 from retr.trainers.models.registry import ModelSpec
@@ -131,14 +132,21 @@ def training_command(spec: ModelSpec) -> click.Command:
 
     def callback(**values) -> None:
         from retr.trainers.training.loop import train
+        from retr.trainers.training.preflight import check_training
 
         ctx = click.get_current_context()
         explicit = {name for name in values if ctx.get_parameter_source(name) in _EXPLICIT}
         for settings_class in (TrainConfig, spec.config_class):
             apply_aliases(settings_class, values, explicit)
         out = Path(values["out"]) if values.get("out") else None
-        if values["resume"] and out is not None and not out.is_file() and not (out / CONFIG).is_file():
-            # a requeued job always passes --resume: a run killed before it wrote config.json starts now
+        if values["resume"] and out is not None and not (out / CONFIG).is_file():
+            if out.exists() and not out.is_dir():
+                raise UserError(f"--resume --out {out}: {out} is a file, not a run folder")
+            if not values.get("features") and not values.get("config"):
+                raise UserError(f"nothing to resume in {out}: no run there (no {CONFIG}); start the run without "
+                                "--resume (with --features and --manifest)")
+            # a requeued job always passes --resume with its whole command: a run killed before it wrote
+            # config.json starts now
             cfg, _ = gather_settings(spec, values, explicit)
             click.echo(f"note: nothing to resume in {out} (it stopped before its settings were written); "
                        "starting the run", err=True)
@@ -147,10 +155,10 @@ def training_command(spec: ModelSpec) -> click.Command:
             cfg = resume_settings(spec, values, explicit)
         else:
             cfg, _ = gather_settings(spec, values, explicit)
-        notes = ()
+        notes = tuple(f"note: {note}" for note in check_training(cfg, resume=values["resume"]))
         if not values["resume"] and "preset" not in explicit and not values.get("config") and cfg.preset:
-            notes = (f"note: no --preset given: starting from {cfg.preset}'s published settings "
-                     f"(presets: {', '.join(spec.presets)}); options given override them",)
+            notes += (f"note: no --preset given: starting from {cfg.preset}'s published settings "
+                      f"(presets: {', '.join(spec.presets)}); options given override them",)
         train(cfg, resume=values["resume"], quiet=values["quiet"], trust_checkpoint=values["trust_checkpoint"],
               notes=notes)
         if spec.after_training is not None:

@@ -9,6 +9,7 @@ captions tie exactly; ``prompt`` is prepended (the CLIP paper prepends "a photo 
 """
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timezone
 
 import numpy as np
@@ -20,7 +21,10 @@ from retr.common.progress import progress
 from retr.manifests.schema import read_manifest
 from retr.store.features import FeatureSet
 from retr.trainers.evaluation.metrics import protocol_metrics
-from retr.trainers.training.data import SplitData
+from retr.trainers.training.data import SplitData, check_manifest_pairing
+from retr.trainers.training.preflight import check_evaluation_split
+
+logger = logging.getLogger(__name__)
 
 #: what the CLIP paper prepends to every caption for zero-shot retrieval (Radford et al. 2021, Table 13)
 DEFAULT_PROMPT = "a photo of"
@@ -52,23 +56,56 @@ def text_embeddings(model, arch: str, texts: list[str], device: torch.device, ba
     return encoded[[where[t] for t in texts]]
 
 
+def check_clip_inputs(features: FeatureSet, manifest: str, protocol: str, split: str = "test",
+                      weights: str | None = None, allow_size_mismatch: bool = False) -> list[str]:
+    """Everything :func:`evaluate_clip` would refuse, checked before the text tower is built or a caption encoded:
+    a set no clip extractor made, ``weights`` given for a set not extracted from a weights file (random weights or
+    a pretrained tag: the file would not be used) or a file that is not the recorded one (sha256), the split
+    (present, every image with features, the protocol's size unless ``allow_size_mismatch``), and ``manifest``
+    against the one the features were made from
+    (:func:`~retr.trainers.training.data.check_manifest_pairing`). Returns the notes."""
+    from pathlib import Path
+
+    from retr.common.hashing import sha256_file
+    from retr.extractors.clip import FAMILY
+
+    attrs = features.attrs
+    if attrs.get("kind") != "clip" or attrs.get("clip_model") not in FAMILY.values():
+        raise UserError(f"the feature set was made by {attrs.get('extractor')!r}, not a clip extractor "
+                        f"({', '.join(FAMILY)})")
+    recorded = str(attrs.get("weights", ""))
+    if weights is not None:
+        if not recorded.startswith("sha256:"):
+            made = ("a randomly initialised CLIP" if recorded == "random" else
+                    f"CLIP's pretrained tag {attrs.get('clip_pretrained') or recorded!r}")
+            raise UserError(f"{features.path} was extracted from {made}, not from a file: weights {weights} would "
+                            "be ignored; leave it out", parameters=["weights"])
+        if not Path(weights).is_file():
+            raise UserError(f"weights file {weights} does not exist", parameters=["weights"])
+        if f"sha256:{sha256_file(weights)}" != recorded:
+            raise UserError(f"{weights} is not the weights file the features were extracted with "
+                            f"({attrs.get('weights_file')}, {recorded[:19]}…)", parameters=["weights"])
+    elif recorded.startswith("sha256:"):
+        raise UserError(f"the features were extracted with the weights file {attrs.get('weights_file')} "
+                        f"({recorded[:19]}…): pass it as --weights", parameters=["weights"])
+    check_evaluation_split(features, manifest, split, protocol, allow_size_mismatch)
+    return check_manifest_pairing(features, manifest)
+
+
 def evaluate_clip(features: str, manifest: str, protocol: str, split: str = "test", weights: str | None = None,
                   prompt: str = DEFAULT_PROMPT, device: str = "auto", allow_size_mismatch: bool = False,
                   ties: str = "pessimistic", batch_size: int = 256, quiet: bool = False) -> tuple[dict, np.ndarray]:
     """Zero-shot CLIP on ``split`` of ``manifest`` with the image embeddings of ``features``; ``weights``: the
-    weights file, when the features were extracted from one. Returns ``(result, sims [N_img, M] float64)``."""
+    weights file, when the features were extracted from one. Every input is checked first
+    (:func:`check_clip_inputs`). Returns ``(result, sims [N_img, M] float64)``."""
     from retr.extractors.clip import clip_from_attrs
 
     feature_set = FeatureSet(features)
+    for note in check_clip_inputs(feature_set, manifest, protocol, split, weights, allow_size_mismatch):
+        logger.warning(f"note: {note}")
+    records = read_manifest(manifest, splits=[split])
     model = clip_from_attrs(feature_set.attrs, weights)
     model.visual = None                                     # only the text tower runs
-    records = read_manifest(manifest, splits=[split])
-    if not records:
-        raise UserError(f"{manifest} has no images in split {split}")
-    absent = [r.id for r in records if r.id not in feature_set]
-    if absent:
-        raise UserError(f"{len(absent)} image(s) of split {split} have no features in {features} (first: "
-                        f"{absent[0]}); extract them or pick the matching manifest")
     captions = [c for r in records for c in r.captions]
     owner = np.repeat(np.arange(len(records)), [len(r.captions) for r in records])
     data = SplitData([r.id for r in records], captions, owner.astype(np.int64), [[] for _ in captions])

@@ -546,7 +546,11 @@ NOT_EXPRESSED: tuple[NotExpressed, ...] = (
 
 def get_recipe(name: str) -> Recipe:
     if name not in RECIPES:
-        raise UserError(f"unknown recipe {name!r} (retr-train recipes lists them)")
+        import difflib
+
+        close = difflib.get_close_matches(name, list(RECIPES), n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise UserError(f"unknown recipe {name!r} ({hint}retr-train recipes lists them)")
     return RECIPES[name]
 
 

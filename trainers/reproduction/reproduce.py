@@ -22,6 +22,8 @@ from typing import Any
 from retr.common.errors import UserError
 from retr.trainers.training import checkpoint as ckpt
 from retr.trainers.config import RESUME_APPLIES, TrainConfig, setting_fields
+from retr.trainers.training.data import check_manifest_pairing
+from retr.trainers.training.preflight import check_evaluation_split, check_output_folder, check_training
 from retr.trainers.reproduction.recipes import (FeatureProvenance, Member, Published, Recipe, accepts, list_recipes,
                                                said)
 
@@ -142,13 +144,18 @@ def set_aside(run: Path) -> Path:
     return target
 
 
+def will_train(planned: PlannedMember) -> bool:
+    """False for a finished member run that already has the epochs asked (it is reused as it is)."""
+    return not (planned.state == "finished" and ckpt.read_config(planned.run).get("epochs", 0) >= planned.cfg.epochs)
+
+
 def train_member(planned: PlannedMember, quiet: bool) -> Path:
     """Train (or resume, or skip) one planned member whose run holds no differences; returns its folder."""
     from retr.trainers.training.loop import train
     from retr.trainers.models import get_spec
 
     cfg, run, state = planned.cfg, planned.run, planned.state
-    if state == "finished" and ckpt.read_config(run).get("epochs", 0) >= cfg.epochs:
+    if not will_train(planned):
         logger.info(f"{planned.member.run}: finished, skipped (same settings and data)")
         return run
     resume = (run / ckpt.CONFIG).is_file()
@@ -308,12 +315,16 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
     if unknown:
         raise UserError(f"--retrain {unknown[0]}: not a member of {recipe.name} "
                         f"({', '.join(m.run for m in recipe.members)})")
+    check_output_folder(out)
+    if (out / f"reproduce-{recipe.name}.json").is_dir():
+        raise UserError(f"{out / f'reproduce-{recipe.name}.json'} is a folder: the report cannot be written there")
     features = _check_data(data)
     manifest_digest = manifest_sha256(data["manifest"])
     reasons = [*recipe.unmet, *override_reasons(recipe, overrides)]
     reasons += feature_reasons(recipe.features, features, manifest_digest)
     reasons += input_reasons(recipe, data, manifest_digest)
-    out.mkdir(parents=True, exist_ok=True)
+    # the split every member and the ensemble are evaluated on, before any member trains
+    check_evaluation_split(features, data["manifest"], split, recipe.protocol, allow_size_mismatch)
     identities: dict = {}
     planned = [plan_member(m, out, data, overrides, features, identities) for m in recipe.members]
     refused = [p for p in planned if p.differences and p.member.run not in retrain]
@@ -323,6 +334,13 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
                                   for p in refused)
                         + "; nothing was trained: pass --retrain MEMBER to train it again (the old run is kept "
                           "aside) or choose another --out")
+    notes = check_manifest_pairing(features, data["manifest"]) + preflight_members(planned, features, retrain)
+    if recipe.zero_shot is not None:
+        from retr.trainers.evaluation.clip_zero_shot import check_clip_inputs
+        notes += check_clip_inputs(features, data["manifest"], recipe.protocol, split, None, allow_size_mismatch)
+    for note in dict.fromkeys(notes):
+        logger.warning(f"note: {note}")
+    out.mkdir(parents=True, exist_ok=True)
     for p in planned:
         if p.member.run in retrain and p.run.exists():
             set_aside(p.run)
@@ -361,6 +379,19 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
               "evaluated": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     ckpt.write_json(out / f"reproduce-{recipe.name}.json", report)
     return report
+
+
+def preflight_members(planned: list[PlannedMember], features, retrain: tuple[str, ...] = ()) -> list[str]:
+    """Every member's training checks (:func:`~retr.trainers.training.preflight.check_training`), all of them
+    before the first member trains: a member that would fail fails now, with nothing trained. Returns the
+    notes. A member named in ``retrain`` is checked as a new run; a finished one that is reused is not checked."""
+    notes: list[str] = []
+    for p in planned:
+        if p.member.run not in retrain and not will_train(p):
+            continue
+        resume = p.member.run not in retrain and (p.run / ckpt.CONFIG).is_file()
+        notes += check_training(p.cfg, resume=resume, features=features)
+    return notes
 
 
 def features_summary(attrs: dict) -> dict:

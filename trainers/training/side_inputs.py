@@ -218,3 +218,75 @@ def add_word_vectors(inputs: ModelInputs, config, vocab, recorded: str = "") -> 
                         f"{len(vocab) - len(SPECIALS)} vocabulary words found; {len(absent)} keep the model's random "
                         f"init{f' (first: {absent[0]})' if absent else ''}")
     return inputs
+
+
+# ------------------------------------------------------------------------------------------------- audit
+
+def check_side_inputs(spec, files: dict, model_args: dict, image_ids: Sequence[str],
+                      caption_keys: Sequence[str]) -> None:
+    """Refuse (one line), before anything is trained, the side files and word vectors a run of ``spec`` could
+    not read: a required file left out (SMFEA's ``trees`` unless ``use_trees`` is off), a file that is not what
+    its option takes, labels without an entry for a training image (``image_ids``), trees with no tree for any
+    training caption (``caption_keys``: ``<id>#<k>``), and word or concept vectors that are neither a file nor a
+    named set on disk or downloadable (``RETR_OFFLINE``: the one-line missing-resource error). ``files``:
+    ``{input name: path}``; ``model_args``: the run's model settings."""
+    names = {i.name for i in spec.inputs}
+    for item in spec.inputs:
+        if item.required and not files.get(item.name):
+            raise UserError(f"{spec.name} needs --{item.name.replace('_', '-')}")
+    if "trees" in names and model_args.get("use_trees", True) and not files.get("trees"):
+        raise UserError("--trees is required (or train the 'w/o trees' ablation with --no-trees)")
+    for name, path in files.items():
+        if not path or name not in names:
+            continue
+        if name == "labels":
+            table = read_label_file(path)
+            missing = [i for i in image_ids if i not in table]
+            if missing:
+                raise UserError(f"{len(missing)} training image(s) have no entry in {path} (first: {missing[0]}); "
+                                "give every image a (possibly empty) label list")
+        elif name == "trees" and model_args.get("use_trees", True):
+            from retr.store.trees import TreeSet
+
+            trees = TreeSet(path)
+            if caption_keys and not any(k in trees for k in caption_keys):
+                raise UserError(f"{path} has no tree for any training caption (first key: {caption_keys[0]}); "
+                                "was it parsed from this manifest?")
+        elif name == "concepts":
+            ConceptSet(path)
+        elif name == "concept_vectors" and path != "learned":
+            check_vectors_file(resolve_vectors(path))
+    vectors = model_args.get("word_vectors", RANDOM)
+    if vectors and vectors != RANDOM:
+        dim = check_vectors_file(resolve_vectors(vectors))
+        if model_args.get("word_dim") is not None and dim != model_args["word_dim"]:
+            raise UserError(f"--word-vectors {vectors} holds {dim}-d vectors: give --word-dim {dim} "
+                            f"(not {model_args['word_dim']})")
+
+
+def check_vectors_file(source) -> int:
+    """The vector size ``D`` of a located vectors file (:class:`~retr.store.word_vectors.VectorsFile`), read from
+    its first line, which must be a word and ``D`` numbers (GloVe's text format); one line refuses anything else
+    (an empty file, a manifest, HDF5 …) before training. Only the first line is read."""
+    import zipfile
+
+    from retr.store.word_vectors import GLOVE_FORMAT
+
+    try:
+        if source.member is not None:
+            with zipfile.ZipFile(source.path) as archive, archive.open(source.member) as handle:
+                first = handle.readline(1 << 20)
+        else:
+            with open(source.path, "rb") as handle:
+                first = handle.readline(1 << 20)
+    except (OSError, zipfile.BadZipFile, KeyError) as exc:
+        raise UserError(f"{source.path} cannot be read as word vectors ({exc})") from None
+    parts = first.split()
+    try:
+        values = [float(p) for p in parts[1:]]
+    except ValueError:
+        values = []
+    if len(parts) < 2 or not values:
+        raise UserError(f"{source.path} is not a word-vector file: its first line is not a word and numbers "
+                        f"({GLOVE_FORMAT})")
+    return len(values)
