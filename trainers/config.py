@@ -17,7 +17,9 @@ Field metadata understood by the command builder:
 * ``flag_value`` — the value of the option given without one (``--amp`` alone is ``--amp fp16``);
 * ``aliases`` — older spellings kept working: ``{"--no-preload": "off"}`` is a hidden flag that sets the value;
 * ``resume_applies=True`` — a ``TrainConfig`` setting that ``--resume`` may change (applied and recorded in
-  ``config.json``: more epochs, another device); any other setting given on resume must equal the run's.
+  ``config.json``: more epochs, another device); any other setting given on resume must equal the run's;
+* ``at_least`` / ``below`` — the bounds of a number (``below`` excluded): a size is at least 1, a dropout below 1.
+  :func:`validate_settings` checks them, and the choices, whenever a settings dataclass is made.
 
 Types: ``int``, ``float``, ``str``, ``bool``, ``Literal[...]`` (a choice), ``X | None`` (None: unset or
 "choose for me"), ``tuple[str, ...]`` (an option given several times).
@@ -36,10 +38,11 @@ from retr.store.vocab import DEFAULT_THRESHOLD
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, cli: bool = True,
             default_factory: Any = dataclasses.MISSING, resume_applies: bool = False,
-            flag_value: Any = None, aliases: dict[str, Any] | None = None) -> Any:
+            flag_value: Any = None, aliases: dict[str, Any] | None = None, at_least: float | None = None,
+            below: float | None = None) -> Any:
     """A dataclass field that is a user-facing setting (see the module docstring for the metadata)."""
     metadata = {"help": help, "flag": flag, "cli": cli, "resume_applies": resume_applies, "flag_value": flag_value,
-                "aliases": aliases or {}}
+                "aliases": aliases or {}, "at_least": at_least, "below": below}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -61,20 +64,21 @@ class TrainConfig:
     manifest: str = setting("", "Manifest (.jsonl).")
     out: str = setting("", "Run directory.")
     preset: str | None = setting(None, "Published settings to start from (explicit options override them).")
-    epochs: int = setting(30, "Training epochs.", resume_applies=True)
-    batch_size: int = setting(128, "Global batch (split over DDP ranks).")
-    lr: float = setting(2e-4, "Learning rate.")
-    lr_update: int = setting(15, "Multiply the lr by 0.1 every N epochs.")
-    grad_clip: float = setting(2.0, "Gradient-norm clip (0 = off).")
+    epochs: int = setting(30, "Training epochs.", resume_applies=True, at_least=1)
+    batch_size: int = setting(128, "Global batch (split over DDP ranks).", at_least=2)
+    lr: float = setting(2e-4, "Learning rate.", at_least=0)
+    lr_update: int = setting(15, "Multiply the lr by 0.1 every N epochs.", at_least=1)
+    grad_clip: float = setting(2.0, "Gradient-norm clip (0 = off).", at_least=0)
     warmup_epochs: int = setting(0, "Train the first N epochs on the sum of violations, then on the model's "
                                     "configured loss (VSE∞'s warm-up against the hardest-negative collapse; the "
-                                    "papers used none).")
-    early_stop: int = setting(0, "Stop after N epochs without a better validation rSum (0 = never).", resume_applies=True)
-    seed: int = setting(0, "Seed of every random number generator.")
+                                    "papers used none).", at_least=0)
+    early_stop: int = setting(0, "Stop after N epochs without a better validation rSum (0 = never).", resume_applies=True,
+                          at_least=0)
+    seed: int = setting(0, "Seed of every random number generator.", at_least=0)
     device: str = setting("auto", "cpu, cuda, cuda:1 … (auto: cuda if any).", resume_applies=True)
     workers: int = setting(0, "DataLoader worker processes (0: batches are read in the training process, enough "
                               "for cached features; extraction's default is 2, for decoding images).",
-                           resume_applies=True)
+                           resume_applies=True, at_least=0)
     preload: Literal["auto", "host", "gpu", "off"] = setting(
         "auto", "Where the features are held: host (memory; --preload alone), gpu (on the training device, batches "
         "gathered there; falls back to host when they do not fit), off (read per batch); auto: when they take < 2 GiB, "
@@ -90,31 +94,35 @@ class TrainConfig:
         "off", "torch.compile the model's training scoring function with this mode (--compile alone: default); "
         "the losses equal eager's to rounding.", flag_value="default", resume_applies=True)
     ema: float = setting(0.0, "Keep an exponential moving average of the weights with this decay (e.g. 0.999), "
-                              "saved as ema.pt (eval --checkpoint ema.pt); 0 = off.")
+                              "saved as ema.pt (eval --checkpoint ema.pt); 0 = off.", at_least=0, below=1)
     drop_last: bool = setting(False, "Drop each epoch's last, smaller training batch (CVSE's loader does; SMFEA's "
                                      "presets).", flag="--drop-last/--keep-last")
     accum_steps: int = setting(1, "Split each batch into N micro-batches, one backward each, one optimiser step "
-                                  "(a negative is then another pair of the same micro-batch: B/N−1 of them).")
+                                  "(a negative is then another pair of the same micro-batch: B/N−1 of them).", at_least=1)
     train_splits: tuple[str, ...] = setting(("train", "restval"),
                                             "Training split (repeat the option, or give a comma-separated list).",
                                             flag="--train-split")
     val_split: str = setting("val", "Validation split.")
-    val_images: int = setting(1000, "Validate on the first N validation images (0 = all).")
+    val_images: int = setting(1000, "Validate on the first N validation images (0 = all).", at_least=0)
     vocab: str | None = setting(None, "Use this vocabulary (SCAN's {name}_vocab.json) instead of building one.")
     vocab_splits: tuple[str, ...] = setting((), "Build the vocabulary from these splits' captions (default: the "
                                                 "training splits; SCAN's and VSE++'s vocab.py read train + dev: "
                                                 "--vocab-split train,restval,val).", flag="--vocab-split")
-    vocab_threshold: int = setting(DEFAULT_THRESHOLD, "Keep words seen at least N times in training.")
-    log_every: int = setting(10, "Steps between metrics lines.", resume_applies=True)
+    vocab_threshold: int = setting(DEFAULT_THRESHOLD, "Keep words seen at least N times in training.", at_least=1)
+    log_every: int = setting(10, "Steps between metrics lines (0 = none).", resume_applies=True, at_least=0)
     log: tuple[str, ...] = setting((), "Also log to: tensorboard (RUN/tensorboard/; repeatable).",
                                    resume_applies=True)
-    keep_checkpoints: int = setting(2, "Epoch checkpoints kept (best.pt is kept besides).", resume_applies=True)
+    keep_checkpoints: int = setting(2, "Epoch checkpoints kept (best.pt is kept besides; 0 = all).", resume_applies=True,
+                                   at_least=0)
 
     def __post_init__(self) -> None:
         # --train-split repeated or comma-separated (as every command's split option)
         self.train_splits = tuple(p.strip() for s in self.train_splits for p in str(s).split(",") if p.strip())
         self.vocab_splits = tuple(p.strip() for s in self.vocab_splits for p in str(s).split(",") if p.strip())
         self.preload = preload_choice(self.preload)
+        validate_settings(self)
+        if self.batch_size % self.accum_steps:
+            raise ValueError(f"accum_steps {self.accum_steps} must divide batch_size {self.batch_size}")
 
 
 #: the settings ``--resume`` applies (the fields marked ``resume_applies``)
@@ -159,13 +167,23 @@ def preload_choice(value: str | bool | None) -> str:
     return value
 
 
-def validate_choices(config: Any) -> None:
-    """Raise ``ValueError`` naming the setting when a ``Literal`` field holds a value outside its choices."""
-    for name, annotation in field_types(type(config)).items():
-        allowed = choices_of(annotation)
-        value = getattr(config, name)
+def validate_settings(config: Any) -> None:
+    """Raise ``ValueError`` naming the setting when a ``Literal`` field holds a value outside its choices, or a
+    number lies outside its ``at_least``/``below`` bounds (a size of 0, a dropout of 1)."""
+    hints = field_types(type(config))
+    for f in fields(config):
+        value = getattr(config, f.name)
+        allowed = choices_of(hints[f.name])
         if allowed is not None and value is not None and value not in allowed:
-            raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, not {value!r}")
+            raise ValueError(f"{f.name} must be one of {', '.join(map(str, allowed))}, not {value!r}")
+        low, high = f.metadata.get("at_least"), f.metadata.get("below")
+        if value is None or isinstance(value, bool) or (low is None and high is None):
+            continue
+        if not isinstance(value, (int, float)):
+            raise ValueError(f"{f.name} must be a number, not {value!r}")
+        if (low is not None and not value >= low) or (high is not None and not value < high):
+            bounds = f"≥ {low:g}" if high is None else f"< {high:g}" if low is None else f"in [{low:g}, {high:g})"
+            raise ValueError(f"{f.name} must be {bounds}, not {value!r}")
 
 
 def make_config(cls: type, values: dict | None = None, **more: Any):
@@ -176,7 +194,7 @@ def make_config(cls: type, values: dict | None = None, **more: Any):
     if unknown:
         raise ValueError(f"unknown setting(s) for {cls.__name__}: {', '.join(unknown)}")
     config = cls(**values)
-    validate_choices(config)
+    validate_settings(config)
     return config
 
 
@@ -203,7 +221,7 @@ def read_settings_file(path: str | Path) -> dict:
 
 def margin_setting(default: float) -> Any:
     """The hinge margin of a model's ranking loss (one help text for every model)."""
-    return setting(default, "Hinge margin of the ranking loss.")
+    return setting(default, "Hinge margin of the ranking loss.", at_least=0)
 
 
 def violation_setting(default: bool) -> Any:
@@ -213,11 +231,21 @@ def violation_setting(default: bool) -> Any:
 
 
 def embed_size_setting(default: int) -> Any:
-    return setting(default, "Joint embedding size d.")
+    return setting(default, "Joint embedding size d.", at_least=1)
 
 
 def word_dim_setting(default: int) -> Any:
-    return setting(default, "Word embedding size.")
+    return setting(default, "Word embedding size.", at_least=1)
+
+
+def size_setting(default: int | None, help: str) -> Any:
+    """A model's size or count setting: a whole number of at least 1 (None: the model's choice, where allowed)."""
+    return setting(default, help, at_least=1)
+
+
+def dropout_setting(default: float, help: str) -> Any:
+    """A dropout probability, in [0, 1)."""
+    return setting(default, help, at_least=0, below=1)
 
 
 def word_vectors_setting() -> Any:

@@ -20,7 +20,8 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.checkpoint import checkpoint
 
 from retr.common.errors import UserError
-from retr.trainers.config import embed_size_setting, margin_setting, setting, violation_setting, word_dim_setting
+from retr.trainers.config import (dropout_setting, embed_size_setting, margin_setting, setting, size_setting,
+                                  violation_setting, word_dim_setting)
 from retr.trainers.training.distributed import world_size
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.training.optim import PerGroupOptimizer
@@ -558,10 +559,10 @@ class JGCARConfig:
 
     embed_size: int = embed_size_setting(256)
     word_dim: int = word_dim_setting(512)
-    hidden_size: int = setting(512, "Co-attention / phrase hidden size l.")
-    num_regions: int = setting(196, "Map cells N per image (196 = 14×14 from a 448 input; 49 for 224-px maps).")
-    max_words: int = setting(20, "Tokens kept per caption (the presets: 20 COCO, 15 Flickr30K).")
-    dropout: float = setting(0.5, "Dropout on features, words and phrases.")
+    hidden_size: int = size_setting(512, "Co-attention / phrase hidden size l.")
+    num_regions: int = size_setting(196, "Map cells N per image (196 = 14×14 from a 448 input; 49 for 224-px maps).")
+    max_words: int = size_setting(20, "Tokens kept per caption (the presets: 20 COCO, 15 Flickr30K).")
+    dropout: float = dropout_setting(0.5, "Dropout on features, words and phrases.")
     position_bias: bool = setting(True, "Per-region/per-word biases b_v, b_s as printed, or one bias vector each.",
                                   flag="--position-bias/--shared-bias")
     global_similarity: Literal[GLOBAL_SIMILARITIES] = setting(
@@ -572,15 +573,15 @@ class JGCARConfig:
     intra_reduction: Literal[INTRA_REDUCTIONS] = setting(
         "mean_positive", "J2/J3: mean over positives (J1's scale) or the literal sum over all triplets.")
     gamma: float = setting(10.0, "Bi-rank softmax scale γ (the paper says 10 in §3.1 and 20 in §3.4).")
-    num_negatives: int = setting(30, "M′, negatives per comparison set.")
+    num_negatives: int = size_setting(30, "M′, negatives per comparison set.")
     negative_mining: Literal[NEGATIVE_MINING] = setting(
         "similar", "Bi-rank negatives by the global score: the M′ most similar (hardest; the paper's "
                    "\"representative non-matching pairs\") or the M′ least similar (\"most dissimilar\" literally).")
     beta: float = setting(0.5, "J = β·J_G + (1 − β)·J_C.")
-    pair_chunk: int = setting(256, "Pairs co-attended at once (memory bound; does not change results).")
-    concept_min_captions: int = setting(
+    pair_chunk: int = size_setting(256, "Pairs co-attended at once (memory bound; does not change results).")
+    concept_min_captions: int = size_setting(
         2, "Without --labels: a word is an image label when at least this many of its captions use it.")
-    shortlist: int = setting(100, "Two-step retrieval: candidates re-ranked per query.")
+    shortlist: int = size_setting(100, "Two-step retrieval: candidates re-ranked per query.")
     optimizer: Literal[OPTIMIZERS] = setting(
         "paper", "paper: SGD on the encoders + RMSprop on the co-attention; adam: Adam on everything.")
     momentum: float = setting(0.99, "SGD momentum and RMSprop's smoothing constant α.")

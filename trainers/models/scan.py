@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from retr.trainers.config import (embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
-                                   violation_setting, word_dim_setting, word_vectors_setting)
+                                  size_setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import EPS, lengths_mask, l2norm
@@ -133,7 +133,7 @@ class SCANConfig:
     lambda_softmax: float = setting(9.0, "Inverse temperature λ1 of the attention.")
     lambda_lse: float = setting(6.0, "λ2 of LogSumExp aggregation.")
     bi_gru: bool = setting(True, "Bidirectional GRU, directions averaged.", flag="--bi-gru/--uni-gru")
-    num_layers: int = setting(1, "GRU layers of the caption encoder.")
+    num_layers: int = size_setting(1, "GRU layers of the caption encoder.")
     no_imgnorm: bool = setting(False, "Do not l2-normalise region vectors.", flag="--no-imgnorm")
     no_txtnorm: bool = setting(False, "Do not l2-normalise word vectors.", flag="--no-txtnorm")
     precomp_enc_type: Literal[ENCODER_TYPES] = setting("basic", "Region encoder: Linear or weight-normed.")

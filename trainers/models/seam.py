@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
-                                   word_dim_setting)
+from retr.trainers.config import (embed_size_setting, margin_setting, setting, size_setting, violation_setting,
+                                  word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import lengths_mask, masked_mean
@@ -272,10 +272,10 @@ class SEAMConfig:
     word_dim: int = word_dim_setting(300)
     text_encoder: Literal[TEXT_ENCODERS] = setting(
         "c", "SEAM-E (attention over embeddings), SEAM-C (convolutions) or SEAM-G (GRU).")
-    hops: int | None = setting(None, "Attention hops (default: E/G 30, C 10 per module).")
-    attention_hidden: int = setting(300, "Hidden size of the self-attention (W1: z → N).")
-    conv_filters: int = setting(100, "SEAM-C's filters per convolution.")
-    gru_size: int = setting(512, "SEAM-G's GRU size (512, the paper's reported model; the authors' code: 1024).")
+    hops: int | None = size_setting(None, "Attention hops (default: E/G 30, C 10 per module).")
+    attention_hidden: int = size_setting(300, "Hidden size of the self-attention (W1: z → N).")
+    conv_filters: int = size_setting(100, "SEAM-C's filters per convolution.")
+    gru_size: int = size_setting(512, "SEAM-G's GRU size (512, the paper's reported model; the authors' code: 1024).")
     penalty_weight: float = setting(0.5, "λ of the attention penalty (0 = off).")
     penalty_norm: Literal[PENALTY_NORMS] = setting(
         "squared", "‖AAᵀ − I‖_F squared (paper) or plain (the authors' code).")

@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from retr.trainers.training.distributed import scale_grad, world_size
-from retr.trainers.config import (embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
-                                   violation_setting, word_dim_setting, word_vectors_setting)
+from retr.trainers.config import (dropout_setting, embed_size_setting, freeze_word_vectors_setting, margin_setting,
+                                  setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import EPS, lengths_mask, masked_mean, masked_softmax, cosine
@@ -393,13 +393,13 @@ class SMANConfig:
     divide_by_cells: bool = setting(False, "Keep the 1/M printed in Eq. 7/15 (default: dropped).",
                                     flag="--divide-by-cells")
     text_rnn: Literal[TEXT_RNNS] = setting("lstm", "Bi-LSTM (paper) or bi-GRU.")
-    dropout: float = setting(0.3, "Dropout on grid features and word embeddings.")
+    dropout: float = dropout_setting(0.3, "Dropout on grid features and word embeddings.")
     optimizer: Literal[OPTIMIZERS] = setting("adadelta", "Adadelta (paper) or Adam.")
     rho: float = setting(0.9, "Adadelta's decay ρ (the paper's \"momentum 0.9\"; 0.95: TensorFlow's default).")
     adadelta_eps: float = setting(1e-8, "Adadelta's ε (1e-8: TensorFlow's, the paper's toolkit; 1e-6: PyTorch's).")
     weight_decay: float = setting(5e-4, "Adadelta weight decay.")
     shortlist: int = setting(0, "Evaluate in two steps: shortlist K by the pair-independent levels, re-score them "
-                                "with all three (0: score every pair, as the paper).")
+                                "with all three (0: score every pair, as the paper).", at_least=0)
     margin: float = margin_setting(0.2)
     max_violation: bool = violation_setting(True)
 

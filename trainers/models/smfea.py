@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retr.trainers.config import (embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
-                                   violation_setting, word_dim_setting, word_vectors_setting)
+from retr.trainers.config import (dropout_setting, embed_size_setting, freeze_word_vectors_setting, margin_setting,
+                                  setting, size_setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean, masked_softmax
@@ -361,8 +361,8 @@ class SMFEAConfig:
     word_dim: int = word_dim_setting(300)
     word_vectors: str = word_vectors_setting()
     freeze_word_vectors: bool = freeze_word_vectors_setting()
-    tree_hidden: int = setting(128, "Tree node hidden size.")
-    tree_input_dim: int | None = setting(None, "Tree node input size (default: the tree's hidden size, --tree-hidden).")
+    tree_hidden: int = size_setting(128, "Tree node hidden size.")
+    tree_input_dim: int | None = size_setting(None, "Tree node input size (default: the tree's hidden size, --tree-hidden).")
     forget_gate: Literal[FORGET_GATES] = setting(
         "as-printed", "Eq. 10 as printed or Tai et al.'s per-child forget gates.")
     tree_residual: bool = setting(True, "Add the instance feature S_D to the tree embedding S_T (§3.2.2: S_T "
@@ -377,7 +377,7 @@ class SMFEAConfig:
     kl_weight: float = setting(1.0, "Weight of D_KL (0: 'w/o D_KL').")
     label_ratio: float = setting(0.35, "Text label mixing r (0.35 Flickr30K / 0.4 COCO).")
     concept_smooth: float = setting(10.0, "Concept label smoothing scale (CVSE's 10).")
-    concept_word_dim: int = setting(300, "Size of the learned concept vectors (fixed vectors: the file's).")
+    concept_word_dim: int = size_setting(300, "Size of the learned concept vectors (fixed vectors: the file's).")
     concept_vectors: Literal["learned", "fixed"] = setting(
         "learned", "Concept vectors learned from U(±0.1), or fixed from --concept-vectors.", cli=False)
     train_text_labels: Literal[TRAIN_TEXT_LABELS] = setting(
@@ -395,9 +395,9 @@ class SMFEAConfig:
     instance_bn: Literal["regions", "features"] = setting(
         "regions", "Image attention batch norm over the region positions (CVSE's BatchNorm1d(36), unmasked) or over "
                    "the features (masked statistics).")
-    num_regions: int = setting(36, "Regions per image for instance_bn=regions (bottom-up features: 36).")
-    attention_dropout: float = setting(0.4, "Dropout after each tanh of the instance attention (CVSE's 0.4).")
-    word_dropout: float = setting(0.4, "Dropout on the word embeddings before the bi-GRU (CVSE's 0.4).")
+    num_regions: int = size_setting(36, "Regions per image for instance_bn=regions (bottom-up features: 36).")
+    attention_dropout: float = dropout_setting(0.4, "Dropout after each tanh of the instance attention (CVSE's 0.4).")
+    word_dropout: float = dropout_setting(0.4, "Dropout on the word embeddings before the bi-GRU (CVSE's 0.4).")
     concept_kl_reduction: Literal["sum", "mean"] = setting(
         "sum", "KL(w_t ‖ w_v) over the batch: sum (CVSE's code, the scale its weight 2 was set for) or mean.")
     margin: float = margin_setting(0.2)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from retr.trainers.config import (embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
-                                   violation_setting, word_dim_setting, word_vectors_setting)
+                                  size_setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_softmax
 from retr.trainers.models.registry import ModelSpec, register_model
@@ -183,14 +183,14 @@ class VSEInfinityConfig:
 
     embed_size: int = embed_size_setting(1024)
     word_dim: int = word_dim_setting(300)
-    num_layers: int = setting(1, "GRU layers of the caption encoder.")
+    num_layers: int = size_setting(1, "GRU layers of the caption encoder.")
     word_vectors: str = word_vectors_setting()
     freeze_word_vectors: bool = freeze_word_vectors_setting()
     image_mlp: bool = setting(True, "Add the residual two-layer MLP to the image projection (the authors' region "
                               "encoder; their fine-tuned grid model has the linear layer only).",
                               flag="--image-mlp/--no-image-mlp")
-    pe_dim: int = setting(32, "GPO: size of the positional encoding of the ranks.")
-    gpo_hidden: int = setting(32, "GPO: hidden size of its BiGRU.")
+    pe_dim: int = size_setting(32, "GPO: size of the positional encoding of the ranks.")
+    gpo_hidden: int = size_setting(32, "GPO: hidden size of its BiGRU.")
     drop_regions: float = setting(0.2, "Size augmentation: drop each region with this probability in training.")
     augment_words: float = setting(0.2, "Size augmentation: mask/replace/delete each caption token with this "
                                    "probability in training.")

@@ -8,8 +8,8 @@ from typing import Literal
 import torch
 
 from retr.store.features import TENCROP_ORDER
-from retr.trainers.config import (embed_size_setting, margin_setting, setting, violation_setting,
-                                   word_dim_setting)
+from retr.trainers.config import (embed_size_setting, margin_setting, setting, size_setting, violation_setting,
+                                  word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel
 from retr.trainers.models.layers import masked_mean
@@ -61,7 +61,7 @@ class VSEPPConfig:
     embed_size: int = embed_size_setting(1024)
     word_dim: int = word_dim_setting(300)
     bi_gru: bool = setting(False, "Caption GRU direction (VSE++: unidirectional).", flag="--bi-gru/--uni-gru")
-    num_layers: int = setting(1, "GRU layers of the caption encoder.")
+    num_layers: int = size_setting(1, "GRU layers of the caption encoder.")
     no_imgnorm: bool = setting(False, "Do not l2-normalise the image vector.", flag="--no-imgnorm")
     precomp_enc_type: Literal[ENCODER_TYPES] = setting("basic", "Image encoder: Linear or weight-normed.")
     crops: Literal["mean", "centre"] = setting(

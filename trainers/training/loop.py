@@ -252,8 +252,6 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     scheduler = lr_schedule(optimizer, cfg.lr_update)
     if cfg.amp == "fp16" and device.type != "cuda" and info.is_main:
         logger.warning("note: --amp fp16 needs CUDA; training in float32 on " + str(device) + " (--amp bf16 runs on CPU)")
-    if cfg.accum_steps < 1 or cfg.batch_size % cfg.accum_steps:
-        raise UserError(f"--accum-steps {cfg.accum_steps} must divide --batch-size {cfg.batch_size}")
     scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16" and device.type == "cuda")
     net = model
     if info.enabled:
@@ -266,8 +264,6 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     loader = torch.utils.data.DataLoader(CaptionBatches(train_data, train_feats, as_stored=True), sampler=sampler,
                                          batch_size=None, num_workers=workers,
                                          pin_memory=device.type == "cuda" and train_feats.where != "gpu")
-    if not 0.0 <= cfg.ema < 1.0:
-        raise UserError(f"--ema must be in [0, 1), not {cfg.ema}")
     run = Run(cfg, folder, device, info, vocab, train_data, val_data, val_feats, model, net, optimizer, scheduler,
               scaler, sampler, loader)
     if cfg.ema:

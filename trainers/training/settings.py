@@ -94,8 +94,6 @@ def gather_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> tuple[
     if missing:
         raise UserError(f"{spec.name} needs --{missing[0].replace('_', '-')}")
     cfg.inputs = inputs
-    if cfg.epochs < 1 or cfg.batch_size < 2:
-        raise UserError("--epochs must be ≥ 1 and --batch-size ≥ 2")
     return cfg, inputs
 
 
