@@ -232,6 +232,16 @@ def _refuse(partial: Path, message: str) -> UserError:
     return UserError(message)
 
 
+def _download_folder(folder: Path) -> None:
+    """Create ``folder`` (a download's destination), or one :class:`UserError` line saying why it cannot be."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"cannot download into {folder}: it, or a folder above it, is a file") from None
+    except PermissionError:
+        raise UserError(f"cannot download into {folder}: permission denied") from None
+
+
 def download(url: str, dest: str | os.PathLike, *, size: int | None = None, sha256: str | None = None,
              md5: str | None = None, what: str | None = None, how: str | None = None,
              validate: Callable[[Path], None] | None = None, quiet: bool = False,
@@ -251,6 +261,7 @@ def download(url: str, dest: str | os.PathLike, *, size: int | None = None, sha2
     if is_offline():
         raise MissingResourceError(what, str(dest), how or f"on a connected machine download {url} to {dest} "
                                    f"(retr does not while {OFFLINE_ENV} is set)")
+    _download_folder(dest.parent)
     with writer_lock(Path(dest)):
         if dest.is_file():          # another process finished it while this one waited
             return dest

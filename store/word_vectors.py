@@ -70,7 +70,10 @@ def resolve_vectors(spec: str, quiet: bool = False) -> VectorsFile:
     """The file ``spec`` names: a :data:`GLOVE_SETS` name (downloaded on first use) or a path."""
     if spec in GLOVE_SETS:
         source = SOURCES[GLOVE_SETS[spec][0]]
-        path = fetch_source(source, vectors_dir(), how=fetch_hint(spec), quiet=quiet)
+        if (folder := vectors_dir()).exists() and not folder.is_dir():
+            raise UserError(f"the word-vectors folder {folder} is a file (${VECTORS_ENV}, else "
+                            "~/.cache/retr/word-vectors): point it at a folder")
+        path = fetch_source(source, folder, how=fetch_hint(spec), quiet=quiet)
         if source.size is not None and path.stat().st_size != source.size:
             raise UserError(f"{path} is {format_bytes(path.stat().st_size)}, not the {format_bytes(source.size)} of "
                             f"{source.filename}: remove it and run `retr-pipeline fetch-word-vectors {spec}`")
@@ -82,7 +85,11 @@ def resolve_vectors(spec: str, quiet: bool = False) -> VectorsFile:
         raise MissingResourceError(f"word-vector file {path}", str(path.parent.absolute()),
                                    f"give a GloVe-format .txt or .zip, or {' / '.join(GLOVE_SETS)} (GloVe, "
                                    f"downloaded on first use; `retr-pipeline fetch-word-vectors` fetches ahead)")
-    return VectorsFile(path, _text_member(path) if zipfile.is_zipfile(path) else None, sha256_file(path))
+    is_zip = zipfile.is_zipfile(path)
+    if path.suffix.lower() == ".zip" and not is_zip:
+        raise UserError(f"{path} is named .zip but is not a zip archive: give the GloVe download itself, or its "
+                        "GloVe-format text file named .txt")
+    return VectorsFile(path, _text_member(path) if is_zip else None, sha256_file(path))
 
 
 def _text_member(path: Path) -> str:
@@ -108,6 +115,18 @@ def _open(path: Path, member: str | None) -> Iterator[IO[bytes]]:
             raise UserError(f"{path} holds no {member}")
         with archive.open(member) as raw:
             yield io.BufferedReader(raw, 1 << 20)
+
+
+#: what a line of a GloVe-format text file holds (for messages)
+GLOVE_FORMAT = "GloVe text format: 'word v1 … vD', one word a line"
+
+
+def _is_number(text: bytes) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _forms(word: str) -> list[str]:
@@ -137,15 +156,18 @@ def read_word_vectors(path: str | os.PathLike, words: Sequence[str],
             parts = line.split()
             if len(parts) > dim + 1:
                 continue                       # a word with spaces whose first piece looks like a wanted word
+            if len(parts) < dim + 1:
+                given = len(parts) - 1
+                raise UserError(f"{path} line {number}: {given} value{'s' * (given != 1)} where the first line has "
+                                f"{dim} ({GLOVE_FORMAT})")
             try:
-                if len(parts) < dim + 1:
-                    raise ValueError
                 found[head] = np.array(parts[1:], dtype=np.float32)
             except ValueError:
-                raise UserError(f"{path} line {number}: {len(parts) - 1} values where earlier lines have {dim} "
-                                "(GloVe text format: 'word v1 … vD')") from None
+                bad = next(p for p in parts[1:] if not _is_number(p)).decode("utf-8", "replace")
+                raise UserError(f"{path} line {number}: {bad!r} is not a number ({GLOVE_FORMAT})") from None
     if not found:
-        raise UserError(f"{path} covers none of the {len(words)} words asked for")
+        raise UserError(f"{path} covers none of the {len(words)} words asked for: is it a GloVe-format file "
+                        f"({GLOVE_FORMAT})?")
     out = np.zeros((len(words), dim), dtype=np.float32)
     missing = []
     for i, word in enumerate(words):

@@ -127,6 +127,13 @@ def test_a_404_is_one_line_and_leaves_nothing(server, tmp_path):
     assert leftovers(tmp_path) == []
 
 
+def test_a_destination_under_a_file_is_one_line_before_any_request(server, tmp_path):
+    (tmp_path / "cache").write_text("a file where the cache folder should be")
+    with pytest.raises(UserError, match=r"^cannot download into .*cache/weights: it, or a folder above it, is a file$"):
+        download(f"{server.url}/data.bin", tmp_path / "cache" / "weights" / "data.bin", sha256=SHA256, quiet=True)
+    assert server.requests == []
+
+
 def test_an_unreachable_server_fails_in_one_line_after_the_retries(online, tmp_path):
     with LocalServer() as gone:
         url = f"{gone.url}/x.bin"

@@ -210,3 +210,25 @@ def test_a_verify_of_several_paths_reports_each(files, run_cli):
     assert f"{paths['folder']} is a folder, not a feature-set file" in stdout
     with h5py.File(paths["hdf5"], "r") as f:
         assert "checksums" in f
+
+
+@pytest.mark.parametrize("case", ["unknown name", "cache is a file", "offline and absent"])
+def test_fetch_word_vectors_refuses_in_one_line(run_cli, tmp_path, monkeypatch, case):
+    """``fetch-word-vectors`` takes names, not files: an unknown name, a cache folder ($RETR_WORD_VECTORS) that is
+    a file, and a set absent while offline are each one line, and nothing is downloaded or created."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RETR_WORD_VECTORS", str(cache))
+    monkeypatch.setenv("RETR_MIRROR", "http://127.0.0.1:9/")      # nothing listens: no test reaches a network
+    name = "glove-6b"
+    if case == "unknown name":
+        name, expected = "glove-7b", "unknown word vectors 'glove-7b' (known: glove, glove-6b)"
+    elif case == "cache is a file":
+        cache.write_text("not a folder")
+        expected = f"the word-vectors folder {cache} is a file"
+    else:
+        monkeypatch.setenv("RETR_OFFLINE", "1")
+        expected = "not found (looked in"
+    before = sorted(tmp_path.rglob("*"))
+    code, stdout, stderr = run_cli.as_user("pipeline", "fetch-word-vectors", name)
+    assert_one_error_line(code, stdout, stderr)
+    assert expected in stderr and sorted(tmp_path.rglob("*")) == before

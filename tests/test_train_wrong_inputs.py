@@ -129,3 +129,69 @@ def test_a_run_config_json_still_starts_a_new_run(files):
     result = CliRunner().invoke(cli, ["vsepp", "--config", str(good["run"] / "config.json"), "--out",
                                       str(good["root"] / "again"), "--quiet"])
     assert result.exit_code == 0, result.output
+
+
+# a setting outside its bounds, in a model's settings or the run's: one line naming the option, and no run folder
+OUT_OF_BOUNDS = [("vse-infinity", "--embed-size", "0"), ("vse-infinity", "--pe-dim", "0"), ("scan", "--word-dim", "0"),
+                 ("scan", "--num-layers", "0"), ("jgcar", "--dropout", "1"), ("sman", "--shortlist", "-1"),
+                 ("seam", "--hops", "0"), ("vsepp", "--batch-size", "1"), ("vsepp", "--ema", "1.5"),
+                 ("vsepp", "--accum-steps", "3"), ("vsepp", "--lr", "-0.1"), ("vsepp", "--val-images", "-1")]
+
+
+@pytest.mark.parametrize("model, flag, value", OUT_OF_BOUNDS)
+def test_a_setting_outside_its_bounds_is_one_line_before_any_work(files, run_cli, model, flag, value):
+    _paths, good = files
+    out = good["root"] / "bounds" / f"{model}{flag}"
+    argv = [model, "--features", good["features"], "--manifest", good["manifest"], "--out", out, *TINY, flag, value]
+    code, stdout, stderr = run_cli.as_user("train", *argv)
+    assert_one_error_line(code, stdout, stderr)
+    assert flag in stderr and not out.exists()
+
+
+def test_settings_are_checked_when_made_not_when_trained():
+    """Python callers meet the same bounds as the command line: TrainConfig and every model's settings."""
+    from retr.trainers.config import TrainConfig, setting_fields, field_types
+    from retr.trainers.models.registry import get_spec, list_models
+
+    specs = [get_spec(name) for name in list_models()]
+
+    with pytest.raises(ValueError, match="batch_size must be ≥ 2, not 1"):
+        TrainConfig(batch_size=1)
+    with pytest.raises(ValueError, match="accum_steps 3 must divide batch_size 128"):
+        TrainConfig(accum_steps=3)
+    for spec in specs:
+        with pytest.raises(ValueError, match="embed_size must be ≥ 1, not 0"):
+            spec.make_config({"embed_size": 0})
+    # every whole-number setting states its bounds (a new size setting cannot forget them)
+    for cls in (TrainConfig, *(spec.config_class for spec in specs)):
+        types = field_types(cls)
+        unbounded = [f.name for f in setting_fields(cls) if types[f.name] in (int, int | None)
+                     and f.metadata.get("at_least") is None]
+        assert unbounded == [], (cls.__name__, unbounded)
+
+
+EIGHT = " 0.1" * 8             # TINY's --word-dim
+WORD_VECTORS = {"not-a-number.txt": (b"the 0.1 0.2 abc 0.4\n", "its first line is not a word and numbers"),
+                "other-size.txt": (b"the 0.1 0.2\n", "holds 2-d vectors: give --word-dim 2 (not 8)"),
+                "short-line.txt": (f"zzzq{EIGHT}\na 0.3\n".encode(), "line 2: 1 value where the first line has 8"),
+                "text.zip": (b"the 0.1 0.2\n", "is named .zip but is not a zip archive"),
+                "no-words-of-the-vocabulary.txt": (f"zzzq{EIGHT}\n".encode(), "covers none of the"),
+                "folder": (None, "is a folder, not a GloVe-format"),
+                "absent.txt": (None, "word-vector file")}
+
+
+@pytest.mark.parametrize("name", list(WORD_VECTORS))
+def test_a_wrong_word_vectors_file_is_one_line_before_any_work(files, run_cli, name):
+    _paths, good = files
+    content, message = WORD_VECTORS[name]
+    vectors = good["root"] / "vectors" / name
+    vectors.parent.mkdir(exist_ok=True)
+    if content is not None:
+        vectors.write_bytes(content)
+    elif name == "folder":
+        vectors.mkdir(exist_ok=True)
+    out = good["root"] / "vectors-run" / name
+    code, stdout, stderr = run_cli.as_user("train", "scan", "--features", good["features"], "--manifest",
+                                           good["manifest"], "--out", out, *TINY, "--word-vectors", vectors)
+    assert_one_error_line(code, stdout, stderr)
+    assert message in stderr and not out.exists()

@@ -88,8 +88,18 @@ def test_the_reader_rules(tmp_path):
     assert located.member == "inner/v.txt" and located.sha256 == hashlib.sha256(archive.read_bytes()).hexdigest()
     np.testing.assert_array_equal(wv.read_word_vectors(archive, words, located.member)[0], vectors)
     path.write_text("dog 1 2\ncat 1\n", encoding="utf-8")
-    with pytest.raises(UserError, match="line 2: 1 values where earlier lines have 2"):
+    with pytest.raises(UserError, match="line 2: 1 value where the first line has 2 "):
         wv.read_word_vectors(path, ["cat"])
+    path.write_text("the 0.1 0.2 abc 0.4\n", encoding="utf-8")       # a word's value is not a number
+    with pytest.raises(UserError, match=r"line 1: 'abc' is not a number \(GloVe text format"):
+        wv.read_word_vectors(path, ["the"])
+    path.write_text("nothing here is a vector\n", encoding="utf-8")
+    with pytest.raises(UserError, match="covers none of the 2 words asked for: is it a GloVe-format file"):
+        wv.read_word_vectors(path, ["dog", "cat"])
+    named_zip = tmp_path / "text.zip"                                   # text under an archive's name
+    named_zip.write_text("dog 1 2\n", encoding="utf-8")
+    with pytest.raises(UserError, match="is named .zip but is not a zip archive"):
+        wv.resolve_vectors(str(named_zip))
     with pytest.raises(MissingResourceError, match="GloVe-format"):
         wv.resolve_vectors(str(tmp_path / "absent.txt"))
 
