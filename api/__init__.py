@@ -9,6 +9,7 @@ The names a script needs, in one place (each is the library function the command
     hits = retr.Retriever.from_run("runs/scan-f30k").text_to_images(["a dog on a beach"], k=5)
     hits = retr.Retriever.from_run("runs/scan-f30k", images="photos/").image_to_texts(["photos/dog.jpg"])
     features = retr.FeatureSet("data/f30k/features/butd-regions.h5")      # [N, K, D] rows by image id
+    keys, nodes, entities, relations = retr.read_trees("data/f30k/trees.h5")  # referral trees
     model = retr.create_model("scan", vocab_size=10_000, img_dim=2048)     # an untrained model
     report = retr.reproduce(retr.get_recipe("scan-f30k-t2i-avg"), {...}, out=Path("runs"), overrides={})
 
@@ -29,6 +30,7 @@ _PUBLIC = {
     "load_model": ("retr.trainers.training.checkpoint", "load_run_model"),
     # data
     "FeatureSet": ("retr.store.features", "FeatureSet"),
+    "read_trees": ("retr.store.trees", "read_trees"),
     "read_manifest": ("retr.manifests.schema", "read_manifest"),
     "build_extractor": ("retr.extractors.base", "build_extractor"),
     "available_extractors": ("retr.extractors.base", "available_extractors"),
@@ -40,6 +42,7 @@ _PUBLIC = {
     "PROTOCOLS": ("retr.trainers.evaluation.metrics", "PROTOCOLS"),
     "Retriever": ("retr.trainers.search.retrieval", "Retriever"),
     "GalleryIndex": ("retr.trainers.search.index", "GalleryIndex"),
+    "image_files": ("retr.trainers.search.images", "image_files"),
     # published rows
     "list_recipes": ("retr.trainers.reproduction.recipes", "list_recipes"),
     "get_recipe": ("retr.trainers.reproduction.recipes", "get_recipe"),

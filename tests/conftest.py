@@ -163,13 +163,13 @@ class CliRunnerHelper:
         return code, out.getvalue(), err.getvalue()
 
     @staticmethod
-    def console_script(name: str, *args):
+    def console_script(name: str, *args, cwd=None):
         import subprocess
         import sys
         from pathlib import Path
 
         return subprocess.run([str(Path(sys.executable).parent / name), *map(str, args)], capture_output=True,
-                              text=True)
+                              text=True, cwd=cwd)
 
 
 @pytest.fixture

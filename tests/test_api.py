@@ -9,7 +9,7 @@ import retr
 
 PUBLIC = {"__version__", "create_model", "list_models", "load_model", "FeatureSet", "read_manifest",
           "build_extractor", "available_extractors", "TrainConfig", "train", "evaluate", "PROTOCOLS", "Retriever",
-          "GalleryIndex", "list_recipes", "get_recipe", "reproduce"}
+          "GalleryIndex", "image_files", "read_trees", "list_recipes", "get_recipe", "reproduce"}
 
 
 def test_the_public_names_are_pinned_and_resolve():
@@ -46,3 +46,17 @@ def test_a_model_made_through_the_facade_scores_a_pair():
     images = model.encode_images(torch.randn(2, 3, 8), torch.ones(2, 3, dtype=torch.bool))
     captions = model.encode_captions(torch.tensor([[1, 5, 2], [1, 6, 2]]), torch.tensor([3, 3]))
     assert model.score(images, captions).shape == (2, 2)
+
+
+def test_the_docs_python_examples_import_the_facade_only():
+    """Every Python example of README.md and docs/*.md imports ``retr`` (the facade), never a module path inside it."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    found = {}
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for block in re.findall(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), flags=re.S):
+            imports = [line.strip() for line in block.splitlines() if re.match(r"\s*(import|from) ", line)]
+            found[doc.name] = found.get(doc.name, []) + imports
+    assert found and {line for lines in found.values() for line in lines} == {"import retr"}, found
