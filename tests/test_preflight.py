@@ -212,7 +212,13 @@ def test_a_source_manifest_that_cannot_be_found_is_a_note(two_sets, tmp_path):
 
 # ------------------------------------------------------------------------------------------------- --resume
 
-@pytest.mark.parametrize("model", ["vse-infinity", "scan", "vsepp", "sman", "jgcar", "seam", "smfea"])
+def _models() -> list[str]:
+    from retr.trainers.models.registry import list_models
+
+    return list(list_models())
+
+
+@pytest.mark.parametrize("model", _models())
 def test_resume_without_a_run_says_there_is_none(run_cli, tmp_path, model, trainings):
     code, stdout, stderr = run_cli.as_user("train", model, "--resume", "--out", tmp_path / "runs" / "nope")
     assert_one_error_line(code, stdout, stderr)
@@ -227,6 +233,26 @@ def test_resume_with_the_whole_command_still_starts_a_run_that_never_wrote_its_s
     result = run_cli("train", "vsepp", "--resume", "--features", features, "--manifest", manifest, "--out",
                      tmp_path / "run", *TINY)
     assert "nothing to resume" in result.output and len(trainings) == 1 and trainings[0][1]["resume"] is False
+
+
+@pytest.mark.parametrize("model, extra, reason", [
+    ("vse-infinity", ["--word-vectors", "glove", "--word-dim", "300"], "glove.840B.300d.zip"),
+    ("jgcar", ["--labels", "LABELS"], "training image(s) have no entry in"),
+])
+def test_train_checks_side_files_and_word_vectors_first(two_sets, run_cli, trainings, tmp_path, model, extra,
+                                                        reason):
+    """GloVe not on disk (offline) / labels for one training image only: one line, the loop never called."""
+    from retr.store.labels import write_label_file
+
+    manifest, features, _ = two_sets
+    labels = tmp_path / "labels.json"
+    first = next(r.id for r in read_manifest(manifest) if r.split == "train")
+    write_label_file(labels, {first: ["circle"]}, {"source": "test"})
+    out = tmp_path / "run"
+    code, stdout, stderr = run_cli.as_user("train", model, "--features", features, "--manifest", manifest, "--out",
+                                           out, *TINY, *[labels if a == "LABELS" else a for a in extra])
+    assert_one_error_line(code, stdout, stderr)
+    assert reason in stderr and trainings == [] and nothing_written(out)
 
 
 # ------------------------------------------------------------------------------------------------ eval-clip
@@ -302,13 +328,14 @@ def wrong_kinds(tmp_path, two_sets):
     return paths
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("slot, expected", [("--manifest", "jsonl"), ("--word-vectors", None), ("--vocab", None),
-                                            ("--out", "folder")])
+#: each slot of vse-infinity and the kind it takes (None: none of KINDS)
+VSE_INFINITY_SLOTS = {"--manifest": "jsonl", "--word-vectors": None, "--vocab": None, "--out": "folder"}
+
+
+@pytest.mark.parametrize("slot, kind", [(slot, kind) for slot, expected in VSE_INFINITY_SLOTS.items()
+                                        for kind in KINDS if kind != expected])
 def test_vse_infinity_wrong_kinds_are_one_line_and_leave_nothing(two_sets, run_cli, trainings, wrong_kinds,
-                                                                 tmp_path, slot, expected, kind):
-    if kind == expected:
-        pytest.skip("the kind the slot takes")
+                                                                 tmp_path, slot, kind):
     manifest, features, _ = two_sets
     out = tmp_path / "run"
     args = {"--features": features, "--manifest": manifest, "--out": out, slot: wrong_kinds[kind]}
