@@ -1,4 +1,4 @@
-"""GPU-first throughput: each stage on one device against its baseline measured in the same run (issue 15).
+"""GPU-first throughput: each stage on one device against its baseline measured in the same run.
 
 One JSON line per stage and device, each holding its own baseline, measured in the same process on the same
 data and weights (random weights: the arithmetic of real ones, nothing to download):

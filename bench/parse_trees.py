@@ -10,7 +10,7 @@ Generates a synthetic dataset (``--images`` × 5 captions) into a temporary fold
 * ``tree-rules``         — :class:`TreeBuilder` alone over already-read sentences;
 * ``parse-trees-stage``  — :func:`run_parse_trees` end to end (shards, dictionaries, ``trees.h5``).
 
-Label schemes (issue 21), each line with its own baseline from the same run. The synthetic UD v2 file is
+Label schemes, each line with its own baseline from the same run. The synthetic UD v2 file is
 rewritten into UD v1 and into Stanford basic dependencies (:func:`to_ud1`, :func:`to_sd`: the inverse of
 :mod:`retr.parsers.schemes` for the constructions the synthetic captions use: obl, nsubj:pass, aux:pass,
 case, a copula with a prepositional predicate, relative clauses):
@@ -19,7 +19,7 @@ case, a copula with a prepositional predicate, relative clauses):
 * ``convert-ud2`` / ``convert-ud1`` / ``convert-sd`` vs ``tree-rules`` — :func:`to_ud2` alone over read
   sentences (ud2: the label check only);
 * ``parse-trees-stage`` (the UD v2 file, its scheme detected) / ``-ud1`` / ``-sd`` vs
-  ``parse-trees-stage-without-schemes`` (the UD v2 file read as before issue 21: no label counting, no check,
+  ``parse-trees-stage-without-schemes`` (the UD v2 file read as before label schemes: no label counting, no check,
   no conversion) — the stage end to end; ``trees_equal`` says whether the trees equal the baseline's.
 
 Each timing is the best of ``--repeat`` runs (the stage variants in turns). Prints one JSON line per result.
