@@ -9,6 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from retr.common.errors import UserError
 from retr.trainers.training import checkpoint as ckpt
 from retr.trainers.commands import cli
 from retr.trainers.training.data import ImageFeatures, load_split
@@ -215,3 +216,102 @@ def test_a_shortlist_as_large_as_the_gallery_is_the_exhaustive_search(runs):
     out = _invoke(["search", run["scan"], "--query", texts[0], "--top", "3", "--shortlist", "3", "--json",
                    "--device", "cpu"])
     assert json.loads(out) == result.to_json()
+
+
+def _nothing_loaded(monkeypatch):
+    """Make opening a run's model and split fail loudly: a refusal must come before it."""
+    import retr.trainers.search.retrieval as retrieval
+
+    def opened(*args, **kwargs):
+        raise AssertionError("the run was loaded before the refusal")
+    monkeypatch.setattr(retrieval, "open_run_split", opened)
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf"])
+def test_an_approximate_index_on_a_model_scored_by_no_inner_product_is_refused_before_loading(runs, run_cli,
+                                                                                            monkeypatch, kind):
+    """SCAN without ``--shortlist`` scores every item with the model: no inner-product index exists for
+    ``--vector-index`` to approximate, so the flag would be ignored; it is refused in one line instead."""
+    folder, manifest, features, run = runs
+    with monkeypatch.context() as patched:
+        _nothing_loaded(patched)
+        code, out, err = run_cli.as_user("train", "search", run["scan"], "--query", "a red circle", "--vector-index",
+                                         kind, "--device", "cpu")
+    assert code == 1 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith(f"error: --vector-index {kind} approximates an inner-product search, and scan's score is "
+                          f"no inner product") and "add --shortlist N to search in two stages" in err
+    with pytest.raises(UserError, match="vector_index hnsw approximates"):
+        Retriever.from_run(run["scan"], device="cpu", vector_index="hnsw")
+
+
+@pytest.mark.skipif(not _faiss_installed(), reason="faiss-cpu is not installed (pip install faiss-cpu)")
+def test_with_a_shortlist_the_approximate_index_is_stage_one(runs):
+    """``--shortlist N --vector-index hnsw`` on SCAN: stage one's N come from faiss's HNSW over the shortlist
+    vectors (on a gallery this small the graph finds them all, so the results equal the exact stage one's)."""
+    folder, manifest, features, run = runs
+    exact = Retriever.from_run(run["scan"], device="cpu", shortlist=4)
+    approx = Retriever.from_run(run["scan"], device="cpu", shortlist=4, vector_index="hnsw")
+    assert approx.image_index.kind == "hnsw" and exact.image_index.kind == "exact"
+    text = exact.data.captions[0]
+    assert approx.text_to_images([text], 4)[0].to_json() == exact.text_to_images([text], 4)[0].to_json()
+
+
+def test_a_shortlist_shorter_than_top_is_said_in_one_note_line(runs, run_cli):
+    """``--shortlist 3 --top 5``: five results need five items scored; the command says so on stderr (once, with
+    --quiet too: a note, not progress), and its results are those of ``--shortlist 5``."""
+    folder, manifest, features, run = runs
+    args = ["search", run["scan"], "--query", "a big green triangle", "--top", "5", "--device", "cpu", "--json",
+            "--quiet"]
+    code, out, err = run_cli.as_user("train", *args, "--shortlist", "3")
+    assert code == 0
+    assert err.splitlines() == ["note: the shortlist of 3 is shorter than the 5 results asked for: the 5 best by "
+                                "stage one are scored per query"]
+    assert len(json.loads(out)["hits"]) == 5
+    code, five, err = run_cli.as_user("train", *args, "--shortlist", "5")
+    assert code == 0 and err == "" and five == out
+
+
+def test_a_shortlist_that_changes_nothing_is_said(runs, run_cli, caplog):
+    """VSE++'s exact inner-product index already finds the top k; JGCAR ranks with its run's own shortlist."""
+    folder, manifest, features, run = runs
+    code, out, err = run_cli.as_user("train", "search", run["vsepp"], "--query", "a red circle", "--shortlist", "3",
+                                     "--device", "cpu", "--quiet")
+    assert code == 0 and err.splitlines() == ["note: vsepp's score is an inner product, whose exact top k the vector "
+                                              "index finds: the shortlist of 3 is not used"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="retr"):
+        Retriever.from_run(run["jgcar"], device="cpu", shortlist=2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "note: jgcar ranks in two steps with the run's own shortlist (4 per query), so the shortlist of 2 does not "
+        "change its results"]
+
+
+def test_an_ivf_index_over_too_few_images_is_refused_before_the_gallery_is_encoded(runs, run_cli, monkeypatch,
+                                                                                  capfd):
+    """The split's gallery is far below 39 images: faiss would print its own ``WARNING clustering …``."""
+    import retr.trainers.search.retrieval as retrieval
+
+    folder, manifest, features, run = runs
+
+    def encoded(*args, **kwargs):
+        raise AssertionError("the gallery was encoded before the refusal")
+    monkeypatch.setattr(retrieval, "_encode_gallery", encoded)
+    n = Retriever.from_run(run["vsepp"], device="cpu").data.num_images           # from the cache
+    code, out, err = run_cli.as_user("train", "search", run["vsepp"], "--query", "a red circle", "--vector-index",
+                                     "ivf", "--device", "cpu", "--no-cache")
+    assert code == 1 and out == "" and err == (
+        f"error: an ivf index of 1 list needs at least 39 gallery images to train on (39 per list), and there are "
+        f"{n}; use --vector-index exact (as fast at this size)\n")
+    assert "WARNING" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("query", ["", "   ", "\t"])
+def test_an_empty_query_is_refused_in_one_line(runs, run_cli, monkeypatch, query):
+    folder, manifest, features, run = runs
+    with monkeypatch.context() as patched:
+        _nothing_loaded(patched)
+        code, out, err = run_cli.as_user("train", "search", run["vsepp"], "--query", query, "--device", "cpu")
+    assert code == 1 and out == "" and err == f"error: --query {query!r} has no words: give a sentence describing " \
+                                               f"the images you want\n"
+    with pytest.raises(UserError, match="has no words"):
+        Retriever.from_run(run["vsepp"], device="cpu").text_to_images(["a red circle", query])

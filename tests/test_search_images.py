@@ -116,15 +116,22 @@ def test_index_builds_grows_records_bad_images_and_is_searched(grid, tmp_path, m
     shutil.copy(images[0], photos / "a.jpg")
     shutil.copy(images[1], photos / "sub" / "b.jpg")
     (photos / "broken.jpg").write_bytes(images[2].read_bytes()[:200])        # a truncated JPEG
+    (photos / "notes.txt").write_text("where the photos were taken")          # not an image by its suffix
     counts = _count_extracted(monkeypatch)
     out = tmp_path / "photos.index"
     args = ["index", run, "--images", photos, "--out", out, "--device", "cpu", "--workers", "0", "--quiet"]
-    text = run_cli("train", *args).output
-    assert "2 images encoded, 0 already in the index, 1 unusable" in text and "broken.jpg" in text
+    lines = run_cli("train", *args).stdout.splitlines()
+    assert lines[0] == (f"{out}: 2 images added, 0 already in the index, 2 usable in all; skipped: 1 unusable "
+                        f"image (recorded, not retried), 1 file not an image by its suffix")
+    assert lines[1].startswith("  unusable: broken.jpg: ") and lines[2:] == ["  not an image: notes.txt"]
     assert sum(counts) == 3
     shutil.copy(images[3], photos / "c.jpg")                                  # the folder grows by one image
-    text = run_cli("train", *args).output
-    assert "1 images encoded, 3 already in the index" in text and sum(counts) == 4   # only the new one
+    lines = run_cli("train", *args).stdout.splitlines()
+    # each kind apart: the broken file is no image "already in the index", it is the unusable one recorded before
+    assert lines[0] == (f"{out}: 1 image added, 2 already in the index, 3 usable in all; skipped: 1 image "
+                        f"recorded as unusable before (not retried), 1 file not an image by its suffix")
+    assert lines[1].startswith("  unusable before: broken.jpg: ") and lines[2:] == ["  not an image: notes.txt"]
+    assert sum(counts) == 4                                                  # only the new one was read
     ids, embeddings, errors = GalleryIndex(out).load()
     assert sorted(ids) == ["a.jpg", "c.jpg", "sub/b.jpg"] and [e[0] for e in errors] == ["broken.jpg"]
     r = Retriever.from_run(run, device="cpu", index=out)
@@ -146,6 +153,28 @@ def test_index_builds_grows_records_bad_images_and_is_searched(grid, tmp_path, m
     assert approx.image_index.kind == "hnsw"
     assert ([vars(h) for h in approx.text_to_images(["a small red circle"], k=2)[0].hits]
             == [vars(h) for h in r.text_to_images(["a small red circle"], k=2)[0].hits])
+
+
+def test_an_index_of_only_unusable_files_is_an_error_that_leaves_no_index(grid, tmp_path, run_cli):
+    """Nothing usable in what was given: a non-zero exit whose one line counts each kind with the first reasons,
+    and no index folder recording the files as unusable, so that once they are mended a re-run reads them."""
+    data, run, _ = grid
+    photos, out = tmp_path / "photos", tmp_path / "photos.index"
+    photos.mkdir()
+    image = sorted((data / "images").glob("*.jpg"))[0]
+    (photos / "a.jpg").write_bytes(image.read_bytes()[:200])                # truncated
+    (photos / "b.png").write_text("a text file named like an image")
+    (photos / "notes.txt").write_text("where the photos were taken")
+    args = ["index", run, "--images", photos, "--out", out, "--device", "cpu", "--workers", "0", "--quiet"]
+    code, stdout, err = run_cli.as_user("train", *args)
+    assert code == 1 and stdout == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: {out}: no usable image to index: 2 unusable images, 1 file not an image by its "
+                          f"suffix (first: a.jpg: ")
+    assert "; b.png: " in err and not out.exists()
+    shutil.copy(image, photos / "a.jpg")                                     # mended: read again, not skipped
+    lines = run_cli("train", *args).stdout.splitlines()
+    assert lines[0].startswith(f"{out}: 1 image added, 0 already in the index, 1 usable in all; skipped: 1 unusable")
+    assert GalleryIndex(out).load()[0] == ["a.jpg"]
 
 
 def test_index_resumes_after_an_interruption(grid, tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from retr.common.errors import UserError
-from retr.trainers.search.vector_index import InnerProductIndex, index_recall, recall_at_k
+from retr.trainers.search.vector_index import InnerProductIndex, index_recall, ivf_size_error, recall_at_k
 
 pytestmark = pytest.mark.numerical
 
@@ -142,8 +142,26 @@ def test_bad_input_is_one_line(tmp_path):
     with pytest.raises(UserError, match="not an index retr wrote|no index"):
         InnerProductIndex.load(tmp_path / "notes.txt")
     if _faiss_installed():
-        with pytest.raises(UserError, match="needs at least 10 vectors"):
+        with pytest.raises(UserError, match="10 lists needs at least 390 vectors .*there are 3"):
             InnerProductIndex(torch.eye(3), kind="ivf", nlist=10)
+
+
+@needs_faiss
+def test_an_ivf_index_too_small_to_train_is_refused_before_faiss_warns(capfd):
+    """faiss's k-means prints ``WARNING clustering 16 points to 1 centroids …`` on the process's stderr (past
+    Python) below 39 points per list: retr refuses such an index in its own one line instead, and builds one at
+    exactly 39 per list without a word from faiss."""
+    x, _ = _clustered(n_per=8, clusters=2, dim=8)                 # 16 vectors
+    with pytest.raises(UserError, match=r"^an ivf index of 1 list needs at least 39 vectors .*there are 16; use an "
+                                        r"exact index"):
+        InnerProductIndex(x, kind="ivf")
+    with pytest.raises(UserError, match="2 lists needs at least 78 vectors"):
+        InnerProductIndex(torch.cat([x] * 4), kind="ivf", nlist=2)
+    assert ivf_size_error(16) is not None and ivf_size_error(39) is None and ivf_size_error(77, 2) is not None
+    x, _ = _clustered(n_per=39, clusters=2, dim=8)                # 78 vectors: default nlist 2, 39 per list
+    index = InnerProductIndex(x, kind="ivf")
+    assert index.settings["nlist"] == 2 and len(index) == 78
+    assert "WARNING" not in capfd.readouterr().err
 
 
 def test_recall_at_k_counts_the_shared_items():

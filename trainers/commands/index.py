@@ -33,24 +33,30 @@ from retr.common.errors import UserError
 def index_command(run, images, manifest, image_root, out, checkpoint, features, extractor_weights, shard_size,
                   batch_size, workers, split, device, trust_checkpoint, quiet):
     """Embed a folder (or manifest) of images with a trained run into a gallery index, once; a re-run adds only
-    the images not in it yet. Unusable images are recorded and skipped.
+    the images not in it yet. Unusable images are recorded and skipped, files that are not images skipped; each
+    kind is counted. An index left with no usable image is an error.
 
     \b
     Example:
       retr-train index runs/scan-f30k --images photos/ --out photos.index
       retr-train search runs/scan-f30k --index photos.index --query "a dog on a beach"
     """
-    from retr.trainers.search.images import image_files
-    from retr.trainers.search.retrieval import Retriever
+    from retr.trainers.search.images import list_folder, no_images_error
+    from retr.trainers.search.index import GalleryIndex
+    from retr.trainers.search.retrieval import Retriever, run_index_identity
 
     if (images is None) == (manifest is None):
         raise UserError("give one of --images DIR or --manifest FILE")
     if image_root and not manifest:
         raise UserError("--image-root goes with --manifest")
-    if batch_size < 1 or workers < 0:
-        raise UserError("--batch-size must be ≥ 1 and --workers ≥ 0")
+    if batch_size < 1 or workers < 0 or shard_size < 1:
+        raise UserError("--batch-size and --shard-size must be ≥ 1, --workers ≥ 0")
+    not_images: list[str] = []
     if images is not None:
-        items = image_files(images)
+        listing = list_folder(images)
+        if not listing.images:
+            raise no_images_error(images, listing)
+        items, not_images = listing.images, listing.others
     else:
         from retr.manifests.schema import outside_root_reason, read_manifest
         records = read_manifest(manifest)
@@ -59,12 +65,15 @@ def index_command(run, images, manifest, image_root, out, checkpoint, features, 
         if outside:
             raise UserError(f"image {outside[0]!r} of {manifest} leaves the image root {root}; index images under it")
         items = [(r.id, root / r.path) for r in records]
-    if not items:
-        raise UserError(f"{images or manifest} holds no images to index")
+        if not items:
+            raise UserError(f"{manifest} lists no images to index")
+    identity = run_index_identity(run, checkpoint, features)     # refused before anything is loaded or written
+    if identity is not None:
+        GalleryIndex(out).check_can_add(identity)
     retriever = Retriever.from_run(run, features, split=split, checkpoint=checkpoint, device=device,
                                    trust_checkpoint=trust_checkpoint, quiet=quiet,
                                    extractor_weights=extractor_weights, batch_size=batch_size, workers=workers)
-    summary = retriever.add_to_index(out, items, shard_size=shard_size, quiet=quiet)
+    summary = retriever.add_to_index(out, items, shard_size=shard_size, quiet=quiet, not_images=not_images)
     click.echo(summary.line(Path(out)))
-    for image_id, reason in summary.errors:
-        click.echo(f"  unusable: {image_id}: {reason}")
+    for line in summary.details():
+        click.echo(f"  {line}")

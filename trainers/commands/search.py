@@ -51,14 +51,19 @@ def search_command(run, queries, images, top, split, index, gallery, extractor_w
       retr-train search runs/scan-f30k --images photos/ --query "a dog on a beach"
     """
     from retr.common.devices import exact_float32
-    from retr.trainers.search.retrieval import Retriever
+    from retr.trainers.search.retrieval import Retriever, query_error
 
     if not queries and not images:
         raise UserError("give --query TEXT or --image ID (or several)")
     if top < 1:
-        raise UserError("--top must be ≥ 1")
+        raise UserError(f"--top must be ≥ 1, not {top}")
     if index and gallery:
         raise UserError("give --index or --images, not both")
+    for text in queries:
+        if query_error(text) is not None:
+            raise UserError(f"--query {text!r} has no words: give a sentence describing the images you want")
+    if any(not image.strip() for image in images):
+        raise UserError("--image is empty: give an image id, an image file or a folder of images")
     with exact_float32():                    # eval's scores, on a GPU too (docs/search.md)
         retriever = Retriever.from_run(run, features, manifest, split, checkpoint, device, cache=not no_cache,
                                        trust_checkpoint=trust_checkpoint, quiet=quiet, index=index, images=gallery,

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
@@ -35,14 +36,40 @@ RUNTIME_OPTIONS = {"device", "weights", "half", "decode", "autocast", "channels_
                    "object_vocab", "attr_vocab", "allow_partial", "trust_checkpoint"}
 
 
-def image_files(folder: str | os.PathLike) -> list[tuple[str, Path]]:
-    """``[(id, path)]`` of every image file under ``folder`` (recursively, sorted); the id is the path relative to
-    ``folder`` (``sub/cat.jpg``)."""
+@dataclass
+class FolderListing:
+    """What a folder of images holds: ``images`` ``[(id, path)]`` (an image suffix, :data:`IMAGE_SUFFIXES`) and
+    ``others``, the paths relative to the folder of the files that are not images by their suffix (skipped)."""
+
+    images: list[tuple[str, Path]]
+    others: list[str]
+
+
+def list_folder(folder: str | os.PathLike) -> FolderListing:
+    """Every file under ``folder`` (recursively, sorted), images apart from other files; an image's id is its path
+    relative to ``folder`` (``sub/cat.jpg``). A folder that is absent or a file: one-line :class:`UserError`."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise UserError(f"{folder} is not a folder of images")
-    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-    return [(p.relative_to(folder).as_posix(), p) for p in files]
+        what = "a file" if folder.is_file() else "absent"
+        raise UserError(f"{folder} is not a folder of images ({what})")
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    images = [(p.relative_to(folder).as_posix(), p) for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
+    others = [p.relative_to(folder).as_posix() for p in files if p.suffix.lower() not in IMAGE_SUFFIXES]
+    return FolderListing(images, others)
+
+
+def no_images_error(folder: str | os.PathLike, listing: FolderListing) -> UserError:
+    """The one line for a folder that holds no image file: what it holds instead."""
+    if not listing.others:
+        return UserError(f"{folder} holds no files, so no images to use")
+    shown = ", ".join(listing.others[:3]) + (", …" if len(listing.others) > 3 else "")
+    return UserError(f"{folder} holds no image files: {len(listing.others)} other file"
+                     f"{'s' * (len(listing.others) != 1)} ({shown}); images end in {', '.join(IMAGE_SUFFIXES)}")
+
+
+def image_files(folder: str | os.PathLike) -> list[tuple[str, Path]]:
+    """``[(id, path)]`` of every image file under ``folder`` (:func:`list_folder`'s images)."""
+    return list_folder(folder).images
 
 
 def _plain(value: Any) -> Any:

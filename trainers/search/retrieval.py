@@ -26,13 +26,20 @@ cache holds tensors only (read with ``weights_only``) and is written through a t
   boundary rescored in float64); SMAN's (a sum of per-level cosines) is scored over the gallery.
 
 A text query is tokenised and encoded with the run's vocabulary; words outside it are read as ``<unk>`` (as in
-training) and reported in ``unknown_words``, never dropped silently.
+training) and reported in ``unknown_words``, never dropped silently. An empty query (no words) is refused.
+
+**Refused or noted** (``docs/search.md``): an approximate ``vector_index`` (``ivf``, ``hnsw``) where the gallery has
+no inner-product index to approximate (a model whose score is no inner product, without ``shortlist``), and an
+``ivf`` index over too few images to train, are refused in one line before the gallery is encoded; a
+``shortlist`` the model does not use, and one shorter than the ``k`` results asked for (then ``k`` are
+shortlisted), are ``note:`` lines on the ``retr`` logger, once each.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,12 +58,52 @@ from retr.trainers.training.data import ImageFeatures, SplitData, data_identity,
 from retr.trainers.evaluation.similarity import SplitEmbeddings, _concat, score_blocks
 from retr.trainers.evaluation.two_step import encode_all
 from retr.trainers.models.base import Embeddings, cast_embeddings, slice_embeddings
-from retr.trainers.search.images import FeatureMaker, ImageInput, describe, image_files
+from retr.store.features import FeatureSet
+from retr.trainers.search.images import FeatureMaker, ImageInput, describe, list_folder, no_images_error
 from retr.trainers.search.index import SHARD_SIZE, AddSummary, GalleryIndex, index_identity
 from retr.trainers.search.two_stage import shortlist_vectors
-from retr.trainers.search.vector_index import RESCORE_MARGIN, InnerProductIndex
+from retr.trainers.search.vector_index import RESCORE_MARGIN, InnerProductIndex, ivf_size_error
 
 CACHE_DIR = "search-cache"
+logger = logging.getLogger(__name__)
+
+
+def query_error(text: str) -> UserError | None:
+    """The one-line error for a text query with no words (empty, or only spaces), else None."""
+    if not tokenize(text):
+        return UserError(f"the query {text!r} has no words: give a sentence describing the images")
+    return None
+
+
+def scores_by_inner_product(model_class: type) -> bool:
+    """Whether ``model_class``'s gallery vectors are searched by inner product (it defines ``index_vectors``:
+    VSE++, SMFEA, VSE∞, JGCAR's global stage), read from the class without building a model."""
+    from retr.trainers.models.base import MatchingModel
+    return getattr(model_class, "index_vectors", None) is not MatchingModel.index_vectors
+
+
+def vector_index_error(model_name: str, inner_product: bool, shortlist: int | None,
+                       vector_index: str) -> UserError | None:
+    """The one-line error for an approximate ``vector_index`` that would go unused: the model's score is no inner
+    product and no ``shortlist`` makes one (two-stage search's stage one), so every item is scored; else None."""
+    if vector_index == "exact" or inner_product or shortlist:
+        return None
+    return UserError(f"vector_index {vector_index} approximates an inner-product search, and {model_name}'s score "
+                     f"is no inner product, so every item is scored and no index is used; add shortlist N to search in "
+                     f"two stages with {vector_index} as stage one, or leave vector_index exact",
+                     parameters=("vector_index", "shortlist"))
+
+
+def run_index_identity(run: str | os.PathLike, checkpoint: str = "best", features: str | None = None,
+                       checkpoint_sha256: str | None = None) -> dict | None:
+    """What a gallery index built with ``run``'s ``checkpoint`` records (:func:`index_identity`), read from the run's
+    files without loading the model (None: the run records no feature set; opening it says so)."""
+    config = ckpt.read_config(run)
+    features = features or config.get("features")
+    if not features:
+        return None
+    sha = checkpoint_sha256 or sha256_file(ckpt.resolve_checkpoint(run, checkpoint))
+    return index_identity(Path(run), sha, config["model"], FeatureSet(features))
 
 
 
@@ -98,6 +145,17 @@ class Retriever:
         with torch.no_grad():
             self._inner_product = model.index_vectors(slice_embeddings(gallery["images"], slice(0, 1)),
                                                       "image") is not None
+        name = getattr(model, "name", None) or type(model).__name__
+        error = vector_index_error(name, self._inner_product, shortlist, vector_index)
+        if error is not None:
+            raise error
+        self._noted: set[str] = set()
+        if shortlist and self.two_step:
+            self._note(f"{name} ranks in two steps with the run's own shortlist ({model.shortlist} per query), so the "
+                       f"shortlist of {shortlist} does not change its results")
+        elif shortlist and self._inner_product:
+            self._note(f"{name}'s score is an inner product, whose exact top k the vector index finds: the shortlist "
+                       f"of {shortlist} is not used")
         self._vectors = ((lambda e, side: shortlist_vectors(model, e, side)) if shortlist else model.index_vectors)
         self._wide = self._maker = None
         #: set by :meth:`from_run`: the run, its checkpoint's sha256, the feature set (raw images and indexes)
@@ -112,8 +170,17 @@ class Retriever:
                               else None)
         self._set_images(list(data.image_ids), gallery["images"])
 
+    def _note(self, text: str) -> None:
+        """Log ``note: text`` on the ``retr`` logger, once per retriever."""
+        if text not in self._noted:
+            self._noted.add(text)
+            logger.warning(f"note: {text}")
+
     def _set_images(self, image_ids: list[str], images: Embeddings) -> None:
         """The gallery ``text_to_images`` searches: the split's images, or an index's."""
+        if self.shortlist or self._inner_product:                   # an inner-product index will be built
+            if self.vector_index == "ivf":
+                _check_ivf(len(image_ids))
         self.image_ids, self.images = image_ids, images
         with torch.no_grad():
             vectors = self._vectors(images, "image")
@@ -137,13 +204,43 @@ class Retriever:
         records one by hash (raw images); ``batch_size``/``workers``: of that extraction. ``vector_index``:
         ``exact``, or faiss's approximate ``ivf``/``hnsw`` over the gallery images of inner-product models.
         ``shortlist``: two-stage search for models whose score is no inner product (SCAN, SEAM; SMAN's global
-        stage, exactly): only that many items per query are scored (``docs/search.md``)."""
+        stage, exactly): only that many items per query are scored (``docs/search.md``).
+
+        Every check that can fail without encoding anything runs first: the model against ``vector_index`` and
+        ``shortlist``, the folder ``images`` (it must hold image files), the index ``index`` (it must be one, of
+        this checkpoint, with images enough for an ``ivf`` index)."""
+        from retr.trainers.models import get_spec
+
         dev = resolve_device(device)
         run = Path(run)
+        if shortlist is not None and shortlist < 1:
+            raise UserError(f"the shortlist must hold at least 1 item, not {shortlist}")
+        config = ckpt.read_config(run)
+        error = vector_index_error(config["model"], scores_by_inner_product(get_spec(config["model"]).model_class),
+                                   shortlist, vector_index)
+        if error is not None:
+            raise error
+        listing = None
+        if images is not None:
+            listing = list_folder(images)
+            if not listing.images:
+                raise no_images_error(images, listing)
+        checkpoint_sha256 = sha256_file(ckpt.resolve_checkpoint(run, checkpoint))
+        if index is not None:
+            gallery_index = GalleryIndex(index)
+            identity = run_index_identity(run, checkpoint, features, checkpoint_sha256)
+            if identity is not None:
+                gallery_index.check(identity)
+            if vector_index == "ivf":
+                _check_ivf(len(gallery_index.known()[0]))
+        elif images is not None and vector_index == "ivf":
+            _check_ivf(len(listing.images))              # at most this many: checked again once indexed
         opened = open_run_split(run, split, features, manifest, checkpoint, dev, trust_checkpoint)
         model, vocab, feature_set, data = opened.model, opened.vocab, opened.features, opened.data
+        if index is None and images is None and vector_index == "ivf":
+            _check_ivf(data.num_images)
         key = hashlib.sha256(json.dumps({
-            "checkpoint": sha256_file(ckpt.resolve_checkpoint(run, checkpoint)), "split": split,
+            "checkpoint": checkpoint_sha256, "split": split,
             "data": data_identity(feature_set, opened.manifest_path)}, sort_keys=True).encode()).hexdigest()[:20]
         path = run / CACHE_DIR / f"{split}-{key}.pt"
         gallery = _read_cache(path, dev) if cache else None
@@ -151,15 +248,20 @@ class Retriever:
             gallery = _encode_gallery(model, data, ImageFeatures(feature_set, data.image_ids), dev, quiet)
             if cache:
                 _write_cache(path, gallery)
-        retriever = cls(model, vocab, data, gallery, dev, use_faiss, vector_index, shortlist)
+        retriever = cls(model, vocab, data, gallery, dev, use_faiss,
+                        "exact" if images is not None or index is not None else vector_index, shortlist)
+        retriever.vector_index = vector_index           # the split's gallery is not searched: its index is exact
         retriever.run, retriever.feature_set = run, feature_set
-        retriever.checkpoint_sha256 = sha256_file(ckpt.resolve_checkpoint(run, checkpoint))
+        retriever.checkpoint_sha256 = checkpoint_sha256
         retriever.extractor_options = {"weights": extractor_weights, "trust_checkpoint": trust_checkpoint,
                                        "batch_size": batch_size, "workers": workers}
         if images is not None:
             digest = hashlib.sha256(str(Path(images).resolve()).encode()).hexdigest()[:16]
             index = run / CACHE_DIR / f"folder-{digest}"
-            retriever.add_to_index(index, image_files(images), quiet=quiet)
+            summary = retriever.add_to_index(index, listing.images, quiet=quiet, not_images=listing.others,
+                                             source=images)
+            if summary.skipped:
+                retriever._note(f"{images}: {summary.skipped_text()}; retr-train index lists them")
         if index is not None:
             retriever.use_index(index)
         return retriever
@@ -195,10 +297,14 @@ class Retriever:
         return index_identity(self.run, self.checkpoint_sha256, name, self.feature_set)
 
     def add_to_index(self, folder: str | os.PathLike, items: Sequence[tuple[str, str | os.PathLike]],
-                     shard_size: int = SHARD_SIZE, quiet: bool = True) -> AddSummary:
-        """Encode the images ``[(id, path)]`` not yet in the gallery index ``folder`` (made if absent)."""
+                     shard_size: int = SHARD_SIZE, quiet: bool = True, not_images: Sequence[str] = (),
+                     source: str | os.PathLike | None = None) -> AddSummary:
+        """Encode the images ``[(id, path)]`` not yet in the gallery index ``folder`` (made if absent);
+        ``not_images``: files of the folder skipped for not being images, counted in the summary; ``source``: what
+        the images came from, as errors name it (:meth:`GalleryIndex.add`: an index left with no usable image is
+        refused)."""
         return GalleryIndex(folder).add(items, self.index_identity(), self.encode_files, shard_size=shard_size,
-                                        quiet=quiet)
+                                        quiet=quiet, not_images=not_images, source=source)
 
     def use_index(self, folder: str | os.PathLike) -> list[tuple[str, str]]:
         """Search images in the gallery index ``folder`` from now on (refused if another run built it); returns
@@ -226,6 +332,10 @@ class Retriever:
         """The ``k`` best images of the gallery (the split's, or the index's) for each text (scores as eval's)."""
         if not texts:
             return []
+        for text in texts:
+            error = query_error(text)
+            if error is not None:
+                raise error
         queries, unknown = self.encode_texts(list(texts))
         images, n = self.images, len(self.image_ids)
         results = []
@@ -255,17 +365,24 @@ class Retriever:
                      if self.images is not self.gallery["images"] else {})
         names, parts, raw = [], [], []
         for image in images:
+            if isinstance(image, (str, os.PathLike)) and not str(image).strip():
+                raise UserError("an image query is empty: give an image id, an image file or a folder of images")
             if isinstance(image, str) and (image in split_row or image in index_row):
                 source, row = ((self.gallery["images"], split_row[image]) if image in split_row
                                else (self.images, index_row[image]))
                 names.append(image)
                 parts.append(("stored", slice_embeddings(source, slice(row, row + 1))))
             elif isinstance(image, (str, os.PathLike)) and not Path(image).exists():
-                raise UserError(f"image {str(image)!r} is not in the gallery (split of {self.data.num_images} "
-                                f"images) and is no image file or folder")
+                n = self.data.num_images
+                raise UserError(f"image {str(image)!r} is not in the gallery (split of {n} image{'s' * (n != 1)}) "
+                                f"and is no image file or folder")
             else:
                 folder = isinstance(image, (str, os.PathLike)) and Path(image).is_dir()
-                files = [p for _, p in image_files(image)] if folder else [image]
+                if folder:
+                    listing = list_folder(image)
+                    if not listing.images:
+                        raise no_images_error(image, listing)
+                files = [p for _, p in listing.images] if folder else [image]
                 names += [describe(f) for f in files]
                 parts += [("raw", len(raw) + i) for i in range(len(files))]
                 raw += files
@@ -306,6 +423,9 @@ class Retriever:
         inner product, its ``shortlist`` best shortlist vectors."""
         if self.shortlist is None or self._inner_product:
             return index.candidates(vector, k)
+        if self.shortlist < k:
+            self._note(f"the shortlist of {self.shortlist} is shorter than the {k} results asked for: the {k} best by "
+                       f"stage one are scored per query")
         found = index.search(vector.detach().float().cpu().numpy(), max(k, self.shortlist))[1][0]
         return np.sort(found[found >= 0])
 
@@ -353,6 +473,14 @@ class Retriever:
         img_idx, cap_idx = (zeros, cands) if image_side else (cands, zeros)
         scores = self.model.pair_score(images64, captions64, img_idx, cap_idx, dtype=torch.float64)
         return cands.cpu().numpy(), scores.double().cpu().numpy()
+
+
+def _check_ivf(n: int) -> None:
+    """Refuse in one line an ``ivf`` vector index over a gallery of ``n`` images (too few to train)."""
+    error = ivf_size_error(n, items="gallery images", instead="vector_index exact (as fast at this size)",
+                           parameters=("vector_index",))
+    if error is not None:
+        raise error
 
 
 def _top_stable(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -5,7 +5,9 @@
 * ``exact`` — faiss's ``IndexFlatIP`` where faiss-cpu is installed (the ``search`` extra), else blockwise float32
   matrix products with ``torch.topk``; top k identical to brute force, ties to the lower id;
 * ``ivf`` — ``IndexIVFFlat``: k-means into ``nlist`` lists (trained on the first vectors given, at most
-  :data:`IVF_TRAIN_POINTS_PER_LIST` per list), a query scans its ``nprobe`` nearest lists;
+  :data:`IVF_TRAIN_POINTS_PER_LIST` per list), a query scans its ``nprobe`` nearest lists; refused in one line
+  (:func:`ivf_size_error`) over fewer than :data:`IVF_MIN_POINTS_PER_LIST` vectors per list, which faiss's
+  k-means cannot train (it would print its own ``WARNING clustering …`` and cluster badly);
 * ``hnsw`` — ``IndexHNSWFlat``: a graph of ``m`` links per node, built with ``ef_construction``, searched with
   ``ef_search``.
 
@@ -34,6 +36,9 @@ KINDS = ("exact", "ivf", "hnsw")
 #: IVF training sample: at most this many vectors per list (faiss warns below 39; its default, 256, makes
 #: training at 1M items take minutes on a few cores)
 IVF_TRAIN_POINTS_PER_LIST = 64
+#: faiss's k-means needs at least this many training vectors per list (its ``min_points_per_centroid``): an ivf
+#: index of ``nlist`` lists is refused over fewer than ``nlist`` times as many vectors
+IVF_MIN_POINTS_PER_LIST = 39
 
 
 def _matrix(x) -> np.ndarray:
@@ -46,7 +51,22 @@ def _matrix(x) -> np.ndarray:
 
 def default_nlist(n: int) -> int:
     """IVF lists for ``n`` vectors: √n, at most n/39 (faiss's minimum training points per list), at least 1."""
-    return max(1, min(round(math.sqrt(n)), n // 39))
+    return max(1, min(round(math.sqrt(n)), n // IVF_MIN_POINTS_PER_LIST))
+
+
+def ivf_size_error(n: int, nlist: int | None = None, items: str = "vectors",
+                   instead: str = "an exact index (as fast at this size)", parameters=()) -> UserError | None:
+    """The one-line error for an ivf index of ``nlist`` lists (default :func:`default_nlist`) over ``n`` vectors
+    that faiss's k-means cannot train — fewer than :data:`IVF_MIN_POINTS_PER_LIST` per list — or None when it can.
+    ``items`` names the vectors, ``instead`` what to use; ``parameters``: those the message names (a command
+    rewrites them as its flags)."""
+    lists = nlist or default_nlist(n)
+    needed = IVF_MIN_POINTS_PER_LIST * lists
+    if n >= needed:
+        return None
+    return UserError(f"an ivf index of {lists} list{'s' * (lists != 1)} needs at least {needed} {items} to train on "
+                     f"({IVF_MIN_POINTS_PER_LIST} per list), and there are {n}; use {instead}",
+                     parameters=parameters)
 
 
 class InnerProductIndex:
@@ -80,9 +100,9 @@ class InnerProductIndex:
                 inner = faiss.IndexFlatIP(self.dim)
             elif kind == "ivf":
                 nlist = nlist or default_nlist(len(vectors))
-                if len(vectors) < nlist:
-                    raise UserError(f"an ivf index of {nlist} lists needs at least {nlist} vectors to train on, "
-                                    f"got {len(vectors)}")
+                error = ivf_size_error(len(vectors), nlist)
+                if error is not None:
+                    raise error
                 inner = faiss.IndexIVFFlat(faiss.IndexFlatIP(self.dim), self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
                 inner.cp.max_points_per_centroid = IVF_TRAIN_POINTS_PER_LIST
                 inner.train(vectors)
