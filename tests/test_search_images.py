@@ -207,12 +207,16 @@ def test_folder_search_is_one_command_and_encodes_each_image_once(grid, tmp_path
     photos.mkdir()
     for p in sorted((data / "images").glob("*.jpg"))[:2]:
         shutil.copy(p, photos / p.name)
+    (photos / "notes.txt").write_text("where the photos were taken")          # skipped, and said so
+    jpegs = sorted(p.name for p in photos.glob("*.jpg"))
     counts = _count_extracted(monkeypatch)
-    text = run_cli("train", "search", run, "--images", photos, "--query", "a large blue star", "--top", "2",
-                   "--device", "cpu").output
-    assert text.splitlines()[0] == "a large blue star" and all(p.name in text for p in photos.iterdir())
+    result = run_cli("train", "search", run, "--images", photos, "--query", "a large blue star", "--top", "2",
+                     "--device", "cpu", "--quiet")
+    assert result.stdout.splitlines()[0] == "a large blue star" and all(name in result.stdout for name in jpegs)
+    assert result.stderr.splitlines() == [f"note: {photos}: 1 file not an image by its suffix; retr-train index "
+                                          f"lists them"]
     r = Retriever.from_run(run, device="cpu", images=photos)                 # Python, same folder: nothing new
-    assert sum(counts) == 2 and sorted(r.image_ids) == sorted(p.name for p in photos.iterdir())
+    assert sum(counts) == 2 and sorted(r.image_ids) == jpegs
 
 
 def test_index_of_another_run_is_refused_and_a_cross_attention_run_indexes_its_own(grid, tmp_path, run_cli):

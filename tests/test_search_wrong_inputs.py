@@ -83,6 +83,8 @@ def _cases(run, scan, p):
                                               "built with another checkpoint"),
         "index --out a folder of other files": ([*index, "--images", p["photos"], "--out", p["other_files"]],
                                                 "not a gallery index (no meta.json) and holds other files"),
+        "index --out the images folder": ([*index, "--images", p["photos"], "--out", p["photos"]],
+                                          "not a gallery index (no meta.json) and holds other files"),
         "index --out a file": ([*index, "--images", p["photos"], "--out", p["a_file"]], "is a file"),
         "index --out a damaged index": ([*index, "--images", p["photos"], "--out", p["damaged_index"]],
                                         "is damaged"),
