@@ -2,8 +2,9 @@
 
 ``reproduce`` trains every member of a recipe (:mod:`retr.trainers.reproduction.recipes`) into ``OUT/<member run>`` — a
 finished member with the recipe's settings and data is reused, an interrupted one resumed, one made otherwise
-refused — then evaluates each member alone and, for an ensemble, the members together, and prints and writes
-(``OUT/reproduce-<recipe>.json``) the measured numbers beside the published ones with their difference.
+refused, and every member checked before the first trains — then evaluates each member alone and, for an
+ensemble, the members together, and prints and writes (``OUT/reproduce-<recipe>.json``) the measured numbers
+beside the published ones with their difference.
 
 The report says ``reproduction: yes`` only when nothing departs from the recipe: no override, the feature set's
 recorded provenance and the side files' attributes are the recipe's, and the split has the protocol's size.
@@ -306,7 +307,11 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
 
     A member run already in ``out`` is reused (or resumed) only when its stored settings and data equal the
     recipe's; otherwise nothing is trained and one line names each difference, unless ``retrain`` names the
-    member (its run is then moved aside, see :func:`set_aside`)."""
+    member (its run is then moved aside, see :func:`set_aside`).
+
+    Every check runs before the first member trains: ``out``, the evaluation split (present, every image with
+    features, the protocol's size unless ``allow_size_mismatch``), features against the manifest, and each
+    member's training checks (:func:`preflight_members`); the zero-shot recipes' CLIP inputs likewise."""
     from retr.manifests.schema import manifest_sha256
     from retr.trainers.evaluation.runs import evaluate_runs
 
