@@ -5,8 +5,8 @@ caption encoding, never after minutes of it.
 * :func:`check_output_folder` — the folder a command writes into can be made and written;
 * :func:`check_training` — one run's data, pairing of features and manifest
   (:func:`~retr.trainers.training.data.check_manifest_pairing`), splits, side files and word vectors
-  (:func:`~retr.trainers.training.side_inputs.check_side_inputs`), and the settings the loop refuses only once
-  it has built the run;
+  (:func:`~retr.trainers.training.side_inputs.check_side_inputs`) and the ``--log`` targets (the settings'
+  bounds are :class:`~retr.trainers.config.TrainConfig`'s own, checked when it is made);
 * :func:`check_evaluation_split` — the split a protocol evaluates: present, every image with features, and the
   protocol's size (unless a mismatch is allowed).
 
@@ -44,12 +44,12 @@ def check_output_folder(out: str | os.PathLike, flag: str = "--out") -> None:
         raise UserError(f"{flag} {folder}: {existing} is not writable")
 
 
-def _split_records(manifest: str, splits: list[str], features: FeatureSet, what: str) -> list[ManifestRecord]:
+def _split_records(manifest: str, splits: list[str], features: FeatureSet) -> list[ManifestRecord]:
     """The records of ``splits`` that have features; refuses a split without images or without any features
     (the messages of :func:`~retr.trainers.training.data.load_split`)."""
     records = read_manifest(manifest, splits=splits)
     if not records:
-        raise UserError(f"{manifest} has no images in split(s) {', '.join(splits)}{what}")
+        raise UserError(f"{manifest} has no images in split(s) {', '.join(splits)}")
     kept = [r for r in records if r.id in features]
     if not kept:
         raise UserError(f"no image of split {'+'.join(splits)} has features in {features.path}: is this the "
@@ -60,13 +60,13 @@ def _split_records(manifest: str, splits: list[str], features: FeatureSet, what:
 def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet | None = None) -> list[str]:
     """Everything a training run of ``cfg`` (a new run, or with ``resume`` one that continues) would refuse,
     checked without training: the output folder, the manifest and feature set (contract and pairing), the
-    vocabulary's captions, the training and validation splits, the model's side files and word vectors, and
-    the loop's own settings (``accum_steps``, ``ema``, ``log``). ``features``: the set already opened, if it
-    is. Returns the notes."""
+    vocabulary's captions (or the ``vocab`` file), the training and validation splits, the model's side files
+    and word vectors, and the ``log`` targets. ``features``: the set already opened, if it is. Returns the
+    notes."""
     from retr.trainers.models import get_spec
     from retr.trainers.training.run_log import summary_writer
-    from retr.trainers.training.side_inputs import caption_keys, check_side_inputs
     from retr.trainers.training.data import SplitData
+    from retr.trainers.training.side_inputs import caption_keys, check_side_inputs
 
     check_output_folder(cfg.out)
     summary_writer(tuple(cfg.log))
@@ -85,12 +85,8 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
         if not any(r.captions for r in read_manifest(cfg.manifest, splits=splits)):
             raise UserError(f"{cfg.manifest} has no captions in {', '.join(splits)} to build the vocabulary from "
                             "(--vocab-split / --train-split)")
-    train = _split_records(cfg.manifest, list(cfg.train_splits), features, "")
-    _split_records(cfg.manifest, [cfg.val_split], features, "")
-    if cfg.accum_steps < 1 or cfg.batch_size % cfg.accum_steps:
-        raise UserError(f"--accum-steps {cfg.accum_steps} must divide --batch-size {cfg.batch_size}")
-    if not 0.0 <= cfg.ema < 1.0:
-        raise UserError(f"--ema must be in [0, 1), not {cfg.ema}")
+    train = _split_records(cfg.manifest, list(cfg.train_splits), features)
+    _split_records(cfg.manifest, [cfg.val_split], features)
     spec = get_spec(cfg.model)
     data = SplitData([r.id for r in train], [c for r in train for c in r.captions],
                      np.repeat(np.arange(len(train)), [len(r.captions) for r in train]), [])
