@@ -23,10 +23,12 @@ from retr.common.errors import UserError
 @click.option("--extractor-weights", type=click.Path(dir_okay=False),
               help="The extractor's weights file, where the feature set records one by hash (image files).")
 @click.option("--vector-index", type=click.Choice(["exact", "ivf", "hnsw"]), default="exact", show_default=True,
-              help="The image gallery's inner-product index (models scored by one; ivf/hnsw: approximate, faiss).")
+              help="The image gallery's inner-product index (ivf/hnsw: approximate, faiss): models scored by one, "
+                   "or stage one of --shortlist; refused for others. ivf needs 39 images per list.")
 @click.option("--shortlist", type=click.IntRange(min=1), default=None,
               help="Two-stage search for models whose score is no inner product (SCAN, SEAM): score only the N "
-                   "best items by cheap vectors (docs/search.md has each model's recall). Default: every item.")
+                   "best items by cheap vectors (docs/search.md has each model's recall); at least --top are "
+                   "scored. Default: every item.")
 @click.option("--features", type=click.Path(dir_okay=False), help="Override the run's feature set.")
 @click.option("--manifest", type=click.Path(dir_okay=False), help="Override the run's manifest.")
 @click.option("--checkpoint", default="best", show_default=True, help="best, last, or a file in the run.")
