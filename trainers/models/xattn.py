@@ -141,17 +141,27 @@ def default_chunk_elements(device: torch.device) -> int | None:
     return None if device.type == "cuda" else CHUNK_ELEMENTS
 
 
+def host_reads_free(device: torch.device) -> bool:
+    """Whether reading a tensor's value on ``device`` back to Python costs nothing: on a CPU it does not; on a GPU
+    it waits for every kernel queued before it (a host sync)."""
+    return device.type == "cpu"
+
+
+def _needed(mask: torch.Tensor) -> torch.Tensor | None:
+    """``mask``, or None where every position is real and that can be seen without a host sync (a CPU tensor).
+    On a GPU, and under torch.compile (a value read breaks the graph), the mask is kept: applying an all-True mask
+    changes no value, it only costs the masking operators."""
+    if torch.compiler.is_compiling() or not host_reads_free(mask.device):
+        return mask
+    return None if bool(mask.all()) else mask
+
+
 def _prepare(regions, region_mask, words, word_mask, dtype):
-    """Inputs in ``dtype`` with padding zeroed, and the masks a chunk needs (None where every position is real;
-    under torch.compile the masks are always kept, since reading one's value would break the graph)."""
+    """Inputs in ``dtype`` with padding zeroed, and the masks a chunk needs (:func:`_needed`)."""
     region_mask, word_mask = region_mask.bool(), word_mask.bool()
     regions = regions.to(dtype)
     words = words.to(dtype) * word_mask.unsqueeze(-1).to(dtype)                  # padded words → 0
-    if torch.compiler.is_compiling():
-        rmask, wmask = region_mask, word_mask
-    else:
-        rmask = None if bool(region_mask.all()) else region_mask
-        wmask = None if bool(word_mask.all()) else word_mask
+    rmask, wmask = _needed(region_mask), _needed(word_mask)
     if rmask is not None:
         regions = regions * rmask.unsqueeze(-1).to(dtype)
     return regions, region_mask, rmask, words, word_mask, wmask
