@@ -1,4 +1,4 @@
-"""Issue 14, search: ``Retriever`` and ``retr-train search`` return eval's scores for the same pairs, report
+"""Search: ``Retriever`` and ``retr-train search`` return eval's scores for the same pairs, report
 unknown words, and cache the gallery per checkpoint and data."""
 from __future__ import annotations
 

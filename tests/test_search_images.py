@@ -1,4 +1,4 @@
-"""Issue 30 §1–§2: raw images searched through the run's own extraction, and a gallery index built once and grown.
+"""Raw images searched through the run's own extraction, and a gallery index built once and grown.
 
 Runs trained for one epoch on features the real extractors (random weights) made from four synthetic images, so
 that a stored image given again as a file can be compared with its stored row.

@@ -1,4 +1,4 @@
-"""Issue 30 §2, two-stage search for cross-attention models (``trainers/search/two_stage.py``): with the whole
+"""Two-stage search for cross-attention models (``trainers/search/two_stage.py``): with the whole
 gallery shortlisted it is the exhaustive ranking; with a small shortlist every returned score is the exhaustive
 score of that pair and the items are the shortlist's best; its recall@k against the exhaustive top k is counted
 correctly."""

@@ -1,4 +1,4 @@
-"""Issue 30 §2, search at scale: the vector index (``trainers/search/vector_index.py``) — exact kinds return brute
+"""Search at scale: the vector index (``trainers/search/vector_index.py``) — exact kinds return brute
 force's top k with its tie rule, approximate kinds keep a stated recall on a clustered set, save/load round trips
 through an atomic write, ``add`` grows, and recall@k is what it says."""
 from __future__ import annotations
