@@ -4,7 +4,9 @@ gets one line while the next good one is answered as before.
 
 One tiny SCAN run (synthetic images, region features with boxes: ``tests/report_synthetic.py``) serves the whole
 module. Its manifest is copied with one test image's path changed to ``../outside.jpg`` (a file that exists beside
-the image root), so a server that followed manifest paths out of the root would serve it.
+the image root), so a server that followed manifest paths out of the root would serve it, and another's to a file
+that does not exist. No response may name a path of the server (the run's, the image root's, the drawings'
+folder), nor hold a traceback. Wrong start-up inputs of the command: ``tests/test_serve_wrong_inputs.py``.
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import urllib.parse
@@ -21,20 +22,19 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from PIL import Image
 
 pytest.importorskip("flask", reason="the serve extra (flask, waitress) is not installed: pip install 'retr[serve]'")
 
-from retr.trainers.commands import cli  # noqa: E402
 from retr.trainers.search.retrieval import Retriever  # noqa: E402
 from retr.trainers.search.serve_app import KEPT, SearchPage, create_app  # noqa: E402
 
 QUERY = "a large red circle left of a small blue square"
 
 
-def served_run(folder: Path) -> tuple[Path, Path, str]:
-    """(run, manifest whose last test image leaves the root, that image's id): a tiny SCAN on synthetic images."""
+def served_run(folder: Path) -> tuple[Path, Path, str, str]:
+    """(run, manifest whose last test image leaves the root, that image's id, the id of a test image whose file is
+    missing): a tiny SCAN on synthetic images."""
     from report_synthetic import make_images, train_tiny, write_scene_boxes
 
     manifest = make_images(folder / "data", images=60)
@@ -44,18 +44,20 @@ def served_run(folder: Path) -> tuple[Path, Path, str]:
     outside = [r for r in rows if r["split"] == "test"][-1]
     (folder / "outside.jpg").write_bytes((folder / "data" / outside["path"]).read_bytes())
     outside["path"] = "../outside.jpg"
+    missing = [r for r in rows if r["split"] == "test"][-2]
+    missing["path"] = "images/gone.jpg"
     served = folder / "data" / "served.jsonl"
     served.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return run, served, outside["id"]
+    return run, served, outside["id"], missing["id"]
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve")
-    run, manifest, outside = served_run(folder)
+    run, manifest, outside, missing = served_run(folder)
     retriever = Retriever.from_run(run, manifest=str(manifest), device="cpu")
     page = SearchPage(retriever, run, manifest=str(manifest), max_upload=40_000)
-    yield page, create_app(page).test_client(), outside
+    yield page, create_app(page).test_client(), outside, missing
     page.close()
     assert not page.drawings.exists(), "closing the page removes its drawings"
 
@@ -64,11 +66,12 @@ def _error(response, status: int) -> str:
     assert response.status_code == status, response.get_data(as_text=True)
     message = response.get_json()["error"]
     assert message and "\n" not in message and "Traceback" not in message
+    assert "/" not in message.replace("retr-train serve", ""), f"a path in {message!r}"
     return message
 
 
 def test_text_and_image_queries_return_searchs_results(site):
-    page, client, _ = site
+    page, client, *_ = site
     body = client.get("/api/search", query_string={"q": QUERY, "k": 4}).get_json()
     assert body == page.r.text_to_images([QUERY], 4)[0].to_json()
     assert [h["rank"] for h in body["hits"]] == [1, 2, 3, 4]
@@ -80,25 +83,31 @@ def test_text_and_image_queries_return_searchs_results(site):
 
 
 def test_info_gives_the_runs_summary_and_gallery(site):
-    page, client, _ = site
+    page, client, *_ = site
     info = client.get("/api/info").get_json()
     assert info["model"] == "scan" and info["gallery"] == "the test split"
     assert info["images"] == len(page.r.data.image_ids) == len(info["ids"]) and info["explains"] == ["word_to_region"]
     assert info["captions"] == page.r.data.num_captions
-    assert "class='members'" in info["summary_html"] and page.run in info["summary_html"]
+    assert "class='members'" in info["summary_html"] and info["run"] == page.name == "scan"
+    assert f"<td>{page.name}</td>" in info["summary_html"] and "<td>scene-boxes.h5<br>" in info["summary_html"]
     assert "epoch 1 of 1" in info["summary_html"]           # the best validation epoch, from metrics.jsonl
     html = client.get("/").get_data(as_text=True)
     assert 'id="query"' in html and "static/app.js" in html
     assert client.get("/static/app.js").status_code == 200 and client.get("/report.css").mimetype == "text/css"
+    page_files = [client.get(url).get_data(as_text=True) for url in ("/", "/static/app.js", "/static/style.css")]
+    # self-contained: nothing fetched from another site (no CDN, fonts or scripts)
+    assert not any(re.search(r"(src|href)=[\"']?(https?:)?//|@import|url\(\s*['\"]?(https?:)?//", text)
+                   for text in page_files)
 
 
 def test_images_are_served_by_gallery_id_only(site):
-    page, client, outside = site
+    page, client, outside, _ = site
     image = page.r.data.image_ids[0]
     response = client.get(f"/image/{image}")
     assert response.status_code == 200 and response.mimetype == "image/jpeg"
     assert response.data == page.image_path(image).read_bytes()
-    assert "leaves the image root" in _error(client.get(f"/image/{outside}"), 404)
+    assert "its manifest path leaves the image root ('..' climbs above the image root)" in _error(
+        client.get(f"/image/{outside}"), 404)
     assert (page.root.parent / "outside.jpg").is_file()     # the file is there: refused for where it is
     for url in ("/image/../../etc/passwd", "/image/..%2F..%2Fetc%2Fpasswd", "/image/%2Fetc%2Fpasswd",
                 "/image/data/images", "/assets/..%2F..%2Fetc%2Fpasswd", "/static/..%2Fserve_app.py"):
@@ -108,11 +117,13 @@ def test_images_are_served_by_gallery_id_only(site):
 
 
 def test_attention_is_the_reports_drawing_of_the_pair(site):
-    page, client, _ = site
+    page, client, *_ = site
     image = page.r.data.image_ids[1]
     body = client.get("/api/explain", query_string={"image": image, "caption": QUERY}).get_json()
     html = body["html"]
     assert f"«{QUERY}»" in html and "word_to_region" in html and "— boxes" in html
+    # the page writes the heading (the model once, the pair): the report's "run — model" heading is left out
+    assert body["model"] == "scan" and "<h3>" not in html and not html.startswith("<h")
     sources = re.findall(r"src='([^']+)'", html)
     words = len(QUERY.split()) + 2                          # every token, <start> and <end> included
     assert len(sources) == 1 + words and all(s.startswith("assets/att-") for s in sources)
@@ -126,7 +137,7 @@ def test_attention_is_the_reports_drawing_of_the_pair(site):
 
 
 def test_old_drawings_are_deleted(site, monkeypatch):
-    page, client, _ = site
+    page, client, *_ = site
     monkeypatch.setattr("retr.trainers.search.serve_app.KEPT", 1)
     image = page.r.data.image_ids[2]
     first = re.findall(r"src='([^']+)'", client.get("/api/explain", query_string={
@@ -145,8 +156,9 @@ def _jpeg(size: int) -> bytes:
 BAD = {
     "empty query": ("get", "/api/search", {"q": ""}, 400, "empty query"),
     "blank query": ("get", "/api/search", {"q": "   "}, 400, "empty query"),
-    "k zero": ("get", "/api/search", {"q": QUERY, "k": "0"}, 400, "k must be"),
-    "k text": ("get", "/api/search", {"q": QUERY, "k": "ten"}, 400, "k must be"),
+    "k zero": ("get", "/api/search", {"q": QUERY, "k": "0"}, 400,
+               "the number of results (k) must be a whole number from 1 to 100, not '0'"),
+    "k text": ("get", "/api/search", {"q": QUERY, "k": "ten"}, 400, "number of results (k) must be"),
     "unknown image": ("get", "/api/captions", {"image": "synth_99999"}, 404, "'synth_99999' is not in the gallery"),
     "no image": ("get", "/api/captions", {"image": ""}, 400, "no image"),
     "no file": ("post", "/api/captions", {}, 400, "no file"),
@@ -154,19 +166,24 @@ BAD = {
     "not an image": ("post", "/api/captions", {"image": (b"caption,score\n" * 20, "results.csv")}, 400,
                      "results.csv is not an image file"),
     "cut image": ("post", "/api/captions", {"image": (_jpeg(64)[:200], "cut.jpg")}, 400, "cut.jpg is not a readable"),
+    # its header is whole: only decoding it finds the end missing (refused with its name, not by the extractor)
+    "half image": ("post", "/api/captions", {"image": (_jpeg(64)[:len(_jpeg(64)) // 2], "C:\\photos\\half.jpg")},
+                   400, "half.jpg is not a readable image file (image file is truncated"),
     "oversized": ("post", "/api/captions", {"image": (_jpeg(400), "big.jpg")}, 413, "larger than the limit"),
     "unknown caption": ("get", "/api/explain", {"image": "FIRST", "caption_index": "100000"}, 404,
                         "caption_index must be"),
     "unknown route": ("get", "/api/nothing", {}, 404, "not found"),
+    "missing file": ("get", "/image/MISSING", {}, 404, "its file is missing from the image root"),
 }
 
 
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))
 def test_a_bad_request_gets_one_line_and_the_server_keeps_serving(site, case):
-    page, client, _ = site
+    page, client, *_ = site
     method, url, values, status, text = BAD[case]
     if method == "get":
         values = {k: page.r.data.image_ids[0] if v == "FIRST" else v for k, v in values.items()}
+        url = url.replace("MISSING", site[3])
         response = client.get(url, query_string=values)
     else:
         form = {k: (io.BytesIO(data), name) for k, (data, name) in values.items()}
@@ -178,12 +195,83 @@ def test_a_bad_request_gets_one_line_and_the_server_keeps_serving(site, case):
 
 
 def test_an_upload_of_a_run_without_extractor_gets_the_apis_one_line(site):
-    page, client, _ = site
+    page, client, *_ = site
     data = page.image_path(page.r.data.image_ids[0]).read_bytes()
     response = client.post("/api/captions", data={"image": (io.BytesIO(data), "photo.jpg")},
                            content_type="multipart/form-data")
-    # this run's features come from no retr extractor: the API's own refusal reaches the page
-    assert "no extractor is known" in _error(response, 400)
+    # this run's features come from no retr extractor: the API's own refusal reaches the page, naming the
+    # feature set by its name, not by where the server keeps it
+    message = _error(response, 400)
+    assert message.startswith("scene-boxes.h5: the features were made by 'scene-boxes', not a retr extractor, so "
+                              "no extractor is known"), message
+
+
+def test_an_upload_is_named_by_its_file_name(site, monkeypatch):
+    """The library names bytes ``<bytes>`` and may name its temporary files: the page says the upload's name."""
+    from retr.common.errors import UserError
+
+    page, client, *_ = site
+
+    def unusable(images, k):
+        raise UserError(f"image <bytes> cannot be used: cannot decode {page.drawings}/retr-images-x1/0")
+
+    monkeypatch.setattr(page.r, "image_to_texts", unusable)
+    data = page.image_path(page.r.data.image_ids[0]).read_bytes()
+    response = client.post("/api/captions", data={"image": (io.BytesIO(data), "../holiday photo.jpg")},
+                           content_type="multipart/form-data")
+    assert _error(response, 400) == "image holiday photo.jpg cannot be used: cannot decode 0"
+
+
+def test_a_relative_image_root_serves_its_images(site, tmp_path, monkeypatch):
+    """Folders given relative to the working directory are made absolute once, when the page is made: images are
+    served (not looked for beside the app's code), even once the working directory has changed."""
+    page, *_ = site
+    folder = Path(page.run).parent
+    monkeypatch.chdir(folder.parent)
+    relative = SearchPage(page.r, Path(folder.name) / "scan", manifest=f"{folder.name}/data/manifest.jsonl",
+                          image_root=f"{folder.name}/data")
+    try:
+        assert relative.root.is_absolute() and relative.root == (folder / "data").resolve()
+        monkeypatch.chdir(tmp_path)
+        client = create_app(relative).test_client()
+        for image in page.r.data.image_ids[:3]:
+            response = client.get(f"/image/{image}")
+            assert response.status_code == 200, response.get_data(as_text=True)
+            assert response.data == (folder / "data" / "images" / f"{image}.jpg").read_bytes()
+        info = client.get("/api/info").get_json()
+        assert info["run"] == "scan" and str(folder) not in json.dumps(info)
+    finally:
+        relative.close()
+
+
+def test_a_failure_is_one_generic_line_and_the_log_has_the_details(site, monkeypatch, caplog):
+    page, client, *_ = site
+
+    def broken(text, k):
+        raise RuntimeError(f"cannot read {page.split_root}/secret.bin\nsecond line")
+
+    monkeypatch.setattr(page, "search", broken)
+    with caplog.at_level("ERROR", logger="retr.trainers.search.serve_app"):
+        response = client.get("/api/search", query_string={"q": QUERY})
+    assert _error(response, 500) == ("the server failed on this request (its log says why); try again or another "
+                                     "query")
+    assert "RuntimeError" not in response.get_data(as_text=True)
+    assert f"{page.split_root}/secret.bin" in caplog.text and "Traceback" in caplog.text   # the operator's view
+
+
+def test_no_response_names_a_path_of_the_server(site):
+    page, client, outside, missing = site
+    image = page.r.data.image_ids[0]
+    bodies = [client.get(url, query_string=values).get_data(as_text=True) for url, values in (
+        ("/api/info", {}), ("/api/explain", {"image": image, "caption": QUERY}), ("/image/" + outside, {}),
+        ("/image/" + missing, {}), ("/api/captions", {"image": "/etc/hostname"}), ("/assets/nothing.jpg", {}),
+        ("/api/explain", {"image": image, "caption_index": "99999"}), ("/api/search", {"q": QUERY, "k": "x"}))]
+    bodies.append(client.post("/api/captions", data={"image": (io.BytesIO(_jpeg(64)), "x.jpg")},
+                              content_type="multipart/form-data").get_data(as_text=True))
+    folder = str(Path(page.run).parent)                  # the run, the data and the image root are all under it
+    for body in bodies:
+        assert folder not in body and page.run not in body and str(page.drawings) not in body, body[:300]
+        assert "Traceback" not in body and str(Path(__file__).parents[1]) not in body
 
 
 @pytest.mark.slow
@@ -227,7 +315,7 @@ def test_uploads_and_an_index_with_a_real_extractor(tmp_path, run_cli):
         assert body == retriever.text_to_images([QUERY], page.top)[0].to_json()
         files = sorted(p.name for p in (data / "images").iterdir())
         assert sorted(h["image_id"] for h in body["hits"]) == files     # the folder's files are the gallery
-        assert client.get("/api/info").get_json()["gallery"] == f"the index {index}"
+        assert client.get("/api/info").get_json()["gallery"] == "the index photos.index"
         image = body["hits"][0]["image_id"]
         assert client.get(f"/image/{image}").data == (data / "images" / image).read_bytes()
         assert "drawn for the images of the run's feature set" in _error(
@@ -238,29 +326,21 @@ def test_uploads_and_an_index_with_a_real_extractor(tmp_path, run_cli):
 
 # ------------------------------------------------------------------------------------------------ the command
 
-def test_the_command_refuses_in_one_line(site, tmp_path):
-    page, _, _ = site
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        result = CliRunner().invoke(cli, ["serve", page.run, "--port", str(port), "--device", "cpu", "--quiet"])
-    assert result.exit_code != 0 and f"cannot listen on 127.0.0.1:{port}" in str(result.exception)
-    result = CliRunner().invoke(cli, ["serve", page.run, "--index", str(tmp_path), "--device", "cpu", "--quiet"])
-    assert str(result.exception) == (f"{tmp_path} is not a gallery index (no meta.json); build one with "
-                                     "retr-train index")
-
-
 @pytest.mark.slow
 def test_the_command_serves_on_loopback_and_stops_cleanly(site, tmp_path):
-    page, _, _ = site
+    """Run as a user would, from the run's parent folder with relative paths; one request thread, so the images
+    asked for at once wait in waitress's queue: it says nothing about it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    page, *_ = site
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    server = subprocess.Popen([str(Path(sys.executable).parent / "retr-train"), "serve", page.run, "--port", "0",
-                               "--device", "cpu", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env)
+    folder = Path(page.run).parent
+    server = subprocess.Popen([str(Path(sys.executable).parent / "retr-train"), "serve", "scan", "--image-root",
+                               "data", "--port", "0", "--threads", "1", "--device", "cpu", "--quiet"],
+                              cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = server.stdout.readline()
-        found = re.fullmatch(rf"serving {re.escape(page.run)} at (http://127\.0\.0\.1:\d+/) \(this machine only; "
+        found = re.fullmatch(r"serving scan at (http://127\.0\.0\.1:\d+/) \(this machine only; "
                              r"--host 0\.0\.0\.0 exposes it to your network\); Ctrl-C stops it\n", line)
         assert found, line + server.stderr.read() if server.poll() is not None else line
         url = found.group(1) + "api/search?" + urllib.parse.urlencode({"q": QUERY, "k": 5})
@@ -269,8 +349,17 @@ def test_the_command_serves_on_loopback_and_stops_cleanly(site, tmp_path):
         expected = page.r.text_to_images([QUERY], 5)[0].to_json()     # the split's manifest: same gallery
         assert [h["image_id"] for h in body["hits"]] == [h["image_id"] for h in expected["hits"]]
         assert any(p.name.startswith("retr-serve-") for p in tmp_path.iterdir())
+
+        def fetch(image: str) -> int:
+            with urllib.request.urlopen(found.group(1) + "image/" + image, timeout=60) as response:
+                return len(response.read())
+        with ThreadPoolExecutor(8) as pool:                            # a page's images, asked for at once
+            sizes = list(pool.map(fetch, page.r.data.image_ids[:4] * 4))
+        assert min(sizes) > 0
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(timeout=60)
-    assert code == 0, server.stderr.read()
+    log = server.stderr.read()
+    assert code == 0, log
+    assert log == "", log                                              # no "Task queue depth is N" warnings
     assert not any(p.name.startswith("retr-serve-") for p in tmp_path.iterdir()), "the drawings' folder is removed"

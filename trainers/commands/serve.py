@@ -1,13 +1,13 @@
 """``retr-train serve``: the search page of a run (:mod:`retr.trainers.search.serve_app`) on waitress."""
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 
 import click
 
 from retr.common.cli import quiet_option
-from retr.common.errors import UserError
 
 
 @click.command("serve")
@@ -26,7 +26,8 @@ from retr.common.errors import UserError
 @click.option("--top", default=10, show_default=True, type=click.IntRange(1, 100), help="Results per query.")
 @click.option("--max-upload-mb", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Largest image file a user may upload.")
-@click.option("--threads", default=4, show_default=True, type=click.IntRange(1, 64), help="Request threads.")
+@click.option("--threads", default=8, show_default=True, type=click.IntRange(1, 64),
+              help="Request threads (images are served while a query holds the model).")
 @click.option("--trust-checkpoint", is_flag=True,
               help="Read a checkpoint that holds Python objects besides tensors (only for files you trust).")
 @quiet_option
@@ -39,36 +40,38 @@ def serve_command(run, index, host, port, split, features, manifest, image_root,
 
     \b
     Example:
-      retr-train serve runs/scan-f30k --image-root data/f30k/images
+      retr-train serve runs/scan-f30k --image-root data/f30k
       retr-train serve runs/scan-f30k --port 8080 --host 0.0.0.0     # reachable from your network
     """
     from retr.common.devices import exact_float32
     from retr.trainers.search.retrieval import Retriever
-    from retr.trainers.search.serve_app import SearchPage, create_app, server_modules
+    from retr.trainers.search.serve_app import SearchPage, check_sources, create_app, listen
 
-    _, waitress = server_modules()
-    retriever = Retriever.from_run(run, features, manifest, split, checkpoint, device,
-                                   trust_checkpoint=trust_checkpoint, quiet=quiet,
-                                   **({"index": index} if index else {}))
-    page = SearchPage(retriever, run, split, features, manifest, image_root, checkpoint, top,
-                      int(max_upload_mb * (1 << 20)), index)
+    # every check that can fail runs before the model is loaded: the files first, then the address
+    check_sources(run, split, features, manifest, image_root, index)
+    max_upload = int(max_upload_mb * (1 << 20))
+    server, late = listen(host, port, threads, max_request_body_size=2 * max_upload + (1 << 20))
+    # waitress warns "Task queue depth is N" whenever a request waits for a thread: a page's images do, by design
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+    # a plain kill still closes the socket and removes the drawings
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    page = None
     try:
-        server = waitress.create_server(create_app(page), host=host, port=port, threads=threads,
-                                        max_request_body_size=2 * page.max_upload + (1 << 20))
-    except OSError as exc:
-        page.close()
-        raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): choose another --port "
-                        "(0: any free one)") from None
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))      # a plain kill still removes the drawings
-    where = ("this machine only; --host 0.0.0.0 exposes it to your network"
-             if host in ("127.0.0.1", "localhost", "::1") else f"open to whoever reaches {host}")
-    shown = f"[{host}]" if ":" in host else host
-    click.echo(f"serving {run} at http://{shown}:{server.effective_port}/ ({where}); Ctrl-C stops it")
-    try:
+        retriever = Retriever.from_run(run, features, manifest, split, checkpoint, device,
+                                       trust_checkpoint=trust_checkpoint, quiet=quiet,
+                                       **({"index": index} if index else {}))
+        page = SearchPage(retriever, run, split, features, manifest, image_root, checkpoint, top, max_upload, index)
+        late.app = create_app(page)
+        where = ("this machine only; --host 0.0.0.0 exposes it to your network"
+                 if host in ("127.0.0.1", "localhost", "::1") else f"open to whoever reaches {host}")
+        shown = f"[{host}]" if ":" in host else host
+        click.echo(f"serving {run} at http://{shown}:{server.effective_port}/ ({where}); Ctrl-C stops it")
         with exact_float32():       # for the server's life (its threads share these settings): eval's scores
             server.run()
     except KeyboardInterrupt:
         pass
     finally:
         server.close()
-        page.close()
+        if page is not None:
+            page.close()
+        signal.signal(signal.SIGTERM, previous)
