@@ -344,3 +344,21 @@ def test_vse_infinity_wrong_kinds_are_one_line_and_leave_nothing(two_sets, run_c
                                            *[a for a in TINY if a != "--word-dim" and a != "8"], "--word-dim", "300")
     assert_one_error_line(code, stdout, stderr)
     assert trainings == [] and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("command", ["eval", "search", "show"])
+def test_a_run_given_another_datasets_manifest_is_refused(two_sets, run_cli, tmp_path, command):
+    """A trained run opened with --manifest of other images under the same ids (eval, search, show) is refused in
+    one line, as training is: its numbers would be for images the features do not hold."""
+    manifest, features, other = two_sets
+    run = tmp_path / "run"
+    run_cli("train", "vsepp", "--features", features, "--manifest", manifest, "--out", run, *TINY)
+    argv = {"eval": ["eval", run, "--protocol", "f30k-1k", "--allow-size-mismatch", "--quiet"],
+            "search": ["search", run, "--query", "a red circle", "--quiet"],
+            "show": ["show", run, "--protocol", "f30k-1k", "--allow-size-mismatch", "--out", tmp_path / "report",
+                     "--quiet"]}[command]
+    before = sorted(p.name for p in run.iterdir())
+    code, stdout, stderr = run_cli.as_user("train", *argv, "--manifest", other, "--device", "cpu")
+    assert_one_error_line(code, stdout, stderr)
+    assert f"{other} names other images than {features} was made from ({manifest})" in stderr
+    assert sorted(p.name for p in run.iterdir()) == before and not (tmp_path / "report").exists()

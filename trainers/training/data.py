@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -20,6 +21,8 @@ from retr.manifests.schema import ManifestRecord, read_manifest
 from retr.store.features import FeatureSet
 from retr.store.vocab import PAD_ID, Vocabulary
 from retr.trainers.config import preload_choice
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PRELOAD_LIMIT = 2 << 30   # bytes of float16 features kept in memory without being asked
 
@@ -308,6 +311,8 @@ def open_run_split(run, split: str, features: str | None = None, manifest: str |
                         "--manifest")
     feature_set = FeatureSet(features)
     check_feature_contract(feature_set, config["model_args"].get("img_dim"))
+    for note in check_manifest_pairing(feature_set, manifest):   # refuses a manifest of other images
+        logger.warning(f"note: {note}")
     data, _ = load_split(manifest, [split], vocab, feature_set, missing="error")
     return RunSplit(model, vocab, config, feature_set, data, str(features), str(manifest))
 
