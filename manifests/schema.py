@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Iterable, Iterator, Sequence
 
+from retr.common.atomic import atomic_text
 from retr.common.errors import ParameterError, UserError
 from retr.common.hashing import sha256_file
 from retr.common.textfiles import binary_kind
@@ -121,12 +122,9 @@ def write_manifest(path: str | os.PathLike, records: Iterable[ManifestRecord]) -
         if record.id in seen:
             raise ManifestError(f"duplicate id {record.id!r} while writing {path}")
         seen.add(record.id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with atomic_text(path) as handle:
         for record in records:
             handle.write(record.to_json() + "\n")
-    os.replace(tmp, path)
     return len(records)
 
 

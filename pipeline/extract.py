@@ -6,7 +6,6 @@ GPU")."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
@@ -19,7 +18,7 @@ import numpy as np
 
 from retr.common.progress import progress
 from retr.common.errors import ParameterError, UserError
-from retr.common.locks import LockHeldError, acquire_lock
+from retr.common.locks import LockHeldError, acquire_lock, waiting_lock
 from retr.common.torchrun import TorchrunEnv
 from retr.extractors.base import Extractor, build_extractor
 from retr.extractors.batches import extract_paths, extracted_batches  # noqa: F401  (extract_paths: bench/gpu.py)
@@ -258,9 +257,7 @@ def write_index_when_complete(folder: Path) -> tuple[Path | None, bool, int]:
     """Under an exclusive lock, write ``DIR/NAME.h5`` if every shard is complete and the index is stale.
 
     Returns ``(index path or None, whether it was written now, number of shards still missing)``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".index.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with waiting_lock(folder / ".index.lock"):
         count, complete, _partial = shard_status(folder)
         if count is None:
             return None, False, 0

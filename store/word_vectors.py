@@ -27,7 +27,7 @@ from typing import IO, Iterator, Sequence
 
 import numpy as np
 
-from retr.common.atomic import partial_path
+from retr.common.atomic import atomic_file
 from retr.common.downloads import SOURCES, fetch_source, format_bytes
 from retr.common.errors import MissingResourceError, UserError
 from retr.common.hashing import sha256_file
@@ -202,9 +202,6 @@ def vocabulary_vectors(vectors: VectorsFile, words: Sequence[str],
     matrix, missing = read_word_vectors(vectors.path, words, vectors.member)
     absent = set(missing)
     found = np.array([w not in absent for w in words], dtype=bool)
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = partial_path(cache)
-    with open(partial, "wb") as handle:
+    with atomic_file(cache) as partial, open(partial, "wb") as handle:
         np.savez(handle, vectors=matrix, found=found)
-    os.replace(partial, cache)
     return matrix, found

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from retr.common.atomic import partial_path
+from retr.common.atomic import atomic_file
 from retr.common.errors import UserError
 from retr.common.optional import MissingExtraError, require
 
@@ -204,19 +204,12 @@ class InnerProductIndex:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the index to ``path`` through ``<path>.partial`` (faiss's format, or ``.npz`` for the fallback)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = partial_path(path)
-        try:
+        with atomic_file(path) as partial:
             if self.backend == "faiss":
                 require("faiss", "search", "the index").write_index(self.index, str(partial))
             else:
                 with open(partial, "wb") as handle:
                     np.savez(handle, vectors=self._vectors, ids=self._ids)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
-        os.replace(partial, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "InnerProductIndex":
