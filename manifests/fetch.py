@@ -4,11 +4,11 @@ Steps, disk check, archives and Flickr30K's archive on request: docs/extraction.
 features"); every URL, size and checksum is in :data:`retr.common.downloads.SOURCES`."""
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable
 
 from retr.common.downloads import (SOURCES, Source, ensure_free_space, fetch_source, is_offline, is_unpacked,
                                    mark_unpacked, partial_path, unpack_tar, unpack_zip, writer_lock)
@@ -16,6 +16,8 @@ from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.manifests.karpathy import read_karpathy
 from retr.manifests.presets import get_preset
 from retr.manifests.schema import SPLITS, write_manifest
+
+logger = logging.getLogger(__name__)
 
 #: datasets fetch-data knows: the split file's name inside Karpathy's zip, the image archives in order
 DATASETS = {
@@ -115,8 +117,7 @@ def fetch_split_file(layout: DataLayout, mirror: str | None = None, quiet: bool 
     return layout.karpathy
 
 
-def _coco_archive(layout: DataLayout, key: str, mirror: str | None, keep_archives: bool, quiet: bool,
-                  echo: Callable[[str], None]) -> int:
+def _coco_archive(layout: DataLayout, key: str, mirror: str | None, keep_archives: bool, quiet: bool) -> int:
     source = SOURCES[key]
     folder = layout.images / source.filename.split(".")[0]          # images/train2014
     if is_unpacked(layout.images, source, folder):
@@ -127,8 +128,9 @@ def _coco_archive(layout: DataLayout, key: str, mirror: str | None, keep_archive
                                f"{layout.images}")
     summary = unpack_zip(archive, layout.images, quiet=quiet)
     mark_unpacked(layout.images, source, summary)
-    echo(f"{source.filename}: {summary.written} files unpacked ({summary.present} already there) into "
-         f"{layout.images}")
+    if not quiet:
+        logger.info(f"{source.filename}: {summary.written} files unpacked ({summary.present} already there) into "
+                    f"{layout.images}")
     if not keep_archives:
         archive.unlink(missing_ok=True)
     return summary.written
@@ -141,8 +143,7 @@ def _flat_jpeg(path: PurePosixPath) -> PurePosixPath | None:
     return PurePosixPath(path.name)
 
 
-def _f30k_images(layout: DataLayout, images_archive: Path | None, quiet: bool,
-                 echo: Callable[[str], None]) -> int:
+def _f30k_images(layout: DataLayout, images_archive: Path | None, quiet: bool) -> int:
     source = SOURCES["f30k-images"]
     if images_archive is None:
         if is_unpacked(layout.images, source):
@@ -157,8 +158,9 @@ def _f30k_images(layout: DataLayout, images_archive: Path | None, quiet: bool,
     if summary.written + summary.present == 0:
         raise UserError(f"{images_archive} holds no .jpg images (is it the Flickr30K images archive?)")
     mark_unpacked(layout.images, source, summary)
-    echo(f"{images_archive.name}: {summary.written} images unpacked ({summary.present} already there) into "
-         f"{layout.images}")
+    if not quiet:
+        logger.info(f"{images_archive.name}: {summary.written} images unpacked ({summary.present} already there) "
+                    f"into {layout.images}")
     return summary.written
 
 
@@ -183,9 +185,9 @@ def archive_kind(path: str | os.PathLike) -> str:
 
 
 def fetch_dataset(name: str, root: str | os.PathLike | None = None, *, images_archive: str | os.PathLike | None = None,
-                  mirror: str | None = None, keep_archives: bool = False, quiet: bool = False,
-                  echo: Callable[[str], None] = lambda line: None) -> FetchSummary:
-    """Fetch ``name`` (``coco`` or ``f30k``) into its layout and write its manifest (steps: docs/extraction.md)."""
+                  mirror: str | None = None, keep_archives: bool = False, quiet: bool = False) -> FetchSummary:
+    """Fetch ``name`` (``coco`` or ``f30k``) into its layout and write its manifest (steps: docs/extraction.md);
+    each archive unpacked is one line on the ``retr`` logger unless ``quiet``."""
     layout = data_layout(name, root)
     if images_archive is not None and name != "f30k":
         raise ParameterError("images_archive is for f30k, whose images are gated; coco's are downloaded",
@@ -194,11 +196,11 @@ def fetch_dataset(name: str, root: str | os.PathLike | None = None, *, images_ar
         archive_kind(images_archive)        # a wrong file is refused before anything is downloaded
     # one fetch per dataset at a time (e.g. every rank of a torchrun job): the others wait, then find it done
     with writer_lock(layout.downloads / "fetch"):
-        return _fetch(layout, images_archive, mirror, keep_archives, quiet, echo)
+        return _fetch(layout, images_archive, mirror, keep_archives, quiet)
 
 
 def _fetch(layout: DataLayout, images_archive: str | os.PathLike | None, mirror: str | None, keep_archives: bool,
-           quiet: bool, echo: Callable[[str], None]) -> FetchSummary:
+           quiet: bool) -> FetchSummary:
     name = layout.name
     summary = FetchSummary(layout)
     if not is_offline():
@@ -208,9 +210,9 @@ def _fetch(layout: DataLayout, images_archive: str | os.PathLike | None, mirror:
     fetch_split_file(layout, mirror, quiet)
     if name == "coco":
         for key in DATASETS["coco"]["archives"]:
-            summary.unpacked += _coco_archive(layout, key, mirror, keep_archives, quiet, echo)
+            summary.unpacked += _coco_archive(layout, key, mirror, keep_archives, quiet)
     else:
-        summary.unpacked = max(_f30k_images(layout, images_archive, quiet, echo), 0)
+        summary.unpacked = max(_f30k_images(layout, images_archive, quiet), 0)
     records = read_karpathy(layout.karpathy)
     missing = [r for r in records if not (layout.images / r.path).is_file()]
     if missing:

@@ -5,12 +5,15 @@ looks first. Sources: :data:`retr.common.downloads.SOURCES`; docs/extraction.md 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 from retr.common.downloads import SOURCES, format_bytes, is_offline
 from retr.common.errors import MissingResourceError, ParameterError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -142,10 +145,11 @@ def weights_items(names: Iterable[str], stanza_dir: Path | None = None) -> list[
     return [build[name]() for name in WEIGHTS_NAMES + CLIP_NAMES if name in wanted]
 
 
-def ensure_weights(items: list[WeightsItem], quiet: bool = False, mirror: str | None = None,
-                   echo: Callable[[str], None] = lambda line: None) -> list[tuple[WeightsItem, Path, bool]]:
-    """``(item, path, downloaded now)`` for every item, fetching the missing ones. Offline with anything missing:
-    ONE :class:`MissingResourceError` naming all of it and ``retr-pipeline fetch-weights NAME…``."""
+def ensure_weights(items: list[WeightsItem], quiet: bool = False,
+                   mirror: str | None = None) -> list[tuple[WeightsItem, Path, bool]]:
+    """``(item, path, downloaded now)`` for every item, fetching the missing ones (each announced on the ``retr``
+    logger unless ``quiet``). Offline with anything missing: ONE :class:`MissingResourceError` naming all of it
+    and ``retr-pipeline fetch-weights NAME…``."""
     found = [(item, item.locate()) for item in items]
     missing = [item for item, path in found if path is None]
     if missing and is_offline():
@@ -157,8 +161,9 @@ def ensure_weights(items: list[WeightsItem], quiet: bool = False, mirror: str | 
     out = []
     for item, path in found:
         if path is None:
-            echo(f"{item.name}: downloading {item.what} (about "
-                 f"{format_bytes(SOURCES[item.source].download_bytes)})")
+            if not quiet:
+                logger.info(f"{item.name}: downloading {item.what} (about "
+                            f"{format_bytes(SOURCES[item.source].download_bytes)})")
             path = item.fetch(quiet, mirror)
             out.append((item, path, True))
         else:

@@ -173,6 +173,12 @@ def test_flickr30k_takes_the_archive_the_user_was_sent(mirror, tmp_path, run_cli
     assert sorted(p.name for p in (root / "images").iterdir()) == [".f30k-images.unpacked",
                                                                     *sorted(f"{n}.jpg" for n in F30K)]
     assert archive.is_file()                                             # the user's own file is never removed
+    # without --quiet the archive's unpacking is one line on stderr (the retr logger), the manifest's on stdout
+    (root / "images" / ".f30k-images.unpacked").unlink()
+    code, stdout, stderr = run_cli.as_user("pipeline", "fetch-data", "f30k", "--root", root, "--mirror", mirror.url,
+                                           "--images-zip", archive)
+    assert code == 0 and stderr.splitlines() == [
+        f"flickr30k-images.zip: 0 images unpacked (3 already there) into {root / 'images'}"], stderr
 
 
 def test_extract_preset_fetches_a_missing_dataset_then_extracts(mirror, tmp_path, run_cli, monkeypatch):

@@ -239,8 +239,7 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
     needed = sorted({EXTRACTOR_WEIGHTS[name] for name, (w, _) in plans.items()
                      if name in EXTRACTOR_WEIGHTS and w in (None, "imagenet")})
     if needed:   # every missing weight file at once: offline, one line for all of them
-        ensure_weights(weights_items(needed), quiet=quiet, mirror=mirror,
-                       echo=lambda line: None if quiet else click.echo(line, err=True))
+        ensure_weights(weights_items(needed), quiet=quiet, mirror=mirror)
     from retr.extractors.base import declared_options
 
     failed = []
@@ -306,8 +305,7 @@ def _make_dataset(preset, mirror: str | None, quiet: bool) -> None:
                                    f"run {command} on a connected machine (RETR_OFFLINE is set, so retr does not "
                                    f"download here) and copy {preset.manifest.parent} over")
     click.echo(f"{preset.manifest} does not exist: fetching {preset.name} ({command})", err=True)
-    summary = fetch_dataset(preset.name, mirror=mirror, quiet=quiet,
-                            echo=lambda line: None if quiet else click.echo(line, err=True))
+    summary = fetch_dataset(preset.name, mirror=mirror, quiet=quiet)
     click.echo(summary.line(), err=True)
 
 

@@ -67,8 +67,7 @@ def fetch_weights_command(names: tuple[str, ...], stanza_dir: Path | None, offli
         raise ParameterError(f"stanza_dir {stanza_dir} is a file, not a folder", "stanza_dir")
     apply_network_options(offline, mirror)
     items = weights_items(names or ("all",), stanza_dir)
-    for item, path, downloaded in ensure_weights(items, quiet=quiet, mirror=mirror,
-                                                 echo=lambda line: None if quiet else click.echo(line, err=True)):
+    for item, path, downloaded in ensure_weights(items, quiet=quiet, mirror=mirror):
         click.echo(f"{item.name}: {path}" + (" (downloaded)" if downloaded else " (already there)"))
 
 
@@ -105,8 +104,7 @@ def fetch_data_command(dataset: str, root: Path | None, images_archive: Path | N
 
     apply_network_options(offline, mirror)
     summary = fetch_dataset(dataset, root, images_archive=images_archive, mirror=mirror,
-                            keep_archives=keep_archives, quiet=quiet,
-                            echo=lambda line: None if quiet else click.echo(line, err=True))
+                            keep_archives=keep_archives, quiet=quiet)
     click.echo(summary.line())
 
 
