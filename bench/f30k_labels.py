@@ -17,7 +17,7 @@ in ``Annotations/<id>.xml`` (``--annotations``).
 
 Images: the real release when given (``--sentences Flickr30kEntities/Sentences --annotations
 Flickr30kEntities/Annotations``), else ``--images`` images of Entities-format files written by
-:mod:`retr.manifests.f30k_entities_synth` (a stand-in with the release's rough shape; see that module) in a
+``tests/f30k_entities_synth.py`` (a stand-in with the release's rough shape; see that module) in a
 temporary folder.
 
 Per reading, one JSON line: mean labels per image, vocabulary size, images without a label, the fraction of all
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -44,7 +45,9 @@ import numpy as np
 
 from retr.manifests.dataset_labels import (F30K_NOT_LABELS, EntityPhrase, boxed_chains, entity_labels, entity_phrases,
                                            phrase_head)
-from retr.manifests.f30k_entities_synth import write_entities_files
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from f30k_entities_synth import write_entities_files  # noqa: E402  (the tests' stand-in files, not in the wheel)
 
 READINGS = ("types", "heads", "heads-raw", "chain-heads", "heads-2sent")
 
@@ -156,7 +159,7 @@ def main() -> None:
         if args.sentences is None:
             stems = write_entities_files(tmp, args.images, seed=args.seed, extra_chains=args.extra_chains)
             sentences, annotations = Path(tmp) / "Sentences", Path(tmp) / "Annotations"
-            source = f"retr.manifests.f30k_entities_synth seed {args.seed}, extra_chains {args.extra_chains}"
+            source = f"tests/f30k_entities_synth.py seed {args.seed}, extra_chains {args.extra_chains}"
         else:
             sentences, annotations = args.sentences, args.annotations
             stems = sorted(p.stem for p in sentences.glob("*.txt"))

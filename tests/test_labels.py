@@ -1,6 +1,6 @@
 """Image-label files: the store's writer/reader pair, the COCO instances and Flickr30K Entities readers (both label
 readings: head nouns, entity types), and ``retr-pipeline labels coco|f30k-entities`` end to end on small annotation
-files written here (by hand, and Entities-format files from :mod:`retr.manifests.f30k_entities_synth`)."""
+files written here (by hand, and Entities-format files from `tests/f30k_entities_synth.py`)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ from retr.common.atomic import atomic_text, partial_path
 from retr.common.errors import ParameterError, UserError
 from retr.manifests.dataset_labels import (EntityPhrase, entity_labels, entity_phrases, f30k_entity_labels,
                                            parse_entity_sentence, phrase_head, singular)
-from retr.manifests.f30k_entities_synth import write_entities_files
+from f30k_entities_synth import write_entities_files
 from retr.manifests.schema import ManifestRecord, manifest_sha256, write_manifest
 from retr.store.labels import ATTRS_KEY, read_label_attrs, read_label_file, write_label_file
 
