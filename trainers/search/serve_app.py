@@ -112,7 +112,7 @@ def listen(host: str, port: int, threads: int, max_request_body_size: int):
     except (socket.gaierror, UnicodeError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"cannot listen on {host}: no such address ({reason}); host takes an address of this "
-                        "machine (127.0.0.1, ::1, 0.0.0.0 for every one) or its name", parameters=("host",)) from None
+                        "machine (127.0.0.1, ::1; 0.0.0.0 for all of them) or its name", parameters=("host",)) from None
     late = LateApp()
     try:
         server = waitress.create_server(late, host=host, port=port, threads=threads,

@@ -178,6 +178,8 @@ function searchWithImage(imageId) {
   return findCaptions(imageId);
 }
 
+let uploadedUrl = null;            // the object URL of the upload shown (revoked when another replaces it)
+
 function uploadImage(file) {
   $("upload-name").textContent = file.name;
   setMode("image");
@@ -185,7 +187,11 @@ function uploadImage(file) {
   form.append("image", file, file.name);
   return request("uploading " + file.name, "api/captions?" + new URLSearchParams({ k: count() }),
     { method: "POST", body: form },
-    (result) => showCaptions(result, URL.createObjectURL(file), result.query || file.name, null));
+    (result) => {
+      if (uploadedUrl) URL.revokeObjectURL(uploadedUrl);
+      uploadedUrl = URL.createObjectURL(file);
+      showCaptions(result, uploadedUrl, result.query || file.name, null);
+    });
 }
 
 // -- attention -------------------------------------------------------------------------------------------------
