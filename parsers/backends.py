@@ -1,7 +1,9 @@
-"""Parsing backends: captions → one :class:`ParseOutcome` per caption (a stanza ``Sentence`` or the reason).
+"""Parsing backends: captions → one :class:`ParseOutcome` per caption (a
+:class:`~retr.store.conllu.ConlluSentence` or the reason).
 
-:class:`StanzaBackend` (local model folder) and :class:`ConlluBackend` (parses made elsewhere):
-docs/referral-trees.md ("Offline use")."""
+:class:`StanzaBackend` (stanza on raw captions, local model folder; its output converted by
+:func:`sentence_from_stanza`) and :class:`ConlluBackend` (parses made elsewhere, read by :mod:`retr.store.conllu`,
+no extra needed): docs/referral-trees.md ("Offline use")."""
 from __future__ import annotations
 
 import functools
@@ -17,6 +19,8 @@ from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.common.optional import require
 from retr.parsers.schemes import Detection, LabelEvidence
+from retr.store.conllu import (ConlluBlock, ConlluError, ConlluRow, ConlluSentence, index_conllu, parse_conllu,
+                               read_block)
 
 STANZA_PROCESSORS = "tokenize,pos,lemma,depparse,constituency"
 STANZA_PROCESSORS_NO_CONSTITUENCY = "tokenize,pos,lemma,depparse"
@@ -36,10 +40,10 @@ class CaptionItem:
 
 @dataclass
 class ParseOutcome:
-    """A parsed sentence for ``key`` (stanza ``Sentence``), or ``error`` saying why there is none."""
+    """A parsed sentence for ``key``, or ``error`` saying why there is none."""
 
     key: str
-    sentence: Any | None = None
+    sentence: ConlluSentence | None = None
     error: str | None = None
 
 
@@ -89,22 +93,9 @@ def normalize_caption(text: str) -> str:
 
 # ------------------------------------------------------------------------------------------------------ CoNLL-U
 
-@dataclass(frozen=True)
-class _Block:
-    offset: int
-    length: int
-    sent_id: str | None
-    text: str | None
-
-
-def _conll_to_sentences(text: str) -> list[Any]:
-    CoNLL = require("stanza.utils.conll", "pipeline", "the CoNLL-U reader").CoNLL
-
-    return list(CoNLL.conll2doc(input_str=text).sentences)
-
-
 class ConlluBackend(ParserBackend):
-    """Sentences from a CoNLL-U file (``# sent_id``, ``# text``, ``# constituency`` read).
+    """Sentences from a CoNLL-U file (``# sent_id``, ``# text``, ``# constituency`` read), indexed once by byte
+    offsets and read a batch of blocks at a time (:mod:`retr.store.conllu`).
 
     ``match``: ``auto``, ``key`` or ``order``; ``check_text``: a ``# text`` differing from the caption is a failure;
     ``detect``: count labels while indexing, for :meth:`detect_scheme`."""
@@ -143,41 +134,9 @@ class ConlluBackend(ParserBackend):
                     raise UserError(f"{self.path}: sent_id {block.sent_id!r} occurs twice")
                 self.by_key[block.sent_id] = i
 
-    def _index(self) -> list[_Block]:
-        blocks: list[_Block] = []
-        start, sent_id, text, has_rows = None, None, None, False
-        offset = 0
-        evidence, rows = self.evidence, []
-        with open(self.path, "rb") as handle:
-            for raw in handle:
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-                if not line.strip():
-                    if start is not None and has_rows:
-                        blocks.append(_Block(start, offset - start, sent_id, text))
-                        if evidence is not None:
-                            evidence.add(rows)
-                    start, sent_id, text, has_rows, rows = None, None, None, False, []
-                else:
-                    if start is None:
-                        start = offset
-                    if line.startswith("#"):
-                        body = line[1:].strip()
-                        if body.startswith("sent_id") and "=" in body:
-                            sent_id = body.split("=", 1)[1].strip()
-                        elif body.startswith("text") and "=" in body and body.split("=", 1)[0].strip() == "text":
-                            text = body.split("=", 1)[1].strip()
-                    else:
-                        has_rows = True
-                        if evidence is not None:
-                            cols = line.split("\t", 8)
-                            if len(cols) > 7 and cols[0].isdigit():  # not a range (1-2) or empty node (1.1)
-                                rows.append((cols[0], cols[3], cols[6], cols[7]))
-                offset += len(raw)
-        if start is not None and has_rows:
-            blocks.append(_Block(start, offset - start, sent_id, text))
-            if evidence is not None:
-                evidence.add(rows)
-        return blocks
+    def _index(self) -> list[ConlluBlock]:
+        evidence = self.evidence
+        return index_conllu(self.path, evidence.add if evidence is not None else None)
 
     def detect_scheme(self) -> Detection | None:
         """The label scheme of the whole file (counted while indexing; :func:`retr.parsers.schemes.detect_scheme`)."""
@@ -201,7 +160,7 @@ class ConlluBackend(ParserBackend):
             return []
         return [k for k in self.by_key if k not in keys]
 
-    def _block_for(self, item: CaptionItem) -> tuple[_Block | None, str | None]:
+    def _block_for(self, item: CaptionItem) -> tuple[ConlluBlock | None, str | None]:
         if self.match == "key":
             i = self.by_key.get(item.key)
             if i is None:
@@ -210,10 +169,6 @@ class ConlluBackend(ParserBackend):
         if item.index >= len(self.blocks):
             return None, f"{self.path.name} has only {len(self.blocks)} sentences (caption {item.index})"
         return self.blocks[item.index], None
-
-    def _read(self, handle, block: _Block) -> str:
-        handle.seek(block.offset)
-        return handle.read(block.length).decode("utf-8", errors="replace").rstrip("\n") + "\n\n"
 
     def parse(self, items: Sequence[CaptionItem]) -> list[ParseOutcome]:
         outcomes = [ParseOutcome(item.key) for item in items]
@@ -228,18 +183,18 @@ class ConlluBackend(ParserBackend):
                     outcomes[i].error = (f"CoNLL-U sentence {block.sent_id or item.index} reads "
                                          f"{block.text!r}, the caption is {item.text!r}")
                     continue
-                todo.append((i, self._read(handle, block)))
+                todo.append((i, read_block(handle, block)))
         if not todo:
             return outcomes
         try:
-            sentences = _conll_to_sentences("".join(text for _, text in todo))
+            sentences = parse_conllu("".join(text for _, text in todo))
             if len(sentences) != len(todo):
                 raise ValueError(f"read {len(sentences)} sentences from {len(todo)} blocks")
         except Exception:  # isolate the broken block(s): read one at a time
             sentences = []
             for i, text in todo:
                 try:
-                    found = _conll_to_sentences(text)
+                    found = parse_conllu(text)
                     sentences.append(found[0] if len(found) == 1 else ValueError(f"{len(found)} sentences"))
                 except Exception as exc:  # noqa: BLE001 — recorded as this caption's failure
                     sentences.append(exc)
@@ -256,11 +211,11 @@ class ConlluBackend(ParserBackend):
                 outcomes[i].sentence = sentence
         return outcomes
 
-    def _sentence(self, handle, block: _Block) -> Any:
+    def _sentence(self, handle, block: ConlluBlock) -> ConlluSentence:
         """The one sentence of ``block``; a block that is not CoNLL-U is one :class:`UserError` naming it."""
         try:
-            found = _conll_to_sentences(self._read(handle, block))
-        except Exception as exc:  # noqa: BLE001 - stanza's reader raises many types on malformed text
+            found = parse_conllu(read_block(handle, block))
+        except ConlluError as exc:
             text = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
             raise UserError(f"{self.path}: the sentence at byte {block.offset} is not readable CoNLL-U "
                             f"({type(exc).__name__}: {text[:120]})") from None
@@ -269,7 +224,7 @@ class ConlluBackend(ParserBackend):
                             f"not one")
         return found[0]
 
-    def find_text(self, text: str) -> Any | None:
+    def find_text(self, text: str) -> ConlluSentence | None:
         """The first sentence whose text matches ``text`` (after :func:`normalize_caption`), or ``None``."""
         wanted = normalize_caption(text)
         with open(self.path, "rb") as handle:
@@ -283,7 +238,7 @@ class ConlluBackend(ParserBackend):
                     return sentence
         return None
 
-    def find_key(self, key: str) -> Any | None:
+    def find_key(self, key: str) -> ConlluSentence | None:
         i = self.by_key.get(key)
         if i is None:
             return None
@@ -292,6 +247,23 @@ class ConlluBackend(ParserBackend):
 
 
 # ------------------------------------------------------------------------------------------------------- stanza
+
+def _column(value: Any) -> str:
+    return str(value) if value not in (None, "") else "_"
+
+
+def sentence_from_stanza(sentence: Any) -> ConlluSentence:
+    """A stanza ``Sentence`` (what ``stanza.Pipeline`` returns) as retr's :class:`ConlluSentence`: the columns
+    stanza leaves unset (``None``) are ``"_"`` as in CoNLL-U, a missing head −1, the constituency tree its
+    bracketed text — the sentence the same parse written to CoNLL-U and read back gives."""
+    words = tuple(ConlluRow(int(w.id), w.text if w.text is not None else "_", _column(w.lemma), _column(w.upos),
+                            _column(w.xpos), _column(w.feats), int(w.head) if w.head is not None else -1,
+                            _column(w.deprel))
+                  for w in sentence.words)
+    constituency = getattr(sentence, "constituency", None)
+    return ConlluSentence(words, getattr(sentence, "sent_id", None), getattr(sentence, "text", None),
+                          str(constituency) if constituency is not None else None)
+
 
 def stanza_model_dir(model_dir: str | os.PathLike | None = None) -> tuple[Path, str]:
     """The model folder to use and where the choice came from (``--stanza-dir``, the env, stanza's default)."""
@@ -360,8 +332,8 @@ class StanzaBackend(ParserBackend):
     def describe(self) -> str:
         return f"stanza {self.processors} from {self.folder}"
 
-    def _run(self, texts: Sequence[str]) -> list[Any]:
-        return list(self.pipeline("\n\n".join(texts)).sentences)
+    def _run(self, texts: Sequence[str]) -> list[ConlluSentence]:
+        return [sentence_from_stanza(s) for s in self.pipeline("\n\n".join(texts)).sentences]
 
     def parse(self, items: Sequence[CaptionItem]) -> list[ParseOutcome]:
         outcomes = [ParseOutcome(item.key) for item in items]

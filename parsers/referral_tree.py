@@ -7,12 +7,12 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import nltk
 
 from retr.common.errors import ParameterError
-from retr.store.conllu import ConlluRow
+from retr.store.conllu import ConlluRow, ConlluSentence
 
 #: Slot names in in-order traversal; even positions are entities, odd positions relations.
 SLOT_NAMES = ("E1", "R2", "E3", "R4", "E5", "R6", "E7")
@@ -137,17 +137,22 @@ def fallback_lemma(form: str, upos: str) -> str:
 
 # ---------------------------------------------------------------------------- A dependency view of one sentence
 
-class DependencySentence:
-    """Index over one parsed sentence (anything with stanza-like ``.words``): words by id, children by head, each
-    word a :class:`~retr.store.conllu.ConlluRow` (lemma lower-cased; ``head`` −1 when missing)."""
+def _given(value: str) -> bool:
+    return value not in ("", "_")
 
-    def __init__(self, sentence: Any):
+
+class DependencySentence:
+    """Index over one parsed sentence: words by id, children by head, each word a
+    :class:`~retr.store.conllu.ConlluRow` as the rules read it (lemma lower-cased, WordNet's where the parse has
+    none; UPOS ``X`` and relation ``dep`` where empty; ``head`` −1 when missing)."""
+
+    def __init__(self, sentence: ConlluSentence):
         words = []
         for w in sentence.words:
-            upos = w.upos or "X"
-            lemma = w.lemma if w.lemma not in (None, "", "_") else fallback_lemma(w.text, upos)
-            words.append(ConlluRow(int(w.id), w.text, lemma.lower(), upos, w.xpos or "_", w.feats or "_",
-                               int(w.head) if w.head is not None else -1, (w.deprel or "dep").lower()))
+            upos = w.upos if _given(w.upos) else "X"
+            lemma = w.lemma if _given(w.lemma) else fallback_lemma(w.form, upos)
+            words.append(ConlluRow(w.id, w.form, lemma.lower(), upos, w.xpos or "_", w.feats or "_", w.head,
+                                   (w.deprel if _given(w.deprel) else "dep").lower()))
         if not words:
             raise ValueError("the sentence has no words")
         self.words = {w.id: w for w in words}
@@ -193,8 +198,8 @@ class TreeBuilder:
         self.rules = rules or TreeRules()
 
     # -- public -------------------------------------------------------------------------------------
-    def build(self, sentence: Any) -> ReferralTree:
-        """The referral tree of one parsed sentence (a stanza ``Sentence`` or anything shaped like one)."""
+    def build(self, sentence: ConlluSentence) -> ReferralTree:
+        """The referral tree of one parsed sentence (UD v2: :mod:`retr.parsers.schemes` converts the others)."""
         s = DependencySentence(sentence)
         root = s.root
         if root.upos in NOMINAL_UPOS | {"NUM", "PRON"} and not s.kids(root, "cop"):
@@ -379,11 +384,12 @@ class TreeBuilder:
         return (), ()
 
 
-def build_tree(sentence: Any, rules: TreeRules | None = None) -> ReferralTree:
+def build_tree(sentence: ConlluSentence, rules: TreeRules | None = None) -> ReferralTree:
     """The referral tree of one parsed sentence (rules: ``docs/referral-trees.md``, "The rules")."""
     return TreeBuilder(rules).build(sentence)
 
 
-def build_trees(sentences: Iterable[Any], rules: TreeRules | None = None) -> list[ReferralTree]:
+def build_trees(sentences: Iterable[ConlluSentence], rules: TreeRules | None = None) -> list[ReferralTree]:
+    """The referral trees of parsed sentences, in order."""
     builder = TreeBuilder(rules)
     return [builder.build(sentence) for sentence in sentences]

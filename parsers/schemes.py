@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from retr.common.errors import UserError
-from retr.store.conllu import ConlluRow
+from retr.store.conllu import ConlluRow, ConlluSentence
 
 SCHEMES = ("ud2", "ud1", "sd", "clearnlp")
 #: what ``--scheme`` accepts
@@ -267,13 +267,17 @@ def _decide(labels: Counter, structure: Counter, sentences: int, words: int, odd
 _RIVALS = {"ud2": ("ud1",), "ud1": ("ud2",), "sd": ("ud2",), "clearnlp": ("sd", "ud2")}
 
 
-def detect_scheme(sentences: Iterable[Any]) -> Detection:
-    """The label scheme of parsed sentences (stanza ``Sentence`` objects or anything with ``.words`` whose
-    items have ``id``, ``upos``, ``head``, ``deprel``)."""
+def detect_scheme(sentences: Iterable[ConlluSentence]) -> Detection:
+    """The label scheme of parsed sentences (an empty ``DEPREL`` counts as ``dep``)."""
     evidence = LabelEvidence()
     for sentence in sentences:
-        evidence.add([(str(w.id), w.upos or "_", str(w.head), w.deprel or "dep") for w in sentence.words])
+        evidence.add([(str(w.id), w.upos, str(w.head), _deprel(w.deprel)) for w in sentence.words])
     return evidence.detect()
+
+
+def _deprel(label: str) -> str:
+    """A word's relation as written, ``dep`` where the column is empty (``_``)."""
+    return label if label not in ("", "_") else "dep"
 
 
 @dataclass(frozen=True)
@@ -325,45 +329,21 @@ def choose_scheme(requested: str, detection: Detection | None, source: str) -> S
 
 # --------------------------------------------------------------------------------------------------- Conversion
 
-@dataclass
-class ConvertedSentence:
-    """A sentence after conversion, shaped like a stanza ``Sentence`` for the tree rules: ``words`` are
-    :class:`ConlluRow` (``.text`` is the form), ``text``, ``sent_id`` and ``constituency`` are the original's."""
-
-    words: list[ConlluRow]
-    text: str | None = None
-    sent_id: str | None = None
-    constituency: Any = None
-
-    def conllu(self) -> str:
-        """The sentence as a CoNLL-U block (comments ``sent_id``, ``text``; ends with a blank line)."""
-        head = [f"# sent_id = {self.sent_id}"] if self.sent_id else []
-        head += [f"# text = {self.text}"] if self.text else []
-        return "\n".join(head + [w.line() for w in self.words]) + "\n\n"
-
-
 class _Word:
+    """A mutable copy of one :class:`ConlluRow` while its sentence is converted (``deprel`` lower-cased,
+    ``dep`` where empty)."""
+
     __slots__ = ("id", "form", "lemma", "upos", "xpos", "feats", "head", "deprel")
 
-    def __init__(self, w: Any):
-        fields = getattr(w, "__dict__", None)
-        if fields is not None and "_deprel" in fields and "_head" in fields:
-            # a stanza Word keeps its columns as _id, _text, …; reading them at once is ~5x faster than its
-            # properties, which matters at 600K captions (the properties are the fallback for anything else)
-            wid, text, lemma, upos, xpos, feats, head, deprel = (
-                fields.get("_id"), fields.get("_text"), fields.get("_lemma"), fields.get("_upos"),
-                fields.get("_xpos"), fields.get("_feats"), fields.get("_head"), fields["_deprel"])
-        else:
-            wid, text, lemma, upos, xpos, feats, head, deprel = (w.id, w.text, w.lemma, w.upos, w.xpos, w.feats,
-                                                                 w.head, w.deprel)
-        self.id = int(wid)
-        self.form = text or "_"
-        self.lemma = lemma if lemma not in (None, "") else "_"
-        self.upos = upos or "_"
-        self.xpos = xpos or "_"
-        self.feats = feats or "_"
-        self.head = int(head) if head is not None else -1
-        self.deprel = (deprel or "dep").lower()
+    def __init__(self, w: ConlluRow):
+        self.id = w.id
+        self.form = w.form or "_"
+        self.lemma = w.lemma or "_"
+        self.upos = w.upos or "_"
+        self.xpos = w.xpos or "_"
+        self.feats = w.feats or "_"
+        self.head = w.head
+        self.deprel = _deprel(w.deprel).lower()
 
     @property
     def low(self) -> str:
@@ -691,14 +671,15 @@ class SchemeConverter:
         self.trusted = trusted
         self._fine: set[str] = set()  # ud2 labels already checked
 
-    def convert(self, sentence: Any) -> tuple[Any, Counter]:
+    def convert(self, sentence: ConlluSentence) -> tuple[ConlluSentence, Counter]:
+        """``(the sentence in UD v2, conversions)``; :class:`ConversionError` when it cannot be converted."""
         if self.scheme == "ud2":
             if self.trusted:
                 return sentence, Counter()
             fine = self._fine
             clean = True
             for w in sentence.words:
-                label = w.deprel or "dep"
+                label = _deprel(w.deprel)
                 if label not in fine:
                     if not accepts("ud2", label.lower()):
                         raise ConversionError(f"label {label.lower()!r} (word {w.id} {w.text!r}) is not in UD v2")
@@ -723,12 +704,12 @@ class SchemeConverter:
                 if not accepts("ud2", w.deprel):
                     raise ConversionError(f"no UD v2 relation for {w.deprel!r} (word {w.id} {w.form!r}) "
                                           "in this construction")
-        return ConvertedSentence([w.row() for w in words], getattr(sentence, "text", None),
-                                 getattr(sentence, "sent_id", None), getattr(sentence, "constituency", None)), counts
+        return ConlluSentence(tuple(w.row() for w in words), sentence.sent_id, sentence.text,
+                              sentence.constituency), counts
 
 
-def to_ud2(sentence: Any, scheme: str) -> tuple[Any, Counter]:
-    """One parsed sentence (stanza ``Sentence`` or alike) in ``scheme`` → ``(UD v2 sentence, conversions)``.
+def to_ud2(sentence: ConlluSentence, scheme: str) -> tuple[ConlluSentence, Counter]:
+    """One parsed sentence in ``scheme`` → ``(UD v2 sentence, conversions)``.
 
     Raises :class:`ConversionError` with the reason when the sentence cannot be converted."""
     return SchemeConverter(scheme).convert(sentence)

@@ -13,9 +13,9 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from retr.common.errors import UserError
-from retr.common.optional import require
 from retr.manifests.schema import ManifestRecord, manifest_sha256, read_manifest
 from retr.store.concepts import ConceptData, write_concepts
+from retr.store.conllu import ConlluError, read_conllu
 from retr.store.vocab import FUNCTION_WORDS, tokenize
 
 TRAIN_SPLITS = ("train", "restval")
@@ -31,31 +31,31 @@ CaptionWords = list[tuple[str, str]]   # (word, POS group or "ANY")
 
 
 def read_conllu_words(path: str | os.PathLike, forms: Counter | None = None) -> dict[str, CaptionWords]:
-    """``{caption key: [(lemma, POS group), …]}`` from a CoNLL-U file with ``# sent_id = <caption key>``.
+    """``{caption key: [(lemma, POS group), …]}`` from a CoNLL-U file with ``# sent_id = <caption key>`` (read by
+    :mod:`retr.store.conllu`: no extra needed).
 
-    POS group: NOUN (NOUN, PROPN), ADJ, VERB or ``"OTHER"``; ``forms`` counts ``(lower-cased form, lemma)`` pairs.
+    POS group: NOUN (NOUN, PROPN), ADJ, VERB or ``"OTHER"``; a word without a lemma counts as its form; ``forms``
+    counts ``(lower-cased form, lemma)`` pairs.
     """
-    CoNLL = require("stanza.utils.conll", "pipeline", "the CoNLL-U reader").CoNLL
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"CoNLL-U file {path} does not exist")
-    try:
-        doc = CoNLL.conll2doc(input_file=str(path))
-    except Exception as exc:  # stanza raises plain ValueError/IndexError on malformed rows
-        raise UserError(f"{path} is not readable CoNLL-U ({exc})") from None
     words: dict[str, CaptionWords] = {}
-    for number, sentence in enumerate(doc.sentences, start=1):
-        key = sentence.sent_id
-        if not key:
-            raise UserError(f"{path}: sentence {number} has no '# sent_id = <image id>#<caption index>' comment")
-        row = []
-        for word in sentence.words:
-            lemma = word.lemma if word.lemma not in (None, "", "_") else word.text
-            row.append((lemma.lower(), POS_GROUPS.get(word.upos or "", "OTHER")))
-            if forms is not None:
-                forms[(word.text.lower(), lemma.lower())] += 1
-        words[key] = row
+    try:
+        for number, sentence in enumerate(read_conllu(path), start=1):
+            key = sentence.sent_id
+            if not key:
+                raise UserError(f"{path}: sentence {number} has no '# sent_id = <image id>#<caption index>' "
+                                "comment")
+            row = []
+            for word in sentence.words:
+                lemma = word.lemma if word.lemma != "_" else word.form
+                row.append((lemma.lower(), POS_GROUPS.get(word.upos, "OTHER")))
+                if forms is not None:
+                    forms[(word.form.lower(), lemma.lower())] += 1
+            words[key] = row
+    except ConlluError as exc:
+        raise UserError(f"{path} is not readable CoNLL-U ({exc})") from None
     return words
 
 

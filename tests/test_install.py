@@ -23,6 +23,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from retr.common.optional import DISTRIBUTIONS
@@ -74,7 +75,7 @@ def test_extras_split_what_only_some_users_need():
     assert "retr[all]" in extras["dev"] and {"pytest", "pytest-randomly"} <= set(extras["dev"])
     core = {_distribution(r) for r in project["dependencies"]}
     assert core == {"torch", "torchvision", "h5py", "numpy", "pillow", "click", "tqdm", "nltk", "pyyaml",
-                    "tabulate"}
+                    "tabulate", "conllu"}
     for extra in parts:
         for requirement in extras[extra]:
             distribution = _distribution(requirement)
@@ -139,7 +140,6 @@ from retr.common.optional import MissingExtraError
 from retr.extractors import timm_weights
 from retr.extractors.base import build_extractor
 from retr.parsers import backends
-from retr.pipeline import concepts
 from retr.trainers.reporting import draw
 from retr.trainers.search.retrieval import InnerProductIndex
 from retr.trainers.search import serve_app
@@ -156,7 +156,6 @@ calls = {
     "pipeline: timm": lambda: timm_weights._timm(),
     "pipeline: hub cache": lambda: timm_weights.cached_hub_file("timm/inception_resnet_v2.tf_in1k"),
     "pipeline: stanza models": lambda: backends.fetch_parser_models(sys.argv[1]),
-    "pipeline: conllu": lambda: concepts.read_conllu_words(sys.argv[1]),
 }
 messages = {}
 for name, call in calls.items():
@@ -197,6 +196,50 @@ def test_commands_work_without_extras_and_name_the_missing_one(tmp_path):
     assert result.returncode == 1
     assert result.stderr == ("error: matplotlib is not installed (needed by the report's drawings): "
                              "pip install 'retr[report]' (or make setup)\n")
+
+
+@pytest.mark.slow
+def test_conllu_commands_run_without_the_pipeline_extra(tmp_path):
+    """Parses made elsewhere need no NLP stack: with stanza (and every other extra) blocked, ``synth`` writes the
+    synthetic CoNLL-U and ``parse-trees``, ``show-tree`` and ``build-concepts`` read it; their trees equal a run
+    with everything installed, and only parsing raw captions stops, naming the ``pipeline`` extra."""
+    env = _blocked_env(tmp_path)
+    pipeline = str(BIN / "retr-pipeline")
+    data = tmp_path / "synthetic"
+
+    def run(*args):
+        return subprocess.run([pipeline, *map(str, args)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                              timeout=180)
+
+    done = run("synth", "--out", data, "--images", "24", "--seed", "3", "--quiet")
+    assert done.returncode == 0, done.stderr
+    manifest, conllu = data / "manifest.jsonl", data / "captions.conllu"
+    done = run("parse-trees", "--manifest", manifest, "--conllu", conllu, "--out", tmp_path / "trees.h5", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("wrote 120 trees for 120 captions") and "(0 failures" in done.stdout, done.stdout
+    done = run("show-tree", "--key", "synth_00000#0", "--conllu", conllu)
+    assert done.returncode == 0 and done.stdout.splitlines()[1].startswith("tree     ("), done.stderr
+    assert "parse    (ROOT" in done.stdout
+    done = run("build-concepts", "--manifest", manifest, "--conllu", conllu, "--out", tmp_path / "concepts.h5",
+               "--nouns", "5", "--adjectives", "6", "--verbs", "3")
+    assert done.returncode == 0, done.stderr
+    assert "POS from conllu" in done.stdout, done.stdout
+    env.pop("STANZA_RESOURCES_DIR", None)   # stanza's own default folder: found through stanza, which is missing
+    done = run("parse-trees", "--manifest", manifest, "--out", tmp_path / "raw.h5", "--quiet")
+    assert (done.returncode, done.stderr) == (1, "error: stanza is not installed (needed by the caption parser): "
+                                                 "pip install 'retr[pipeline]' (or make setup)\n")
+
+    from retr.parsers.backends import ConlluBackend
+    from retr.pipeline.parse_trees import run_parse_trees
+    from retr.store.concepts import ConceptSet
+    from retr.store.trees import TreeSet
+
+    run_parse_trees(manifest, tmp_path / "here.h5", ConlluBackend(conllu))
+    blocked, here = TreeSet(tmp_path / "trees.h5"), TreeSet(tmp_path / "here.h5")
+    assert blocked.keys == here.keys and blocked.text == here.text and np.array_equal(blocked.nodes, here.nodes)
+    concepts = ConceptSet(tmp_path / "concepts.h5")
+    assert concepts.attrs["pos_source"] == "conllu" and json.loads(concepts.attrs["actual"]) == {
+        "NOUN": 5, "ADJ": 6, "VERB": 3}
 
 
 # ------------------------------------------------------------------------------------------------ the wheel

@@ -1,8 +1,8 @@
 """Referral-tree rules, dictionaries and parsing backends, on hand-written UD v2 parses.
 
 ``tests/data/referral_trees/captions.conllu`` holds 50 COCO/Flickr30K-style captions, each with a parse written
-by hand as stanza's English EWT models produce it; ``expected_trees.json`` gives each caption's expected tree
-and the constructions it exercises.
+by hand as stanza's English EWT models produce it (read by retr's own CoNLL-U reader, :mod:`retr.store.conllu`);
+``expected_trees.json`` gives each caption's expected tree and the constructions it exercises.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import h5py
 import nltk
 import numpy as np
 import pytest
-from stanza.utils.conll import CoNLL
 
 from retr.common.errors import MissingResourceError, UserError
 from retr.parsers import referral_tree as rt
@@ -22,11 +21,12 @@ from retr.parsers.backends import (CaptionItem, ConlluBackend, StanzaBackend, fe
 from retr.parsers.dictionaries import (NULL_ID, UNKNOWN_ID, Dictionaries, build_dictionaries,
                                        load_dictionaries)
 from retr.parsers.referral_tree import ReferralTree, TreeRules, build_tree, nltk_to_slots
+from retr.store.conllu import ConlluSentence, parse_conllu
 
 DATA = Path(__file__).parent / "data" / "referral_trees"
 CONLLU = DATA / "captions.conllu"
 EXPECTED = json.loads((DATA / "expected_trees.json").read_text())
-SENTENCES = {s.sent_id: s for s in CoNLL.conll2doc(input_str=CONLLU.read_text()).sentences}
+SENTENCES = {s.sent_id: s for s in parse_conllu(CONLLU.read_text())}
 
 #: Every construction the issue names, as tagged in expected_trees.json.
 REQUIRED_CONSTRUCTIONS = {
@@ -93,14 +93,14 @@ def test_missing_lemmas_fall_back(monkeypatch):
             "2\tchase\t_\tVERB\tVBP\t_\t0\troot\t_\t_\n"
             "3\ta\t_\tDET\tDT\t_\t4\tdet\t_\t_\n"
             "4\tball\t_\tNOUN\tNN\t_\t2\tobj\t_\t_\n\n")
-    sentence = CoNLL.conll2doc(input_str=text).sentences[0]
+    sentence = parse_conllu(text)[0]
     assert str(build_tree(sentence)) == "[dogs null null chase ball null null]"
 
 
 def test_malformed_parse_is_an_error():
     text = "1\tdog\tdog\tNOUN\tNN\t_\t1\tdep\t_\t_\n\n"
     with pytest.raises(ValueError, match="no root"):
-        build_tree(CoNLL.conll2doc(input_str=text).sentences[0])
+        build_tree(parse_conllu(text)[0])
 
 
 def test_bracketed_form_and_json_round_trip():
@@ -247,11 +247,13 @@ def test_stanza_backend_without_models_says_how_to_get_them(tmp_path, monkeypatc
 
 
 class _FakePipeline:
-    """Stands in for ``stanza.Pipeline``: returns the hand-written parse of each blank-line separated text."""
+    """Stands in for ``stanza.Pipeline``: returns the hand-written parse of each blank-line separated text, as
+    stanza objects (read by stanza's own CoNLL-U reader), which the backend converts to retr's sentences."""
 
     def __init__(self):
+        CoNLL = pytest.importorskip("stanza.utils.conll").CoNLL
         self.calls = []
-        self.by_text = {normalize_caption(s.text): s for s in SENTENCES.values()}
+        self.by_text = {normalize_caption(s.text): s for s in CoNLL.conll2doc(input_str=CONLLU.read_text()).sentences}
 
     def __call__(self, text):
         self.calls.append(text)
@@ -268,6 +270,8 @@ def test_stanza_backend_batches_and_isolates_failures():
     texts = [EXPECTED[k]["text"] for k in ("ref_001#0", "ref_002#0", "ref_003#0")]
     outcomes = backend.parse(_items([(f"c#{i}", t) for i, t in enumerate(texts)]))
     assert len(fake.calls) == 1 and fake.calls[0].count("\n\n") == 2
+    assert all(isinstance(o.sentence, ConlluSentence) for o in outcomes)
+    assert outcomes[0].sentence.words == SENTENCES["ref_001#0"].words   # as read from CoNLL-U, column for column
     assert [str(build_tree(o.sentence)) for o in outcomes] == [EXPECTED[k]["tree"] for k in
                                                                ("ref_001#0", "ref_002#0", "ref_003#0")]
     fake.calls.clear()

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from stanza.utils.conll import CoNLL
 
 from retr.common.errors import UserError
 from retr.manifests.schema import ManifestRecord, write_manifest
@@ -33,6 +32,7 @@ from retr.parsers.schemes import (SCHEMES, ConversionError, LabelEvidence, accep
                                   detect_scheme, to_ud2)
 from retr.pipeline.commands import cli
 from retr.pipeline.parse_trees import TooManyFailures, run_parse_trees
+from retr.store.conllu import parse_conllu, read_conllu
 from retr.store.trees import TreeSet
 
 DATA = Path(__file__).parent / "data" / "schemes"
@@ -73,7 +73,7 @@ def conllu(scheme: str, captions=None, ids: bool = True, ptb_upos: bool = False)
 
 
 def sentences(scheme: str, **kw):
-    return CoNLL.conll2doc(input_str=conllu(scheme, **kw)).sentences
+    return parse_conllu(conllu(scheme, **kw))
 
 
 def arcs(sentence) -> list[tuple[int, str]]:
@@ -159,7 +159,7 @@ def test_head_final_stanford_mwe_becomes_head_initial_fixed():
             "5\tto\tto\tADP\tTO\t_\t3\tprep\t_\t_\n"
             "6\ta\ta\tDET\tDT\t_\t7\tdet\t_\t_\n"
             "7\tdog\tdog\tNOUN\tNN\t_\t5\tpobj\t_\t_\n\n")
-    converted, counts = to_ud2(CoNLL.conll2doc(input_str=text).sentences[0], "sd")
+    converted, counts = to_ud2(parse_conllu(text)[0], "sd")
     assert counts["mwe→fixed"] == 1
     assert arcs(converted)[3:7] == [(7, "case"), (4, "fixed"), (7, "det"), (3, "obl")]
     assert str(build_tree(converted)) == "[cat null null sit_PREP dog null null]"
@@ -167,7 +167,7 @@ def test_head_final_stanford_mwe_becomes_head_initial_fixed():
 
 def test_sentences_that_cannot_be_converted_raise_with_the_reason():
     def one(text):
-        return CoNLL.conll2doc(input_str=text).sentences[0]
+        return parse_conllu(text)[0]
 
     two_objects = one("1\ton\ton\tADP\tIN\t_\t0\troot\t_\t_\n2\tbed\tbed\tNOUN\tNN\t_\t1\tpobj\t_\t_\n"
                       "3\tsofa\tsofa\tNOUN\tNN\t_\t1\tpobj\t_\t_\n\n")
@@ -208,10 +208,10 @@ def test_ud1_without_v1_labels_is_told_by_its_structure():
     conjunct say v1; obl would say v2."""
     v1 = conllu("ud1", captions=["Two men and a woman are sitting on a bench."])
     v2 = conllu("ud2", captions=["Two men and a woman are sitting on a bench."])
-    assert detect_scheme(CoNLL.conll2doc(input_str=v1).sentences).scheme == "ud1"
-    assert detect_scheme(CoNLL.conll2doc(input_str=v2).sentences).scheme == "ud2"
+    assert detect_scheme(parse_conllu(v1)).scheme == "ud1"
+    assert detect_scheme(parse_conllu(v2)).scheme == "ud2"
     shared_only = conllu("ud2", captions=["A cat or a dog sleeping on a couch"]).replace("\tobl\t", "\tnmod\t")
-    assert detect_scheme(CoNLL.conll2doc(input_str=shared_only).sentences).scheme == "ud2"  # cc on the next
+    assert detect_scheme(parse_conllu(shared_only)).scheme == "ud2"  # cc on the next
 
 
 def test_the_backend_detects_while_indexing(tmp_path):
@@ -230,7 +230,7 @@ def test_unknown_scheme_is_refused_in_one_line():
     penn = ("1\tA\ta\tDET\tDT\t_\t2\tNMOD\t_\t_\n2\tdog\tdog\tNOUN\tNN\t_\t3\tSBJ\t_\t_\n"
             "3\truns\trun\tVERB\tVBZ\t_\t0\tROOT\t_\t_\n4\ton\ton\tADP\tIN\t_\t3\tADV\t_\t_\n"
             "5\tgrass\tgrass\tNOUN\tNN\t_\t4\tPMOD\t_\t_\n\n")
-    found = detect_scheme(CoNLL.conll2doc(input_str=penn).sentences)
+    found = detect_scheme(parse_conllu(penn))
     assert found.scheme == "unknown"
     with pytest.raises(UserError) as info:
         choose_scheme("auto", found, "parses.conll")
@@ -241,12 +241,12 @@ def test_unknown_scheme_is_refused_in_one_line():
     # UD v1 and v2 labels mixed: neither
     mixed = conllu("ud1", captions=["A young boy brushing his teeth."]) + conllu(
         "ud2", captions=["A man in a red shirt is riding a bike down the street."])
-    found = detect_scheme(CoNLL.conll2doc(input_str=mixed).sentences)
+    found = detect_scheme(parse_conllu(mixed))
     assert found.scheme == "unknown" and found.closest() in ("ud1", "ud2")
     # collapsed Stanford dependencies get a hint
     collapsed = conllu("sd", captions=["a dog runs on the grass near a fence"]).replace("\tprep\t", "\tprep_on\t")
     with pytest.raises(UserError, match="collapsed Stanford dependencies"):
-        choose_scheme("auto", detect_scheme(CoNLL.conll2doc(input_str=collapsed).sentences), "x")
+        choose_scheme("auto", detect_scheme(parse_conllu(collapsed)), "x")
     # given explicitly, the scheme is used and the detection noted
     choice = choose_scheme("sd", found, "x")
     assert choice.scheme == "sd" and "given by --scheme" in choice.describe()
@@ -368,7 +368,7 @@ def _sd(*rows: str):
     for i, row in enumerate(rows, 1):
         form, lemma, upos, xpos, head, label = row.split()
         lines.append("\t".join([str(i), form, lemma, upos, xpos, "_", head, label, "_", "_"]))
-    return CoNLL.conll2doc(input_str="\n".join(lines) + "\n\n").sentences[0]
+    return parse_conllu("\n".join(lines) + "\n\n")[0]
 
 
 def test_coordinated_and_stacked_prepositions():
@@ -428,10 +428,10 @@ SPACY_EXPECTED = json.loads((SPACY / "spacy_be_acomp.json").read_text())["senten
 def test_spacy_be_acomp_on_a_participle_becomes_an_auxiliary():
     """spaCy hangs "diving" / "overgrown" on "is" as acomp; UD v2 makes the participle the verb and "be" its
     aux (VBG) or aux:pass (VBN, and VBD: a past participle tagged as past tense). A JJ acomp stays a copula."""
-    doc = CoNLL.conll2doc(input_file=str(SPACY / "spacy_be_acomp.conllu"))
-    assert [s.sent_id for s in doc.sentences] == list(SPACY_EXPECTED)
-    assert detect_scheme(doc.sentences).scheme == "clearnlp"
-    for sentence in doc.sentences:
+    read = list(read_conllu(SPACY / "spacy_be_acomp.conllu"))
+    assert [s.sent_id for s in read] == list(SPACY_EXPECTED)
+    assert detect_scheme(read).scheme == "clearnlp"
+    for sentence in read:
         want = SPACY_EXPECTED[sentence.sent_id]
         converted, counts = to_ud2(sentence, "clearnlp")
         assert [f"{h}:{label}" for h, label in arcs(converted)] == want["ud2"], converted.conllu()
@@ -453,7 +453,7 @@ def test_participle_without_a_ptb_tag_is_read_from_upos_and_feats():
                 (form, lemma, upos, "3", "acomp")]
         text = "".join(f"{i}\t{f}\t{lem}\t{u}\t_\t{feats if i == 4 else '_'}\t{h}\t{d}\t_\t_\n"
                        for i, (f, lem, u, h, d) in enumerate(rows, 1))
-        converted, _ = to_ud2(CoNLL.conll2doc(input_str=text + "\n").sentences[0], "clearnlp")
+        converted, _ = to_ud2(parse_conllu(text + "\n")[0], "clearnlp")
         return converted.words[2].deprel, converted.words[1].deprel
     assert one("diving", "dive", "VERB", "Aspect=Prog|Tense=Pres|VerbForm=Part") == ("aux", "nsubj")
     assert one("injured", "injure", "VERB", "Aspect=Perf|Tense=Past|VerbForm=Part") == ("aux:pass", "nsubj:pass")
