@@ -143,3 +143,30 @@ def test_build_concepts_without_pos_tags_needs_an_explicit_choice(tmp_path, run_
     result = run_cli("pipeline", "build-concepts", "--manifest", manifest, "--out", out, "--select", "frequency",
                      "--nouns", "4", "--adjectives", "2", "--verbs", "1")
     assert ConceptSet(out).attrs["pos_source"] == "frequency" and "POS from frequency" in result.output
+
+
+def test_conllu_words_need_a_sent_id_and_readable_rows(tmp_path):
+    """Read by retr's CoNLL-U reader: lemmas (the form where the lemma is ``_``) and POS groups by caption key; a
+    sentence without ``# sent_id`` and a malformed row are one-line errors naming the sentence."""
+    from collections import Counter
+
+    from retr.pipeline.concepts import read_conllu_words
+
+    path = tmp_path / "c.conllu"
+    path.write_text("# sent_id = a#0\n1\tDogs\tdog\tNOUN\tNNS\t_\t2\tnsubj\t_\t_\n2\tsit\t_\tVERB\tVBP\t_\t0\troot\t_\t_\n"
+                    "3-4\tdon't\t_\t_\t_\t_\t_\t_\t_\t_\n3\tdo\tdo\tAUX\t_\t_\t2\taux\t_\t_\n"
+                    "4\tn't\tnot\tPART\t_\t_\t2\tadvmod\t_\t_\n\n")
+    forms = Counter()
+    assert read_conllu_words(path, forms) == {"a#0": [("dog", "NOUN"), ("sit", "VERB"), ("do", "OTHER"),
+                                                      ("not", "OTHER")]}
+    assert forms == {("dogs", "dog"): 1, ("sit", "sit"): 1, ("do", "do"): 1, ("n't", "not"): 1}
+    path.write_text(path.read_text() + "# text = a cat\n1\tcat\tcat\tNOUN\tNN\t_\t0\troot\t_\t_\n\n")
+    with pytest.raises(UserError, match=r": sentence 2 has no '# sent_id = <image id>#<caption index>' comment$"):
+        read_conllu_words(path)
+    path.write_text("# sent_id = a#0\n1\tdog\tdog\tNOUN\n\n")
+    with pytest.raises(UserError) as info:
+        read_conllu_words(path)
+    assert str(info.value) == (f"{path} is not readable CoNLL-U (sentence 1: a line of 4 columns (CoNLL-U has 10): "
+                               "'1 dog dog NOUN')")
+    with pytest.raises(UserError, match="does not exist"):
+        read_conllu_words(tmp_path / "none.conllu")
