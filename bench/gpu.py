@@ -274,7 +274,7 @@ def bench_train(name: str, folder: Path, device: torch.device, sizes: Sizes, com
 
     from retr.trainers.training.data import CaptionBatches, EpochBatchSampler, ImageFeatures, pad_tokens
     from retr.trainers.training.loop import train_step
-    from retr.trainers.training.optim import apply_implementation
+    from retr.trainers.models.optim import apply_implementation
 
     features, data, model = _training_set(folder, name, sizes)
     model.max_violation = False                        # the sum of violations: no collapse to time

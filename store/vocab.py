@@ -22,7 +22,7 @@ DEFAULT_THRESHOLD = 4
 #: adverbs), as the tokenizer writes them: the words a content-word list leaves out (no POS tagger and no NLTK
 #: stopword data are assumed). Used by ``build-concepts``' frequency fallback
 #: (:func:`retr.pipeline.concepts.fallback_words`) and JGCAR's caption-concept labels
-#: (:func:`retr.trainers.training.side_inputs.caption_concepts`, which skips a few more words, see there).
+#: (:func:`retr.trainers.models.side_inputs.caption_concepts`, which skips a few more words, see there).
 FUNCTION_WORDS = frozenset("""
 a an the this that these those there here some any each every no all both either neither another other such
 i me my mine we us our ours you your yours he him his she her hers it its they them their theirs one ones

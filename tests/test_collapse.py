@@ -14,7 +14,7 @@ import retr.trainers.models.base as base
 from retr.trainers.commands import cli
 from retr.trainers.training.collapse import (STRETCH, CollapseMonitor, StepRanking, chance_recalls, collapse_message,
                                     recall_at_chance)
-from retr.trainers.training.losses import hinge_triplet_loss, in_batch_ranking
+from retr.trainers.models.losses import hinge_triplet_loss, in_batch_ranking
 from retr.trainers.models import get_spec, list_models
 from trainer_synthetic import make_synthetic, write_uninformative_regions
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-import retr.trainers.evaluation.gemm as gemm
+import retr.trainers.models.gemm as gemm
 
 
 def _operands(dtype=torch.float32):

@@ -49,7 +49,7 @@ from retr.trainers.training.checkpoint import load_run_model
 from retr.trainers.training.data import ImageFeatures, SplitData
 from retr.trainers.evaluation.metrics import protocol_metrics
 from retr.trainers.training.loop import lr_schedule, train_step
-from retr.trainers.training.optim import apply_implementation
+from retr.trainers.models.optim import apply_implementation
 from retr.trainers.training.official_checkpoints import import_scan_checkpoint
 from retr.trainers.evaluation.similarity import Scorer, SplitEmbeddings, combined_matrix, similarity_matrix
 

@@ -18,7 +18,7 @@ from golden_support import WidenFeatures, load_golden
 from retr.trainers.models import create_model
 from retr.trainers.models.layers import lengths_mask
 from retr.trainers.training.loop import lr_schedule, train_step
-from retr.trainers.training.optim import apply_implementation
+from retr.trainers.models.optim import apply_implementation
 
 PROVENANCE, INPUTS, FIGURES = load_golden("vse_infinity")
 OPT = json.loads(str(INPUTS["opt_json"]))

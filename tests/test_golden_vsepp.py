@@ -30,7 +30,7 @@ from retr.trainers.training.data import SplitData
 from retr.trainers.evaluation.metrics import (i2t_ranks, i2t_ranks_official, protocol_metrics, t2i_ranks,
                                       t2i_ranks_official)
 from retr.trainers.training.loop import lr_schedule, train_step
-from retr.trainers.training.optim import apply_implementation
+from retr.trainers.models.optim import apply_implementation
 from retr.trainers.training.official_checkpoints import import_vsepp_checkpoint
 from retr.trainers.evaluation.similarity import similarity_matrix
 

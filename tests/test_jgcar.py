@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from retr.store.labels import read_label_file
-from retr.trainers.training.losses import hinge_triplet_loss
+from retr.trainers.models.losses import hinge_triplet_loss
 from retr.trainers.models import create_model, preset
 from retr.trainers.models.jgcar import JGCAR, decorrelation_loss, intra_modal_triplet
-from retr.trainers.training.side_inputs import caption_concepts, labels_to_multihot
+from retr.trainers.models.side_inputs import caption_concepts, labels_to_multihot
 from retr.trainers.evaluation.two_step import rerank_matrices
 
 
@@ -284,7 +284,7 @@ def test_two_step_shortlist_placement():
 
 def test_same_image_pairs_per_batch_is_the_exact_expectation():
     import itertools
-    from retr.trainers.training.side_inputs import same_image_pairs_per_batch
+    from retr.trainers.models.side_inputs import same_image_pairs_per_batch
     owner = np.array([0, 0, 0, 1, 1, 2, 3])
     subsets = list(itertools.combinations(range(7), 3))
     brute = np.mean([sum(owner[a] == owner[b] for a, b in itertools.combinations(c, 2)) for c in subsets])
@@ -295,7 +295,7 @@ def test_same_image_pairs_per_batch_is_the_exact_expectation():
 
 def test_training_without_labels_notes_that_j3_is_nearly_inert(tmp_path):
     from retr.trainers.training.data import SplitData
-    from retr.trainers.training.side_inputs import load_jgcar_inputs
+    from retr.trainers.models.side_inputs import load_jgcar_inputs
     data = SplitData(["a", "b"], ["a red circle", "the red circle", "a blue star", "one blue star"],
                      np.array([0, 0, 1, 1]), [[1, 4, 5, 2]] * 4)
     notes = load_jgcar_inputs(data, None).notes
@@ -401,11 +401,11 @@ def test_jgcar_learns_on_synthetic_maps(tmp_path, caplog):
     assert result["pairs_scored"]["two_step"] < result["pairs_scored"]["full"]
 
 
-def test_ddp_gradients_sum_to_the_single_process_ones(monkeypatch):
+def test_ddp_gradients_sum_to_the_single_process_ones():
     """Two simulated DDP ranks: each encodes its half, the gather puts the other half (no gradient) around it,
     every rank scores the gathered batch. The summed rank gradients must equal the single-process gradient —
     including the co-attention weights used only after the gather (scaled by 1/world size)."""
-    import retr.trainers.models.jgcar as jgcar_module
+    from tests.ddp_simulation import Gather
 
     model = small_model(num_negatives=2).train()
     features, mask, tokens, lengths = batch(b=6)
@@ -417,7 +417,6 @@ def test_ddp_gradients_sum_to_the_single_process_ones(monkeypatch):
     model.zero_grad()
     model(features, mask, tokens, lengths, image_index=index).backward()
     single = grads()
-    monkeypatch.setattr(jgcar_module, "world_size", lambda: 2)
     parts = [slice(0, 3), slice(3, 6)]
     total: dict = {}
     for rank, part in enumerate(parts):
@@ -427,10 +426,12 @@ def test_ddp_gradients_sum_to_the_single_process_ones(monkeypatch):
                       "words": model.encode_captions(tokens[other], lengths[other]),
                       "image_index": {"image_index": index[other]}}
 
-        def gather(local, rank=rank, remote=remote):
+        def join(local, rank=rank, remote=remote):
             kind = next(k for k in ("regions", "words", "image_index") if k in local)
             far = remote[kind]
             return {k: torch.cat([local[k], far[k]] if rank == 0 else [far[k], local[k]]) for k in local}
+
+        gather = Gather(join)
 
         model.zero_grad()
         model(features[part], mask[part], tokens[part], lengths[part], gather=gather,

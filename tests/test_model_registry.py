@@ -88,6 +88,14 @@ def test_registry_lists_the_papers_models_and_the_throwaway():
     assert {"scan", "vsepp", "sman", "seam", "jgcar", "smfea", "throwaway-mean"} <= set(MODELS)
 
 
+def test_every_report_a_spec_names_after_training_exists():
+    from retr.trainers.evaluation.reports import AFTER_TRAINING
+
+    named = {name: get_spec(name).after_training for name in MODELS}
+    assert named["smfea"] == ("tree_accuracy",)
+    assert {report for reports in named.values() for report in reports} <= set(AFTER_TRAINING)
+
+
 # ------------------------------------------------------------------------------------- helpers
 
 def data_sizes(name: str) -> dict:

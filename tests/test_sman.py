@@ -257,13 +257,12 @@ def test_runs_written_before_adadelta_eps_keep_pytorchs_epsilon():
     assert tiny().configure_optimizer(0.05).param_groups[0]["eps"] == 1e-8
 
 
-def test_ddp_gradients_sum_to_the_single_process_ones(monkeypatch):
+def test_ddp_gradients_sum_to_the_single_process_ones():
     """Score-side parameters (U_v, U_t, level-2 queries) must not count the gathered batch once per process."""
-    import retr.trainers.models.sman as sman_module
     m = tiny().train()
     features, mask, tokens, lengths = batch(n_img=4, n_cap=4)
     lengths = torch.tensor([9, 3, 9, 5])          # each half holds a 9-word caption: same padded width
-    single, summed = simulated_ddp_grads(m, features, mask, tokens, lengths, monkeypatch, sman_module)
+    single, summed = simulated_ddp_grads(m, features, mask, tokens, lengths)
     assert set(single) == set(summed)
     for name in single:
         torch.testing.assert_close(summed[name], single[name], rtol=1e-4, atol=1e-6, msg=name)

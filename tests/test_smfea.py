@@ -131,7 +131,7 @@ def test_loss_is_eq_20_and_ablations_drop_terms():
     captions = model.encode_captions(tokens, lengths)
     scores = model.score(images, captions)
     terms = model.loss_terms(scores, images, captions, nodes)
-    from retr.trainers.training.losses import hinge_triplet_loss
+    from retr.trainers.models.losses import hinge_triplet_loss
     torch.testing.assert_close(terms["rank"], hinge_triplet_loss(scores, 0.2, True))
     ce = (node_cross_entropy(images["entity_logits"], images["relation_logits"], nodes)
           + node_cross_entropy(captions["entity_logits"], captions["relation_logits"], nodes))
@@ -151,7 +151,7 @@ def test_loss_is_eq_20_and_ablations_drop_terms():
 
 def test_default_objective_adds_cvse_terms():
     """3·Rank(fused) + 5·Rank(instance) + 1·Rank(concept) + 2·KL(w_t ‖ w_v), plus the tree terms."""
-    from retr.trainers.training.losses import hinge_triplet_loss
+    from retr.trainers.models.losses import hinge_triplet_loss
 
     features, mask, tokens, lengths, nodes = _batch()
     model = _model().train()
@@ -370,7 +370,7 @@ def test_token_concepts_agree_with_concepts_file(tmp_path):
     from retr.store.concepts import ConceptSet
     from retr.store.features import FeatureSet
     from retr.trainers.training.data import load_split
-    from retr.trainers.training.side_inputs import caption_keys, read_training_inputs
+    from retr.trainers.models.side_inputs import caption_keys, read_training_inputs
     from retr.store.vocab import Vocabulary
     from retr.manifests.schema import read_manifest
 

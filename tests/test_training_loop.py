@@ -28,8 +28,8 @@ from retr.trainers.models import create_model
 from retr.trainers.training import checkpoint as ckpt
 from retr.trainers.training.data import CaptionBatches, ImageFeatures, fits_on_device, load_split
 from retr.trainers.training.loop import autocast_dtype, train_step
-from retr.trainers.training.losses import hinge_triplet_loss
-from retr.trainers.training.optim import apply_implementation, resolve_implementation
+from retr.trainers.models.losses import hinge_triplet_loss
+from retr.trainers.models.optim import apply_implementation, resolve_implementation
 from trainer_synthetic import make_synthetic
 
 

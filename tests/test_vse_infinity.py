@@ -169,7 +169,7 @@ def test_word_vectors_fill_the_vocabulary_rows_and_leave_mask_alone(tmp_path):
     from retr.store.vocab import Vocabulary
     from retr.trainers.models import ModelInputs
     from retr.trainers.models.vse_infinity import VSEInfinity, VSEInfinityConfig
-    from retr.trainers.training.side_inputs import add_word_vectors
+    from retr.trainers.models.side_inputs import add_word_vectors
 
     vocab = Vocabulary(["cat", "dog", "bird"])
     path = tmp_path / "vectors.txt"

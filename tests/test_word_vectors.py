@@ -201,7 +201,7 @@ def test_sman_and_smfea_start_from_the_rows_absent_words_keep_their_init(tmp_pat
     from retr.trainers.models import ModelInputs
     from retr.trainers.models.sman import SMAN, SMANConfig
     from retr.trainers.models.smfea import SMFEA, SMFEAConfig
-    from retr.trainers.training.side_inputs import add_word_vectors
+    from retr.trainers.models.side_inputs import add_word_vectors
 
     path = tmp_path / "vectors.txt"
     path.write_text(data["text"], encoding="utf-8")

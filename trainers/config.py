@@ -249,7 +249,7 @@ def dropout_setting(default: float, help: str) -> Any:
 
 
 def word_vectors_setting() -> Any:
-    """Where a model's word embeddings start (loaded by :func:`retr.trainers.training.side_inputs.add_word_vectors`)."""
+    """Where a model's word embeddings start (loaded by :func:`retr.trainers.models.side_inputs.add_word_vectors`)."""
     return setting("random", "Word embeddings start from: random (the model's own init), glove (GloVe 840B.300d, "
                              "downloaded on first use), glove-6b (6B.300d), or a GloVe-format .txt/.zip file; words "
                              "the vectors lack keep the random init.")

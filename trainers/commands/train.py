@@ -131,6 +131,7 @@ def training_command(spec: ModelSpec) -> click.Command:
     params.extend(_quiet_params())
 
     def callback(**values) -> None:
+        from retr.trainers.evaluation.reports import report_after_training
         from retr.trainers.training.loop import train
         from retr.trainers.training.preflight import check_training
 
@@ -161,8 +162,7 @@ def training_command(spec: ModelSpec) -> click.Command:
                       f"(presets: {', '.join(spec.presets)}); options given override them",)
         train(cfg, resume=values["resume"], quiet=values["quiet"], trust_checkpoint=values["trust_checkpoint"],
               notes=notes)
-        if spec.after_training is not None:
-            spec.after_training(cfg.out, cfg)
+        report_after_training(spec, cfg.out, cfg)
         click.echo(f"run written to {cfg.out} (evaluate: {evaluate_hint(cfg)})")
 
     return click.Command(spec.name, params=params, callback=callback, help=_help(spec),

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from retr.common.errors import UserError
-from retr.trainers.training.side_inputs import caption_keys, read_tree_nodes
+from retr.trainers.models.side_inputs import caption_keys, read_tree_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def run_tree_accuracy(run: str | Path, split: str = "test", which: str = "best",
 
 
 def report_tree_accuracy(run: str | Path, cfg) -> None:
-    """After training (the SMFEA spec's ``after_training``): the best checkpoint's accuracy on the test split,
+    """After training (the ``tree_accuracy`` report SMFEA's spec names): the best checkpoint's accuracy on the test split,
     written to ``RUN/tree_accuracy.json`` and logged; a run without trees or a manifest without a test split
     gets a note instead (training itself succeeded)."""
     from retr.common.devices import resolve_device

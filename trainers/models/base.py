@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from retr.trainers.training.losses import BatchRanking, hinge_triplet_loss, in_batch_ranking
+from retr.trainers.models.losses import BatchRanking, hinge_triplet_loss, in_batch_ranking
 
 
 Embeddings = dict[str, torch.Tensor]
@@ -55,7 +55,7 @@ class MatchingModel(nn.Module):
         self.max_violation = bool(max_violation)
         #: set by the loop during ``--warmup-epochs``: the hinge sums every violation (VSE∞'s warm-up)
         self.warming_up = False
-        #: the last training batch's :class:`~retr.trainers.training.losses.BatchRanking` (None before the first step)
+        #: the last training batch's :class:`~retr.trainers.models.losses.BatchRanking` (None before the first step)
         self.batch_ranking: BatchRanking | None = None
 
     @property
@@ -176,7 +176,10 @@ class MatchingModel(nn.Module):
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
                 gather: Callable[[Embeddings], Embeddings] | None = None) -> torch.Tensor:
-        """One training step's loss: encode both sides, gather the global batch, score it, hinge loss."""
+        """One training step's loss: encode both sides, gather the global batch, score it, hinge loss.
+
+        ``gather`` (under DDP, from the loop): called on a dict of embeddings it returns every rank's, in rank
+        order; its ``world_size`` is the number of ranks joined."""
         images = self.encode_images(features, mask)
         captions = self.encode_captions(tokens, lengths)
         if gather is not None:

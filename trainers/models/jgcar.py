@@ -22,9 +22,8 @@ from torch.utils.checkpoint import checkpoint
 from retr.common.errors import UserError
 from retr.trainers.config import (dropout_setting, embed_size_setting, margin_setting, setting, size_setting,
                                   violation_setting, word_dim_setting)
-from retr.trainers.training.distributed import world_size
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
-from retr.trainers.training.optim import PerGroupOptimizer
+from retr.trainers.models.optim import PerGroupOptimizer
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean, masked_softmax
 
@@ -488,7 +487,7 @@ class JGCAR(MatchingModel):
 
     def prepare_training(self, inputs: dict[str, torch.Tensor]) -> None:
         """Install the intra-modal label table of the training images (built by
-        :func:`retr.trainers.training.side_inputs.load_jgcar_inputs`): ``image_labels`` [N_train_images, L] bool, and
+        :func:`retr.trainers.models.side_inputs.load_jgcar_inputs`): ``image_labels`` [N_train_images, L] bool, and
         ``labels_are_captions`` (a 0-d bool tensor: True when the labels come from a label file, so a caption has
         its image's labels; False for the caption-concept fallback, where captions are positives iff same image)."""
         self.image_label_table = inputs["image_labels"].bool()
@@ -528,7 +527,7 @@ class JGCAR(MatchingModel):
         self.coattn.score_grad_scale = 1.0
         if gather is not None:
             images, captions, extras = gather(images), gather(captions), gather(extras)
-            self.coattn.score_grad_scale = 1.0 / world_size()
+            self.coattn.score_grad_scale = 1.0 / gather.world_size
         return self.joint_loss(images, captions, extras["image_index"], extras.get("image_labels"),
                                extras.get("caption_labels"))
 
@@ -595,7 +594,7 @@ JGCAR_SCHEDULE = {"batch_size": 200, "epochs": 128, "early_stop": 5, "lr": 4e-4,
 
 
 def _jgcar_inputs(data, files, config, vocab_size):
-    from retr.trainers.training.side_inputs import load_jgcar_inputs
+    from retr.trainers.models.side_inputs import load_jgcar_inputs
     return load_jgcar_inputs(data, files.get("labels"), config.concept_min_captions)
 
 

@@ -33,3 +33,9 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
 def cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cosine along the last axis (broadcasting), ``x·y / max(‖x‖‖y‖, 1e-8)`` (the authors' form)."""
     return (x * y).sum(-1) / (x.norm(dim=-1) * y.norm(dim=-1)).clamp(min=EPS)
+
+
+def scale_grad(p: torch.Tensor, scale: float) -> torch.Tensor:
+    """``p`` unchanged in value, its gradient multiplied by ``scale`` (1/world size for parameters used only after
+    the gather)."""
+    return p if scale == 1.0 else p * scale + p.detach() * (1 - scale)

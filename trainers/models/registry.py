@@ -62,7 +62,8 @@ class ModelSpec:
     settings (SCAN: the dataset's preset for the chosen direction and aggregation). ``shortcuts`` are extra
     flags that set several settings (``{"--no-kl": ("help", {"kl_weight": 0.0})}``). ``upgrade_args`` turns
     ``model_args`` of runs written before a change into today's ``(model_args, inputs)``. ``after_training``
-    runs once a run is trained (``(run directory, TrainConfig)``, logging to ``retr``), e.g. SMFEA's tree-node accuracy.
+    names the reports made once a run is trained (:data:`retr.trainers.evaluation.reports.AFTER_TRAINING`),
+    e.g. SMFEA's ``tree_accuracy``.
     """
 
     name: str
@@ -77,7 +78,7 @@ class ModelSpec:
     load_inputs: LoadInputs | None = None
     shortcuts: Mapping[str, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)
     upgrade_args: Callable[[dict], tuple[dict, dict]] | None = None
-    after_training: Callable[..., None] | None = None
+    after_training: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         known = {f.name for f in dataclasses.fields(self.config_class)}

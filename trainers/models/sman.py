@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from retr.trainers.training.distributed import scale_grad, world_size
+from retr.trainers.models.layers import scale_grad
 from retr.trainers.config import (dropout_setting, embed_size_setting, freeze_word_vectors_setting, margin_setting,
                                   setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
@@ -362,7 +362,7 @@ class SMAN(MatchingModel):
         world = 1
         if gather is not None:
             images, captions = gather(images), gather(captions)
-            world = world_size()
+            world = gather.world_size
         self.score_grad_scale = 1.0 / world
         try:
             levels = self.scoring("level_scores")(images, captions)                 # [B, B, levels]

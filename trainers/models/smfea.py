@@ -169,7 +169,7 @@ class SMFEA(MatchingModel):
 
     # ---------------------------------------------------------------------------------------------- inputs
     def prepare_training(self, inputs: dict[str, torch.Tensor]) -> None:
-        """Install the run's side data (:func:`retr.trainers.training.side_inputs.load_smfea_inputs`): the concept graph
+        """Install the run's side data (:func:`retr.trainers.models.side_inputs.load_smfea_inputs`): the concept graph
         ``adjacency`` [C, C] and fixed ``vectors`` [C, D] (if any), the token map ``token_concepts`` [V], and for
         the training captions the node targets ``nodes`` [M, 7] and image labels ``image_labels`` [M, C]; with
         ``--word-vectors`` the vocabulary's rows (:func:`~retr.trainers.models.text.install_word_vectors`)."""
@@ -417,7 +417,7 @@ SMFEA_SCHEDULE = {"batch_size": 128, "grad_clip": 2.0, "epochs": 50, "lr": 2e-4,
 
 
 def _smfea_inputs(data, files, config, vocab_size):
-    from retr.trainers.training.side_inputs import load_smfea_inputs
+    from retr.trainers.models.side_inputs import load_smfea_inputs
     return load_smfea_inputs(data, files, config, vocab_size)
 
 
@@ -431,11 +431,6 @@ def _smfea_upgrade(model_args: dict) -> tuple[dict, dict]:
     if vectors not in (None, "learned", "fixed"):
         inputs["concept_vectors"], model_args["concept_vectors"] = vectors, "fixed"
     return model_args, inputs
-
-
-def _smfea_after_training(run, cfg) -> None:
-    from retr.trainers.evaluation.tree_accuracy import report_tree_accuracy
-    report_tree_accuracy(run, cfg)
 
 
 register_model(ModelSpec(
@@ -457,4 +452,4 @@ register_model(ModelSpec(
     load_inputs=_smfea_inputs,
     shortcuts={"--no-kl": ("Ablation 'w/o D_KL' (Table 5): --kl-weight 0.", {"kl_weight": 0.0}),
                "--no-node-ce": ("Ablation 'w/o L_CE' (Table 5): --ce-weight 0.", {"ce_weight": 0.0})},
-    upgrade_args=_smfea_upgrade, after_training=_smfea_after_training))
+    upgrade_args=_smfea_upgrade, after_training=("tree_accuracy",)))

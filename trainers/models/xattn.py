@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from retr.trainers.evaluation.gemm import dot_products
+from retr.trainers.models.gemm import dot_products
 
 NORMS = ("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")
 AGGREGATIONS = ("lse", "avg", "max", "sum")

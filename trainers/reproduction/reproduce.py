@@ -152,8 +152,9 @@ def will_train(planned: PlannedMember) -> bool:
 
 def train_member(planned: PlannedMember, quiet: bool) -> Path:
     """Train (or resume, or skip) one planned member whose run holds no differences; returns its folder."""
-    from retr.trainers.training.loop import train
+    from retr.trainers.evaluation.reports import report_after_training
     from retr.trainers.models import get_spec
+    from retr.trainers.training.loop import train
 
     cfg, run, state = planned.cfg, planned.run, planned.state
     if not will_train(planned):
@@ -163,8 +164,8 @@ def train_member(planned: PlannedMember, quiet: bool) -> Path:
     logger.info(f"{planned.member.run}: {'resuming' if state != 'new' else 'training'} ({cfg.model}, preset {cfg.preset})")
     train(cfg, resume=resume, quiet=quiet)
     spec = get_spec(cfg.model)
-    if spec.after_training is not None and state != "finished":
-        spec.after_training(str(run), cfg)
+    if state != "finished":
+        report_after_training(spec, run, cfg)
     return run
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from retr.trainers.training.losses import BatchRanking
+from retr.trainers.models.losses import BatchRanking
 
 #: steps summed per check, and the first step checked
 STRETCH = 20

@@ -43,9 +43,16 @@ def _gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([p[:int(shapes[r, 0])] for r, p in enumerate(parts)])
 
 
-def gather_embeddings(embeddings: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """All ranks' embeddings, rank order, along dim 0 (other dims zero-padded to the largest)."""
-    return {key: _gather_tensor(value) for key, value in embeddings.items()}
+class GatherEmbeddings:
+    """What the loop hands a model's ``forward`` as ``gather`` under DDP: called on a dict of embeddings, every
+    rank's, in rank order along dim 0 (other dims zero-padded to the largest); ``world_size`` the ranks joined
+    (a model scales the gradients of what it uses only after the gather by ``1 / world_size``)."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def __call__(self, embeddings: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {key: _gather_tensor(value) for key, value in embeddings.items()}
 
 
 def barrier(info: DistInfo) -> None:
@@ -61,9 +68,3 @@ def cleanup(info: DistInfo) -> None:
 def world_size() -> int:
     """Processes of the current DDP job (1 without torch.distributed)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def scale_grad(p: torch.Tensor, scale: float) -> torch.Tensor:
-    """``p`` unchanged in value, its gradient multiplied by ``scale`` (1/world size for parameters used only after
-    the gather)."""
-    return p if scale == 1.0 else p * scale + p.detach() * (1 - scale)

@@ -56,12 +56,12 @@ from retr.trainers.config import RESUME_APPLIES, TrainConfig
 from retr.trainers.training.run_log import RunLog, epoch_index, summary_writer
 from retr.trainers.training.data import (CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData,
                                 check_feature_contract, data_identity, load_split)
-from retr.trainers.training.distributed import DistInfo, barrier, cleanup, gather_embeddings, init_from_env
+from retr.trainers.training.distributed import DistInfo, GatherEmbeddings, barrier, cleanup, init_from_env
 from retr.trainers.evaluation.metrics import retrieval_metrics
 from retr.trainers.models import ModelInputs, create_model, get_spec
 from retr.trainers.models.base import MatchingModel
-from retr.trainers.training.optim import apply_implementation
-from retr.trainers.training.side_inputs import add_word_vectors
+from retr.trainers.models.optim import apply_implementation
+from retr.trainers.models.side_inputs import add_word_vectors
 from retr.trainers.evaluation.similarity import similarity_matrix
 from retr.store.vocab import Vocabulary
 
@@ -496,7 +496,7 @@ def train_step(model, batch: dict, optimizer, scaler: torch.amp.GradScaler | Non
     keys = ("features", "mask", "tokens", "lengths", *inner.batch_extras)
     size = batch["features"].shape[0]
     cuts = np.array_split(np.arange(size), max(1, min(accum_steps, size)))
-    gather = gather_embeddings if dist_info.enabled else None
+    gather = GatherEmbeddings(dist_info.world_size) if dist_info.enabled else None
     dtype = autocast_dtype(amp, device)
     total = 0.0
     for n, rows in enumerate(cuts):

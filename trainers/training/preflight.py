@@ -5,7 +5,7 @@ caption encoding, never after minutes of it.
 * :func:`check_output_folder` — the folder a command writes into can be made and written;
 * :func:`check_training` — one run's data, pairing of features and manifest
   (:func:`~retr.trainers.training.data.check_manifest_pairing`), splits, side files and word vectors
-  (:func:`~retr.trainers.training.side_inputs.check_side_inputs`) and the ``--log`` targets (the settings'
+  (:func:`~retr.trainers.models.side_inputs.check_side_inputs`) and the ``--log`` targets (the settings'
   bounds are :class:`~retr.trainers.config.TrainConfig`'s own, checked when it is made);
 * :func:`check_evaluation_split` — the split a protocol evaluates: present, every image with features, and the
   protocol's size (unless a mismatch is allowed).
@@ -66,7 +66,7 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
     from retr.trainers.models import get_spec
     from retr.trainers.training.run_log import summary_writer
     from retr.trainers.training.data import SplitData
-    from retr.trainers.training.side_inputs import caption_keys, check_side_inputs
+    from retr.trainers.models.side_inputs import caption_keys, check_side_inputs
 
     check_output_folder(cfg.out)
     summary_writer(tuple(cfg.log))
