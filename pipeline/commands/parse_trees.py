@@ -41,7 +41,8 @@ def _parser_options(f):
     f = click.option("--stanza-dir", type=click.Path(file_okay=False),
                      help="stanza model folder (default: $STANZA_RESOURCES_DIR, else stanza's own).")(f)
     f = click.option("--conllu", type=click.Path(dir_okay=False),
-                     help="parses made elsewhere (CoNLL-U, '# sent_id = <image id>#<caption index>').")(f)
+                     help="parses made elsewhere (CoNLL-U, '# sent_id = <image id>#<caption index>'); needs no "
+                          "extra, unlike stanza (the pipeline extra).")(f)
     f = click.option("--verb-prep", type=click.Choice(VERB_PREP_STYLES), default="placeholder",
                      show_default=True,
                      help="verb with a prepositional complement: run_PREP (paper) or run_on (word).")(f)
@@ -131,7 +132,7 @@ def show_tree_command(text, verb_prep, conllu, stanza_dir, match, device, no_con
     except ConversionError as exc:
         raise UserError(f"cannot convert this sentence from {choice.scheme} to UD v2: {exc}") from None
     tree = TreeBuilder(TreeRules(verb_prep=verb_prep)).build(converted)
-    text = text or sentence.text or " ".join(w.text for w in sentence.words)
+    text = text or sentence.text or " ".join(w.form for w in sentence.words)
     click.echo(f"caption  {text}")
     click.echo(f"tree     {tree.bracketed()}")
     click.echo("slots    " + "  ".join(f"{name}={label}" for name, label in
@@ -141,8 +142,7 @@ def show_tree_command(text, verb_prep, conllu, stanza_dir, match, device, no_con
         dicts: Dictionaries = load_dictionaries(dictionaries)
         ids = dicts.encode(tree)
         click.echo(f"ids      {ids.tolist()}  {tree.bracketed(dicts.display_labels(tree, ids))}")
-    constituency = getattr(sentence, "constituency", None)
-    if constituency is not None:
-        click.echo(f"parse    {constituency}")
+    if sentence.constituency is not None:
+        click.echo(f"parse    {sentence.constituency}")
     click.echo("")
     click.echo(TreePrettyPrinter(tree.to_nltk()).text())
