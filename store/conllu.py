@@ -47,9 +47,9 @@ class ConlluError(ValueError):
 
 @dataclass(frozen=True)
 class ConlluRow:
-    """The first eight columns of one CoNLL-U word line, as written: ``"_"`` for an empty column (``form``
-    excepted, which is the word however it reads); ``id`` and ``head`` are 1-based (``head`` 0 for the root,
-    −1 for ``_``). ``DEPS`` and ``MISC`` are not kept (written as ``_``)."""
+    """The first eight columns of one CoNLL-U word line, as written, ``"_"`` for an empty one (but ``form``,
+    kept as it is); ``id`` and ``head`` are 1-based (``head`` 0 for the root, −1 for ``_``). ``DEPS`` and ``MISC``
+    are not kept (written as ``_``)."""
 
     id: int
     form: str
@@ -171,7 +171,7 @@ class ConlluBlock:
 RowColumns = Sequence[tuple[str, str, str, str]]
 
 
-def comment(line: str) -> tuple[str, str] | None:
+def _comment(line: str) -> tuple[str, str] | None:
     """``# key = value`` → ``(key, value)``, both stripped; ``None`` for a comment without ``=``."""
     key, sep, value = line[1:].partition("=")
     return (key.strip(), value.strip()) if sep else None
@@ -197,7 +197,7 @@ def index_conllu(path: str | os.PathLike, rows: Callable[[RowColumns], None] | N
                 if start is None:
                     start = offset
                 if line.startswith("#"):
-                    pair = comment(line)
+                    pair = _comment(line)
                     if pair is not None and pair[0] == "sent_id":
                         sent_id = pair[1]
                     elif pair is not None and pair[0] == "text":
