@@ -71,8 +71,9 @@ class Source:
 
 
 _TORCHVISION = "torchvision's weight enum (IMAGENET1K_V1); the file name's hex is the start of its sha256"
-#: Every file retr downloads itself. Checksums: COCO and Karpathy's splits as published in TensorFlow Datasets'
-#: url_checksums (coco_captions.txt), VGG's as torchvision's file names and public listings give them.
+#: Every file retr downloads itself (``retr-pipeline fetch-weights`` lists and fetches weights in this order).
+#: Checksums: COCO and Karpathy's splits as published in TensorFlow Datasets' url_checksums (coco_captions.txt),
+#: VGG's as torchvision's file names and public listings give them.
 SOURCES: dict[str, Source] = {s.key: s for s in (
     Source("coco-train2014", "COCO 2014 train images (82,783 JPEGs)",
            "http://images.cocodataset.org/zips/train2014.zip", "train2014.zip",
@@ -93,12 +94,6 @@ SOURCES: dict[str, Source] = {s.key: s for s in (
            "https://shannon.cs.illinois.edu/DenotationGraph/", "flickr30k-images.tar.gz", approx_bytes=4_400_000_000,
            unpacked_bytes=4_500_000_000, files=31_783, gated=True,
            origin="University of Illinois (request form); given to fetch-data f30k --images-zip"),
-    Source("butd", "bottom-up-attention Faster R-CNN R101, fixed 36 boxes (MILVLG conversion of the Caffe model)",
-           "https://awma1-my.sharepoint.com/:u:/g/personal/yuz_l0_tn/"
-           "EUKhQ3hSRv9JrrW64qpNLSIBGoOjEGCkF8zvgBP9gKax-w?download=1", "bua-caffe-frcn-r101-k36.pth",
-           approx_bytes=262_000_000,
-           origin="MILVLG/bottom-up-attention.pytorch model zoo (R101-k36, OneDrive); no published size or hash: "
-                  "the server's length and a key/shape load are checked, the sha256 is recorded in the features"),
     Source("resnet152", "ResNet-152 ImageNet weights (torchvision IMAGENET1K_V1)",
            "https://download.pytorch.org/models/resnet152-394f9c45.pth", "resnet152-394f9c45.pth",
            approx_bytes=241_600_000, origin=_TORCHVISION),
@@ -114,6 +109,12 @@ SOURCES: dict[str, Source] = {s.key: s for s in (
            "https://huggingface.co/timm/inception_resnet_v2.tf_in1k/resolve/main/model.safetensors",
            "model.safetensors", approx_bytes=223_800_000,
            origin="timm on the Hugging Face hub (downloaded by huggingface_hub into its cache, which checks it)"),
+    Source("butd", "bottom-up-attention Faster R-CNN R101, fixed 36 boxes (MILVLG conversion of the Caffe model)",
+           "https://awma1-my.sharepoint.com/:u:/g/personal/yuz_l0_tn/"
+           "EUKhQ3hSRv9JrrW64qpNLSIBGoOjEGCkF8zvgBP9gKax-w?download=1", "bua-caffe-frcn-r101-k36.pth",
+           approx_bytes=262_000_000,
+           origin="MILVLG/bottom-up-attention.pytorch model zoo (R101-k36, OneDrive); no published size or hash: "
+                  "the server's length and a key/shape load are checked, the sha256 is recorded in the features"),
     Source("glove-840b", "GloVe word vectors, Common Crawl 840B tokens, 2.2M cased words, 300-d",
            "https://nlp.stanford.edu/data/glove.840B.300d.zip", "glove.840B.300d.zip",
            size=2_176_768_927, sha256="c06db255e65095393609f19a4cfca20bf3a71e20cc53e892aafa490347e3849f",

@@ -1,16 +1,21 @@
-"""The interface every extractor implements, and the registry that names them.
+"""The interface every extractor implements, and the registry of their specs (:class:`ExtractorSpec`).
 
 The stage drives it: ``load(path)`` in workers (one preprocessed image, or :class:`ImageError`), ``collate``,
 ``to_device`` (main process), ``extract(batch)`` → numpy ``features`` ``[B, K, D]`` and each of ``extras`` (e.g.
-``boxes`` ``[B, K, 4]``); ``attrs()`` the feature set's root attributes."""
+``boxes`` ``[B, K, 4]``); ``attrs()`` the feature set's root attributes. Every module of this package is imported
+on first use of the registry, so a new extractor is one module that calls :func:`register_extractor`."""
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from retr.extractors.spec import ExtractorSpec
 
 
 class ImageError(Exception):
@@ -22,7 +27,7 @@ class Extractor(ABC):
 
     #: registry name, e.g. ``"resnet152-grid"``
     name: str
-    #: feature-set kind: ``grid``, ``maps``, ``tencrop`` or ``regions``
+    #: feature-set kind: ``grid``, ``maps``, ``tencrop``, ``regions`` or ``clip``
     kind: str
 
     @property
@@ -74,43 +79,89 @@ def stack_samples(samples: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(samples)
 
 
-#: name → builder(**options) returning an :class:`Extractor`. Modules add themselves with :func:`register`.
-_REGISTRY: dict[str, Callable[..., Extractor]] = {}
+#: name → spec. Each extractor module registers its own (:func:`register_extractor`, beside its builder).
+_SPECS: dict[str, ExtractorSpec] = {}
+_LOADED = False
 
 
-def register(name: str) -> Callable[[Callable[..., Extractor]], Callable[..., Extractor]]:
-    """Decorator: make a builder available to ``retr-pipeline extract --extractor NAME``."""
-    def decorate(builder: Callable[..., Extractor]) -> Callable[..., Extractor]:
-        if name in _REGISTRY:
-            raise ValueError(f"extractor {name!r} registered twice")
-        _REGISTRY[name] = builder
-        return builder
-    return decorate
+def register_extractor(spec: ExtractorSpec) -> ExtractorSpec:
+    """Make ``spec`` available (``retr-pipeline extract --extractor NAME``, fetch-weights, the presets' check);
+    called by the extractor's module, beside its builder. A name registered twice by another builder is a bug."""
+    if spec.name in _SPECS and _SPECS[spec.name].builder is not spec.builder:
+        raise ValueError(f"extractor {spec.name!r} registered twice")
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def unregister_extractor(name: str) -> None:
+    """Remove extractor ``name`` from the registry (for tests that register a throwaway extractor)."""
+    _SPECS.pop(name, None)
+
+
+def _load_all() -> None:
+    """Import every module of :mod:`retr.extractors`, subpackages included, so each registers its specs."""
+    global _LOADED
+    if _LOADED:
+        return
+    package = importlib.import_module("retr.extractors")
+    for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+        importlib.import_module(module.name)
+    _LOADED = True
 
 
 def available_extractors() -> list[str]:
-    """Names of every registered extractor (importing the modules that define them)."""
-    import retr.extractors.catalog  # noqa: F401  (imports every extractor module once)
-    return sorted(_REGISTRY)
+    """Names of every registered extractor, sorted."""
+    _load_all()
+    return sorted(_SPECS)
+
+
+def extractor_specs() -> list[ExtractorSpec]:
+    """Every registered :class:`ExtractorSpec`, sorted by name."""
+    return [_SPECS[name] for name in available_extractors()]
+
+
+def extractor_spec(name: str) -> ExtractorSpec:
+    """The spec of extractor ``name``; :class:`~retr.common.errors.ParameterError` lists the known ones."""
+    from retr.common.errors import ParameterError
+    names = available_extractors()
+    if name not in _SPECS:
+        raise ParameterError(f"unknown extractor {name!r} (available: {', '.join(names)})", "name")
+    return _SPECS[name]
+
+
+def extractors_requiring(module: str) -> list[str]:
+    """Names of the extractors whose spec requires ``module`` (``timm``, ``open_clip``), in name order."""
+    return [spec.name for spec in extractor_specs() if module in spec.requires]
+
+
+def needed_by(module: str) -> str:
+    """What needs ``module``, for its missing-extra line: ``the tencrop-irv2 extractor``, ``the a, b extractors``."""
+    names = extractors_requiring(module)
+    if not names:
+        return f"the extractors that use {module}"
+    return f"the {', '.join(names)} extractor{'s' if len(names) > 1 else ''}"
 
 
 def declared_options(name: str) -> set[str]:
     """The options the builder of extractor ``name`` names in its signature (``**``-collected ones excluded)."""
-    available_extractors()
-    parameters = inspect.signature(_REGISTRY[name]).parameters
+    parameters = inspect.signature(extractor_spec(name).builder).parameters
     return {n for n, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
 
 
 def build_extractor(name: str, **options: Any) -> Extractor:
-    """The extractor ``name`` built with ``options``; :class:`~retr.common.errors.ParameterError` names a bad one."""
+    """The extractor ``name`` built with ``options``; :class:`~retr.common.errors.ParameterError` names a bad one,
+    :class:`~retr.common.optional.MissingExtraError` a missing extra (before anything is built)."""
     from retr.common.errors import ParameterError
-    names = available_extractors()
-    if name not in _REGISTRY:
-        raise ParameterError(f"unknown extractor {name!r} (available: {', '.join(names)})", "name")
-    builder = _REGISTRY[name]
-    parameters = inspect.signature(builder).parameters
+    spec = extractor_spec(name)
+    parameters = inspect.signature(spec.builder).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         refused = sorted(set(options) - set(parameters))
         if refused:
             raise ParameterError(f"extractor {name!r} does not take {', '.join(refused)}", *refused)
-    return builder(**options)
+    spec.check_extra()
+    extractor = spec.builder(**options)
+    declared = spec.feature_shape(options)
+    if (extractor.name, extractor.kind, tuple(extractor.feature_shape)) != (name, spec.kind, declared):
+        raise TypeError(f"extractor {name!r} built {extractor.name!r} of kind {extractor.kind!r} with features "
+                        f"{list(extractor.feature_shape)}; its spec says kind {spec.kind!r}, {list(declared)}")
+    return extractor

@@ -37,23 +37,30 @@ from retr.common.errors import ParameterError, UserError
 from retr.common.hashing import sha256_file
 from retr.common.optional import require
 from retr.extractors.backbone import BackboneExtractor
-from retr.extractors.base import register
+from retr.extractors.base import register_extractor
 from retr.extractors.images import check_aspect, decode_image, normalize_uint8, to_normalized_tensor
-from retr.extractors.timm_weights import (cached_hub_file, download_hub_file, missing_hub_weights,
+from retr.extractors.spec import ExtractorSpec, RandomInit, WeightSource
+from retr.extractors.timm_weights import (cached_hub_file, download_hub_file, hf_hub_cache, missing_hub_weights,
                                           read_weights_file)
 from retr.extractors.weights import RANDOM_SEED, LoadedWeights, load_checked, seeded_random_model
 
 #: extractor name → open_clip architecture
 FAMILY = {"clip-vit-b-32": "ViT-B-32", "clip-vit-b-16": "ViT-B-16", "clip-vit-l-14": "ViT-L-14",
           "clip-vit-l-14-336": "ViT-L-14-336"}
+#: extractor name → ``(1 + P, D)`` of its features (what :func:`geometry` reads from open_clip's configs)
+OUTPUT = {"clip-vit-b-32": (50, 512), "clip-vit-b-16": (197, 512), "clip-vit-l-14": (257, 768),
+          "clip-vit-l-14-336": (577, 768)}
 DEFAULT_WEIGHTS = "openai"
 #: open_clip's files of a pretrained tag on the hub, in the order open_clip prefers them (the first is downloaded)
 HUB_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
-WHAT = "the clip extractors and retr-train eval-clip"
+#: the extra that installs open_clip, and the fetch-weights name of the four weight files (not part of ``all``:
+#: 4.6 GB that no preset needs)
+EXTRA = GROUP = "clip"
 
 
 def open_clip():
-    return require("open_clip", "clip", WHAT)
+    from retr.extractors.base import needed_by
+    return require("open_clip", EXTRA, f"{needed_by('open_clip')} and retr-train eval-clip")
 
 
 def geometry(arch: str) -> dict[str, int]:
@@ -223,13 +230,34 @@ class ClipExtractor(BackboneExtractor):
                 "exif_orientation": self.exif_orientation}
 
 
+@dataclass(frozen=True, kw_only=True)
+class OpenClipWeights(WeightSource):
+    """open_clip's pretrained tag ``tag`` of ``arch`` (``ViT-B-32`` / ``openai``), cached by ``huggingface_hub`` in
+    the Hugging Face cache (:func:`fetch_clip_weights`)."""
+
+    arch: str
+    tag: str = DEFAULT_WEIGHTS
+
+    def locate(self) -> Path | None:
+        return cached_hub_file(_hub_id(self.arch, self.tag), HUB_FILES)
+
+    def fetch(self, quiet: bool = False, mirror: str | None = None) -> Path:
+        return fetch_clip_weights(self.arch, self.tag, quiet=quiet)
+
+    def looked_in(self) -> str:
+        return str(hf_hub_cache())
+
+
 def _register(name: str) -> None:
     def build(weights: str = DEFAULT_WEIGHTS, device: str = "cpu", half: bool = False, exif_orientation: bool = False,
               decode: str = "auto", autocast: str = "none", channels_last: bool = False) -> ClipExtractor:
         return ClipExtractor(name=name, weights=weights, device=device, half=half, exif_orientation=exif_orientation,
                              decode=decode, autocast=autocast, channels_last=channels_last)
     build.__doc__ = f"open_clip {FAMILY[name]}: projected embedding + projected patch tokens per image."
-    register(name)(build)
+    register_extractor(ExtractorSpec(
+        name=name, builder=build, kind="clip", output=OUTPUT[name],
+        weights=OpenClipWeights(source=name, arch=FAMILY[name], group=GROUP),   # SOURCES keys are the names
+        extra=EXTRA, requires=("open_clip",), random=RandomInit("open_clip", {"force_quick_gelu": True})))
 
 
 for _name in FAMILY:

@@ -11,8 +11,10 @@ import torch.nn.functional as F
 
 from retr.common.errors import ParameterError
 from retr.extractors.backbone import BackboneExtractor
-from retr.extractors.base import register
+from retr.extractors.base import register_extractor
 from retr.extractors.images import SquareResize
+from retr.extractors.spec import ExtractorSpec
+from retr.extractors.weights import RANDOM_RESNET, TorchvisionWeights
 
 STRIDE = 32  #: ResNet's output stride: a S×S input gives a (S/32)×(S/32) res5c map
 GRID_SIZES = (7, 14)
@@ -41,7 +43,7 @@ class ResNetGridExtractor(BackboneExtractor):
         self.exif_orientation = exif_orientation
         super().__init__(arch="resnet152", node="layer4", weights=weights, device=device, half=half,
                          preprocess=lambda mean, std: SquareResize(image_size, mean, std, exif_orientation),
-                         unused_prefixes=("fc.",), random_options={"zero_init_residual": True},
+                         unused_prefixes=("fc.",), random_options=dict(RANDOM_RESNET.options),
                          decode=decode, autocast=autocast, channels_last=channels_last)
 
     @property
@@ -60,7 +62,6 @@ class ResNetGridExtractor(BackboneExtractor):
                 "exif_orientation": self.exif_orientation}
 
 
-@register("resnet152-grid")
 def build_resnet152_grid(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 448,
                          grid_size: int = 7, exif_orientation: bool = False,
                          decode: str = "auto", autocast: str = "none", channels_last: bool = False,
@@ -69,3 +70,9 @@ def build_resnet152_grid(weights: str = "imagenet", device: str = "cpu", half: b
     return ResNetGridExtractor(weights=weights, device=device, half=half, image_size=image_size,
                                grid_size=grid_size, exif_orientation=exif_orientation,
                                decode=decode, autocast=autocast, channels_last=channels_last)
+
+
+register_extractor(ExtractorSpec(
+    name="resnet152-grid", builder=build_resnet152_grid, kind="grid",
+    output=lambda options: (options["grid_size"] ** 2, 2048),
+    weights=TorchvisionWeights(source="resnet152", arch="resnet152"), random=RANDOM_RESNET))

@@ -11,10 +11,12 @@ import torch
 
 from retr.common.errors import ParameterError
 from retr.extractors.backbone import BackboneExtractor, ModelBuilder
-from retr.extractors.base import register
+from retr.extractors.base import register_extractor
 from retr.extractors.images import TenCrop, tencrop_resize_for
-from retr.extractors.timm_weights import build_timm_backbone
-from retr.extractors.weights import build_backbone
+from retr.extractors.spec import ExtractorSpec, RandomInit
+from retr.extractors.timm_weights import EXTRA as TIMM_EXTRA
+from retr.extractors.timm_weights import TimmWeights, build_timm_backbone
+from retr.extractors.weights import RANDOM_RESNET, TorchvisionWeights, build_backbone
 
 NUM_CROPS = 10
 MIN_CROP = 32
@@ -62,7 +64,6 @@ class TenCropExtractor(BackboneExtractor):
                 "exif_orientation": self.exif_orientation}
 
 
-@register("tencrop-vgg19")
 def build_tencrop_vgg19(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 224,
                         exif_orientation: bool = False,
                         decode: str = "auto", autocast: str = "none", channels_last: bool = False) -> TenCropExtractor:
@@ -73,20 +74,18 @@ def build_tencrop_vgg19(weights: str = "imagenet", device: str = "cpu", half: bo
                             decode=decode, autocast=autocast, channels_last=channels_last)
 
 
-@register("tencrop-resnet152")
 def build_tencrop_resnet152(weights: str = "imagenet", device: str = "cpu", half: bool = False,
                             image_size: int = 224, exif_orientation: bool = False,
                             decode: str = "auto", autocast: str = "none", channels_last: bool = False,
                             ) -> TenCropExtractor:
     """ResNet-152 global average pool of ten crops: ``[10, 2048]`` per image."""
     return TenCropExtractor(name="tencrop-resnet152", arch="resnet152", node="flatten", dim=2048,
-                            unused_prefixes=("fc.",), random_options={"zero_init_residual": True},
+                            unused_prefixes=("fc.",), random_options=dict(RANDOM_RESNET.options),
                             weights=weights, device=device, half=half, image_size=image_size,
                             exif_orientation=exif_orientation,
                             decode=decode, autocast=autocast, channels_last=channels_last)
 
 
-@register("tencrop-irv2")
 def build_tencrop_irv2(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 299,
                        exif_orientation: bool = False,
                        decode: str = "auto", autocast: str = "none", channels_last: bool = False) -> TenCropExtractor:
@@ -97,3 +96,15 @@ def build_tencrop_irv2(weights: str = "imagenet", device: str = "cpu", half: boo
                             builder=build_timm_backbone, min_crop=MIN_CROP_IRV2,
                             normalisation="Inception (mean 0.5, std 0.5)", cut=False,
                             decode=decode, autocast=autocast, channels_last=channels_last)
+
+
+register_extractor(ExtractorSpec(
+    name="tencrop-vgg19", builder=build_tencrop_vgg19, kind="tencrop", output=(NUM_CROPS, 4096),
+    weights=TorchvisionWeights(source="vgg19", arch="vgg19"), random=RandomInit("torchvision")))
+register_extractor(ExtractorSpec(
+    name="tencrop-resnet152", builder=build_tencrop_resnet152, kind="tencrop", output=(NUM_CROPS, 2048),
+    weights=TorchvisionWeights(source="resnet152", arch="resnet152"), random=RANDOM_RESNET))
+register_extractor(ExtractorSpec(
+    name="tencrop-irv2", builder=build_tencrop_irv2, kind="tencrop", output=(NUM_CROPS, 1536),
+    weights=TimmWeights(source="inception_resnet_v2", arch="inception_resnet_v2"),
+    extra=TIMM_EXTRA, requires=("timm",), random=RandomInit("timm")))

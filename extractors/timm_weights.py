@@ -5,6 +5,7 @@ by key, the architecture's own normalisation: docs/extraction.md ("Decisions the
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -15,6 +16,7 @@ from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.common.hashing import sha256_file
 from retr.common.optional import require
+from retr.extractors.spec import WeightSource
 from retr.extractors.weights import (RANDOM_SEED, LoadedWeights, first_line, load_checked, read_state_dict,
                                      seeded_random_model)
 
@@ -22,12 +24,18 @@ from retr.extractors.weights import (RANDOM_SEED, LoadedWeights, first_line, loa
 TIMM_DEFAULT_TAG = "tf_in1k"
 #: Files of a timm weight folder in the Hugging Face cache, in the order they are looked for.
 HUB_FILES = ("model.safetensors", "pytorch_model.bin")
-#: what needs timm, huggingface_hub and safetensors (the ``pipeline`` extra), in their one-line error
-WHAT = "the tencrop-irv2 extractor and its weights"
+#: the extra that installs timm (which brings huggingface_hub and safetensors)
+EXTRA = "pipeline"
+
+
+def what() -> str:
+    """What needs timm, in the one-line error when it is missing: the extractors whose spec requires it."""
+    from retr.extractors.base import needed_by
+    return f"{needed_by('timm')} and its weights"
 
 
 def _timm():
-    return require("timm", "pipeline", WHAT)
+    return require("timm", EXTRA, what())
 
 
 def hf_hub_cache() -> Path:
@@ -65,8 +73,8 @@ def read_weights_file(path: Path) -> dict[str, torch.Tensor]:
     """A state dict from a ``.safetensors`` file or a ``torch.save`` file (tensors only)."""
     if path.suffix != ".safetensors":
         return read_state_dict(path)
-    safetensors = require("safetensors", "pipeline", WHAT)
-    load_file = require("safetensors.torch", "pipeline", WHAT).load_file
+    safetensors = require("safetensors", EXTRA, what())
+    load_file = require("safetensors.torch", EXTRA, what()).load_file
     try:
         return load_file(str(path), device="cpu")
     except (safetensors.SafetensorError, OSError, ValueError) as exc:
@@ -76,7 +84,7 @@ def read_weights_file(path: Path) -> dict[str, torch.Tensor]:
 def cached_hub_file(repo_id: str, names: Iterable[str] = HUB_FILES) -> Path | None:
     """The first of ``names`` (default :data:`HUB_FILES`) of ``repo_id`` present in the Hugging Face cache, or
     ``None``."""
-    hub = require("huggingface_hub", "pipeline", WHAT)
+    hub = require("huggingface_hub", EXTRA, what())
     for name in names:
         found = hub.try_to_load_from_cache(repo_id, name, cache_dir=hf_hub_cache())
         if isinstance(found, str) and Path(found).is_file():
@@ -119,8 +127,8 @@ def hub_folder(repo_id: str) -> Path:
 def download_hub_file(repo_id: str, filename: str, quiet: bool = False) -> Path:
     """``huggingface_hub.hf_hub_download`` of ``filename`` of ``repo_id`` into :func:`hf_hub_cache` (its own
     checks and resume); any failure is one :class:`UserError`."""
-    hf_hub_download = require("huggingface_hub", "pipeline", WHAT).hf_hub_download
-    hub_utils = require("huggingface_hub.utils", "pipeline", WHAT)
+    hf_hub_download = require("huggingface_hub", EXTRA, what()).hf_hub_download
+    hub_utils = require("huggingface_hub.utils", EXTRA, what())
     if quiet:
         hub_utils.disable_progress_bars()
     try:
@@ -164,3 +172,21 @@ def build_timm_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] 
         model = _headless(arch)
     load_checked(model, state, str(source), arch)
     return model.eval(), LoadedWeights(name, attrs, mean, std)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimmWeights(WeightSource):
+    """timm's pretrained weights ``arch.tag`` (``inception_resnet_v2.tf_in1k``), cached by ``huggingface_hub`` in
+    :func:`hf_hub_cache` (:func:`fetch_timm_weights`)."""
+
+    arch: str
+    tag: str = TIMM_DEFAULT_TAG
+
+    def locate(self) -> Path | None:
+        return cached_hub_file(_pretrained_cfg(self.arch, self.tag).hf_hub_id)
+
+    def fetch(self, quiet: bool = False, mirror: str | None = None) -> Path:
+        return fetch_timm_weights(self.arch, self.tag, quiet=quiet)
+
+    def looked_in(self) -> str:
+        return str(hf_hub_cache())

@@ -11,8 +11,10 @@ import torch
 
 from retr.common.errors import ParameterError
 from retr.extractors.backbone import BackboneExtractor
-from retr.extractors.base import register
+from retr.extractors.base import register_extractor
 from retr.extractors.images import SquareResize
+from retr.extractors.spec import ExtractorSpec, RandomInit
+from retr.extractors.weights import TorchvisionWeights
 
 IMAGE_SIZES = (448, 224)
 POOL5 = "features.30"  #: the fifth max-pool of torchvision's VGG-16 ``features`` (its last module)
@@ -51,7 +53,6 @@ class VggMapsExtractor(BackboneExtractor):
                 "exif_orientation": self.exif_orientation}
 
 
-@register("vgg16-maps")
 def build_vgg16_maps(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 448,
                      exif_orientation: bool = False,
                      decode: str = "auto", autocast: str = "none", channels_last: bool = False) -> VggMapsExtractor:
@@ -59,3 +60,9 @@ def build_vgg16_maps(weights: str = "imagenet", device: str = "cpu", half: bool 
     return VggMapsExtractor(weights=weights, device=device, half=half, image_size=image_size,
                             exif_orientation=exif_orientation,
                             decode=decode, autocast=autocast, channels_last=channels_last)
+
+
+register_extractor(ExtractorSpec(
+    name="vgg16-maps", builder=build_vgg16_maps, kind="maps",
+    output=lambda options: ((options["image_size"] // 32) ** 2, 512),
+    weights=TorchvisionWeights(source="vgg16", arch="vgg16"), random=RandomInit("torchvision")))

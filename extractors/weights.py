@@ -1,5 +1,7 @@
 """Where a torchvision backbone's weights come from: ``imagenet`` (torchvision's enums), an enum name, ``random``
-(seed :data:`RANDOM_SEED`), a state-dict file (checked key by key; recorded as ``sha256:<hex>``).
+(seed :data:`RANDOM_SEED`), a state-dict file (checked key by key; recorded as ``sha256:<hex>``). Also what every
+extractor shares about weights: the one seed and cache of random networks (:func:`seeded_random_model`), and the
+weight sources of a spec that are a torchvision enum (:class:`TorchvisionWeights`) or a URL (:class:`UrlWeights`).
 
 Cache, mirror and offline behaviour: docs/extraction.md ("Options of retr-pipeline extract", "Downloads")."""
 from __future__ import annotations
@@ -19,12 +21,15 @@ import torch
 from torch import nn
 from torchvision import models as tvm
 
-from retr.common.downloads import SOURCES, download, is_offline, mirror_base
+from retr.common.downloads import SOURCES, download, fetch_source, is_offline, mirror_base
 from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.common.hashing import sha256_file
+from retr.extractors.spec import RandomInit, WeightSource
 
-#: The seed of ``--weights random`` (recorded as the ``weights_seed`` attribute).
+#: The seed of every extractor's ``--weights random`` (recorded as the ``weights_seed`` attribute where recorded).
 RANDOM_SEED = 0
+#: Random ResNets start each residual branch at zero, so activations stay in float16's range (docs/extraction.md).
+RANDOM_RESNET = RandomInit("torchvision", {"zero_init_residual": True})
 #: The enum member ``--weights imagenet`` means.
 IMAGENET_DEFAULT = "IMAGENET1K_V1"
 
@@ -145,10 +150,13 @@ _RANDOM_MODELS: OrderedDict[tuple, nn.Module] = OrderedDict()
 RANDOM_MODELS_KEPT = 2
 
 
-def seeded_random_model(key: tuple, make: Callable[[], nn.Module]) -> nn.Module:
+def seeded_random_model(key: tuple, make: Callable[[], nn.Module], copy_out: bool = True) -> nn.Module:
     """``make()`` under :data:`RANDOM_SEED` (the caller's random state untouched), made once per process: a later
     call with the same ``key`` gets a copy of the same tensors instead of initialising again (ResNet-152 and VGG
-    take 1–2 s on a CPU; tests and benchmarks build them dozens of times)."""
+    take 1–2 s on a CPU, the detector's calibration more; tests and benchmarks build them dozens of times). Every
+    extractor's random weights go through this one cache (``key`` starts with the library: ``torchvision``,
+    ``timm``, ``open_clip``, ``butd``). ``copy_out=False`` returns the kept model itself, to be read only (its
+    state dict loaded into another model)."""
     kept = _RANDOM_MODELS.get(key)
     if kept is None:
         with torch.random.fork_rng(devices=[]):
@@ -158,7 +166,7 @@ def seeded_random_model(key: tuple, make: Callable[[], nn.Module]) -> nn.Module:
         while len(_RANDOM_MODELS) > RANDOM_MODELS_KEPT:
             _RANDOM_MODELS.popitem(last=False)
     _RANDOM_MODELS.move_to_end(key)
-    return copy.deepcopy(kept)
+    return copy.deepcopy(kept) if copy_out else kept
 
 
 def _materialise_leftovers(model: nn.Module) -> None:
@@ -280,3 +288,70 @@ def load_checked(model: nn.Module, state: dict[str, torch.Tensor], source: str, 
                         f"of another architecture?")
     model.load_state_dict(state, strict=False, assign=True)
     _materialise_leftovers(model)
+
+
+# ------------------------------------------------------------------------------------------------ weight sources
+
+@dataclass(frozen=True, kw_only=True)
+class TorchvisionWeights(WeightSource):
+    """The torchvision weight enum member ``member`` of ``arch`` (``resnet152``: ``ResNet152_Weights.IMAGENET1K_V1``),
+    cached by torchvision's loader in ``$TORCH_HOME/hub/checkpoints`` (:func:`fetch_imagenet_weights`)."""
+
+    arch: str
+    member: str = IMAGENET_DEFAULT
+
+    def cached(self) -> Path:
+        """Where torchvision keeps the file."""
+        return hub_checkpoint_path(imagenet_weights(self.arch, self.member).url)
+
+    def locate(self) -> Path | None:
+        return self.cached() if self.cached().is_file() else None
+
+    def fetch(self, quiet: bool = False, mirror: str | None = None) -> Path:
+        return fetch_imagenet_weights(self.arch, self.member, quiet=quiet, mirror=mirror)
+
+    def looked_in(self) -> str:
+        return str(self.cached().parent)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UrlWeights(WeightSource):
+    """A file downloaded from its source's URL (size and checksums checked where the entry has them) into
+    ``$RETR_WEIGHTS`` (default ``~/.cache/retr/weights``) under its file name. ``env``: an environment variable
+    naming the file itself, looked at first; ``validate(path)``: a check of a downloaded file before it takes its
+    name (the detector's strict key-and-shape load), a failure removing it."""
+
+    env: str | None = None
+    validate: Callable[[Path], None] | None = None
+
+    def default_path(self) -> Path:
+        """Where a download goes: ``$RETR_WEIGHTS/<file>``, else ``~/.cache/retr/weights/<file>``."""
+        if os.environ.get("RETR_WEIGHTS"):
+            return Path(os.environ["RETR_WEIGHTS"]).expanduser() / self.entry.filename
+        return Path.home() / ".cache" / "retr" / "weights" / self.entry.filename
+
+    def candidates(self) -> list[Path]:
+        """Where :meth:`locate` looks, in order: ``$ENV``, :meth:`default_path`, and ``~/.cache/retr/weights/<file>``
+        when ``$RETR_WEIGHTS`` names another folder."""
+        candidates = [Path(os.environ[self.env]).expanduser()] if self.env and os.environ.get(self.env) else []
+        candidates.append(self.default_path())
+        if os.environ.get("RETR_WEIGHTS"):
+            candidates.append(Path.home() / ".cache" / "retr" / "weights" / self.entry.filename)
+        return candidates
+
+    def locate(self) -> Path | None:
+        return next((c for c in self.candidates() if c.is_file()), None)
+
+    def download(self, dest: str | os.PathLike, quiet: bool = False, mirror: str | None = None) -> Path:
+        """The file at ``dest``, downloaded there first unless it is there (checked before the rename: size,
+        checksums, :attr:`validate`); offline, the one-line error naming ``retr-pipeline fetch-weights KEY``."""
+        dest = Path(dest)
+        return fetch_source(self.entry, dest.parent, filename=dest.name, mirror=mirror, quiet=quiet,
+                            how=f"run retr-pipeline fetch-weights {self.key} on a connected machine and copy the file "
+                                f"to {dest}, or pass --weights PATH", validate=self.validate)
+
+    def fetch(self, quiet: bool = False, mirror: str | None = None) -> Path:
+        return self.locate() or self.download(self.default_path(), quiet=quiet, mirror=mirror)
+
+    def looked_in(self) -> str:
+        return ", ".join(str(c) for c in self.candidates())

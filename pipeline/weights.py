@@ -1,17 +1,20 @@
 """The weights retr downloads, located and fetched ahead of time (``retr-pipeline fetch-weights``, ``extract-preset``).
 
 Named by what they are (``resnet152``, ``butd``, ``stanza`` …) or by extractor; each lands where its loader
-looks first. Sources: :data:`retr.common.downloads.SOURCES`; docs/extraction.md ("Downloads").
+looks first. Every name but ``stanza`` comes from the extractors' specs (:class:`retr.extractors.spec.WeightSource`,
+:func:`weights_catalog`): a new extractor's weights are fetched by naming it. Sources:
+:data:`retr.common.downloads.SOURCES`; docs/extraction.md ("Downloads").
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
-from retr.common.downloads import SOURCES, format_bytes, is_offline
+from retr.common.downloads import SOURCES, Source, format_bytes, is_offline
 from retr.common.errors import MissingResourceError, ParameterError
+from retr.extractors.spec import ALL
 
 logger = logging.getLogger(__name__)
 
@@ -21,77 +24,19 @@ class WeightsItem:
     """One set of weights: where it is cached (``locate`` → path or None), how to fetch it, where it is looked for."""
 
     name: str
-    source: str                                   # key of SOURCES
+    source: Source                                # what it is, its size
     locate: Callable[[], Path | None]
     fetch: Callable[[bool, str | None], Path]     # (quiet, mirror) → path
     looked_in: Callable[[], str]
 
     @property
     def what(self) -> str:
-        return SOURCES[self.source].what
+        return self.source.what
 
 
-def _torchvision(arch: str) -> WeightsItem:
-    def cached() -> Path:
-        from retr.extractors.weights import hub_checkpoint_path, imagenet_weights
-        return hub_checkpoint_path(imagenet_weights(arch, "imagenet").url)
-
-    def fetch(quiet: bool, mirror: str | None) -> Path:
-        from retr.extractors.weights import fetch_imagenet_weights
-        return fetch_imagenet_weights(arch, "imagenet", quiet=quiet, mirror=mirror)
-
-    return WeightsItem(arch, arch, lambda: cached() if cached().is_file() else None, fetch,
-                       lambda: str(cached().parent))
-
-
-def _timm(arch: str) -> WeightsItem:
-    def locate() -> Path | None:
-        from retr.extractors.timm_weights import TIMM_DEFAULT_TAG, _pretrained_cfg, cached_hub_file
-        return cached_hub_file(_pretrained_cfg(arch, TIMM_DEFAULT_TAG).hf_hub_id)
-
-    def fetch(quiet: bool, mirror: str | None) -> Path:
-        from retr.extractors.timm_weights import fetch_timm_weights
-        return fetch_timm_weights(arch, quiet=quiet)
-
-    def looked_in() -> str:
-        from retr.extractors.timm_weights import hf_hub_cache
-        return str(hf_hub_cache())
-
-    return WeightsItem(arch, arch, locate, fetch, looked_in)
-
-
-def _clip(name: str) -> WeightsItem:
-    def locate() -> Path | None:
-        from retr.extractors.clip import DEFAULT_WEIGHTS, FAMILY, HUB_FILES, _hub_id
-        from retr.extractors.timm_weights import cached_hub_file
-        return cached_hub_file(_hub_id(FAMILY[name], DEFAULT_WEIGHTS), HUB_FILES)
-
-    def fetch(quiet: bool, mirror: str | None) -> Path:
-        from retr.extractors.clip import FAMILY, fetch_clip_weights
-        return fetch_clip_weights(FAMILY[name], quiet=quiet)
-
-    def looked_in() -> str:
-        from retr.extractors.timm_weights import hf_hub_cache
-        return str(hf_hub_cache())
-
-    return WeightsItem(name, name, locate, fetch, looked_in)
-
-
-def _butd() -> WeightsItem:
-    def locate() -> Path | None:
-        from retr.extractors.butd.extractor import find_default_checkpoint
-        return find_default_checkpoint()
-
-    def fetch(quiet: bool, mirror: str | None) -> Path:
-        from retr.extractors.butd.checkpoint import fetch_checkpoint
-        from retr.extractors.butd.extractor import default_checkpoint_path, find_default_checkpoint
-        return find_default_checkpoint() or fetch_checkpoint(default_checkpoint_path(), quiet=quiet, mirror=mirror)
-
-    def looked_in() -> str:
-        from retr.extractors.butd.extractor import default_checkpoint_candidates
-        return ", ".join(str(c) for c in default_checkpoint_candidates())
-
-    return WeightsItem("butd", "butd", locate, fetch, looked_in)
+def _extractor_item(weights) -> WeightsItem:
+    """The item of an extractor's :class:`~retr.extractors.spec.WeightSource`."""
+    return WeightsItem(weights.key, weights.entry, weights.locate, weights.fetch, weights.looked_in)
 
 
 def _stanza(model_dir: Path | None) -> WeightsItem:
@@ -111,38 +56,88 @@ def _stanza(model_dir: Path | None) -> WeightsItem:
             raise missing_models_error(path, source)
         return fetch_parser_models(path)
 
-    return WeightsItem("stanza", "stanza", locate, fetch, lambda: str(folder()[0]))
+    return WeightsItem(STANZA, SOURCES[STANZA], locate, fetch, lambda: str(folder()[0]))
 
 
-#: extractor name → the weights its default ``--weights`` needs
-EXTRACTOR_WEIGHTS = {"resnet152-grid": "resnet152", "tencrop-resnet152": "resnet152", "vgg16-maps": "vgg16",
-                     "tencrop-vgg19": "vgg19", "tencrop-irv2": "inception_resnet_v2", "butd-regions": "butd"}
-WEIGHTS_NAMES = ("resnet152", "vgg16", "vgg19", "inception_resnet_v2", "butd", "stanza")
-#: OpenAI's CLIP weights (named by their extractor); not in ``all`` (4.6 GB, no preset needs them): ``clip`` is all four
-CLIP_NAMES = ("clip-vit-b-32", "clip-vit-b-16", "clip-vit-l-14", "clip-vit-l-14-336")
+#: the parser's models: fetched by name and with ``all``, after every extractor's weights
+STANZA = "stanza"
+
+
+@dataclass(frozen=True)
+class WeightsCatalog:
+    """The names ``fetch-weights`` takes, derived from the extractors' specs.
+
+    ``sources``: weights name → its :class:`~retr.extractors.spec.WeightSource`, in the order of the
+    :data:`~retr.common.downloads.SOURCES` table (sources the table lacks after it, by extractor name);
+    ``groups``: group name (``all``, ``clip``) → weights names, ``all`` ending with :data:`STANZA`;
+    ``extractors``: extractor name → the weights name of its default ``--weights``."""
+
+    sources: dict[str, Any]
+    groups: dict[str, tuple[str, ...]]
+    extractors: dict[str, str]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every weights name, ``all``'s first (then :data:`STANZA`), then the other groups'."""
+        named = [n for group in self.groups.values() for n in group]
+        return tuple(dict.fromkeys(self.groups[ALL] + tuple(named)))
+
+    @property
+    def by_extractor(self) -> dict[str, str]:
+        """Extractor name → weights name, for the extractors whose weights go by another name (``resnet152-grid``
+        → ``resnet152``; the CLIP weights are named by their extractor), in weights order then name order."""
+        order = {name: i for i, name in enumerate(self.names)}
+        return dict(sorted(((e, w) for e, w in self.extractors.items() if e != w), key=lambda ew: (order[ew[1]], ew[0])))
+
+
+    def describe(self) -> str:
+        """The names, for ``fetch-weights --help``: ``all (default), resnet152, …, or extractor names (…); …``."""
+        parts = [f"{ALL} (default), {', '.join(self.groups[ALL])}, or extractor names "
+                 f"({', '.join(self.by_extractor)})"]
+        for group, members in self.groups.items():
+            if group != ALL:
+                size = format_bytes(sum(self.sources[name].entry.download_bytes for name in members))
+                parts.append(f"{', '.join(members)}, or {group} for all {len(members)} (not part of {ALL}: {size} "
+                             f"no preset needs)")
+        return "; ".join(parts)
+
+
+def weights_catalog() -> WeightsCatalog:
+    """The :class:`WeightsCatalog` of the registered extractors (imports them: torch, torchvision)."""
+    from retr.extractors.base import extractor_specs
+
+    specs = [spec for spec in extractor_specs() if spec.weights is not None]
+    table = {key: i for i, key in enumerate(SOURCES)}
+    sources: dict[str, Any] = {}
+    for spec in sorted(specs, key=lambda s: (table.get(s.weights.key, len(table)), s.name)):
+        if sources.setdefault(spec.weights.key, spec.weights) != spec.weights:
+            raise ValueError(f"extractors declare two different weights named {spec.weights.key!r}")
+    groups: dict[str, tuple[str, ...]] = {ALL: ()}
+    for key, source in sources.items():
+        groups[source.group] = groups.get(source.group, ()) + (key,)
+    groups[ALL] += (STANZA,)
+    return WeightsCatalog(sources, groups, {spec.name: spec.weights.key for spec in specs})
 
 
 def weights_items(names: Iterable[str], stanza_dir: Path | None = None) -> list[WeightsItem]:
-    """The items named (weights names, extractor names or ``all``), each once, in :data:`WEIGHTS_NAMES` order."""
+    """The items named (weights names, group names such as ``all`` and ``clip``, or extractor names), each once,
+    in :attr:`WeightsCatalog.names` order."""
+    catalog = weights_catalog()
     wanted: set[str] = set()
     for name in names:
-        if name == "all":
-            wanted.update(WEIGHTS_NAMES)
-        elif name == "clip":
-            wanted.update(CLIP_NAMES)
-        elif name in WEIGHTS_NAMES + CLIP_NAMES:
+        if name in catalog.groups:
+            wanted.update(catalog.groups[name])
+        elif name in catalog.names:
             wanted.add(name)
-        elif name in EXTRACTOR_WEIGHTS:
-            wanted.add(EXTRACTOR_WEIGHTS[name])
+        elif name in catalog.extractors:
+            wanted.add(catalog.extractors[name])
         else:
-            raise ParameterError(f"unknown weights {name!r} (expected all, {', '.join(WEIGHTS_NAMES)}, clip, "
-                                 f"{', '.join(CLIP_NAMES)}, or an extractor name: {', '.join(EXTRACTOR_WEIGHTS)})",
+            others = [f"{group}, {', '.join(members)}" for group, members in catalog.groups.items() if group != ALL]
+            raise ParameterError(f"unknown weights {name!r} (expected {ALL}, {', '.join(catalog.groups[ALL])}, "
+                                 f"{', '.join(others)}, or an extractor name: {', '.join(catalog.by_extractor)})",
                                  "names")
-    build = {"resnet152": lambda: _torchvision("resnet152"), "vgg16": lambda: _torchvision("vgg16"),
-             "vgg19": lambda: _torchvision("vgg19"), "inception_resnet_v2": lambda: _timm("inception_resnet_v2"),
-             "butd": _butd, "stanza": lambda: _stanza(stanza_dir)}
-    build.update({name: (lambda n=name: _clip(n)) for name in CLIP_NAMES})
-    return [build[name]() for name in WEIGHTS_NAMES + CLIP_NAMES if name in wanted]
+    return [_stanza(stanza_dir) if name == STANZA else _extractor_item(catalog.sources[name])
+            for name in catalog.names if name in wanted]
 
 
 def ensure_weights(items: list[WeightsItem], quiet: bool = False,
@@ -163,7 +158,7 @@ def ensure_weights(items: list[WeightsItem], quiet: bool = False,
         if path is None:
             if not quiet:
                 logger.info(f"{item.name}: downloading {item.what} (about "
-                            f"{format_bytes(SOURCES[item.source].download_bytes)})")
+                            f"{format_bytes(item.source.download_bytes)})")
             path = item.fetch(quiet, mirror)
             out.append((item, path, True))
         else:

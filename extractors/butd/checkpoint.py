@@ -15,10 +15,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from retr.common.downloads import SOURCES, fetch_source
 from retr.common.errors import MissingResourceError, UserError
 from retr.extractors.butd.heads import NUM_ATTRIBUTE_CLASSES, NUM_OBJECT_CLASSES
-from retr.extractors.weights import load_torch_file
+from retr.extractors.weights import UrlWeights, load_torch_file
 
 #: keys of the MILVLG/detectron2 files that carry nothing this model learns (ignored, reported)
 IGNORED_KEYS = re.compile(r"^(pixel_mean|pixel_std|proposal_generator\.anchor_generator\.cell_anchors\.\d+)$")
@@ -201,11 +200,14 @@ def check_checkpoint_file(path: str | Path, suffix: str = ".pth") -> LoadReport:
     return report
 
 
+#: The default checkpoint (MILVLG's R101-k36, SOURCES["butd"]): ``$RETR_BUTD_WEIGHTS``, else
+#: ``$RETR_WEIGHTS/bua-caffe-frcn-r101-k36.pth`` (default ``~/.cache/retr/weights``); a download is checked by a
+#: strict key-and-shape load (:func:`check_checkpoint_file`) before it takes its name.
+BUTD_WEIGHTS = UrlWeights(source="butd", env="RETR_BUTD_WEIGHTS", validate=check_checkpoint_file)
+
+
 def fetch_checkpoint(dest: str | Path, quiet: bool = False, mirror: str | None = None) -> Path:
     """Download the MILVLG R101-k36 checkpoint to ``dest`` (unless it is there), checked before the rename: the
     server's length, then a strict key-and-shape load (:func:`check_checkpoint_file`). Offline: the one-line
     :class:`MissingResourceError` naming ``retr-pipeline fetch-weights butd``."""
-    dest = Path(dest)
-    return fetch_source(SOURCES["butd"], dest.parent, filename=dest.name, mirror=mirror, quiet=quiet,
-                        how=f"run retr-pipeline fetch-weights butd on a connected machine and copy the file to "
-                            f"{dest}, or pass --weights PATH", validate=check_checkpoint_file)
+    return BUTD_WEIGHTS.download(dest, quiet=quiet, mirror=mirror)

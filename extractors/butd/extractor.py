@@ -6,7 +6,6 @@ Per image: ``features`` [36, 2048], ``boxes`` [36, 4] float32 (x1, y1, x2, y2, o
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,44 +16,37 @@ from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError
 from retr.common.hashing import sha256_file
 from retr.extractors.backbone import resolve_device
-from retr.extractors.base import Extractor, register
-from retr.extractors.butd.checkpoint import LoadReport, fetch_checkpoint, load_weights
+from retr.extractors.base import Extractor, register_extractor
+from retr.extractors.butd.checkpoint import BUTD_WEIGHTS, LoadReport, fetch_checkpoint, load_weights
 from retr.extractors.butd.heads import FEATURE_DIM
 from retr.extractors.butd.model import BottomUpAttention, DetectorSettings, Regions, empty_detector, run_detector
 from retr.extractors.butd.preprocess import MAX_SIDE, SHORT_SIDE, CaffeImage, load_caffe_image, opencv
-from retr.extractors.butd.random_weights import randomize_
+from retr.extractors.butd.random_weights import RANDOM, randomize_
 from retr.extractors.butd.vocab import NUM_ATTRIBUTES, NUM_OBJECTS, read_vocab
+from retr.extractors.spec import ExtractorSpec
 
 #: images per detector forward when ``detector_batch`` is not given, by device type (see docs/butd.md, Batching)
 DEFAULT_DETECTOR_BATCH = {"cuda": 4, "cpu": 1}
 
 BACKBONE = "resnet101-c4-caffe (bottom-up-attention Faster R-CNN, Visual Genome)"
 #: The checkpoint SCAN's features came from (MILVLG's conversion of the Caffe "fix36" model).
-DEFAULT_CHECKPOINT = "bua-caffe-frcn-r101-k36.pth"
+DEFAULT_CHECKPOINT = BUTD_WEIGHTS.entry.filename
 
 
 def default_checkpoint_candidates() -> list[Path]:
     """Where ``weights=None`` looks, in order: ``$RETR_BUTD_WEIGHTS``, ``$RETR_WEIGHTS/<file>``,
-    ``~/.cache/retr/weights/<file>``."""
-    candidates = []
-    if os.environ.get("RETR_BUTD_WEIGHTS"):
-        candidates.append(Path(os.environ["RETR_BUTD_WEIGHTS"]).expanduser())
-    candidates.append(default_checkpoint_path())
-    if os.environ.get("RETR_WEIGHTS"):
-        candidates.append(Path.home() / ".cache" / "retr" / "weights" / DEFAULT_CHECKPOINT)
-    return candidates
+    ``~/.cache/retr/weights/<file>`` (:data:`~retr.extractors.butd.checkpoint.BUTD_WEIGHTS`)."""
+    return BUTD_WEIGHTS.candidates()
 
 
 def default_checkpoint_path() -> Path:
     """Where a downloaded default checkpoint goes: ``$RETR_WEIGHTS/<file>``, else ``~/.cache/retr/weights/<file>``."""
-    if os.environ.get("RETR_WEIGHTS"):
-        return Path(os.environ["RETR_WEIGHTS"]).expanduser() / DEFAULT_CHECKPOINT
-    return Path.home() / ".cache" / "retr" / "weights" / DEFAULT_CHECKPOINT
+    return BUTD_WEIGHTS.default_path()
 
 
 def find_default_checkpoint() -> Path | None:
     """The first of :func:`default_checkpoint_candidates` that is a file, or None."""
-    return next((c for c in default_checkpoint_candidates() if c.is_file()), None)
+    return BUTD_WEIGHTS.locate()
 
 
 def resolve_default_checkpoint(fetch: bool = True, quiet: bool = False) -> str:
@@ -211,7 +203,6 @@ class BottomUpRegionExtractor(Extractor):
                 "image_hw": np.asarray([image.original_hw for image in batch], np.int32).reshape(b, 2)}
 
 
-@register("butd-regions")
 def build_butd_regions(weights: str | None = None, device: str = "cpu", half: bool = False,
                        exif_orientation: bool = False, min_boxes: int = 36, max_boxes: int = 36,
                        conf_threshold: float = 0.2, short_side: int = SHORT_SIDE, max_side: int = MAX_SIDE,
@@ -232,3 +223,9 @@ def build_butd_regions(weights: str | None = None, device: str = "cpu", half: bo
                                    short_side=short_side, max_side=max_side, exif_orientation=exif_orientation,
                                    object_vocab=object_vocab, attr_vocab=attr_vocab, allow_partial=allow_partial,
                                    trust_checkpoint=trust_checkpoint, detector_batch=detector_batch, tf32=tf32)
+
+
+register_extractor(ExtractorSpec(
+    name="butd-regions", builder=build_butd_regions, kind="regions",
+    output=lambda options: (options["max_boxes"], FEATURE_DIM),
+    weights=BUTD_WEIGHTS, extra="pipeline", requires=("cv2",), random=RANDOM))

@@ -1,5 +1,6 @@
 """``weights="random"``: a deterministic, well-scaled random detector for tests, the demo and learning checks
-(initialisation and norm calibration: docs/butd.md, "--weights random")."""
+(initialisation and norm calibration: docs/butd.md, "--weights random"). Seeded with every extractor's
+:data:`~retr.extractors.weights.RANDOM_SEED` and kept in their one cache (:func:`~retr.extractors.weights.seeded_random_model`)."""
 from __future__ import annotations
 
 import torch
@@ -8,10 +9,12 @@ from torch import nn
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 from retr.extractors.butd.backbone import Bottleneck
-from retr.extractors.butd.model import BottomUpAttention
+from retr.extractors.butd.model import BottomUpAttention, empty_detector
+from retr.extractors.spec import RandomInit
+from retr.extractors.weights import RANDOM_SEED, seeded_random_model
 
-#: seed of the random weights (recorded as ``weights = "random"``; the same seed gives the same network)
-RANDOM_SEED = 0
+#: retr's own initialisation (the detector has no library's): the spec's ``random``
+RANDOM = RandomInit("butd")
 #: the calibration pseudo-image: [3, H, W] Gaussian noise with the spread of mean-subtracted 0–255 pixels
 CALIBRATION_HW = (160, 224)
 CALIBRATION_PIXEL_STD = 60.0
@@ -31,22 +34,23 @@ def _calibrate_norm(module: FrozenBatchNorm2d, inputs: tuple[torch.Tensor]) -> N
     module.bias.zero_()
 
 
-#: (seed, settings) → the random state dict already made in this process (building one costs seconds)
-_MADE: dict[tuple, dict[str, torch.Tensor]] = {}
-
-
 @torch.no_grad()
 def randomize_(model: BottomUpAttention, seed: int = RANDOM_SEED) -> BottomUpAttention:
     """Fill ``model`` with the seeded random weights and calibrated norms (in place; returns it).
 
-    The result depends only on ``seed`` and the detector settings; it is made once per process and copied into later
-    models (a CPU copy of the 65 M parameters is kept for that)."""
-    key = (seed, model.settings)
-    if key in _MADE:
-        model.load_state_dict(_MADE[key])
-        return model
+    The result depends only on ``seed`` and the detector settings. It is made on the CPU once per process in the
+    extractors' shared cache of random networks (key ``("butd", seed, settings)``) and copied into ``model``."""
+    kept = seeded_random_model((RANDOM.library, seed, model.settings),
+                               lambda: _randomized(model.settings, seed), copy_out=False)
+    model.load_state_dict(kept.state_dict())
+    return model
+
+
+@torch.no_grad()
+def _randomized(settings, seed: int) -> BottomUpAttention:
+    """A new detector on the CPU with ``settings``, filled by :func:`_randomize`."""
+    model = empty_detector(settings)
     _randomize(model, seed)
-    _MADE[key] = {name: value.detach().to("cpu", copy=True) for name, value in model.state_dict().items()}
     return model
 
 

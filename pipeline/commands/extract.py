@@ -13,7 +13,7 @@ from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError, RetrError, UserError
 from retr.manifests.schema import read_manifest
 from retr.pipeline.commands.fetch import apply_network_options, network_options
-from retr.pipeline.weights import EXTRACTOR_WEIGHTS, ensure_weights, weights_items
+from retr.pipeline.weights import ensure_weights, weights_catalog, weights_items
 
 
 # ------------------------------------------------------------------------------------------------ butd-regions
@@ -236,8 +236,9 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
         raise UserError(f"unknown extractor {unknown[0]!r} (the {dataset} preset runs {', '.join(preset.extractors)})")
     runnable = [name for name in names if name in registered]
     plans = {name: _preset_options(preset, name, weights) for name in runnable}
-    needed = sorted({EXTRACTOR_WEIGHTS[name] for name, (w, _) in plans.items()
-                     if name in EXTRACTOR_WEIGHTS and w in (None, "imagenet")})
+    by_extractor = weights_catalog().extractors
+    needed = sorted({by_extractor[name] for name, (w, _) in plans.items()
+                     if name in by_extractor and w in (None, "imagenet")})
     if needed:   # every missing weight file at once: offline, one line for all of them
         ensure_weights(weights_items(needed), quiet=quiet, mirror=mirror)
     from retr.extractors.base import declared_options

@@ -15,7 +15,7 @@ from retr.common.cli import quiet_option
 from retr.common.downloads import set_mirror, set_offline
 from retr.common.errors import ParameterError
 from retr.parsers.backends import fetch_parser_models
-from retr.pipeline.weights import ensure_weights, weights_items
+from retr.pipeline.weights import ensure_weights, weights_catalog, weights_items
 
 
 # ------------------------------------------------------------------------------------------------ options
@@ -39,7 +39,21 @@ def apply_network_options(offline: bool, mirror: str | None) -> None:
 
 # ------------------------------------------------------------------------------------------------ weights
 
-@click.command("fetch-weights")
+class NamesInHelp(click.Command):
+    """``fetch-weights``: the ``{names}`` of its help text are the extractors' specs' weights
+    (:meth:`retr.pipeline.weights.WeightsCatalog.describe`), filled in only when the help is shown, so that
+    starting ``retr-pipeline`` imports no extractor (nor torch)."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        template = self.help
+        self.help = template.replace("{names}", weights_catalog().describe())
+        try:
+            super().format_help_text(ctx, formatter)
+        finally:
+            self.help = template
+
+
+@click.command("fetch-weights", cls=NamesInHelp)
 @click.argument("names", nargs=-1)
 @click.option("--stanza-dir", type=click.Path(path_type=Path), default=None,
               help="Where stanza's models go (default $STANZA_RESOURCES_DIR, else stanza's own folder).")
@@ -49,11 +63,7 @@ def fetch_weights_command(names: tuple[str, ...], stanza_dir: Path | None, offli
                           quiet: bool) -> None:
     """Download the weights extraction and parsing need, ahead of time (e.g. on a login node).
 
-    NAMES: all (default), resnet152, vgg16, vgg19, inception_resnet_v2, butd (bottom-up-attention R101-k36),
-    stanza, or extractor names (resnet152-grid, tencrop-irv2, butd-regions, …); OpenAI's CLIP weights by their
-    extractor's name (clip-vit-b-32, clip-vit-b-16, clip-vit-l-14, clip-vit-l-14-336), or clip for all four (not
-    part of all: 4.6 GB no preset needs). Each goes where its loader
-    looks first: torchvision's cache ($TORCH_HOME/hub/checkpoints), the Hugging Face cache, $RETR_WEIGHTS (else
+    NAMES: {names}. Each goes where its loader looks first: torchvision's cache ($TORCH_HOME/hub/checkpoints), the Hugging Face cache, $RETR_WEIGHTS (else
     ~/.cache/retr/weights), stanza's folder. Files already there are left alone. With --offline nothing is
     downloaded: the command checks, and names what is missing in one line.
 
