@@ -27,7 +27,7 @@ _PUBLIC = {
     # models
     "create_model": ("retr.trainers.models", "create_model"),
     "list_models": ("retr.trainers.models", "list_models"),
-    "load_model": ("retr.trainers.training.checkpoint", "load_run_model"),
+    "load_model": ("retr.trainers.runs.checkpoint", "load_run_model"),
     # data
     "FeatureSet": ("retr.store.features", "FeatureSet"),
     "read_trees": ("retr.store.trees", "read_trees"),

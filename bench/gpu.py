@@ -227,7 +227,7 @@ def _training_set(folder: Path, name: str, sizes: Sizes, seed: int = 0):
     manifest of 5 random captions per image, and the model built at ``sizes``' settings with its side tensors."""
     from retr.store.features import FeatureSet, ShardWriter, shard_name, write_index
     from retr.store.vocab import Vocabulary
-    from retr.trainers.training.data import load_split
+    from retr.trainers.data.splits import load_split
     from retr.trainers.models import create_model
 
     rng = np.random.default_rng(seed)
@@ -272,7 +272,7 @@ def bench_train(name: str, folder: Path, device: torch.device, sizes: Sizes, com
     """Training steps of ``name`` as the loop runs them against an authors'-style loop (module docstring)."""
     import copy
 
-    from retr.trainers.training.data import CaptionBatches, EpochBatchSampler, ImageFeatures, pad_tokens
+    from retr.trainers.data.splits import CaptionBatches, EpochBatchSampler, ImageFeatures, pad_tokens
     from retr.trainers.training.loop import train_step
     from retr.trainers.models.optim import apply_implementation
 

@@ -1,7 +1,7 @@
 """Peak memory (RSS) of one training epoch on a feature set larger than the trainer's preload threshold.
 
 The trainer holds a split's features in memory only when they take less than
-``retr.trainers.training.data.DEFAULT_PRELOAD_LIMIT`` (2 GiB of float16); above that it reads each batch's rows from
+``retr.trainers.data.splits.DEFAULT_PRELOAD_LIMIT`` (2 GiB of float16); above that it reads each batch's rows from
 HDF5. This benchmark shows what that buys: it writes a synthetic ``regions`` feature set (36×2048 float16,
 random finite values, ``num_boxes`` 10..36) through the real store writer (``ShardWriter`` shards +
 ``write_index``, in chunks, so the benchmark itself stays small), with a manifest whose training split alone is
@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from retr.store.features import ShardWriter, shard_name, write_index
-from retr.trainers.training.data import DEFAULT_PRELOAD_LIMIT
+from retr.trainers.data.splits import DEFAULT_PRELOAD_LIMIT
 
 K, D = 36, 2048
 COLOURS = ("red", "green", "blue", "yellow", "purple", "orange")

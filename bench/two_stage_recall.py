@@ -29,7 +29,8 @@ from trainer_synthetic import make_synthetic  # noqa: E402
 from retr.trainers.commands import cli  # noqa: E402
 from retr.trainers.evaluation.two_step import encode_all  # noqa: E402
 from retr.trainers.search.two_stage import TwoStageSearch  # noqa: E402
-from retr.trainers.training.data import ImageFeatures, open_run_split  # noqa: E402
+from retr.trainers.data.splits import ImageFeatures  # noqa: E402
+from retr.trainers.runs.split import open_run_split
 
 COMMON = ["--embed-size", "64", "--word-dim", "32", "--batch-size", "64", "--val-images", "20", "--device", "cpu",
           "--quiet"]

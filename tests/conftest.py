@@ -108,7 +108,7 @@ def make_feature_set(tmp_path):
 def in_memory_features(array: np.ndarray, num_boxes=None):
     """``array`` [N, K, D] as the evaluator's ``ImageFeatures`` (rows in order, ``num_boxes`` [N] real rows each,
     default all K), without a store: for tests of scoring (the store path is tested in test_trainer_data)."""
-    from retr.trainers.training.data import ImageFeatures
+    from retr.trainers.data.splits import ImageFeatures
     features = ImageFeatures.__new__(ImageFeatures)
     features._memory, features.feature_shape = array, array.shape[1:]
     features.num_boxes = np.full(len(array), array.shape[1]) if num_boxes is None else np.asarray(num_boxes)

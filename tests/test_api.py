@@ -15,7 +15,7 @@ PUBLIC = {"__version__", "create_model", "list_models", "load_model", "FeatureSe
 def test_the_public_names_are_pinned_and_resolve():
     assert set(retr.__all__) == PUBLIC and set(dir(retr)) >= PUBLIC
     from retr.trainers.evaluation.runs import evaluate_runs
-    from retr.trainers.training.checkpoint import load_run_model
+    from retr.trainers.runs.checkpoint import load_run_model
 
     assert retr.evaluate is evaluate_runs and retr.load_model is load_run_model
     for name in PUBLIC:

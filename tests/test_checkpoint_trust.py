@@ -6,7 +6,7 @@ import pathlib
 import pytest
 import torch
 
-from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.runs import checkpoint as ckpt
 from trainer_synthetic import make_synthetic
 
 

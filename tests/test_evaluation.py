@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from retr.trainers.training.data import SplitData
+from retr.trainers.data.splits import SplitData
 from retr.trainers.evaluation.metrics import (coco_folds, i2t_ranks, protocol_metrics, rank_metrics, retrieval_metrics,
                                       t2i_ranks)
 

@@ -9,7 +9,7 @@ import torch
 from retr.trainers.evaluation.metrics import i2t_ranks, t2i_ranks
 from retr.trainers.evaluation.similarity import similarity_matrix
 from retr.trainers.models import create_model
-from retr.trainers.training.data import SplitData
+from retr.trainers.data.splits import SplitData
 from tests.conftest import in_memory_features
 
 

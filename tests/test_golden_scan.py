@@ -45,12 +45,12 @@ import torch
 
 from golden_support import GOLDEN, load_golden
 from retr.store.vocab import Vocabulary
-from retr.trainers.training.checkpoint import load_run_model
-from retr.trainers.training.data import ImageFeatures, SplitData
+from retr.trainers.runs.checkpoint import load_run_model
+from retr.trainers.data.splits import ImageFeatures, SplitData
 from retr.trainers.evaluation.metrics import protocol_metrics
 from retr.trainers.training.loop import lr_schedule, train_step
 from retr.trainers.models.optim import apply_implementation
-from retr.trainers.training.official_checkpoints import import_scan_checkpoint
+from retr.trainers.runs.official_checkpoints import import_scan_checkpoint
 from retr.trainers.evaluation.similarity import Scorer, SplitEmbeddings, combined_matrix, similarity_matrix
 
 SETTINGS = ("t2i_lse", "t2i_avg", "i2t_lse", "i2t_avg")

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from retr.trainers.training.data import ImageFeatures, SplitData
+from retr.trainers.data.splits import ImageFeatures, SplitData
 from retr.trainers.evaluation.metrics import i2t_ranks, retrieval_metrics, t2i_ranks
 from retr.trainers.training.loop import train_step
 from retr.trainers.models.seam import SEAM, attention_penalty

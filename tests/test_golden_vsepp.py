@@ -25,13 +25,13 @@ import torch
 
 from golden_support import WidenFeatures, load_golden
 from retr.store.vocab import Vocabulary
-from retr.trainers.training.checkpoint import load_run_model
-from retr.trainers.training.data import SplitData
+from retr.trainers.runs.checkpoint import load_run_model
+from retr.trainers.data.splits import SplitData
 from retr.trainers.evaluation.metrics import (i2t_ranks, i2t_ranks_official, protocol_metrics, t2i_ranks,
                                       t2i_ranks_official)
 from retr.trainers.training.loop import lr_schedule, train_step
 from retr.trainers.models.optim import apply_implementation
-from retr.trainers.training.official_checkpoints import import_vsepp_checkpoint
+from retr.trainers.runs.official_checkpoints import import_vsepp_checkpoint
 from retr.trainers.evaluation.similarity import similarity_matrix
 
 PROVENANCE, INPUTS, FIGURES = load_golden("vsepp")

@@ -143,7 +143,7 @@ from retr.parsers import backends
 from retr.trainers.reporting import draw
 from retr.trainers.search.retrieval import InnerProductIndex
 from retr.trainers.search import serve_app
-from retr.trainers.training.run_log import summary_writer
+from retr.trainers.runs.run_log import summary_writer
 
 calls = {
     "report: draw.pyplot": lambda: draw.pyplot(),

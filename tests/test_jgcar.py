@@ -294,7 +294,7 @@ def test_same_image_pairs_per_batch_is_the_exact_expectation():
 
 
 def test_training_without_labels_notes_that_j3_is_nearly_inert(tmp_path):
-    from retr.trainers.training.data import SplitData
+    from retr.trainers.data.splits import SplitData
     from retr.trainers.models.side_inputs import load_jgcar_inputs
     data = SplitData(["a", "b"], ["a red circle", "the red circle", "a blue star", "one blue star"],
                      np.array([0, 0, 1, 1]), [[1, 4, 5, 2]] * 4)
@@ -369,8 +369,8 @@ def test_jgcar_learns_on_synthetic_maps(tmp_path, caplog):
     """Through the shared loop: a short run reaches a two-step test R@1 many times chance, both directions."""
     from retr.manifests.synthetic import generate_synthetic
     from retr.store.features import FeatureSet
-    from retr.trainers.training import checkpoint as ckpt
-    from retr.trainers.training.data import ImageFeatures, load_split
+    from retr.trainers.runs import checkpoint as ckpt
+    from retr.trainers.data.splits import ImageFeatures, load_split
     from retr.trainers.training.loop import TrainConfig, train
     from retr.trainers.evaluation.two_step import two_step_split
 

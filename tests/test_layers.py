@@ -28,6 +28,22 @@ ALLOWED: dict[str, frozenset[str]] = {
     "trainers": frozenset({"common", "store", "manifests", "extractors", "parsers"}),
 }
 
+#: trainers/ as a one-way stack (docs/DESIGN.md, "Layout"): a layer → the layers below it it may import. A
+#: top-level module of trainers/ (``config``) is a layer of its own.
+TRAINERS_ALLOWED: dict[str, frozenset[str]] = {
+    "config": frozenset(),
+    "data": frozenset({"config"}),
+    "models": frozenset({"config", "data"}),
+    "runs": frozenset({"config", "data", "models"}),
+    "evaluation": frozenset({"config", "data", "models", "runs"}),
+    "training": frozenset({"config", "data", "models", "runs", "evaluation"}),
+    "reporting": frozenset({"config", "data", "models", "runs", "evaluation"}),
+    "search": frozenset({"config", "data", "models", "runs", "evaluation", "reporting"}),
+    "reproduction": frozenset({"config", "data", "models", "runs", "evaluation", "training"}),
+    "commands": frozenset({"config", "data", "models", "runs", "evaluation", "training", "reporting", "search",
+                           "reproduction"}),
+}
+
 Edge = tuple[str, str]   # (importing module, imported module), both dotted ``retr.…`` names
 
 
@@ -114,6 +130,23 @@ def package_cycles(edges: list[Edge]) -> list[list[str]]:
     return sorted(sorted(g) for g in groups if len(g) > 1)
 
 
+def trainers_layer(module: str) -> str | None:
+    """The layer of trainers/ that ``module`` belongs to (its subfolder, or its top-level module), else None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "trainers" else None
+
+
+def trainers_edges(edges: list[Edge]) -> list[Edge]:
+    """The edges between two modules of trainers/ as ``(layer, layer)`` with their module pairs kept, as
+    ``retr.<layer>.…`` names so that :func:`violations` and :func:`package_cycles` read the layers."""
+    out = []
+    for src, dst in edges:
+        a, b = trainers_layer(src), trainers_layer(dst)
+        if a and b:
+            out.append((f"retr.{a}.{src}", f"retr.{b}.{dst}"))
+    return out
+
+
 def _report(pairs: list[Edge]) -> str:
     return "\n".join(f"  {src} imports {dst}" for src, dst in pairs)
 
@@ -144,8 +177,40 @@ def test_no_import_cycle_between_packages():
 
 
 def test_the_rule_itself_has_no_cycle():
-    edges = [(f"retr.{a}.m", f"retr.{b}.m") for a, targets in ALLOWED.items() for b in targets]
+    for rule in (ALLOWED, TRAINERS_ALLOWED):
+        edges = [(f"retr.{a}.m", f"retr.{b}.m") for a, targets in rule.items() for b in targets]
+        assert package_cycles(edges) == []
+
+
+def test_every_layer_of_trainers_has_a_place_in_the_stack():
+    folder = package_folders(ROOT)["trainers"]
+    layers = {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    layers |= {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    assert layers == set(TRAINERS_ALLOWED), "add the new layer to TRAINERS_ALLOWED and to docs/DESIGN.md"
+
+
+def test_trainers_is_a_one_way_stack():
+    """No layer of trainers/ imports one above it or beside it, and no two import each other: no exception."""
+    edges = trainers_edges(import_edges(package_folders(ROOT)))
+    assert len(edges) > 50, "the scan found almost no imports inside trainers/"
+    bad = violations(edges, TRAINERS_ALLOWED)
+    assert not bad, "imports against the trainers/ stack (docs/DESIGN.md, Layout):\n" + _report(
+        [(src.split(".", 2)[2], dst.split(".", 2)[2]) for src, dst in bad])
     assert package_cycles(edges) == []
+
+
+def test_the_stack_check_sees_a_model_importing_training(tmp_path):
+    folders = _tree(tmp_path, {
+        "trainers/__init__.py": "",
+        "trainers/config.py": "",
+        "trainers/models/__init__.py": "from retr.trainers.training.loop import train\n",
+        "trainers/training/__init__.py": "",
+        "trainers/training/loop.py": "from retr.trainers.models import x\nfrom retr.trainers import config\n",
+    })
+    edges = trainers_edges(import_edges(folders))
+    assert violations(edges, TRAINERS_ALLOWED) == [("retr.models.retr.trainers.models",
+                                                    "retr.training.retr.trainers.training.loop")]
+    assert package_cycles(edges) == [["models", "training"]]
 
 
 # ------------------------------------------------------------------------------------------------- the checker

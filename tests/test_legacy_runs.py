@@ -27,7 +27,7 @@ def legacy_data(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["scan", "smfea", "jgcar"])
 def test_legacy_run_loads_and_evaluates_to_its_numbers(name, legacy_data, tmp_path, run_cli):
-    from retr.trainers.training import checkpoint as ckpt
+    from retr.trainers.runs import checkpoint as ckpt
 
     manifest, features = legacy_data
     run = tmp_path / name

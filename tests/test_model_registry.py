@@ -297,7 +297,7 @@ def test_one_training_step_through_the_loop(name, synthetic_side_files):
     """The spec's side files → tensors → ``prepare_training``; one ``train_step`` changes the parameters."""
     from retr.store.features import FeatureSet
     from retr.store.vocab import Vocabulary
-    from retr.trainers.training.data import CaptionBatches, EpochBatchSampler, ImageFeatures, load_split
+    from retr.trainers.data.splits import CaptionBatches, EpochBatchSampler, ImageFeatures, load_split
     from retr.trainers.training.loop import train_step
     from retr.trainers.models import ModelInputs
     from retr.manifests.schema import read_manifest

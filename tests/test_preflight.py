@@ -188,7 +188,7 @@ def test_only_other_captions_train_with_one_note(two_sets, run_cli, trainings, t
 
 def test_the_same_manifest_and_unrecorded_ones_give_no_note(two_sets, tmp_path, make_feature_set):
     from retr.store.features import FeatureSet
-    from retr.trainers.training.data import check_manifest_pairing
+    from retr.trainers.data.pairing import check_manifest_pairing
 
     manifest, features, other = two_sets
     assert check_manifest_pairing(FeatureSet(features), manifest) == []
@@ -201,7 +201,7 @@ def test_the_same_manifest_and_unrecorded_ones_give_no_note(two_sets, tmp_path, 
 
 def test_a_source_manifest_that_cannot_be_found_is_a_note(two_sets, tmp_path):
     from retr.store.features import FeatureSet
-    from retr.trainers.training.data import check_manifest_pairing
+    from retr.trainers.data.pairing import check_manifest_pairing
 
     manifest, features, other = two_sets
     moved = tmp_path / "features"

@@ -13,7 +13,7 @@ from PIL import Image
 
 from retr.trainers.reporting import report as rp
 from retr.trainers.reporting import draw as draw
-from retr.trainers.training.data import SplitData
+from retr.trainers.data.splits import SplitData
 from retr.trainers.evaluation.metrics import i2t_ranks, protocol_metrics, retrieval_metrics, t2i_ranks
 
 GREY = (100, 120, 140)

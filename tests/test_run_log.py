@@ -1,4 +1,4 @@
-"""trainers/training/run_log.py: typed ``metrics.jsonl`` records with per-pair losses, TensorBoard logging that a
+"""trainers/runs/run_log.py: typed ``metrics.jsonl`` records with per-pair losses, TensorBoard logging that a
 resume keeps consistent, and ``retr-train plot``."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from retr.trainers.commands import cli
-from retr.trainers.training.run_log import read_metrics, record_type
+from retr.trainers.runs.run_log import read_metrics, record_type
 from trainer_synthetic import make_synthetic
 
 

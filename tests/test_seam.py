@@ -179,7 +179,7 @@ def test_authors_padding_is_evaluated_in_the_authors_batches():
     """SEAM-C with padding="authors" is encoded for evaluation as the authors' encode_data does: consecutive
     batches in split order (not length-sorted blocks), each caption where it stands (identical captions are not
     merged: each is encoded in its own batch); the default keeps length-sorted blocks and merged duplicates."""
-    from retr.trainers.training.data import SplitData, pad_tokens
+    from retr.trainers.data.splits import SplitData, pad_tokens
     from retr.trainers.evaluation.similarity import SplitEmbeddings
 
     class Features:                                                     # the two methods encode_split uses
@@ -367,7 +367,7 @@ def test_seam_learns_the_synthetic_scenes(tmp_path, kind):
     """Through the shared loop with the paper's loss: test R@1 (both directions) many times chance."""
     from retr.manifests.synthetic import generate_synthetic
     from retr.store.features import FeatureSet
-    from retr.trainers.training.data import ImageFeatures, load_split
+    from retr.trainers.data.splits import ImageFeatures, load_split
     from retr.trainers.evaluation.metrics import retrieval_metrics
     from retr.trainers.evaluation.similarity import similarity_matrix
     from retr.trainers.training.loop import TrainConfig, train

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from retr.trainers.training.data import SplitData, pad_tokens
+from retr.trainers.data.splits import SplitData, pad_tokens
 from retr.trainers.models import create_model
 from retr.trainers.models.base import MatchingModel
 from retr.trainers.evaluation.metrics import i2t_ranks, retrieval_metrics, t2i_ranks

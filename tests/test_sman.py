@@ -303,7 +303,7 @@ def test_sman_learns_the_synthetic_scenes(tmp_path):
     """Through the shared loop: test R@1 (both directions) many times chance after a short CPU run."""
     from retr.manifests.synthetic import generate_synthetic
     from retr.store.features import FeatureSet
-    from retr.trainers.training.data import ImageFeatures, load_split
+    from retr.trainers.data.splits import ImageFeatures, load_split
     from retr.trainers.evaluation.metrics import retrieval_metrics
     from retr.trainers.evaluation.similarity import similarity_matrix
     from retr.trainers.training.loop import TrainConfig, train

@@ -307,11 +307,11 @@ def test_smfea_learns_the_synthetic_scenes_and_reports_node_accuracy(tmp_path):
     from click.testing import CliRunner
 
     from retr.trainers.commands import cli as train_cli
-    from retr.trainers.training.data import ImageFeatures, load_split
+    from retr.trainers.data.splits import ImageFeatures, load_split
     from retr.trainers.evaluation.metrics import retrieval_metrics
     from retr.trainers.evaluation.similarity import similarity_matrix
     from retr.store.features import FeatureSet
-    from retr.trainers.training import checkpoint as ckpt
+    from retr.trainers.runs import checkpoint as ckpt
 
     manifest, features = _prepare_synthetic(tmp_path, images=200)
     run = tmp_path / "run"
@@ -369,7 +369,7 @@ def test_token_concepts_agree_with_concepts_file(tmp_path):
     """The labels a caption gets from its own tokens are the ones build-concepts wrote for it."""
     from retr.store.concepts import ConceptSet
     from retr.store.features import FeatureSet
-    from retr.trainers.training.data import load_split
+    from retr.trainers.data.splits import load_split
     from retr.trainers.models.side_inputs import caption_keys, read_training_inputs
     from retr.store.vocab import Vocabulary
     from retr.manifests.schema import read_manifest
@@ -383,7 +383,7 @@ def test_token_concepts_agree_with_concepts_file(tmp_path):
     model = SMFEA(vocab_size=len(vocab), num_entities=5, num_relations=5, num_concepts=len(concepts), img_dim=16,
                   embed_size=8, word_dim=4, tree_hidden=4)
     model.set_token_concepts(inputs.token_concepts)
-    from retr.trainers.training.data import pad_tokens
+    from retr.trainers.data.splits import pad_tokens
     tokens, lengths = pad_tokens(data.tokens)
     from_tokens = model.caption_concept_labels(tokens, lengths).numpy()
     np.testing.assert_array_equal(from_tokens, concepts.labels_for_captions(caption_keys(data)))
@@ -396,7 +396,7 @@ def test_smfea_with_glove_format_concept_vectors(tmp_path):
     from click.testing import CliRunner
 
     from retr.store.concepts import ConceptSet
-    from retr.trainers.training import checkpoint as ckpt
+    from retr.trainers.runs import checkpoint as ckpt
     from retr.trainers.commands import cli as train_cli
 
     manifest, features = _prepare_synthetic(tmp_path, images=60)
@@ -553,7 +553,7 @@ def test_runs_without_the_new_settings_keep_their_old_behaviour():
 def test_smfea_drops_the_last_smaller_batch_as_cvse_and_other_models_keep_it():
     """CVSE's training loader has drop_last=True (docs/models-smfea.md C13): SMFEA's presets set drop_last; the
     sampler then yields only full batches (a single, smaller batch is still kept: there is nothing else)."""
-    from retr.trainers.training.data import EpochBatchSampler
+    from retr.trainers.data.splits import EpochBatchSampler
     from retr.trainers.models import preset
 
     assert preset("smfea", "f30k")["drop_last"] is True and preset("smfea", "coco")["drop_last"] is True

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from retr.common.errors import UserError
 from retr.store.features import FeatureSet
 from retr.trainers.commands import cli
-from retr.trainers.training.data import ImageFeatures, load_split
+from retr.trainers.data.splits import ImageFeatures, load_split
 from retr.trainers.evaluation.similarity import similarity_matrix
 from retr.trainers.models import create_model
 from retr.store.vocab import Vocabulary, tokenize
@@ -117,7 +117,7 @@ def test_two_layer_gru_and_no_txtnorm_import_exactly(tmp_path):
     assert result.exit_code == 0, result.output
     config = json.loads((run / "config.json").read_text())
     assert config["model_args"]["num_layers"] == 2 and config["model_args"]["no_txtnorm"] is True
-    from retr.trainers.training import checkpoint as ckpt
+    from retr.trainers.runs import checkpoint as ckpt
     model, _, _ = ckpt.load_run_model(run)
     fs = FeatureSet(features)
     data, _ = load_split(manifest, ["test"], vocab, fs)
@@ -165,7 +165,7 @@ def test_vsepp_checkpoint_imports_and_scores_as_the_official_encoders(tmp_path):
     result = CliRunner().invoke(cli, ["import-vsepp-checkpoint", str(official), "--vocab", str(vocab_path), "--out",
                                       str(run)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    from retr.trainers.training import checkpoint as ckpt
+    from retr.trainers.runs import checkpoint as ckpt
     model, _, config = ckpt.load_run_model(run)
     assert config["model"] == "vsepp" and config["model_args"]["num_layers"] == 2
     images = torch.randn(3, 1, D)

@@ -25,8 +25,8 @@ from retr.store.features import FeatureSet
 from retr.store.vocab import Vocabulary
 from retr.trainers.commands import cli
 from retr.trainers.models import create_model
-from retr.trainers.training import checkpoint as ckpt
-from retr.trainers.training.data import CaptionBatches, ImageFeatures, fits_on_device, load_split
+from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.data.splits import CaptionBatches, ImageFeatures, fits_on_device, load_split
 from retr.trainers.training.loop import autocast_dtype, train_step
 from retr.trainers.models.losses import hinge_triplet_loss
 from retr.trainers.models.optim import apply_implementation, resolve_implementation
@@ -88,7 +88,7 @@ def test_features_that_do_not_fit_on_the_gpu_stay_in_host_memory(synthetic, monk
     assert fits_on_device(10 * gib, cuda, (60 * gib, 80 * gib))           # 50 GiB left, 20 GiB kept free
     assert not fits_on_device(45 * gib, cuda, (60 * gib, 80 * gib))       # would leave 15 GiB < 25 % of 80
     assert fits_on_device(10 ** 15, CPU)
-    import retr.trainers.training.data as data_module
+    import retr.trainers.data.splits as data_module
     monkeypatch.setattr(data_module, "fits_on_device", lambda nbytes, device: False)
     _, _, path = synthetic
     fs = FeatureSet(path)
@@ -436,7 +436,7 @@ def test_runs_from_before_amp_modes_read_as_fp16_or_off():
 
 @pytest.mark.slow
 def test_ema_checkpoint_follows_the_weights_resumes_and_evaluates(tmp_path):
-    from retr.trainers.training.checkpoint import load_checkpoint
+    from retr.trainers.runs.checkpoint import load_checkpoint
 
     manifest, features = make_synthetic(tmp_path, images=40)
     common = ["vsepp", "--features", str(features), "--manifest", str(manifest), "--embed-size", "16",

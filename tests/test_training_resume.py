@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from retr.common.errors import UserError
 from retr.common.locks import exclusive_lock
 from retr.trainers.commands import cli
-from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.runs import checkpoint as ckpt
 from trainer_synthetic import make_synthetic, write_uninformative_regions
 
 

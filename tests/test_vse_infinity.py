@@ -133,7 +133,7 @@ def test_train_eval_and_explain_from_the_command_line(tmp_path):
     """``retr-train vse-infinity`` (its preset's warm-up epoch, size augmentation, AdamW) learns the synthetic task:
     R@1 both ways at least 5× chance (measured 80 / 42 against chance 5); the run's model explains a pair; a bad
     setting is one line."""
-    from retr.trainers.training.checkpoint import load_run_model
+    from retr.trainers.runs.checkpoint import load_run_model
     from trainer_synthetic import make_synthetic
 
     manifest, features = make_synthetic(tmp_path / "s", images=200)

@@ -157,7 +157,7 @@ def _train_args(data, out, *more):
 
 
 def _embedding(run, key="txt_enc.embed.weight"):
-    from retr.trainers.training import checkpoint as ckpt
+    from retr.trainers.runs import checkpoint as ckpt
 
     (_, last), *_ = reversed(ckpt.list_checkpoints(run))
     return ckpt.load_checkpoint(last)["model"][key]
@@ -264,7 +264,7 @@ def test_a_named_vectors_set_stays_a_name_in_the_stored_paths(tmp_path):
     """``--concept-vectors glove`` is a resource fetched on first use, not a file of the working directory: the
     stored config keeps the name, so ``--config run/config.json`` finds it again."""
     from retr.trainers.config import TrainConfig
-    from retr.trainers.training.checkpoint import absolute_paths, paths_from_run
+    from retr.trainers.runs.checkpoint import absolute_paths, paths_from_run
 
     cfg = TrainConfig(model="smfea", features="f.h5", manifest="m.jsonl", out=str(tmp_path / "run"),
                       inputs={"concept_vectors": "glove", "trees": "trees.h5"})

@@ -152,7 +152,7 @@ def choices_of(annotation: Any) -> tuple | None:
     return None
 
 
-#: where the training features may be held (``TrainConfig.preload``, :class:`retr.trainers.training.data.ImageFeatures`)
+#: where the training features may be held (``TrainConfig.preload``, :class:`retr.trainers.data.splits.ImageFeatures`)
 PRELOAD_CHOICES = choices_of(field_types(TrainConfig)["preload"])   # its Literal
 
 

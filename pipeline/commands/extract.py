@@ -72,6 +72,19 @@ def available_extractors() -> list[str]:
     return names()
 
 
+class RegisteredExtractors(LazyChoice):
+    """``--extractor``'s choices: the registry's names each time click needs them (imported on the first, not when
+    ``retr-pipeline`` starts), so an extractor registered later in the process is a choice too."""
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self._names())
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ assigns (); the registry's names win
+        pass
+
+
 def extract_features(*args: Any, **kwargs: Any):
     """The extraction stage (:func:`retr.pipeline.extract.extract_features`)."""
     from retr.pipeline.extract import extract_features as run
@@ -147,7 +160,7 @@ def _builder_options(weights: str | None, device: str, half: bool, decode: str =
 @click.command("extract")
 @click.option("--manifest", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="The dataset manifest (JSON Lines).")
-@click.option("--extractor", "name", type=LazyChoice(lambda: available_extractors()), required=True,
+@click.option("--extractor", "name", type=RegisteredExtractors(lambda: available_extractors()), required=True,
               help="The registered extractor to run.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Features folder: writes OUT/NAME/shard-*.h5 and the index OUT/NAME.h5.")

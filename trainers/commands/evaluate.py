@@ -10,7 +10,7 @@ from retr.common.errors import UserError
 from retr.trainers.evaluation.metrics import PROTOCOLS, TIE_RULES
 from retr.trainers.evaluation.runs import evaluate_runs, record_result, table_rows, write_sims
 from retr.trainers.evaluation.similarity import DEFAULT_PRECISION, PRECISIONS
-from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.runs import checkpoint as ckpt
 
 
 def _line(side: str, m: dict) -> str:

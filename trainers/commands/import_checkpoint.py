@@ -1,10 +1,10 @@
 """``retr-train import-scan-checkpoint`` and ``import-vsepp-checkpoint``: the authors' released checkpoints as runs
-(:mod:`retr.trainers.training.official_checkpoints`)."""
+(:mod:`retr.trainers.runs.official_checkpoints`)."""
 from __future__ import annotations
 
 import click
 
-from retr.trainers.training.official_checkpoints import import_scan_checkpoint, import_vsepp_checkpoint
+from retr.trainers.runs.official_checkpoints import import_scan_checkpoint, import_vsepp_checkpoint
 
 
 def _import_options(f):

@@ -24,7 +24,7 @@ from click.core import ParameterSource
 
 from retr.common.cli import quiet_option
 from retr.common.errors import UserError
-from retr.trainers.training.checkpoint import CONFIG
+from retr.trainers.runs.checkpoint import CONFIG
 from retr.trainers.config import TrainConfig, choices_of, field_types, setting_fields
 from retr.trainers.models.registry import ModelSpec
 from retr.trainers.training.settings import (evaluate_hint, flag_of, gather_settings, resume_settings,

@@ -21,8 +21,9 @@ from retr.common.progress import progress
 from retr.manifests.schema import read_manifest
 from retr.store.features import FeatureSet
 from retr.trainers.evaluation.metrics import protocol_metrics
-from retr.trainers.training.data import SplitData, check_manifest_pairing
-from retr.trainers.training.preflight import check_evaluation_split
+from retr.trainers.data.splits import SplitData
+from retr.trainers.data.pairing import check_manifest_pairing
+from retr.trainers.evaluation.metrics import check_evaluation_split
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def check_clip_inputs(features: FeatureSet, manifest: str, protocol: str, split:
     a pretrained tag: the file would not be used) or a file that is not the recorded one (sha256), the split
     (present, every image with features, the protocol's size unless ``allow_size_mismatch``), and ``manifest``
     against the one the features were made from
-    (:func:`~retr.trainers.training.data.check_manifest_pairing`). Returns the notes."""
+    (:func:`~retr.trainers.data.pairing.check_manifest_pairing`). Returns the notes."""
     from pathlib import Path
 
     from retr.common.hashing import sha256_file

@@ -8,7 +8,9 @@ import math
 import numpy as np
 
 from retr.common.errors import UserError
-from retr.trainers.training.data import SplitData
+from retr.manifests.schema import ManifestRecord, read_manifest
+from retr.store.features import FeatureSet
+from retr.trainers.data.splits import SplitData
 
 PROTOCOLS = ("f30k-1k", "coco-1k", "coco-5k", "coco-1k-first")
 #: the number of images each protocol's split must have (the Karpathy test splits)
@@ -116,6 +118,22 @@ def check_split_size(protocol: str, num_images: int, allow_size_mismatch: bool =
         raise UserError(f"{protocol} expects a split of {expected} images, this one has {num_images}; evaluate "
                         "the right split, or pass --allow-size-mismatch (recorded in the result)")
     return {"expected": expected, "images": int(num_images)}
+
+
+def check_evaluation_split(features: FeatureSet, manifest: str, split: str, protocol: str,
+                           allow_size_mismatch: bool = False) -> list[ManifestRecord]:
+    """The records of ``split``, refused (one line) when there are none, when an image has no features (a
+    protocol sees the whole split), or when their number is not ``protocol``'s and a mismatch is not allowed
+    (:func:`check_split_size`)."""
+    records = read_manifest(manifest, splits=[split])
+    if not records:
+        raise UserError(f"{manifest} has no images in split {split}")
+    absent = [r.id for r in records if r.id not in features]
+    if absent:
+        raise UserError(f"{len(absent)} image(s) of split {split} have no features in {features.path} (first: "
+                        f"{absent[0]}); extract them or pick the matching manifest")
+    check_split_size(protocol, len(records), allow_size_mismatch)
+    return records
 
 
 def protocol_metrics(sims: np.ndarray, data: SplitData, protocol: str, allow_size_mismatch: bool = False,

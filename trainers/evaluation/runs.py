@@ -11,8 +11,9 @@ from retr.common.devices import float32_arithmetic, resolve_device
 from retr.common.errors import UserError
 from retr.trainers.evaluation.metrics import protocol_metrics
 from retr.trainers.evaluation.similarity import DEFAULT_PRECISION, Scorer, SplitEmbeddings, combined_matrix
-from retr.trainers.training import checkpoint as ckpt
-from retr.trainers.training.data import ImageFeatures, open_run_split
+from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.data.splits import ImageFeatures
+from retr.trainers.runs.split import open_run_split
 
 
 def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features: str | None = None,

@@ -12,7 +12,7 @@ import torch
 
 from retr.common.progress import progress
 from retr.common.errors import UserError
-from retr.trainers.training.data import ImageFeatures, SplitData, pad_tokens
+from retr.trainers.data.splits import ImageFeatures, SplitData, pad_tokens
 from retr.trainers.models.base import Embeddings, MatchingModel, cast_embeddings, slice_embeddings
 
 PRECISIONS = ("refined", "float64", "float32")

@@ -24,7 +24,7 @@ def tree_node_accuracy(model, data, features, trees_path: str, device: torch.dev
     Each side: ``all`` (7 slots), ``entities`` (4 leaves), ``relations`` (3 inner nodes). Captions without a
     tree are left out.
     """
-    from retr.trainers.training.data import pad_tokens
+    from retr.trainers.data.splits import pad_tokens
 
     model.eval()
     targets, _, _ = read_tree_nodes(trees_path, caption_keys(data))
@@ -52,8 +52,8 @@ def tree_node_accuracy(model, data, features, trees_path: str, device: torch.dev
 def run_tree_accuracy(run: str | Path, split: str = "test", which: str = "best", device: str = "cpu") -> dict:
     """Tree-node accuracy of a finished SMFEA run on ``split``; also written to ``RUN/tree_accuracy.json``."""
     from retr.store.features import FeatureSet
-    from retr.trainers.training import checkpoint as ckpt
-    from retr.trainers.training.data import ImageFeatures, load_split
+    from retr.trainers.runs import checkpoint as ckpt
+    from retr.trainers.data.splits import ImageFeatures, load_split
 
     model, vocab, config = ckpt.load_run_model(run, which, device)
     trees = config.get("inputs", {}).get("trees") if config["model_args"].get("use_trees", True) else None

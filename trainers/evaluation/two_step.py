@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from retr.common.errors import UserError
-from retr.trainers.training.data import ImageFeatures, SplitData
+from retr.trainers.data.splits import ImageFeatures, SplitData
 from retr.trainers.evaluation.metrics import (COCO_FOLDS, METRIC_KEYS, check_split_size, coco_folds, i2t_ranks,
                                      rank_metrics, retrieval_metrics, t2i_ranks)
 from retr.trainers.evaluation.similarity import _concat, encode_split

@@ -57,7 +57,7 @@ class ModelSpec:
     """Everything the trainer knows about one model (see the module docstring).
 
     ``load_inputs(data, files, config, vocab_size) -> ModelInputs``: ``data`` is the training split
-    (:class:`~retr.trainers.training.data.SplitData`), ``files`` ``{input name: path or None}``, ``config`` the model's
+    (:class:`~retr.trainers.data.splits.SplitData`), ``files`` ``{input name: path or None}``, ``config`` the model's
     config dataclass, ``vocab_size`` the caption vocabulary's size. ``preset_name(name, explicit) -> name`` lets a model pick a finer preset from explicit
     settings (SCAN: the dataset's preset for the chosen direction and aggregation). ``shortcuts`` are extra
     flags that set several settings (``{"--no-kl": ("help", {"kl_weight": 0.0})}``). ``upgrade_args`` turns
@@ -109,6 +109,11 @@ class ModelSpec:
         """The overrides of the preset that applies (:meth:`preset_for`)."""
         name = self.preset_for(name, explicit)
         return {} if name is None else dict(self.presets[name])
+
+    @property
+    def setting_names(self) -> set[str]:
+        """The names of the model's settings (its config dataclass's fields)."""
+        return {f.name for f in dataclasses.fields(self.config_class)}
 
     def make_config(self, values: Mapping[str, Any] | None = None):
         """The config dataclass from ``values`` (unknown names refused by name)."""

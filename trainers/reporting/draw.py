@@ -158,7 +158,7 @@ def curves_png(path: Path, series: list[tuple[str, list[dict]]]) -> Path:
     training loss at every logged step (per pair where the run logged ``loss_mean``, else the batch's sum:
     the axis says which), validation R@1 both ways after each epoch, validation rSum after each epoch.
     Collapse events are dotted vertical lines on the loss panel. ``epoch`` is 1-based, as
-    :func:`retr.trainers.training.run_log.read_metrics` gives it."""
+    :func:`retr.trainers.runs.run_log.read_metrics` gives it."""
     plt = pyplot()
     fig, (loss_ax, r1_ax, rsum_ax) = plt.subplots(1, 3, figsize=(12, 3.4), dpi=90)
     per_pair = all("loss_mean" in r for _, records in series for r in records if r["type"] == "step")

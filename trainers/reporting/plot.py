@@ -11,7 +11,7 @@ from retr.trainers.reporting.draw import curves_png, pyplot
 
 def plot_runs(runs: list[str], out: str | Path) -> Path:
     """Draw ``runs``' curves into ``out`` (PNG); returns its path."""
-    from retr.trainers.training.run_log import read_metrics
+    from retr.trainers.runs.run_log import read_metrics
 
     pyplot()   # the report extra, before any work
     series = []

@@ -42,7 +42,7 @@ import torch
 from retr.common.atomic import atomic_text
 from retr.common.errors import ParameterError, UserError
 from retr.common.version import __version__
-from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.reporting import draw as draw
 from retr.trainers.evaluation.metrics import PROTOCOLS, coco_folds, i2t_ranks, t2i_ranks
 
@@ -240,7 +240,7 @@ class Member:
 
 
 def _read_metrics(run: str) -> list[dict]:
-    from retr.trainers.training.run_log import read_metrics
+    from retr.trainers.runs.run_log import read_metrics
 
     try:
         return read_metrics(run)
@@ -250,8 +250,8 @@ def _read_metrics(run: str) -> list[dict]:
 
 def _load_members(runs: Sequence[str], split: str, which: str, device: torch.device, trust: bool,
                   features: str | None, manifest: str | None) -> list[Member]:
-    """Each run opened on ``split`` as eval opens it (:func:`retr.trainers.training.data.open_run_split`)."""
-    from retr.trainers.training.data import open_run_split
+    """Each run opened on ``split`` as eval opens it (:func:`retr.trainers.runs.split.open_run_split`)."""
+    from retr.trainers.runs.split import open_run_split
 
     members = []
     for run in runs:
@@ -323,7 +323,7 @@ class Explainer:
     @torch.no_grad()
     def maps(self, pair: Pair) -> tuple[dict[str, torch.Tensor], list[str], int]:
         """(explain's maps, the caption's token words, the image's real positions) of ``pair``."""
-        from retr.trainers.training.data import ImageFeatures, pad_tokens
+        from retr.trainers.data.splits import ImageFeatures, pad_tokens
 
         model, vocab = self.m.model, self.m.vocab
         feats, mask = ImageFeatures(self.m.feature_set, [self.ids[pair.image]], preload=True).get([0])
@@ -579,7 +579,7 @@ def _i2t_html(q: Query, ids, captions, keys, images: ImageSource, assets: Assets
 
 def _two_step_matrices(member: Member, data, parts, device: torch.device, precision: str):
     """(i2t matrix, t2i matrix) ``[N_img, M]`` of a two-step run, as eval builds them, per gallery."""
-    from retr.trainers.training.data import ImageFeatures
+    from retr.trainers.data.splits import ImageFeatures
     from retr.trainers.evaluation.two_step import encode_all, rerank_matrices
 
     model = member.model

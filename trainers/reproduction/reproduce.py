@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from retr.common.errors import UserError
-from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.config import RESUME_APPLIES, TrainConfig, setting_fields
-from retr.trainers.training.data import check_manifest_pairing
-from retr.trainers.training.preflight import check_evaluation_split, check_output_folder, check_training
+from retr.trainers.data.pairing import check_manifest_pairing
+from retr.trainers.evaluation.metrics import check_evaluation_split
+from retr.trainers.training.preflight import check_output_folder, check_training
 from retr.trainers.reproduction.recipes import (FeatureProvenance, Member, Published, Recipe, accepts, list_recipes,
                                                said)
 
@@ -98,18 +99,18 @@ class PlannedMember:
     cfg: TrainConfig
     run: Path
     state: str                  #: :func:`member_state`, or ``new`` for a folder without a config
-    differences: list            #: :class:`~retr.trainers.training.loop.Difference` s from ``cfg`` (empty: reusable)
+    differences: list            #: :class:`~retr.trainers.runs.resume.Difference` s from ``cfg`` (empty: reusable)
 
 
 def plan_member(member: Member, out: Path, data: dict, overrides: dict[str, Any], features,
                 identities: dict) -> PlannedMember:
     """The member's settings (recipe + overrides) and how an existing run of it differs from them: every setting
     the model and the loop read (the ``resume_applies`` ones that only say how it ran aside), the data it was
-    trained on (:func:`~retr.trainers.training.data.data_identity` of the opened ``features``; ``identities``
+    trained on (:func:`~retr.trainers.runs.resume.data_identity` of the opened ``features``; ``identities``
     keeps each one computed, by side files, so members sharing their data digest it once), and more epochs than
     asked."""
-    from retr.trainers.training.data import data_identity
-    from retr.trainers.training.loop import Difference, config_differences, data_differences
+    from retr.trainers.runs.resume import data_identity
+    from retr.trainers.runs.resume import Difference, config_differences, data_differences
     from retr.trainers.models import get_spec
     from retr.trainers.training.settings import gather_settings
 

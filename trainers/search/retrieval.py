@@ -53,8 +53,10 @@ from retr.common.devices import resolve_device
 from retr.common.errors import UserError
 from retr.common.hashing import sha256_file
 from retr.store.vocab import Vocabulary, tokenize
-from retr.trainers.training import checkpoint as ckpt
-from retr.trainers.training.data import ImageFeatures, SplitData, data_identity, open_run_split, pad_tokens
+from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.data.splits import ImageFeatures, SplitData, pad_tokens
+from retr.trainers.runs.resume import data_identity
+from retr.trainers.runs.split import open_run_split
 from retr.trainers.evaluation.similarity import SplitEmbeddings, _concat, score_blocks
 from retr.trainers.evaluation.two_step import encode_all
 from retr.trainers.models.base import Embeddings, cast_embeddings, slice_embeddings

@@ -60,7 +60,7 @@ def check_sources(run, split: str = "test", features: str | None = None, manifes
     an ``image_root`` that is not a folder, or (a split's gallery) an image root under which none of
     :data:`CHECKED_IMAGES` images of the split, evenly spaced, has its file."""
     from retr.manifests.schema import outside_root_reason, read_manifest, resolve_image_root
-    from retr.trainers.training import checkpoint as ckpt
+    from retr.trainers.runs import checkpoint as ckpt
 
     config = ckpt.read_config(run)              # "RUN is not a run directory (no config.json)"
     given = {"features": features, "manifest": manifest}
@@ -141,7 +141,7 @@ class SearchPage:
                  top: int = 10, max_upload: int = 10 << 20, index: str | None = None):
         from retr.manifests.schema import read_manifest, resolve_image_root
         from retr.trainers.reporting import report
-        from retr.trainers.training import checkpoint as ckpt
+        from retr.trainers.runs import checkpoint as ckpt
 
         run = Path(run).resolve()
         self.r, self.run, self.split, self.top, self.max_upload = retriever, str(run), split, top, max_upload

@@ -27,16 +27,15 @@ compiles the model's training scoring function (:meth:`MatchingModel.compile_sco
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -49,13 +48,14 @@ from retr.common.locks import exclusive_lock
 from retr.common.prefetch import DevicePrefetcher
 from retr.common.version import __version__
 from retr.store.features import FeatureSet
-from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.training.collapse import (CollapseMonitor, StepRanking, collapse_message, recall_at_chance,
                                     val_at_chance_message)
-from retr.trainers.config import RESUME_APPLIES, TrainConfig
-from retr.trainers.training.run_log import RunLog, epoch_index, summary_writer
-from retr.trainers.training.data import (CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData,
-                                check_feature_contract, data_identity, load_split)
+from retr.trainers.config import TrainConfig
+from retr.trainers.runs.run_log import RunLog, epoch_index, summary_writer
+from retr.trainers.data.splits import (CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData,
+                                       check_feature_contract, load_split)
+from retr.trainers.runs.resume import check_same_data, data_identity, resumed_config
 from retr.trainers.training.distributed import DistInfo, GatherEmbeddings, barrier, cleanup, init_from_env
 from retr.trainers.evaluation.metrics import retrieval_metrics
 from retr.trainers.models import ModelInputs, create_model, get_spec
@@ -194,7 +194,7 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     identity = data_identity(features, cfg.manifest, cfg.inputs)
     if resume:
         saved = state["config"] if state is not None else ckpt.read_config(folder)
-        cfg = _resumed_config(cfg, saved, folder)
+        cfg = resumed_config(cfg, saved, folder)
         check_same_data(folder, identity)
         if state is not None:
             check_feature_contract(features, cfg.model_args.get("img_dim"))
@@ -231,7 +231,7 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
         workers = 0
 
     spec = get_spec(cfg.model)
-    config = spec.make_config({k: v for k, v in cfg.model_args.items() if k in _config_names(spec)})
+    config = spec.make_config({k: v for k, v in cfg.model_args.items() if k in spec.setting_names})
     inputs = (spec.load_inputs(train_data, dict(cfg.inputs), config, len(vocab)) if spec.load_inputs
               else ModelInputs())
     inputs = add_word_vectors(inputs, config, vocab, cfg.model_args.get("word_vectors_file", ""))  # --word-vectors
@@ -321,11 +321,6 @@ def environment() -> dict:
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def _config_names(spec) -> set[str]:
-    from dataclasses import fields
-    return {f.name for f in fields(spec.config_class)}
-
-
 def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo,
                      trust_checkpoint: bool = False) -> tuple[Path, dict | None]:
     """The run directory and, with ``resume``, its newest checkpoint's state (None: start from the beginning).
@@ -349,77 +344,6 @@ def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo,
     if info.is_main:
         folder.mkdir(parents=True, exist_ok=True)
     return folder, None
-
-
-class Difference(NamedTuple):
-    """A setting or data fingerprint asked for now (``given``) that is not the run's (``stored``); both as shown."""
-
-    name: str
-    given: str
-    stored: str
-
-    def __str__(self) -> str:
-        return f"{self.name} {self.given} (run: {self.stored})"
-
-
-def config_differences(cfg: TrainConfig, saved: dict,
-                       may_differ: tuple[str, ...] = RESUME_APPLIES) -> list[Difference]:
-    """Each setting of ``cfg`` (model settings and :class:`TrainConfig`'s, the data paths, side files and run
-    folder aside) that differs from the run's stored ``config.json`` (``saved``); settings named in ``may_differ``
-    are not compared."""
-    saved = ckpt.upgrade_config(saved)
-    spec = get_spec(saved["model"])
-    names = _config_names(spec)
-    old_model = asdict(spec.make_config({k: v for k, v in saved["model_args"].items() if k in names}))
-    new_model = asdict(spec.make_config({k: v for k, v in cfg.model_args.items() if k in names}))
-    known = {f.name for f in fields(TrainConfig)}
-    old = TrainConfig(**{k: v for k, v in saved.items() if k in known})
-    differences = [Difference(k, repr(new_model[k]), repr(old_model[k])) for k in old_model
-                   if old_model[k] != new_model[k]]
-    differences += [Difference(k, repr(getattr(cfg, k)), repr(getattr(old, k))) for k in sorted(known)
-                    if k not in may_differ and k not in ("model", "model_args", "features", "manifest", "inputs",
-                                                         "out")
-                    and getattr(cfg, k) != getattr(old, k)]
-    return differences
-
-
-def _resumed_config(cfg: TrainConfig, saved: dict, folder: Path) -> TrainConfig:
-    """The run's own config with the settings that may change on resume taken from ``cfg``
-    (:data:`~retr.trainers.config.RESUME_APPLIES`: epochs, device, workers …); any other difference is refused
-    in one line that names each setting."""
-    saved = ckpt.upgrade_config(saved)
-    if saved["model"] != cfg.model:
-        raise UserError(f"{folder} is a {saved['model']} run; continue it with `retr-train {saved['model']} "
-                        f"--resume --out {folder}`")
-    differences = config_differences(cfg, saved)
-    if differences:
-        raise UserError(f"{folder} cannot change on resume: {'; '.join(map(str, differences))}; resume with the run's "
-                        "settings (leave those options out) or choose another --out")
-    known = {f.name for f in fields(TrainConfig)}
-    old = TrainConfig(**{k: v for k, v in saved.items() if k in known})
-    applied = {k: getattr(cfg, k) for k in (*RESUME_APPLIES, "features", "manifest", "inputs", "out")}
-    return dataclasses.replace(old, model_args=saved["model_args"], **applied)
-
-
-def data_differences(folder: Path, identity: dict) -> list[Difference]:
-    """What in ``identity`` (:func:`~retr.trainers.training.data.data_identity` of the data given now) differs from
-    the data the run in ``folder`` was trained on, values shortened to 16 characters (runs from before identities
-    were recorded: nothing)."""
-    config_path = folder / ckpt.CONFIG
-    recorded = json.loads(config_path.read_text(encoding="utf-8")).get("data_identity") if config_path.is_file() \
-        else None
-    if not recorded:
-        return []
-    return [Difference(k, f"{str(identity.get(k))[:16]}…", f"{str(recorded[k])[:16]}…") for k in recorded
-            if recorded[k] != identity.get(k)]
-
-
-def check_same_data(folder: Path, identity: dict) -> None:
-    """Refuse to resume on other data than the run started with."""
-    changed = data_differences(folder, identity)
-    if changed:
-        raise UserError(f"{folder} was trained on other data: {', '.join(map(str, changed))}; resume with the run's features "
-                        "and manifest or choose another --out")
 
 
 def _restore(run: Run, state: dict) -> None:

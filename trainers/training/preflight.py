@@ -4,11 +4,11 @@ caption encoding, never after minutes of it.
 
 * :func:`check_output_folder` — the folder a command writes into can be made and written;
 * :func:`check_training` — one run's data, pairing of features and manifest
-  (:func:`~retr.trainers.training.data.check_manifest_pairing`), splits, side files and word vectors
+  (:func:`~retr.trainers.data.pairing.check_manifest_pairing`), splits, side files and word vectors
   (:func:`~retr.trainers.models.side_inputs.check_side_inputs`) and the ``--log`` targets (the settings'
   bounds are :class:`~retr.trainers.config.TrainConfig`'s own, checked when it is made);
-* :func:`check_evaluation_split` — the split a protocol evaluates: present, every image with features, and the
-  protocol's size (unless a mismatch is allowed).
+* :func:`~retr.trainers.evaluation.metrics.check_evaluation_split` (beside the protocols) — the split a protocol
+  evaluates: present, every image with features, and the protocol's size (unless a mismatch is allowed).
 
 Each raises :class:`~retr.common.errors.UserError` (one line) and returns the notes to print (``note: …``
 lines, without the prefix) when something differs without being wrong. None of them writes anything.
@@ -24,7 +24,8 @@ from retr.common.errors import UserError
 from retr.manifests.schema import ManifestRecord, read_manifest
 from retr.store.features import FeatureSet
 from retr.trainers.config import TrainConfig
-from retr.trainers.training.data import check_feature_contract, check_manifest_pairing
+from retr.trainers.data.splits import check_feature_contract
+from retr.trainers.data.pairing import check_manifest_pairing
 
 
 def check_output_folder(out: str | os.PathLike, flag: str = "--out") -> None:
@@ -46,7 +47,7 @@ def check_output_folder(out: str | os.PathLike, flag: str = "--out") -> None:
 
 def _split_records(manifest: str, splits: list[str], features: FeatureSet) -> list[ManifestRecord]:
     """The records of ``splits`` that have features; refuses a split without images or without any features
-    (the messages of :func:`~retr.trainers.training.data.load_split`)."""
+    (the messages of :func:`~retr.trainers.data.splits.load_split`)."""
     records = read_manifest(manifest, splits=splits)
     if not records:
         raise UserError(f"{manifest} has no images in split(s) {', '.join(splits)}")
@@ -64,8 +65,8 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
     and word vectors, and the ``log`` targets. ``features``: the set already opened, if it is. Returns the
     notes."""
     from retr.trainers.models import get_spec
-    from retr.trainers.training.run_log import summary_writer
-    from retr.trainers.training.data import SplitData
+    from retr.trainers.runs.run_log import summary_writer
+    from retr.trainers.data.splits import SplitData
     from retr.trainers.models.side_inputs import caption_keys, check_side_inputs
 
     check_output_folder(cfg.out)
@@ -93,21 +94,3 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
     check_side_inputs(spec, dict(cfg.inputs), cfg.model_args, data.image_ids,
                       caption_keys(data) if "trees" in dict(cfg.inputs) else [])
     return notes
-
-
-def check_evaluation_split(features: FeatureSet, manifest: str, split: str, protocol: str,
-                           allow_size_mismatch: bool = False) -> list[ManifestRecord]:
-    """The records of ``split``, refused (one line) when there are none, when an image has no features (a
-    protocol sees the whole split), or when their number is not ``protocol``'s and a mismatch is not allowed
-    (:func:`~retr.trainers.evaluation.metrics.check_split_size`)."""
-    from retr.trainers.evaluation.metrics import check_split_size
-
-    records = read_manifest(manifest, splits=[split])
-    if not records:
-        raise UserError(f"{manifest} has no images in split {split}")
-    absent = [r.id for r in records if r.id not in features]
-    if absent:
-        raise UserError(f"{len(absent)} image(s) of split {split} have no features in {features.path} (first: "
-                        f"{absent[0]}); extract them or pick the matching manifest")
-    check_split_size(protocol, len(records), allow_size_mismatch)
-    return records

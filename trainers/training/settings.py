@@ -107,7 +107,7 @@ def resume_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> TrainC
         raise UserError("--resume needs --out (the run to continue)")
     if values.get("config"):
         raise UserError("--resume continues from the run's own config.json; leave out --config")
-    from retr.trainers.training import checkpoint as ckpt
+    from retr.trainers.runs import checkpoint as ckpt
 
     if not (Path(out) / ckpt.CONFIG).is_file():
         raise UserError(f"nothing to resume in {out} (no run there); start without --resume")
@@ -115,7 +115,7 @@ def resume_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> TrainC
     if saved.get("model") != spec.name:
         raise UserError(f"{out} is a {saved.get('model')} run; continue it with `retr-train {saved.get('model')} "
                         f"--resume --out {out}`")
-    from retr.trainers.training.loop import config_differences
+    from retr.trainers.runs.resume import config_differences
 
     train_names = {f.name for f in setting_fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(TrainConfig)}})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from retr.common.errors import UserError
 from retr.common.optional import require
-from retr.trainers.training.checkpoint import METRICS
+from retr.trainers.runs.checkpoint import METRICS
 
 TENSORBOARD = "tensorboard"
 LOG_TARGETS = ("tensorboard",)

@@ -5,9 +5,6 @@
 :class:`EpochBatchSampler` (batches from ``(seed, epoch)`` alone, cut per rank)."""
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -16,13 +13,10 @@ import numpy as np
 import torch
 
 from retr.common.errors import UserError
-from retr.common.hashing import sha256_file
 from retr.manifests.schema import ManifestRecord, read_manifest
 from retr.store.features import FeatureSet
 from retr.store.vocab import PAD_ID, Vocabulary
 from retr.trainers.config import preload_choice
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_PRELOAD_LIMIT = 2 << 30   # bytes of float16 features kept in memory without being asked
 
@@ -244,191 +238,3 @@ def check_feature_contract(features: FeatureSet, img_dim: int | None = None) -> 
     if img_dim is not None and features.feature_shape[1] != img_dim:
         raise UserError(f"{features.path}: features have D = {features.feature_shape[1]}, the model takes "
                         f"D = {img_dim}; give the feature set it was trained on")
-
-
-def data_identity(features: FeatureSet, manifest: str, inputs: dict | None = None) -> dict:
-    """What a resume must find again: the feature set's ids digest, shape, dtype and extraction attributes, the
-    digest of its shards' per-row checksums (None for shards written before checksums; no feature value is read),
-    the manifest's SHA-256 and each side file's SHA-256 (``inputs``: ``{name: path}``)."""
-    attrs = {k: v for k, v in features.attrs.items()
-             if k in ("kind", "extractor", "backbone", "weights", "image_size", "manifest_sha256")}
-    identity = {"features_ids_sha256": hashlib.sha256("\n".join(features.ids).encode("utf-8")).hexdigest(),
-                "features_shape": [len(features), *map(int, features.feature_shape)],
-                "features_dtype": str(features.dtype),
-                "features_attrs": json.loads(json.dumps(attrs, default=str)),
-                "features_rows_crc_sha256": _rows_digest(features),
-                "manifest_sha256": sha256_file(manifest)}
-    if inputs:
-        # a missing side file is left to the model's reader, whose error says what the file is and how to get it
-        identity["inputs_sha256"] = {name: sha256_file(path) if os.path.isfile(path) else None
-                                     for name, path in sorted(inputs.items())}
-    return identity
-
-
-def _rows_digest(features: FeatureSet) -> str | None:
-    """SHA-256 over the per-row CRC-32s every shard stores (``store.features.CHECKSUMS``): a fingerprint of the
-    values at 4 bytes a row; None when a shard has none."""
-    import h5py
-
-    from retr.store.features import CHECKSUMS
-
-    shards = features.attrs.get("shards")
-    paths = [features.path.resolve().parent / s["file"] for s in shards] if shards else [features.path]
-    digest = hashlib.sha256()
-    for path in paths:
-        with h5py.File(path, "r") as f:
-            if CHECKSUMS not in f:
-                return None
-            digest.update(np.asarray(f[CHECKSUMS][:], dtype="<u4").tobytes())
-    return digest.hexdigest()
-
-
-@dataclass
-class RunSplit:
-    """A trained run opened on one split: its model (eval mode), vocabulary and config, the feature set (checked
-    against the model) and the split's data, with the paths actually read."""
-
-    model: object
-    vocab: Vocabulary
-    config: dict
-    features: FeatureSet
-    data: SplitData
-    features_path: str
-    manifest_path: str
-
-
-def open_run_split(run, split: str, features: str | None = None, manifest: str | None = None,
-                   which: str = "best", device="cpu", trust_checkpoint: bool = False) -> RunSplit:
-    """Load ``run``'s ``which`` checkpoint and ``split`` of its feature set and manifest (or the ones given),
-    every image of the split required (evaluation and search see the whole split)."""
-    from retr.trainers.training import checkpoint as ckpt
-
-    model, vocab, config = ckpt.load_run_model(run, which, device, trust=trust_checkpoint)
-    features = features or config.get("features")
-    manifest = manifest or config.get("manifest")
-    if not features or not manifest:
-        raise UserError(f"{run} does not record its features/manifest (imported run?); pass --features and "
-                        "--manifest")
-    feature_set = FeatureSet(features)
-    check_feature_contract(feature_set, config["model_args"].get("img_dim"))
-    for note in check_manifest_pairing(feature_set, manifest):   # refuses a manifest of other images
-        logger.warning(f"note: {note}")
-    data, _ = load_split(manifest, [split], vocab, feature_set, missing="error")
-    return RunSplit(model, vocab, config, feature_set, data, str(features), str(manifest))
-
-
-# ------------------------------------------------------------------------------------ features ↔ manifest
-
-#: folders searched for the manifest a feature set was made from, as levels above the feature file: its own
-#: folder, the extraction's ``--out`` and the dataset folder above it (``data/f30k/features/E.h5`` was made from
-#: ``data/f30k/manifest.jsonl`` in the layout the README and ``make extract`` use)
-SOURCE_MANIFEST_LEVELS = 3
-#: at most this many candidate manifests are hashed when looking for the one a feature set was made from
-SOURCE_MANIFEST_CANDIDATES = 64
-#: image files of shared ids compared byte for byte (evenly spaced over the ids) when two manifests give an id the
-#: same relative path in different folders; sizes are compared for every id
-COMPARED_IMAGE_FILES = 256
-
-
-def _is_sha256(value) -> bool:
-    """A recorded manifest digest that names a manifest: 64 hex digits, not all zeros (the placeholder of sets
-    written without a manifest, such as synthetic test sets; importers record a sentence instead)."""
-    return (isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
-            and value != "0" * 64)
-
-
-def find_source_manifest(features_path: str | os.PathLike, manifest: str | os.PathLike,
-                         recorded_sha256: str) -> str | None:
-    """The manifest file whose SHA-256 is ``recorded_sha256`` (the one a feature set was made from), looked for
-    among the ``*.jsonl`` files of the feature file's folder and the :data:`SOURCE_MANIFEST_LEVELS` − 1 folders
-    above it, and of ``manifest``'s folder; None when none is."""
-    from pathlib import Path
-
-    folders, here = [], Path(features_path).resolve().parent
-    for _ in range(SOURCE_MANIFEST_LEVELS):
-        folders.append(here)
-        here = here.parent
-    folders.append(Path(manifest).resolve().parent)
-    given = Path(manifest).resolve()
-    seen: set = set()
-    for folder in dict.fromkeys(folders):
-        try:
-            candidates = sorted(p for p in folder.glob("*.jsonl") if p.is_file())
-        except OSError:
-            continue
-        for path in candidates:
-            if path.resolve() == given or path in seen:
-                continue
-            seen.add(path)
-            if len(seen) > SOURCE_MANIFEST_CANDIDATES:
-                return None
-            try:
-                if sha256_file(path) == recorded_sha256:
-                    return str(path)
-            except OSError:
-                continue
-    return None
-
-
-def _different_image(first: str, second: str) -> bool:
-    """Whether two image files that both exist hold other bytes (the same file, or equal bytes: False)."""
-    import filecmp
-
-    if os.path.samefile(first, second):
-        return False
-    return not filecmp.cmp(first, second, shallow=False)
-
-
-def check_manifest_pairing(features: FeatureSet, manifest: str | os.PathLike) -> list[str]:
-    """Refuse (one line) a ``manifest`` whose ids name other images than the ones ``features`` was made from;
-    return the notes to print when it differs otherwise.
-
-    A feature set records the SHA-256 of the manifest it was extracted from (``manifest_sha256``) and its ids,
-    not each image's path or content. So: the same SHA-256 (or none recorded: an import, :func:`_is_sha256`) is
-    the same data. Else
-    the manifest it was made from is looked for by its SHA-256 (:func:`find_source_manifest`); found, every
-    shared id must have the same image there and in ``manifest`` — the same relative path, and, where both
-    manifests' images are on disk (paths relative to each manifest's folder), the same size and, for up to
-    :data:`COMPARED_IMAGE_FILES` ids, the same bytes. Same images with other captions or splits: one note, and
-    the captions of ``manifest`` are used. Not found: one note that the images cannot be compared."""
-    from pathlib import Path
-
-    from retr.manifests.schema import read_manifest
-
-    recorded = features.attrs.get("manifest_sha256")
-    if not _is_sha256(recorded):
-        return []
-    given = sha256_file(manifest)
-    if given == recorded:
-        return []
-    records = [r for r in read_manifest(manifest) if r.id in features]
-    if not records:
-        return []                     # no shared id: the split loaders refuse (no image has features)
-    source = find_source_manifest(features.path, manifest, recorded)
-    if source is None:
-        return [f"{features.path} was made from another manifest than {manifest} (sha256 {recorded[:12]}…, not "
-                f"found beside the features or the manifest), so whether its {len(records)} shared ids name the "
-                "same images cannot be checked; put the manifest it was made from beside it, or re-extract"]
-    original = {r.id: r for r in read_manifest(source)}
-    moved = [(r, original[r.id]) for r in records if r.id in original and r.path != original[r.id].path]
-    if moved:
-        new, old = moved[0]
-        raise UserError(f"{manifest} names other images than {features.path} was made from ({source}): "
-                        f"{len(moved)} shared id(s) have another path (first: {new.id} is {new.path} here, "
-                        f"{old.path} there); give the manifest the features were made from, or re-extract")
-    here, there = Path(manifest).resolve().parent, Path(source).resolve().parent
-    pairs = [(r.id, str(here / r.path), str(there / original[r.id].path)) for r in records if r.id in original]
-    pairs = [p for p in pairs if os.path.isfile(p[1]) and os.path.isfile(p[2])]
-    differ = [p for p in pairs if os.path.getsize(p[1]) != os.path.getsize(p[2])]
-    if not differ and pairs:
-        step = max(1, len(pairs) // COMPARED_IMAGE_FILES)
-        differ = [p for p in pairs[::step][:COMPARED_IMAGE_FILES] if _different_image(p[1], p[2])]
-    if differ:
-        raise UserError(f"{manifest} names other images than {features.path} was made from ({source}): "
-                        f"{len(differ)} shared id(s) are other image files (first: {differ[0][0]}, {differ[0][1]} "
-                        f"≠ {differ[0][2]}); give the manifest the features were made from, or re-extract")
-    changed = sum(r.captions != original[r.id].captions for r in records if r.id in original)
-    resplit = sum(r.split != original[r.id].split for r in records if r.id in original)
-    return [f"{manifest} is not the manifest {features.path} was made from ({source}), but its {len(records)} "
-            f"shared ids name the same images; {changed} have other captions and {resplit} another split: "
-            f"using {manifest}'s"]

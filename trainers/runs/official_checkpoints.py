@@ -10,7 +10,7 @@ from pathlib import Path
 
 from retr.common.errors import UserError
 from retr.common.version import __version__
-from retr.trainers.training import checkpoint as ckpt
+from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.models import create_model
 from retr.store.vocab import Vocabulary
 
