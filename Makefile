@@ -21,8 +21,8 @@ help:
 	@echo "make demo                  run every stage on the synthetic dataset and print the results table"
 	@echo "make extract DATASET=coco  run every extractor of a dataset preset (coco, f30k, synthetic)"
 
-# The stamp is newer than pyproject.toml and constraints.txt once installed: a second `make setup` is instant.
-$(STAMP): pyproject.toml constraints.txt
+# The stamp is newer than pyproject.toml, setup.py and constraints.txt once installed: a second `make setup` is instant.
+$(STAMP): pyproject.toml setup.py constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=23" "setuptools>=77"
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"

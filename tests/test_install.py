@@ -249,7 +249,7 @@ def test_wheel_installs_every_subpackage_outside_editable_mode(tmp_path):
     setuptools = PYPROJECT["tool"]["setuptools"]
     source = tmp_path / "source"            # a copy: building never writes build/ or egg-info into the checkout
     source.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, source / name)
     for folder in setuptools["package-dir"].values():
         shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
@@ -267,7 +267,9 @@ def test_wheel_installs_every_subpackage_outside_editable_mode(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = _blocked_env(tmp_path, site)       # the wheel's retr first, and no extras: what `pip install .` gives
-    packages = setuptools["packages"]
+    from test_packaging import discovered_packages
+
+    packages = discovered_packages()
     code = ("import importlib, json, retr, retr.trainers.commands, retr.pipeline.commands\n"
             f"files = {{p: importlib.import_module(p).__file__ for p in {packages!r}}}\n"
             "print(json.dumps({'version': retr.__version__, 'files': files}))")
