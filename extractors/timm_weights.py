@@ -30,8 +30,8 @@ EXTRA = "pipeline"
 
 def what() -> str:
     """What needs timm, in the one-line error when it is missing: the extractors whose spec requires it."""
-    from retr.extractors.base import needed_by
-    return f"{needed_by('timm')} and its weights"
+    from retr.extractors.base import extractors_requiring, needed_by
+    return f"{needed_by('timm')} and {'its' if len(extractors_requiring('timm')) == 1 else 'their'} weights"
 
 
 def _timm():
