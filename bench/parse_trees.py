@@ -3,9 +3,10 @@
 Generates a synthetic dataset (``--images`` × 5 captions) into a temporary folder, then measures in one run:
 
 * ``baseline-conll2doc`` — stanza's CoNLL-U reader on the whole file at once (the floor: reading the parses,
-  no matching, no trees);
+  no matching, no trees; skipped without stanza);
+* ``conllu-reader``      — retr's reader (:func:`retr.store.conllu.parse_conllu`) on the whole file at once;
 * ``conllu-backend``     — :class:`ConlluBackend` in batches of ``--batch`` (indexed seek reads, key
-  matching, caption-text check with NLTK's tokenizer, stanza's reader per batch);
+  matching, caption-text check with NLTK's tokenizer, retr's reader per batch);
 * ``conllu-backend-no-text-check`` — the same without the text check;
 * ``tree-rules``         — :class:`TreeBuilder` alone over already-read sentences;
 * ``parse-trees-stage``  — :func:`run_parse_trees` end to end (shards, dictionaries, ``trees.h5``).
@@ -35,7 +36,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from stanza.utils.conll import CoNLL
 
 from retr.manifests.synthetic import generate_synthetic
 from retr.parsers.backends import ConlluBackend
@@ -43,6 +43,7 @@ from retr.parsers.referral_tree import TreeBuilder
 from retr.parsers.schemes import SchemeConverter
 from retr.pipeline.parse_trees import caption_items, run_parse_trees
 from retr.manifests.schema import read_manifest
+from retr.store.conllu import parse_conllu
 from retr.store.trees import read_trees
 
 REPEAT = 1
@@ -149,11 +150,18 @@ def main() -> None:
         items, _ = caption_items(read_manifest(manifest))
         n = len(items)
 
-        sentences, base_s = timed(lambda: CoNLL.conll2doc(input_str=conllu.read_text()).sentences)
+        sentences, read_s = timed(lambda: parse_conllu(conllu.read_text()))
+        try:
+            from stanza.utils.conll import CoNLL
+        except ImportError:               # the reader is the baseline where stanza is not installed
+            base_name, base_s = "conllu-reader", read_s
+        else:
+            base_name = "baseline-conll2doc"
+            _, base_s = timed(lambda: CoNLL.conll2doc(input_str=conllu.read_text()).sentences)
         baseline = n / base_s
         rates: dict[str, float] = {}
 
-        def report(what: str, seconds: float, against: str = "baseline-conll2doc", **extra) -> None:
+        def report(what: str, seconds: float, against: str = base_name, **extra) -> None:
             rate = n / seconds
             rates[what] = rate
             base = rates.get(against, baseline)
@@ -162,7 +170,9 @@ def main() -> None:
                               "baseline_captions_per_s": round(base, 1), "vs_baseline": round(rate / base, 3),
                               "repeat": REPEAT, **extra}, ensure_ascii=False), flush=True)
 
-        report("baseline-conll2doc", base_s)
+        report(base_name, base_s)
+        if base_name != "conllu-reader":
+            report("conllu-reader", read_s)
         for check in (True, False):
             backend = ConlluBackend(conllu, check_text=check)
 
@@ -185,7 +195,7 @@ def main() -> None:
         backend, seconds = timed(lambda: ConlluBackend(conllu))
         report("conllu-index", seconds, "conllu-index-no-detection", detected=backend.detect_scheme().scheme)
         for scheme, path in files.items():
-            read = CoNLL.conll2doc(input_str=path.read_text()).sentences
+            read = parse_conllu(path.read_text())
             converter = SchemeConverter(scheme)
             converted, seconds = timed(lambda: [converter.convert(s)[0] for s in read])
             trees = [str(builder.build(s)) for s in converted]
@@ -216,7 +226,7 @@ def main() -> None:
             summary, out = results[name]
             assert summary.trees == n, (name, summary.failures[:3])
             first = name == "parse-trees-stage-without-schemes"
-            report(name, best[name], "baseline-conll2doc" if first else "parse-trees-stage-without-schemes",
+            report(name, best[name], base_name if first else "parse-trees-stage-without-schemes",
                    batch=args.batch, scheme="ud2 (not detected, as before)" if first
                    else f"{summary.scheme.scheme} ({summary.scheme.how})",
                    failures=len(summary.failures), trees_equal=bool(np.array_equal(read_trees(out)[1], ud2_nodes)),
