@@ -20,8 +20,10 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # (missing resources are the one-line errors) unless it serves its files itself (tests/local_server.py) and
 # turns this off with monkeypatch.
 os.environ["RETR_OFFLINE"] = "1"
-# GloVe downloads and the word-vector caches (retr.store.word_vectors) go to a scratch folder, never ~/.cache
+# GloVe downloads and the word-vector caches (retr.store.word_vectors) go to a scratch folder, never ~/.cache,
+# removed when this test process ends (each xdist worker has its own)
 os.environ["RETR_WORD_VECTORS"] = __import__("tempfile").mkdtemp(prefix="retr-word-vectors-")
+__import__("atexit").register(__import__("shutil").rmtree, os.environ["RETR_WORD_VECTORS"], ignore_errors=True)
 
 #: Test files whose assertions compare computed numbers at a tolerance: `make test` runs them with 1 thread (the
 #: default above), `make test-matrix` again with 2 and 4 threads (OMP_NUM_THREADS), since a reduction's order, and so its rounding, depends on the thread count.
