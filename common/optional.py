@@ -2,13 +2,15 @@
 used, through :func:`require`, never at a module's top.
 
 * ``pipeline`` — stanza (parsing captions, reading CoNLL-U: ``parse-trees``, ``show-tree``, ``build-concepts``),
-  opencv-python-headless (the ``butd-regions`` extractor reads images with OpenCV, as the original), timm (the
-  ``tencrop-irv2`` extractor and its weights; it brings huggingface_hub and safetensors);
-* ``clip`` — open_clip_torch (the ``clip-*`` extractors, ``retr-train eval-clip``);
+  opencv-python-headless and timm (extractors; timm brings huggingface_hub and safetensors);
+* ``clip`` — open_clip_torch (extractors, ``retr-train eval-clip``);
 * ``report`` — matplotlib (``retr-train show``, ``retr-train plot``);
 * ``search`` — faiss-cpu (faiss's exact index in search; without it, blockwise matrix products);
 * ``serve`` — flask and waitress (``retr-train serve``, the search page);
 * ``tensorboard`` — tensorboard (``--log tensorboard``).
+
+Which extractor needs which extra is said once, in its spec (``ExtractorSpec.extra`` and ``requires``,
+:mod:`retr.extractors.spec`): the extractors' registry checks it before building one, so the line names the extractor.
 
 nltk is no extra: the trainer's caption tokenizer (:mod:`retr.store.vocab`) uses it, so every user needs it.
 

@@ -135,7 +135,7 @@ def extractors_requiring(module: str) -> list[str]:
 
 
 def needed_by(module: str) -> str:
-    """What needs ``module``, for its missing-extra line: ``the tencrop-irv2 extractor``, ``the a, b extractors``."""
+    """What needs ``module``, for its missing-extra line: ``the NAME extractor``, ``the NAME, NAME extractors``."""
     names = extractors_requiring(module)
     if not names:
         return f"the extractors that use {module}"

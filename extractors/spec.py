@@ -113,7 +113,7 @@ class ExtractorSpec:
 
     @property
     def what(self) -> str:
-        """How a message names it: ``the tencrop-irv2 extractor``."""
+        """How a message names it: ``the NAME extractor``."""
         return f"the {self.name} extractor"
 
     def defaults(self) -> dict[str, Any]:
