@@ -6,6 +6,7 @@ The stage drives it: ``load(path)`` in workers (one preprocessed image, or :clas
 on first use of the registry, so a new extractor is one module that calls :func:`register_extractor`."""
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -81,13 +82,13 @@ def stack_samples(samples: list[torch.Tensor]) -> torch.Tensor:
 
 #: name → spec. Each extractor module registers its own (:func:`register_extractor`, beside its builder).
 _SPECS: dict[str, ExtractorSpec] = {}
-_LOADED = False
 
 
 def register_extractor(spec: ExtractorSpec) -> ExtractorSpec:
     """Make ``spec`` available (``retr-pipeline extract --extractor NAME``, fetch-weights, the presets' check);
-    called by the extractor's module, beside its builder. A name registered twice by another builder is a bug."""
-    if spec.name in _SPECS and _SPECS[spec.name].builder is not spec.builder:
+    called by the extractor's module, beside its builder. Another builder under a taken name is a bug."""
+    taken = _SPECS.setdefault(spec.name, spec)
+    if taken.builder is not spec.builder:
         raise ValueError(f"extractor {spec.name!r} registered twice")
     _SPECS[spec.name] = spec
     return spec
@@ -98,20 +99,17 @@ def unregister_extractor(name: str) -> None:
     _SPECS.pop(name, None)
 
 
-def _load_all() -> None:
-    """Import every module of :mod:`retr.extractors`, subpackages included, so each registers its specs."""
-    global _LOADED
-    if _LOADED:
-        return
+@functools.cache
+def _import_every_module() -> None:
+    """Import every module of :mod:`retr.extractors`, subpackages included (once), so each registers its specs."""
     package = importlib.import_module("retr.extractors")
     for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
         importlib.import_module(module.name)
-    _LOADED = True
 
 
 def available_extractors() -> list[str]:
     """Names of every registered extractor, sorted."""
-    _load_all()
+    _import_every_module()
     return sorted(_SPECS)
 
 
