@@ -238,6 +238,10 @@ class OpenClipWeights(WeightSource):
     arch: str
     tag: str = DEFAULT_WEIGHTS
 
+    @property
+    def recorded(self) -> str:
+        return _hub_id(self.arch, self.tag)
+
     def locate(self) -> Path | None:
         return cached_hub_file(_hub_id(self.arch, self.tag), HUB_FILES)
 

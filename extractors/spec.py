@@ -51,6 +51,13 @@ class WeightSource(ABC):
         """The name ``retr-pipeline fetch-weights`` takes for it (the source's key)."""
         return self.entry.key
 
+    @property
+    @abstractmethod
+    def recorded(self) -> str:
+        """The ``weights`` attribute of a feature set extracted with these weights (``ResNet152_Weights.IMAGENET1K_V1``,
+        ``timm/inception_resnet_v2.tf_in1k``); for a file whose sha256 is published nowhere, its start
+        (``bua-caffe-frcn-r101-k36.pth sha256:``). What a reproduction recipe can require of a feature set."""
+
     @abstractmethod
     def locate(self) -> Path | None:
         """The cached file, or None when it is not there (never uses the network)."""

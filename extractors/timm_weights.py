@@ -183,6 +183,10 @@ class TimmWeights(WeightSource):
     arch: str
     tag: str = TIMM_DEFAULT_TAG
 
+    @property
+    def recorded(self) -> str:
+        return f"timm/{self.arch}.{self.tag}"
+
     def locate(self) -> Path | None:
         return cached_hub_file(_pretrained_cfg(self.arch, self.tag).hf_hub_id)
 

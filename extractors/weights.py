@@ -300,6 +300,11 @@ class TorchvisionWeights(WeightSource):
     arch: str
     member: str = IMAGENET_DEFAULT
 
+    @property
+    def recorded(self) -> str:
+        member = imagenet_weights(self.arch, self.member)
+        return f"{type(member).__name__}.{member.name}"
+
     def cached(self) -> Path:
         """Where torchvision keeps the file."""
         return hub_checkpoint_path(imagenet_weights(self.arch, self.member).url)
@@ -323,6 +328,10 @@ class UrlWeights(WeightSource):
 
     env: str | None = None
     validate: Callable[[Path], None] | None = None
+
+    @property
+    def recorded(self) -> str:
+        return f"{self.entry.filename} sha256:{self.entry.sha256 or ''}"
 
     def default_path(self) -> Path:
         """Where a download goes: ``$RETR_WEIGHTS/<file>``, else ``~/.cache/retr/weights/<file>``."""

@@ -254,3 +254,18 @@ def test_every_random_network_is_made_once_in_the_one_seeded_cache(monkeypatch):
     assert [key[0] for key in extractor_weights._RANDOM_MODELS] == [
         extractor_spec("butd-regions").random.library, extractor_spec("vgg16-maps").random.library] == [
         "butd", "torchvision"]
+
+
+def test_the_reproduction_recipes_ask_for_what_the_specs_declare():
+    """Every feature set a published row needs: the shape its extractor's spec gives for the recipe's options, and
+    the weights its spec's default weights are recorded as (the recipes state both as data of their own)."""
+    from retr.trainers.reproduction import recipes
+    provenances = [v for v in vars(recipes).values() if isinstance(v, recipes.FeatureProvenance)]
+    assert {p.extractor for p in provenances} >= {"resnet152-grid", "vgg16-maps", "tencrop-vgg19",
+                                                  "tencrop-resnet152", "tencrop-irv2", "butd-regions"}
+    for provenance in provenances:
+        spec = extractor_spec(provenance.extractor)
+        options = {k: v for k, v in provenance.extracted.items() if k in declared_options(spec.name)}
+        assert spec.feature_shape(options) == tuple(provenance.shape), provenance.extractor
+        assert recipes.accepts(provenance.extracted["weights"], spec.weights.recorded), (provenance.extractor,
+                                                                                          spec.weights.recorded)
