@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 from PIL import Image, ImageDraw
 
+from retr.common.atomic import atomic_file, atomic_text
 from retr.common.errors import ParameterError, UserError
 from retr.manifests.schema import ManifestRecord, write_manifest
 from retr.store.conllu import ConlluRow
@@ -375,12 +376,9 @@ def conllu_block(sent_id: str, parse: ParsedCaption) -> str:
 
 def write_conllu(path: str | os.PathLike, sentences: Sequence[tuple[str, ParsedCaption]]) -> int:
     """Write ``(sent_id, parse)`` pairs as CoNLL-U (through a temporary file renamed at the end)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w", encoding="utf-8", newline="\n") as handle:
+    with atomic_file(path) as partial, open(partial, "w", encoding="utf-8", newline="\n") as handle:
         for sent_id, parse in sentences:
             handle.write(conllu_block(sent_id, parse))
-    os.replace(tmp, path)
     return len(sentences)
 
 
@@ -478,9 +476,8 @@ def generate_synthetic(out_dir: str | os.PathLike, num_images: int = 1000, seed:
         if stale.name not in wanted:
             stale.unlink()
 
-    scenes_tmp = out_dir / "scenes.jsonl.partial"
-    scenes_tmp.write_text("\n".join(scene_lines) + "\n", encoding="utf-8")
-    os.replace(scenes_tmp, out_dir / "scenes.jsonl")
+    with atomic_text(out_dir / "scenes.jsonl") as handle:
+        handle.write("\n".join(scene_lines) + "\n")
     write_conllu(out_dir / "captions.conllu", sentences)
     write_manifest(out_dir / "manifest.jsonl", records)  # last: a complete manifest means a complete dataset
 
