@@ -56,6 +56,8 @@ HUB_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 #: the extra that installs open_clip, and the fetch-weights name of the four weight files (not part of ``all``:
 #: 4.6 GB that no preset needs)
 EXTRA = GROUP = "clip"
+#: ``random``: open_clip's initialisation of the OpenAI architecture (QuickGELU)
+RANDOM = RandomInit("open_clip", {"force_quick_gelu": True})
 
 
 def open_clip():
@@ -115,7 +117,7 @@ def build_clip(arch: str, weights: str) -> tuple[nn.Module, LoadedWeights]:
         raise ParameterError(f"{arch!r} is not a CLIP architecture retr knows ({', '.join(FAMILY.values())})", "arch")
     path, quick_gelu = Path(weights), True
     if weights == "random":
-        model = seeded_random_model(("open_clip", arch), lambda: _create(arch, True))
+        model = seeded_random_model((RANDOM.library, arch), lambda: _create(arch, RANDOM.options["force_quick_gelu"]))
         name, attrs = "random", {"weights_seed": RANDOM_SEED}
     elif path.is_file():
         model = _create(arch, True)
@@ -261,7 +263,7 @@ def _register(name: str) -> None:
     register_extractor(ExtractorSpec(
         name=name, builder=build, kind="clip", output=OUTPUT[name],
         weights=OpenClipWeights(source=name, arch=FAMILY[name], group=GROUP),   # SOURCES keys are the names
-        extra=EXTRA, requires=("open_clip",), random=RandomInit("open_clip", {"force_quick_gelu": True})))
+        extra=EXTRA, requires=("open_clip",), random=RANDOM))
 
 
 for _name in FAMILY:

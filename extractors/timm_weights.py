@@ -1,5 +1,5 @@
-"""Where a timm backbone's weights come from: ``imagenet``, a timm tag, ``random``, a file (:class:`TimmWeights`: a spec's
-default weights).
+"""Where a timm backbone's weights come from: ``imagenet``, a timm tag, ``random``, a file (:class:`TimmWeights`: a
+spec's default weights).
 
 Headless timm network (output: the global pool ``[B, 1536]``); tags from the Hugging Face cache, files checked key
 by key, the architecture's own normalisation: docs/extraction.md ("Decisions the code relies on")."""

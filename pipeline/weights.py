@@ -87,7 +87,8 @@ class WeightsCatalog:
         """Extractor name → weights name, for the extractors whose weights go by another name (``resnet152-grid``
         → ``resnet152``; the CLIP weights are named by their extractor), in weights order then name order."""
         order = {name: i for i, name in enumerate(self.names)}
-        return dict(sorted(((e, w) for e, w in self.extractors.items() if e != w), key=lambda ew: (order[ew[1]], ew[0])))
+        renamed = [(extractor, name) for extractor, name in self.extractors.items() if extractor != name]
+        return dict(sorted(renamed, key=lambda pair: (order[pair[1]], pair[0])))
 
 
     def describe(self) -> str:
@@ -97,8 +98,9 @@ class WeightsCatalog:
         for group, members in self.groups.items():
             if group != ALL:
                 size = format_bytes(sum(self.sources[name].entry.download_bytes for name in members))
-                parts.append(f"{', '.join(members)}, or {group} for all {len(members)} (not part of {ALL}: {size} "
-                             f"no preset needs)")
+                named = " (named by their extractors)" if set(members) <= set(self.extractors) else ""
+                parts.append(f"{', '.join(members)}{named}, or {group} for all {len(members)} (not part of {ALL}: "
+                             f"{size} no preset needs)")
         return "; ".join(parts)
 
 

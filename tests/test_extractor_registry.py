@@ -152,6 +152,8 @@ def test_fetch_weights_takes_its_weights_by_their_name_and_by_the_extractor(tmp_
 
 def test_fetch_weights_downloads_its_url_with_size_and_sha256_checked(tmp_path, monkeypatch, run_cli):
     monkeypatch.setenv("RETR_OFFLINE", "0")
+    monkeypatch.setenv("RETR_MIRROR", "")     # recorded, so the --mirror the command sets is undone afterwards
+    monkeypatch.delenv("RETR_MIRROR")
     monkeypatch.setattr(downloads, "DEFAULT_RETRY_WAIT", 0.0)
     monkeypatch.setenv("RETR_WEIGHTS", str(tmp_path / "w"))
     with LocalServer() as server:
@@ -166,8 +168,6 @@ def test_fetch_weights_downloads_its_url_with_size_and_sha256_checked(tmp_path, 
     assert code == 0, err
     assert out == f"throwaway-cells: {tmp_path / 'w' / 'throwaway-cells.bin'} (downloaded)\n"
     assert (tmp_path / "w" / "throwaway-cells.bin").read_bytes() == WEIGHTS_BYTES
-    monkeypatch.setenv("RETR_MIRROR", "")
-    monkeypatch.delenv("RETR_MIRROR")
 
 
 def test_the_extras_check_names_it(monkeypatch):

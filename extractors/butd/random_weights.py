@@ -1,6 +1,7 @@
 """``weights="random"``: a deterministic, well-scaled random detector for tests, the demo and learning checks
 (initialisation and norm calibration: docs/butd.md, "--weights random"). Seeded with every extractor's
-:data:`~retr.extractors.weights.RANDOM_SEED` and kept in their one cache (:func:`~retr.extractors.weights.seeded_random_model`)."""
+:data:`~retr.extractors.weights.RANDOM_SEED` and kept in their one cache
+(:func:`~retr.extractors.weights.seeded_random_model`)."""
 from __future__ import annotations
 
 import torch

@@ -63,9 +63,9 @@ def fetch_weights_command(names: tuple[str, ...], stanza_dir: Path | None, offli
                           quiet: bool) -> None:
     """Download the weights extraction and parsing need, ahead of time (e.g. on a login node).
 
-    NAMES: {names}. Each goes where its loader looks first: torchvision's cache ($TORCH_HOME/hub/checkpoints), the Hugging Face cache, $RETR_WEIGHTS (else
-    ~/.cache/retr/weights), stanza's folder. Files already there are left alone. With --offline nothing is
-    downloaded: the command checks, and names what is missing in one line.
+    NAMES: {names}. Each goes where its loader looks first: torchvision's cache ($TORCH_HOME/hub/checkpoints), the
+    Hugging Face cache, $RETR_WEIGHTS (else ~/.cache/retr/weights), stanza's folder. Files already there are left
+    alone. With --offline nothing is downloaded: the command checks, and names what is missing in one line.
 
     \b
     Example:
