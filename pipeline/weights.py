@@ -10,13 +10,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from retr.common.downloads import SOURCES, Source, format_bytes, is_offline
 from retr.common.errors import MissingResourceError, ParameterError
-from retr.extractors.spec import ALL
+from retr.extractors.spec import ALL, WeightSource
 
 logger = logging.getLogger(__name__)
+
+#: the parser's models: fetched by name and with ``all``, after every extractor's weights
+STANZA = "stanza"
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class WeightsItem:
         return self.source.what
 
 
-def _extractor_item(weights) -> WeightsItem:
+def _extractor_item(weights: WeightSource) -> WeightsItem:
     """The item of an extractor's :class:`~retr.extractors.spec.WeightSource`."""
     return WeightsItem(weights.key, weights.entry, weights.locate, weights.fetch, weights.looked_in)
 
@@ -59,10 +62,6 @@ def _stanza(model_dir: Path | None) -> WeightsItem:
     return WeightsItem(STANZA, SOURCES[STANZA], locate, fetch, lambda: str(folder()[0]))
 
 
-#: the parser's models: fetched by name and with ``all``, after every extractor's weights
-STANZA = "stanza"
-
-
 @dataclass(frozen=True)
 class WeightsCatalog:
     """The names ``fetch-weights`` takes, derived from the extractors' specs.
@@ -72,7 +71,7 @@ class WeightsCatalog:
     ``groups``: group name (``all``, ``clip``) → weights names, ``all`` ending with :data:`STANZA`;
     ``extractors``: extractor name → the weights name of its default ``--weights``."""
 
-    sources: dict[str, Any]
+    sources: dict[str, WeightSource]
     groups: dict[str, tuple[str, ...]]
     extractors: dict[str, str]
 
@@ -89,7 +88,6 @@ class WeightsCatalog:
         order = {name: i for i, name in enumerate(self.names)}
         renamed = [(extractor, name) for extractor, name in self.extractors.items() if extractor != name]
         return dict(sorted(renamed, key=lambda pair: (order[pair[1]], pair[0])))
-
 
     def describe(self) -> str:
         """The names, for ``fetch-weights --help``: ``all (default), resnet152, …, or extractor names (…); …``."""
@@ -110,7 +108,7 @@ def weights_catalog() -> WeightsCatalog:
 
     specs = [spec for spec in extractor_specs() if spec.weights is not None]
     table = {key: i for i, key in enumerate(SOURCES)}
-    sources: dict[str, Any] = {}
+    sources: dict[str, WeightSource] = {}
     for spec in sorted(specs, key=lambda s: (table.get(s.weights.key, len(table)), s.name)):
         if sources.setdefault(spec.weights.key, spec.weights) != spec.weights:
             raise ValueError(f"extractors declare two different weights named {spec.weights.key!r}")
