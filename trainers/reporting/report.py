@@ -27,7 +27,7 @@ drawn on blank canvases of the stored ``image_hw`` (grids: square), with a one-l
 """
 from __future__ import annotations
 
-import html
+import functools
 import json
 import logging
 import time
@@ -41,6 +41,7 @@ import torch
 
 from retr.common.atomic import atomic_text
 from retr.common.errors import ParameterError, UserError
+from retr.common.optional import require
 from retr.common.version import __version__
 from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.reporting import draw as draw
@@ -341,37 +342,35 @@ class Explainer:
             self._trees = TreeSet(path) if path and Path(path).is_file() else False
         return self._trees or None
 
-    def section(self, pairs: list[Pair], tag: str) -> str:
+    def section(self, pairs: list[Pair], tag: str):
+        """This member's attention (HTML, :class:`markupsafe.Markup`; its drawings under the assets): a heading
+        ``<h3>run — model</h3>`` on the first line, then each pair's maps, or one note saying why there are none."""
         model = self.m.model
-        head = f"<h3>{_e(self.m.name)} — {_e(self.m.config.get('model', '?'))}</h3>"
-        if not tuple(getattr(model, "explains", ())):
-            return head + (f"<p class='note'>no attention maps: {_e(self.m.config.get('model', '?'))} declares "
-                           "none (its <code>explains</code> is empty).</p>")
-        parts = [head, f"<p class='small'>maps: {_e(', '.join(model.explains))}</p>"]
+        values = dict(run=self.m.name, model=self.m.config.get("model", "?"),
+                      explains=list(getattr(model, "explains", ()) or ()), unavailable=None, pairs=[])
+        if not values["explains"]:
+            return render("attention.html.j2", **values)
         for p, pair in enumerate(pairs):
             try:
                 maps, tokens, real = self.maps(pair)
             except NotImplementedError as exc:
-                return head + f"<p class='note'>no attention maps: {_e(str(exc))}</p>"
+                return render("attention.html.j2", **{**values, "unavailable": str(exc), "pairs": []})
             except Exception as exc:     # noqa: BLE001 - one model's failure must not lose the report
-                parts.append(f"<p class='note'>explain failed for this pair: {_e(type(exc).__name__)}: "
-                             f"{_e(str(exc))}</p>")
+                values["pairs"].append({"failed": f"{type(exc).__name__}: {exc}"})
                 continue
-            parts.append("<div class='pair'>"
-                         f"<p><b>«{_e(self.captions[pair.caption])}»</b> with image "
-                         f"<code>{_e(self.ids[pair.image])}</code> ({_e(pair.why)}; {_e(pair.rank_note)})</p>")
             trees: list[tuple[str, np.ndarray]] = []          # node-id maps: drawn together, beside the parse
-            for n, (name, tensor) in enumerate(maps.items()):
-                parts.append(self.draw_map(name, tensor, tokens, real, pair, f"{tag}-{p}-{n}", trees))
-            if trees:
-                parts.append("<h4>referral trees <span class='small'>(" + ", ".join(_e(n) for n, _ in trees) +
-                             ")</span></h4>" + self.draw_trees(trees, pair))
-            parts.append("</div>")
-        return "\n".join(parts)
+            drawn = [self.draw_map(name, tensor, tokens, real, pair, f"{tag}-{p}-{n}", trees)
+                     for n, (name, tensor) in enumerate(maps.items())]
+            values["pairs"].append({"caption": self.captions[pair.caption], "image": self.ids[pair.image],
+                                    "why": pair.why, "rank_note": pair.rank_note, "maps": [d for d in drawn if d],
+                                    "trees": [name for name, _ in trees],
+                                    "trees_html": self.draw_trees(trees, pair) if trees else ""})
+        return render("attention.html.j2", **values)
 
     def draw_map(self, name: str, tensor, tokens: list[str], real: int, pair: Pair, stem: str,
-                 trees: list[tuple[str, np.ndarray]]) -> str:
-        """HTML (and assets) of one map; node-id maps are appended to ``trees`` instead (drawn by the caller)."""
+                 trees: list[tuple[str, np.ndarray]]):
+        """HTML (Markup; and assets) of one map; node-id maps are appended to ``trees`` instead (drawn by the
+        caller) and give ``""``."""
         t = torch.as_tensor(tensor).detach().cpu()
         is_float = t.is_floating_point()
         array = t.double().numpy() if is_float else t.long().numpy()
@@ -379,7 +378,7 @@ class Explainer:
             array = array[0]
         layout = "matrix" if name in getattr(self.m.model, "rank_maps", ()) else map_layout(
             array.shape, is_float, (self.positions, real), len(tokens), self.m.kind, self.has_boxes)
-        title = f"<h4>{_e(name)} <span class='small'>[{'×'.join(map(str, t.shape))}] — {layout}</span></h4>"
+        values = dict(name=name, shape=list(t.shape), layout=layout)
         if layout == "tree":
             rows7 = array.reshape(-1, 7)
             trees.extend((name if len(rows7) == 1 else f"{name}[{r}]", row) for r, row in enumerate(rows7))
@@ -388,35 +387,23 @@ class Explainer:
         labels = _row_labels(name, rows.shape[0], tokens)
         if layout == "words":
             width = rows.shape[1]
-            words = tokens[:width]
-            note = (f"<p class='small'>the first {width} of the caption's {len(tokens)} tokens (the model reads no "
-                    "further)</p>" if width < len(tokens) else "")
-            return title + note + word_strip(rows, labels, words)
+            return render("map.html.j2", **values, width=width, tokens=len(tokens),
+                          strip=word_strip(rows, labels, tokens[:width]))
         if layout in ("boxes", "grid"):
-            note = ""
-            if rows.shape[0] > MAX_ROWS:
-                note = f"<p class='small'>first {MAX_ROWS} of {rows.shape[0]} rows drawn</p>"
-                rows, labels = rows[:MAX_ROWS], labels[:MAX_ROWS]
+            total = rows.shape[0]
+            rows, labels = rows[:MAX_ROWS], labels[:MAX_ROWS]
             draw_row = self.box_panel if layout == "boxes" else self.grid_panel
             plain = self.assets.save(self.images.canvas(pair.image, PANEL_SIDE), f"att-{stem}-image.jpg")
-            figures = [f"<figure><img src='{plain}' alt='the image'><figcaption>the image<br><span class='small'>"
-                       f"{_e(self.ids[pair.image])}</span></figcaption></figure>"]
-            for r, (row, label) in enumerate(zip(rows, labels)):
-                src = self.assets.save(draw_row(pair.image, row), f"att-{stem}-{r:02d}.jpg")
-                figures.append(f"<figure><img src='{src}' alt='{_e(label)}'>"
-                               f"<figcaption>{_e(label)}<br><span class='small'>max {row.max():.3g}</span>"
-                               "</figcaption></figure>")
-            uniform = 1 / max(1, min(rows.shape[1], real))         # every real position weighted alike
-            legend = ("each panel: one row's weights, scaled by its largest (max below); regions tinted at "
-                      f"opacity {draw.BOX_ALPHA:g}·w/max, the most attended outlined" if layout == "boxes" else
-                      f"each panel: one row's weights over the grid cells, scaled by its largest (max below), "
-                      f"colour map {draw.HEAT_CMAP} at opacity {draw.HEAT_ALPHA:g}")
-            legend += f"; uniform weight (nothing stands out): {uniform:.3g}"
-            return title + f"<p class='small'>{legend}</p>{note}<div class='panels'>{''.join(figures)}</div>"
+            panels = [{"src": self.assets.save(draw_row(pair.image, row), f"att-{stem}-{r:02d}.jpg"), "label": label,
+                       "max": float(row.max())} for r, (row, label) in enumerate(zip(rows, labels))]
+            return render("map.html.j2", **values, drawn=len(panels), total=total, image_src=plain,
+                          image_id=self.ids[pair.image], panels=panels,
+                          alpha=draw.BOX_ALPHA if layout == "boxes" else draw.HEAT_ALPHA, cmap=draw.HEAT_CMAP,
+                          uniform=1 / max(1, min(rows.shape[1], real)))      # every real position weighted alike
         cols = [str(c) for c in range(rows.shape[1])]
         draw.matrix_png(self.assets.out / ASSETS / f"att-{stem}.png", rows, labels, cols,
                         f"{name} (no place on the image for this shape)")
-        return title + f"<img class='matrix' src='{ASSETS}/att-{stem}.png' alt='{_e(name)}'>"
+        return render("map.html.j2", **values, src=f"{ASSETS}/att-{stem}.png")
 
     def box_panel(self, image: int, weights: np.ndarray):
         fs = self.m.feature_set
@@ -430,79 +417,79 @@ class Explainer:
     def grid_panel(self, image: int, weights: np.ndarray):
         return draw.grid_heatmap(self.images.canvas(image, PANEL_SIDE), draw.scale_unit(weights))
 
-    def draw_trees(self, predicted: list[tuple[str, np.ndarray]], pair: Pair) -> str:
+    def draw_trees(self, predicted: list[tuple[str, np.ndarray]], pair: Pair):
         """The caption's parsed referral tree (the run's trees.h5) beside each predicted one, named from the
-        trees file's dictionaries."""
+        trees file's dictionaries (Markup)."""
         trees = self.trees()
         if trees is None:
-            ids = "; ".join(f"{_e(name)}: {' '.join(map(str, row))}" for name, row in predicted)
-            return ("<p class='note'>node ids given, but the run's trees.h5 is not available to name them</p>"
-                    f"<p class='small'>{ids}</p>")
+            return render("trees.html.j2", tables=None, predicted=[(name, [int(n) for n in row])
+                                                                   for name, row in predicted])
         key = self.caption_keys[pair.caption]
         parsed = trees.nodes_for([key], missing="null")[0]
-        blocks = [tree_html(f"parsed ({'trees.h5' if key in trees else 'no tree in trees.h5'})", parsed,
+        tables = [tree_html(f"parsed ({'trees.h5' if key in trees else 'no tree in trees.h5'})", parsed,
                             trees.entities, trees.relations)]
-        blocks += [tree_html(f"predicted: {name}", row, trees.entities, trees.relations) for name, row in predicted]
-        return f"<div class='trees'>{''.join(blocks)}</div>"
+        tables += [tree_html(f"predicted: {name}", row, trees.entities, trees.relations) for name, row in predicted]
+        return render("trees.html.j2", tables=tables, predicted=predicted)
 
 
-def tree_html(title: str, nodes: Sequence[int], entities: list[str], relations: list[str]) -> str:
-    """A referral tree (slots ``[E1 R2 E3 R4 E5 R6 E7]``, in-order) as a three-level table: R4 on top, R2 and
-    R6 below it, the entities at the bottom."""
+def tree_html(title: str, nodes: Sequence[int], entities: list[str], relations: list[str]):
+    """A referral tree (slots ``[E1 R2 E3 R4 E5 R6 E7]``, in-order) as a three-level table (Markup): R4 on top, R2
+    and R6 below it, the entities at the bottom; a node id outside the dictionaries as ``#id``."""
     def name(slot: int) -> str:
         table = entities if slot % 2 == 0 else relations
         n = int(nodes[slot])
         return table[n] if 0 <= n < len(table) else f"#{n}"
 
-    def cell(slot: int, span: int) -> str:
-        kind = "ent" if slot % 2 == 0 else "rel"
-        return f"<td colspan='{span}' class='{kind}'>{_e(name(slot))}</td>"
-    return (f"<table class='tree'><caption>{_e(title)}</caption>"
-            f"<tr>{cell(3, 4)}</tr><tr>{cell(1, 2)}{cell(5, 2)}</tr>"
-            f"<tr>{cell(0, 1)}{cell(2, 1)}{cell(4, 1)}{cell(6, 1)}</tr></table>")
+    return render("tree.html.j2", title=title, names=[name(slot) for slot in range(7)])
 
 
-def word_strip(rows: np.ndarray, labels: Sequence[str], words: Sequence[str]) -> str:
-    """Weights over words ``[R, L]`` as a table: one line per row (a hop), each word's background
+def word_strip(rows: np.ndarray, labels: Sequence[str], words: Sequence[str]):
+    """Weights over words ``[R, L]`` as a table (Markup): one line per row (a hop), each word's background
     :data:`~retr.trainers.reporting.draw.HIGHLIGHT` at opacity w / the row's largest (the raw weight in its tooltip)."""
-    r, g, b = draw.HIGHLIGHT
-    lines = []
-    for label, row in zip(labels, rows):
-        unit = draw.scale_unit(row)
-        cells = "".join(f"<td style='background: rgba({r}, {g}, {b}, {a:.3f})' title='{w:.4g}'>{_e(word)}</td>"
-                        for word, w, a in zip(words, row, unit))
-        lines.append(f"<tr><th>{_e(label)}</th>{cells}<td class='small'>max {row.max():.3g} · uniform "
-                     f"{1 / max(1, row.size):.3g}</td></tr>")
-    return ("<p class='small'>each line: one row's weights over the words, scaled by its largest "
-            "(hover a word for its weight; uniform = the weight of every word when nothing stands out)</p>"
-            f"<table class='strip'>{''.join(lines)}</table>")
+    lines = [{"label": label, "max": float(row.max()), "uniform": 1 / max(1, row.size),
+              "cells": [{"word": word, "weight": float(w), "alpha": float(a)}
+                        for word, w, a in zip(words, row, draw.scale_unit(row))]}
+             for label, row in zip(labels, rows)]
+    return render("word_strip.html.j2", lines=lines, colour=draw.HIGHLIGHT)
 
 
 # ---------------------------------------------------------------------------------------------- the report
 
-def _e(text) -> str:
-    return html.escape(str(text), quote=True)
+#: the report's jinja2 templates (package data: ``pyproject.toml``'s ``package-data``)
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 
-def _metrics_table(result: dict) -> str:
-    head = ("<tr><th></th><th>R@1</th><th>R@5</th><th>R@10</th><th>medr</th><th>meanr</th></tr>")
-    rows = "".join(f"<tr><th>{side}</th>" + "".join(f"<td>{result[side][k]:.1f}</td>"
-                                                   for k in ("r1", "r5", "r10", "medr", "meanr")) + "</tr>"
-                   for side in ("i2t", "t2i"))
-    return f"<table class='metrics'>{head}{rows}<tr><th>rSum</th><td colspan='5'>{result['rsum']:.1f}</td></tr></table>"
+@functools.cache
+def _environment():
+    """The jinja2 environment of :data:`TEMPLATES` (the ``report`` extra): every value autoescaped unless it is
+    built HTML (:class:`markupsafe.Markup`: another template's output, the CSS), a missing value an error."""
+    jinja2 = require("jinja2", "report", "the report's pages")
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True, trim_blocks=True,
+                              lstrip_blocks=True, undefined=jinja2.StrictUndefined)
 
 
-def _stored_results(runs: Sequence[str]) -> str:
+def render(template: str, **values):
+    """``template`` of :data:`TEMPLATES` rendered with ``values`` (escaped there), as :class:`markupsafe.Markup`:
+    built HTML that another template embeds as is."""
+    html = _environment().get_template(template).render(**values)
+    return require("markupsafe", "report", "the report's pages").Markup(html)
+
+
+def _metrics_table(result: dict):
+    """The protocol's numbers of ``result`` (eval's dict) as a table (Markup)."""
+    return render("metrics.html.j2", result=result)
+
+
+def _stored_results(runs: Sequence[str]):
+    """The results stored in the ``eval.json`` of ``runs`` as a table with its notes (Markup; the search page
+    shows it too)."""
     from retr.trainers.evaluation.runs import table_rows
 
     with_eval = [r for r in runs if (Path(r) / ckpt.EVAL).is_file()]
     if not with_eval:
-        return "<p class='small'>no results stored in eval.json yet</p>"
+        return render("stored.html.j2", header=None, rows=[], notes=[])
     header, rows, notes = table_rows(with_eval)
-    cells = lambda v: f"{v:.1f}" if isinstance(v, float) else _e(v)   # noqa: E731
-    body = "".join("<tr>" + "".join(f"<td>{cells(v)}</td>" for v in row) + "</tr>" for row in rows)
-    return ("<table class='stored'><tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + f"</tr>{body}</table>"
-            + "".join(f"<p class='note'>{_e(note)}</p>" for note in notes))
+    return render("stored.html.j2", header=header, rows=rows, notes=notes)
 
 
 def _best_epoch(records: list[dict]) -> str:
@@ -513,21 +500,19 @@ def _best_epoch(records: list[dict]) -> str:
     return f"epoch {int(best['epoch'])} of {len(epochs)} (val rSum {best['val']['rsum']:.1f})"
 
 
-def _member_rows(members: list[Member]) -> str:
-    head = "<tr><th>run</th><th>model</th><th>preset</th><th>seed</th><th>features</th><th>checkpoint</th>" \
-           "<th>best validation</th><th>parameters</th></tr>"
+def _member_rows(members: list[Member]):
+    """The summary's table of ``members`` (Markup; the search page shows it too): model, preset, seed, features,
+    checkpoint, best validation epoch, parameter count."""
     rows = []
     for m in members:
         c, fs = m.config, m.feature_set
         model = c.get("model", "?") + (f" ({c['model_args']['direction']})" if (c.get("model_args") or {})
                                        .get("direction") else "")
-        feats = (f"{_e(fs.path)}<br><span class='small'>{_e(fs.attrs.get('kind'))}, {_e(fs.attrs.get('extractor'))}, "
-                 f"K×D = {fs.feature_shape[0]}×{fs.feature_shape[1]}</span>")
-        params = sum(p.numel() for p in m.model.parameters())
-        rows.append(f"<tr><td>{_e(m.run)}</td><td>{_e(model)}</td><td>{_e(c.get('preset') or '-')}</td>"
-                    f"<td>{_e(c.get('seed', '-'))}</td><td>{feats}</td><td>{_e(m.checkpoint.name)}</td>"
-                    f"<td>{_e(_best_epoch(m.records))}</td><td>{params:,}</td></tr>")
-    return f"<table class='members'>{head}{''.join(rows)}</table>"
+        rows.append({"run": m.run, "model": model, "preset": c.get("preset") or "-", "seed": c.get("seed", "-"),
+                     "features": fs.path, "kind": fs.attrs.get("kind"), "extractor": fs.attrs.get("extractor"),
+                     "positions": fs.feature_shape[0], "dim": fs.feature_shape[1], "checkpoint": m.checkpoint.name,
+                     "best": _best_epoch(m.records), "parameters": sum(p.numel() for p in m.model.parameters())})
+    return render("members.html.j2", members=rows)
 
 
 CSS = """
@@ -548,33 +533,28 @@ ol { margin: 4px 0; } img.matrix { max-width: 100%; }
 """
 
 
-def _t2i_html(q: Query, ids, captions, keys, images: ImageSource, assets: Assets) -> str:
-    figures = []
-    for n, (item, score, true) in enumerate(q.top):
-        figures.append(f"<figure class='{'truth' if true else ''}'><img src='{assets.thumb(images, item)}' "
-                       f"alt='{_e(ids[item])}'><figcaption>#{n + 1} {score:.4f}{' ✓' if true else ''}<br>"
-                       f"<span class='small'>{_e(ids[item])}</span></figcaption></figure>")
+def _t2i_html(q: Query, ids, captions, keys, images: ImageSource, assets: Assets):
+    """One text→image query (Markup): the caption, its top images (thumbnails written to ``assets``) with their
+    scores, the true image framed, and shown after them when it ranked lower."""
+    results = [{"src": assets.thumb(images, item), "id": ids[item], "score": score, "true": true}
+               for item, score, true in q.top]
+    truth = None
     if not any(true for _, _, true in q.top):
-        figures.append("<span class='ellipsis'>…</span>")
-        figures.append(f"<figure class='truth'><img src='{assets.thumb(images, q.truth)}' alt='{_e(ids[q.truth])}'>"
-                       f"<figcaption>rank {q.rank + 1}: {q.truth_score:.4f} ✓<br><span class='small'>"
-                       f"{_e(ids[q.truth])}</span></figcaption></figure>")
-    return (f"<div class='query t2i'><p><b>«{_e(captions[q.index])}»</b> <span class='small'>{_e(keys[q.index])}"
-            f"</span> — true image ranked <b>{q.rank + 1}</b></p><div class='results'>{''.join(figures)}</div></div>")
+        truth = {"src": assets.thumb(images, q.truth), "id": ids[q.truth], "score": q.truth_score}
+    return render("t2i_query.html.j2", caption=captions[q.index], key=keys[q.index], rank=q.rank + 1,
+                  results=results, truth=truth)
 
 
-def _i2t_html(q: Query, ids, captions, keys, images: ImageSource, assets: Assets) -> str:
-    items = [f"<li class='{'truth' if true else ''}'>{score:.4f} «{_e(captions[item])}»"
-             f"{' ✓' if true else ''} <span class='small'>{_e(keys[item])}</span></li>"
-             for item, score, true in q.top]
-    extra = ""
+def _i2t_html(q: Query, ids, captions, keys, images: ImageSource, assets: Assets):
+    """One image→text query (Markup): the image, its top captions with their scores, true ones marked, the best
+    true caption shown after them when it ranked lower."""
+    results = [{"caption": captions[item], "key": keys[item], "score": score, "true": true}
+               for item, score, true in q.top]
+    truth = None
     if not any(true for _, _, true in q.top):
-        extra = (f"<p class='small'>…</p><ul><li class='truth'>rank {q.rank + 1}: {q.truth_score:.4f} "
-                 f"«{_e(captions[q.truth])}» ✓ <span class='small'>{_e(keys[q.truth])}</span></li></ul>")
-    src = assets.thumb(images, q.index, QUERY_SIDE)
-    return (f"<div class='query i2t'><div class='results'><figure><img src='{src}' alt='{_e(ids[q.index])}'>"
-            f"<figcaption>{_e(ids[q.index])}</figcaption></figure><div>"
-            f"<p>best true caption ranked <b>{q.rank + 1}</b></p><ol>{''.join(items)}</ol>{extra}</div></div></div>")
+        truth = {"caption": captions[q.truth], "key": keys[q.truth], "score": q.truth_score}
+    return render("i2t_query.html.j2", src=assets.thumb(images, q.index, QUERY_SIDE), id=ids[q.index],
+                  rank=q.rank + 1, results=results, truth=truth)
 
 
 def _two_step_matrices(member: Member, data, parts, device: torch.device, precision: str):
@@ -644,7 +624,8 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
             raise ParameterError(f"{name} must be ≥ {least}, not {value}", name)
     if protocol not in PROTOCOLS:
         raise ParameterError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}", "protocol")
-    draw.pyplot()   # the report extra, before the evaluation
+    draw.pyplot()   # the report extra (drawings and templates), before the evaluation
+    _environment()
     runs = [str(r) for r in runs]
     t0 = time.perf_counter()
     dev = resolve_device(device)
@@ -685,7 +666,7 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
     images = ImageSource(records, root, image_hw, exif)
 
     # queries
-    sections: dict[str, str] = {}
+    sections: dict[str, list] = {}
     chosen: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for d, (direction, ranks) in enumerate((("t2i", ranking.t2i), ("i2t", ranking.i2t))):
         chosen[direction] = pick_queries(ranks, samples, np.random.default_rng([seed, d]))
@@ -694,7 +675,7 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
             blocks = [render(build_query(direction, int(q), i2t_sims, t2i_sims, data.caption_image, ranking, parts,
                                          top), data.image_ids, data.captions, caption_keys, images, assets)
                       for q in picked]
-            sections[f"{direction}-{kind}"] = "\n".join(blocks) or "<p class='small'>no queries</p>"
+            sections[f"{direction}-{kind}"] = blocks
 
     # attention
     pairs: list[Pair] = []
@@ -704,19 +685,17 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
         if not q.top[0][2]:
             pairs.append(Pair(q.top[0][0], q.index, "the model's top-1, not the true image",
                               f"score {q.top[0][1]:.4f} vs the true image's {q.truth_score:.4f}"))
-    attention_html = "\n".join(Explainer(m, data.image_ids, data.captions, images, assets, dev, caption_keys)
-                               .section(pairs, f"m{n}") for n, m in enumerate(members))
+    attention_sections = [Explainer(m, data.image_ids, data.captions, images, assets, dev, caption_keys)
+                          .section(pairs, f"m{n}") for n, m in enumerate(members)]
 
     # curves
     series = [(m.name, m.records) for m in members if m.records]
     if series:
         draw.curves_png(out / ASSETS / "curves.png", series)
-        curves = f"<img src='{ASSETS}/curves.png' alt='training curves'>"
-    else:
-        curves = "<p class='note'>no metrics.jsonl in the run(s) (imported checkpoints): no training curves</p>"
+    curves = f"{ASSETS}/curves.png" if series else None
 
     t_done = time.perf_counter()
-    page = _page(runs, members, result, protocol, split, sections, attention_html, curves, images, root,
+    page = _page(runs, members, result, protocol, split, sections, attention_sections, curves, images, root,
                  two_step, samples, top, seed, sims)
     index = out / "index.html"
     with atomic_text(index) as handle:
@@ -725,10 +704,10 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
     return index
 
 
-def _page(runs, members, result, protocol, split, sections, attention_html, curves, images: ImageSource, root,
+def _page(runs, members, result, protocol, split, sections, attention, curves, images: ImageSource, root,
           two_step, samples, top, seed, sims) -> str:
-    title = " + ".join(m.name for m in members)
-    kind = f"ensemble of {len(members)} runs (averaged similarities)" if len(members) > 1 else "single run"
+    """The report's page (``page.html.j2``): ``sections`` maps ``t2i-sampled`` … ``i2t-worst`` to their queries'
+    HTML, ``attention`` holds each member's section, ``curves`` is the curves' asset (None: no metrics.jsonl)."""
     notes = []
     if result.get("size_mismatch"):
         mm = result["size_mismatch"]
@@ -745,55 +724,15 @@ def _page(runs, members, result, protocol, split, sections, attention_html, curv
         notes.append("coco-1k: numbers are the mean over the five 1K folds; every query ranks within its fold")
     source = (f"matrix {sims} (retr-train eval --save-sims)" if sims else
               "evaluated for this report (retr-train eval's code)")
-    note_html = "".join(f"<p class='note'>{_e(n)}</p>" for n in notes)
-    ensemble = ("<p>members: " + ", ".join(f"<code>{_e(m.run)}</code>" for m in members) + "</p>"
-                if len(members) > 1 else "")
-    nav = " · ".join(f"<a href='#{a}'>{t}</a>" for a, t in (
-        ("summary", "summary"), ("curves", "training curves"), ("t2i-sampled", "text→image"),
-        ("i2t-sampled", "image→text"), ("attention", "attention")))
-    generated = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>retr report — {_e(title)}</title>
-<style>{CSS}</style></head>
-<body>
-<h1>retr report — {_e(title)}</h1>
-<p class="small">{_e(kind)} · {_e(protocol)} on the {_e(split)} split · generated {generated} by retr {__version__} ·
-{nav}</p>
-{note_html}
-<section id="summary"><h2>Summary</h2>
-{ensemble}{_member_rows(members)}
-<h3>{_e(protocol)}, {_e(split)} split: {result.get('images', '?')} images, {result.get('captions', '?')} captions
-<span class="small">({_e(source)})</span></h3>
-{_metrics_table(result)}
-<h3>Results stored in eval.json</h3>
-{_stored_results(runs)}
-</section>
-<section id="curves"><h2>Training curves</h2>
-<p class="small">training loss at every logged step; validation R@1 and rSum after every epoch (metrics.jsonl)</p>
-{curves}
-</section>
-<section id="t2i"><h2>Text → image</h2>
-<p class="small">top {top} images per caption query, scores of the ranked matrix; the true image framed green
-(✓) and shown after the list when it ranked lower; ranks are eval's (1 = first; ties count against the query)</p>
-<h3 id="t2i-sampled">{samples} sampled queries (seed {seed})</h3>
-{sections['t2i-sampled']}
-<h3 id="t2i-worst">the {samples} worst queries (largest rank of the true image)</h3>
-{sections['t2i-worst']}
-</section>
-<section id="i2t"><h2>Image → text</h2>
-<p class="small">top {top} captions per image query; true captions ✓ (green); the rank is the best true caption's</p>
-<h3 id="i2t-sampled">{samples} sampled queries (seed {seed})</h3>
-{sections['i2t-sampled']}
-<h3 id="i2t-worst">the {samples} worst queries (largest rank of the best true caption)</h3>
-{sections['i2t-worst']}
-</section>
-<section id="attention"><h2>Attention</h2>
-<p class="small">the maps each model's score computes for a pair (<code>explain</code>), for the first sampled
-text→image queries: the caption with its true image, and with the model's top-1 image when that is another</p>
-{attention_html}
-</section>
-</body></html>
-"""
+    markup = require("markupsafe", "report", "the report's pages").Markup
+    return str(render(
+        "page.html.j2", title=" + ".join(m.name for m in members),
+        kind=f"ensemble of {len(members)} runs (averaged similarities)" if len(members) > 1 else "single run",
+        protocol=protocol, split=split, generated=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        version=__version__, notes=notes, members=[m.run for m in members], member_rows=_member_rows(members),
+        images=result.get("images", "?"), captions=result.get("captions", "?"), source=source,
+        metrics=_metrics_table(result), stored=_stored_results(runs), curves=curves, top=top, samples=samples,
+        seed=seed, sections=sections, attention=attention, css=markup(CSS)))
 
 
 # ----------------------------------------------------------------------------------------------- command
