@@ -1,8 +1,8 @@
 """Packages that only some users need: each comes with an extra of ``pyproject.toml`` and is imported where it is
 used, through :func:`require`, never at a module's top.
 
-* ``pipeline`` — stanza (parsing captions, reading CoNLL-U: ``parse-trees``, ``show-tree``, ``build-concepts``),
-  opencv-python-headless and timm (extractors; timm brings huggingface_hub and safetensors);
+* ``pipeline`` — stanza (parsing raw captions: ``parse-trees``, ``show-tree`` without ``--conllu``; CoNLL-U is read
+  without it), opencv-python-headless and timm (extractors; timm brings huggingface_hub);
 * ``clip`` — open_clip_torch (extractors, ``retr-train eval-clip``);
 * ``report`` — matplotlib (``retr-train show``, ``retr-train plot``);
 * ``search`` — faiss-cpu (faiss's exact index in search; without it, blockwise matrix products);
@@ -27,8 +27,8 @@ from types import ModuleType
 
 from retr.common.errors import RetrError
 
-#: top-level import name → the pip package that provides it (where the two differ). ``huggingface_hub`` and
-#: ``safetensors`` come with timm (and stanza), so the ``pipeline`` extra installs them.
+#: top-level import name → the pip package that provides it (where the two differ). ``huggingface_hub`` comes
+#: with timm (and stanza), so the ``pipeline`` extra installs it; ``safetensors`` is a base dependency (exports).
 DISTRIBUTIONS: dict[str, str] = {"cv2": "opencv-python-headless", "faiss": "faiss-cpu", "open_clip": "open_clip_torch"}
 
 

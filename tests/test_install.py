@@ -34,8 +34,8 @@ BIN = Path(sys.executable).parent
 
 #: module a fresh ``pip install .`` lacks → the extra that brings it (huggingface_hub and safetensors come with timm)
 BLOCKED = {"stanza": "pipeline", "cv2": "pipeline", "timm": "pipeline", "huggingface_hub": "pipeline",
-           "safetensors": "pipeline", "matplotlib": "report", "faiss": "search", "tensorboard": "tensorboard",
-           "open_clip": "clip", "flask": "serve", "waitress": "serve"}
+           "matplotlib": "report", "faiss": "search", "tensorboard": "tensorboard",
+           "open_clip": "clip", "flask": "serve", "waitress": "serve", "jinja2": "report"}
 
 BLOCKER = f'''
 import sys
@@ -75,7 +75,7 @@ def test_extras_split_what_only_some_users_need():
     assert "retr[all]" in extras["dev"] and {"pytest", "pytest-randomly"} <= set(extras["dev"])
     core = {_distribution(r) for r in project["dependencies"]}
     assert core == {"torch", "torchvision", "h5py", "numpy", "pillow", "click", "tqdm", "nltk", "pyyaml",
-                    "tabulate", "conllu"}
+                    "tabulate", "conllu", "safetensors"}
     for extra in parts:
         for requirement in extras[extra]:
             distribution = _distribution(requirement)

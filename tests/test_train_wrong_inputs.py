@@ -11,29 +11,26 @@ from click.testing import CliRunner
 
 from retr.trainers.commands import cli
 from test_pipeline_wrong_inputs import KINDS, assert_one_error_line
-from trainer_synthetic import make_synthetic
 
 TINY = ["--embed-size", "16", "--word-dim", "8", "--batch-size", "16", "--quiet", "--val-images", "10",
         "--device", "cpu", "--epochs", "1"]
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    """One file of each wrong kind, plus a small dataset and a trained run for the slots a case does not test."""
+def files(synthetic_data, synthetic_run, tmp_path_factory):
+    """One file of each wrong kind, plus a small dataset and a trained run (this module's copy: the commands below
+    are given it) for the slots a case does not test; ``root`` is this module's output folder."""
     root = tmp_path_factory.mktemp("train_wrong_inputs")
-    manifest, features = make_synthetic(root, images=40)
-    run = root / "run"
-    result = CliRunner().invoke(cli, ["vsepp", "--features", str(features), "--manifest", str(manifest), "--out",
-                                      str(run), *TINY])
-    assert result.exit_code == 0, result.output
-    paths = {"empty": root / "empty.txt", "folder": root / "a_folder", "jsonl": root / "manifest.jsonl",
-             "latin1": root / "latin1.jsonl", "hdf5": Path(features)}
+    manifest, features = synthetic_data(images=40)
+    run = synthetic_run("vsepp", *TINY, copy_to=root / "run")
+    paths = {"empty": root / "empty.txt", "folder": root / "a_folder", "jsonl": manifest,
+             "latin1": root / "latin1.jsonl", "hdf5": features}
     paths["empty"].write_bytes(b"")
     paths["folder"].mkdir()
-    first = Path(manifest).read_text().splitlines()[0]
+    first = manifest.read_text().splitlines()[0]
     paths["latin1"].write_bytes(first.encode() + b"\n" + first.replace("synth_", "other_").encode()
                                 .replace(b'captions": ["', b'captions": ["caf\xe9 ') + b"\n")
-    good = {"manifest": Path(manifest), "features": Path(features), "run": run, "root": root}
+    good = {"manifest": manifest, "features": features, "run": run, "root": root}
     return paths, good
 
 
@@ -63,6 +60,7 @@ def _slots(good=None):
         "eval --manifest": (lambda x: ["eval", run, "--manifest", x, "--protocol", "f30k-1k",
                                        "--allow-size-mismatch", "--quiet"], "jsonl"),
         "table RUNS": (lambda x: ["table", x], "folder"),
+        "export RUN": (lambda x: ["export", x, "--out", out / "export"], "folder"),
         "search RUN": (lambda x: ["search", x, "--query", "a cat"], "folder"),
         "plot RUNS": (lambda x: ["plot", x, "--out", out / "p.png"], "folder"),
         "show RUNS": (lambda x: ["show", x, *show], "folder"),

@@ -19,6 +19,8 @@ from retr.common.errors import UserError
 from retr.store.vocab import Vocabulary
 
 CONFIG, VOCAB, BEST, METRICS, EVAL = "config.json", "vocab.json", "best.pt", "metrics.jsonl", "eval.json"
+#: an exported model's weights (``retr-train export``): its folder holds them, ``config.json`` and ``vocab.json``
+WEIGHTS = "model.safetensors"
 LOCK = "run.lock"
 EMA = "ema.pt"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
@@ -171,10 +173,17 @@ def prune_checkpoints(run: str | os.PathLike, keep: int) -> None:
         path.unlink(missing_ok=True)
 
 
+def is_export(run: str | os.PathLike) -> bool:
+    """Whether ``run`` is an exported model folder (its weights in :data:`WEIGHTS`, no training checkpoints)."""
+    return (Path(run) / WEIGHTS).is_file()
+
+
 def resolve_checkpoint(run: str | os.PathLike, which: str = "best") -> Path:
-    """The file ``which`` names in ``run``: ``best`` (``best.pt``, else the newest epoch checkpoint), ``last``
-    (the newest epoch checkpoint) or a file name."""
+    """The file ``which`` names in ``run``: ``best`` (``best.pt``, else the newest epoch checkpoint; an export's
+    :data:`WEIGHTS`), ``last`` (the newest epoch checkpoint) or a file name."""
     run = Path(run)
+    if which == "best" and is_export(run) and not (run / BEST).is_file():
+        return run / WEIGHTS
     if which == "best":
         path = run / BEST
         if not path.is_file() and list_checkpoints(run):
@@ -196,11 +205,35 @@ def load_run_model(run: str | os.PathLike, which: str = "best", device: torch.de
     run = Path(run)
     config = read_config(run)
     path = resolve_checkpoint(run, which)
+    if path.suffix == ".safetensors":
+        return _load_weights_file(path, config, run / VOCAB, device), Vocabulary.load(run / VOCAB), config
     state = load_checkpoint(path, trust=trust)
     vocab = Vocabulary.from_json(state["vocab"], str(path)) if "vocab" in state else Vocabulary.load(run / VOCAB)
     model = create_model(config["model"], **config["model_args"])
     model.load_state_dict(state["model"])
     return model.to(device).eval(), vocab, config
+
+
+def _load_weights_file(path: Path, config: dict, vocab: Path, device):
+    """The model ``config`` describes with the weights of the safetensors file ``path`` (an export): no pickle is
+    read. A file that is not safetensors, or whose tensors are not the model's, is one line."""
+    from retr.trainers.models import create_model
+
+    import safetensors.torch
+
+    if not vocab.is_file():
+        raise UserError(f"{path.parent} is not a complete export: no {vocab.name} beside {path.name}")
+    model = create_model(config["model"], **config["model_args"])
+    try:
+        missing, unexpected = safetensors.torch.load_model(model, str(path), strict=False)
+    except Exception as exc:  # noqa: BLE001 - a damaged or foreign file is a bad input for the user
+        raise UserError(f"{path} is not a readable safetensors file of a {config['model']} model "
+                        f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})") from None
+    if missing or unexpected:
+        raise UserError(f"{path} does not hold the weights of the {config['model']} model {path.parent / CONFIG} "
+                        f"describes ({len(missing)} missing, {len(unexpected)} unexpected, e.g. "
+                        f"{(list(missing) + list(unexpected))[0]})")
+    return model.to(device).eval()
 
 
 def upgrade_config(config: dict) -> dict:

@@ -36,7 +36,7 @@ def open_run_split(run, split: str, features: str | None = None, manifest: str |
     features = features or config.get("features")
     manifest = manifest or config.get("manifest")
     if not features or not manifest:
-        raise UserError(f"{run} does not record its features/manifest (imported run?); pass --features and "
+        raise UserError(f"{run} does not record its features/manifest (an export or an imported run); pass --features and "
                         "--manifest")
     feature_set = FeatureSet(features)
     check_feature_contract(feature_set, config["model_args"].get("img_dim"))
