@@ -371,3 +371,83 @@ def test_stored_results_mark_a_split_of_another_size_than_the_protocol(tmp_path)
     notes = [html.unescape(n) for n in re.findall(r"<p class='note'>([^<]*)</p>", page)]
     assert notes == ["* vsepp-small: f30k-1k on a test split of 16 images, not the protocol's 1,000 "
                      "(--allow-size-mismatch): not comparable with published numbers"], page
+
+
+# ------------------------------------------------------------------------------------------------ the templates
+
+EVIL = "<script>alert('x')</script>"
+
+
+class _Thumbs:
+    """Assets that write nothing: each thumbnail's ``src`` names its image."""
+
+    def thumb(self, images, i, side=rp.THUMB):
+        return f"assets/img-{i:05d}-{side}.jpg"
+
+
+def _no_markup(page: str) -> None:
+    """``page`` holds the injected value only as text: no tag of it, its escaped form instead."""
+    assert "<script" not in page and "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;" in page, page
+
+
+def test_templates_escape_captions_ids_and_names():
+    caption_image, _ = _split(3, per=2)
+    sims = np.random.default_rng(4).standard_normal((3, 6))
+    parts = rp.galleries("f30k-1k", 3, caption_image)
+    ranking = rp.rank_all(sims, sims, caption_image, parts)
+    ids, captions, keys = [EVIL, "i1", "i2"], [EVIL] * 6, [f"{EVIL}#{m}" for m in range(6)]
+    for direction, render in (("t2i", rp._t2i_html), ("i2t", rp._i2t_html)):
+        for index in range(3):
+            q = rp.build_query(direction, index, sims, sims, caption_image, ranking, parts, top=1)
+            block = str(render(q, ids, captions, keys, None, _Thumbs()))
+            _no_markup(block)
+            assert html.unescape(re.search(r"«([^»]*)»", block).group(1)) == EVIL     # the caption, as text
+    _no_markup(str(rp.word_strip(np.array([[0.5, 1.0]]), [EVIL], ["a", EVIL])))
+    tree = str(rp.tree_html(EVIL, [2, 0, 0, 2, 3, 3, 4], ["null", "unknown", EVIL, "horse", "field"],
+                            ["null", "unknown", "ride"]))
+    _no_markup(tree)
+    assert html.unescape(re.search(r"<caption>([^<]*)</caption>", tree).group(1)) == EVIL
+    assert [html.unescape(t) for t in re.findall(r"class='ent'>([^<]*)<", tree)] == [EVIL, "null", "horse", "field"]
+
+
+def test_a_run_named_with_markup_shows_as_text_in_the_report(tiny, tmp_path):
+    """A run folder named ``<script>…`` (any name a file system takes): the page escapes it wherever it shows — the
+    title, the heading, the summary's table — and stays free of script."""
+    import shutil
+
+    folder, manifest, scan, _ = tiny
+    name = "<script>alert('x')<"                      # a folder name: no '/'
+    run = tmp_path / name
+    shutil.copytree(scan, run)
+    index = rp.write_report([str(run)], "f30k-1k", tmp_path / "report", samples=1, top=2, attention=0,
+                            allow_size_mismatch=True, quiet=True)
+    page = index.read_text(encoding="utf-8")
+    _self_contained(index)                            # no <script anywhere
+    escaped = "&lt;script&gt;alert(&#39;x&#39;)&lt;"
+    assert f"<title>retr report — {escaped}</title>" in page and f"<h1>retr report — {escaped}</h1>" in page
+    assert re.search(rf"<table class='members'>.*<td>[^<]*{re.escape(escaped)}</td>", page)
+
+
+def test_show_without_jinja2_stops_in_one_line_naming_the_extra(tiny, monkeypatch, tmp_path, capsys):
+    """jinja2 "not installed" (``None`` in ``sys.modules`` makes its import fail as a missing module does): ``show``,
+    run as the console script runs it, stops before any work with the one line of every missing extra, and writes
+    no report folder."""
+    import sys
+
+    from retr.common.cli import run
+    from retr.trainers.commands import cli
+
+    folder, manifest, scan, _ = tiny
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    rp._environment.cache_clear()
+    out = tmp_path / "report"
+    try:
+        with pytest.raises(SystemExit) as exited:
+            run(cli, ["show", str(scan), "--protocol", "f30k-1k", "--allow-size-mismatch", "--quiet", "--out",
+                      str(out)])
+    finally:
+        rp._environment.cache_clear()                 # the next report builds its environment with jinja2 back
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == ("error: jinja2 is not installed (needed by the report's pages): "
+                                       "pip install 'retr[report]' (or make setup)\n")
+    assert not out.exists()
