@@ -4,7 +4,8 @@ used, through :func:`require`, never at a module's top.
 * ``pipeline`` — stanza (parsing raw captions: ``parse-trees``, ``show-tree`` without ``--conllu``; CoNLL-U is read
   without it), opencv-python-headless and timm (extractors; timm brings huggingface_hub);
 * ``clip`` — open_clip_torch (extractors, ``retr-train eval-clip``);
-* ``report`` — matplotlib (``retr-train show``, ``retr-train plot``);
+* ``report`` — matplotlib (``retr-train show``'s drawings, ``retr-train plot``) and jinja2 (``show``'s HTML
+  templates);
 * ``search`` — faiss-cpu (faiss's exact index in search; without it, blockwise matrix products);
 * ``serve`` — flask and waitress (``retr-train serve``, the search page);
 * ``tensorboard`` — tensorboard (``--log tensorboard``).
