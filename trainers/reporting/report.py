@@ -24,6 +24,10 @@ PNG, relative links only: no server, no external URL; the folder can be copied o
 Images are read from the manifest's paths under ``image_root`` (default: the manifest's folder); a path that
 leaves the root is not opened. Without image files the report still renders: thumbnails and region boxes are
 drawn on blank canvases of the stored ``image_hw`` (grids: square), with a one-line note.
+
+The functions here gather each piece's data; its HTML is a jinja2 template of :data:`TEMPLATES` (the ``report``
+extra), rendered by :func:`render` with every value escaped. A piece comes back as :class:`markupsafe.Markup` —
+built HTML, which the page's template (and the search page) embeds as is.
 """
 from __future__ import annotations
 
