@@ -8,6 +8,7 @@ used, through :func:`require`, never at a module's top.
   templates);
 * ``search`` — faiss-cpu (faiss's exact index in search; without it, blockwise matrix products);
 * ``serve`` — flask and waitress (``retr-train serve``, the search page);
+* ``hub`` — huggingface_hub (models named ``hf-hub:ORG/NAME``, ``retr-train push``; timm brings it too);
 * ``tensorboard`` — tensorboard (``--log tensorboard``).
 
 Which extractor needs which extra is said once, in its spec (``ExtractorSpec.extra`` and ``requires``,

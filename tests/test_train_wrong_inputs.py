@@ -61,6 +61,7 @@ def _slots(good=None):
                                        "--allow-size-mismatch", "--quiet"], "jsonl"),
         "table RUNS": (lambda x: ["table", x], "folder"),
         "export RUN": (lambda x: ["export", x, "--out", out / "export"], "folder"),
+        "push RUN": (lambda x: ["push", x, "--repo", "my-lab/model"], "folder"),
         "search RUN": (lambda x: ["search", x, "--query", "a cat"], "folder"),
         "plot RUNS": (lambda x: ["plot", x, "--out", out / "p.png"], "folder"),
         "show RUNS": (lambda x: ["show", x, *show], "folder"),

@@ -37,7 +37,7 @@ def echo_numbers(result: dict, what: str) -> None:
 
 
 @click.command("eval")
-@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False))
 @click.option("--protocol", type=click.Choice(PROTOCOLS), required=True,
               help="f30k-1k / coco-5k: the split as given; coco-1k: five equal folds in file order, averaged; "
                    "coco-1k-first: the first fold alone (SEAM's Table 3).")
@@ -72,7 +72,8 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
                  save_sims, ties, allow_size_mismatch, trust_checkpoint, quiet) -> None:
     """Evaluate one run, or an ensemble of runs (their similarity matrices averaged).
 
-    The result is also stored in each run's eval.json.
+    The result is also stored in each run's eval.json (not in an export's). A run may be an export
+    (retr-train export), also on the Hugging Face Hub as hf-hub:ORG/NAME.
 
     \b
     Example:
@@ -87,7 +88,8 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
     if save_sims:
         write_sims(save_sims, sims, result, manifest or ckpt.read_config(runs[0]).get("manifest"), split)
     for run in runs:
-        record_result(run, result)
+        if not ckpt.is_export(ckpt.local_run(run)):       # an export is shared as made: nothing is written in it
+            record_result(run, result)
     if as_json:
         click.echo(json.dumps(result))
         return

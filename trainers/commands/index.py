@@ -43,6 +43,7 @@ def index_command(run, images, manifest, image_root, out, checkpoint, features, 
     """
     from retr.trainers.search.images import list_folder, no_images_error
     from retr.trainers.search.index import GalleryIndex
+    from retr.trainers.runs.checkpoint import local_run
     from retr.trainers.search.retrieval import Retriever, run_index_identity
 
     if (images is None) == (manifest is None):
@@ -67,6 +68,7 @@ def index_command(run, images, manifest, image_root, out, checkpoint, features, 
         items = [(r.id, root / r.path) for r in records]
         if not items:
             raise UserError(f"{manifest} lists no images to index")
+    run = str(local_run(run))                   # an hf-hub: name: its snapshot (fetched on first use)
     identity = run_index_identity(run, checkpoint, features)     # refused before anything is loaded or written
     if identity is not None:
         GalleryIndex(out).check_can_add(identity)

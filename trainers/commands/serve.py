@@ -45,10 +45,12 @@ def serve_command(run, index, host, port, split, features, manifest, image_root,
     """
     from retr.common.devices import exact_float32
     from retr.trainers.search.retrieval import Retriever
+    from retr.trainers.runs.checkpoint import local_run
     from retr.trainers.search.serve_app import SearchPage, check_sources, create_app, listen, server_modules
 
     # every check that can fail runs before the model is loaded: the serve extra, the files, then the address
     server_modules()
+    run = str(local_run(run))                   # an hf-hub: name: its snapshot (fetched on first use)
     check_sources(run, split, features, manifest, image_root, index)
     max_upload = int(max_upload_mb * (1 << 20))
     server, late = listen(host, port, threads, max_request_body_size=2 * max_upload + (1 << 20))

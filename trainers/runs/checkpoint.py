@@ -36,9 +36,10 @@ def write_json(path: str | os.PathLike, data) -> Path:
 def read_config(run: str | os.PathLike) -> dict:
     """The run's ``config.json``, upgraded to today's form (:func:`upgrade_config`), with its data paths
     resolved (:func:`resolve_paths`)."""
-    path = Path(run) / CONFIG
+    path = local_run(run) / CONFIG
     if not path.is_file():
         raise UserError(f"{run} is not a run directory (no {CONFIG})")
+    run = path.parent
     return resolve_paths(run, upgrade_config(json.loads(path.read_text(encoding="utf-8"))))
 
 
@@ -173,6 +174,13 @@ def prune_checkpoints(run: str | os.PathLike, keep: int) -> None:
         path.unlink(missing_ok=True)
 
 
+def local_run(run: str | os.PathLike) -> Path:
+    """``run``'s folder on this machine (an ``hf-hub:`` name's snapshot: :func:`retr.trainers.runs.hub.local_run`)."""
+    from retr.trainers.runs.hub import local_run as resolve
+
+    return resolve(run)
+
+
 def is_export(run: str | os.PathLike) -> bool:
     """Whether ``run`` is an exported model folder (its weights in :data:`WEIGHTS`, no training checkpoints)."""
     return (Path(run) / WEIGHTS).is_file()
@@ -202,7 +210,7 @@ def load_run_model(run: str | os.PathLike, which: str = "best", device: torch.de
     ``trust``: read a checkpoint that holds other Python objects (:func:`load_checkpoint`)."""
     from retr.trainers.models import create_model
 
-    run = Path(run)
+    run = local_run(run)
     config = read_config(run)
     path = resolve_checkpoint(run, which)
     if path.suffix == ".safetensors":

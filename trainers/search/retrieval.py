@@ -36,11 +36,14 @@ shortlisted), are ``note:`` lines on the ``retr`` logger, once each.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -55,6 +58,7 @@ from retr.common.hashing import sha256_file
 from retr.store.vocab import Vocabulary, tokenize
 from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.data.splits import ImageFeatures, SplitData, pad_tokens
+from retr.trainers.runs.hub import in_hub_cache, local_run
 from retr.trainers.runs.resume import data_identity
 from retr.trainers.runs.split import open_run_split
 from retr.trainers.evaluation.similarity import SplitEmbeddings, _concat, score_blocks
@@ -130,6 +134,16 @@ class SearchResult:
     def to_json(self) -> dict:
         return {"query": self.query, "unknown_words": self.unknown_words,
                 "hits": [{k: v for k, v in vars(h).items() if v is not None} for h in self.hits]}
+
+
+def search_caches(run: Path) -> Path:
+    """Where a search keeps its caches: ``RUN/search-cache/``, or for an export in the Hugging Face cache (which
+    nothing may change) a folder of this process, removed when it ends."""
+    if not in_hub_cache(run):
+        return run / CACHE_DIR
+    folder = Path(tempfile.mkdtemp(prefix="retr-search-cache-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 class Retriever:
@@ -214,7 +228,7 @@ class Retriever:
         from retr.trainers.models import get_spec
 
         dev = resolve_device(device)
-        run = Path(run)
+        run = local_run(run)
         if shortlist is not None and shortlist < 1:
             raise UserError(f"the shortlist must hold at least 1 item, not {shortlist}")
         config = ckpt.read_config(run)
@@ -244,7 +258,8 @@ class Retriever:
         key = hashlib.sha256(json.dumps({
             "checkpoint": checkpoint_sha256, "split": split,
             "data": data_identity(feature_set, opened.manifest_path)}, sort_keys=True).encode()).hexdigest()[:20]
-        path = run / CACHE_DIR / f"{split}-{key}.pt"
+        caches = search_caches(run)
+        path = caches / f"{split}-{key}.pt"
         gallery = _read_cache(path, dev) if cache else None
         if gallery is None:
             gallery = _encode_gallery(model, data, ImageFeatures(feature_set, data.image_ids), dev, quiet)
@@ -259,7 +274,7 @@ class Retriever:
                                        "batch_size": batch_size, "workers": workers}
         if images is not None:
             digest = hashlib.sha256(str(Path(images).resolve()).encode()).hexdigest()[:16]
-            index = run / CACHE_DIR / f"folder-{digest}"
+            index = caches / f"folder-{digest}"
             summary = retriever.add_to_index(index, listing.images, quiet=quiet, not_images=listing.others,
                                              source=images)
             if summary.skipped:
