@@ -1,4 +1,6 @@
-"""Shared fixtures: small feature sets and manifests written into pytest's tmp_path."""
+"""Shared fixtures: small feature sets and manifests written into pytest's tmp_path, and the synthetic dataset
+and tiny trained runs that many test files share (``synthetic_data``, ``synthetic_run``: made once per test
+process, read-only)."""
 from __future__ import annotations
 
 import os
@@ -178,3 +180,85 @@ class CliRunnerHelper:
 def run_cli() -> CliRunnerHelper:
     """The CLI helper (:class:`CliRunnerHelper`)."""
     return CliRunnerHelper()
+
+
+# ------------------------------------------------------------------------------------ synthetic data and runs
+
+def _copy_to(folder, destination):
+    """``folder`` copied to ``destination`` (which must not exist), for a test that changes it."""
+    import shutil
+    from pathlib import Path
+
+    return Path(shutil.copytree(folder, destination))
+
+
+@pytest.fixture(scope="session")
+def synthetic_data(tmp_path_factory):
+    """``synthetic_data(images=40, seed=0)`` → ``(manifest, features)``, both paths: the synthetic dataset of
+    ``tests/trainer_synthetic.py`` (:func:`make_synthetic`: ``manifest.jsonl``, ``images/``, ``scenes.jsonl``,
+    ``captions.conllu`` and the scene-region feature set ``scene-regions.h5``, all in ``manifest.parent``), made
+    once per test process (each xdist worker its own) for each ``(images, seed)``.
+
+    Every test of the process that asks for the same pair gets the same files, so they are READ-ONLY: outputs go
+    to the test's own ``tmp_path`` (or its module's ``tmp_path_factory`` folder), never beside the data. A test
+    that changes the dataset (edits the manifest, records a hash into the features, writes a feature set beside
+    them) asks for its own copy with ``copy_to=FOLDER`` (made there, FOLDER must not exist; the copy's paths are
+    returned)."""
+    from trainer_synthetic import make_synthetic
+
+    made = {}
+
+    def data(images: int = 40, seed: int = 0, copy_to=None):
+        if (images, seed) not in made:
+            made[images, seed] = make_synthetic(tmp_path_factory.mktemp(f"synthetic-{images}-{seed}-"), images, seed)
+        manifest, features = made[images, seed]
+        if copy_to is None:
+            return manifest, features
+        folder = _copy_to(manifest.parent, copy_to)
+        return folder / manifest.name, folder / features.name
+
+    return data
+
+
+class SyntheticRuns:
+    """The factory of fixture :func:`synthetic_run` (see there)."""
+
+    def __init__(self, synthetic_data, tmp_path_factory):
+        self._data, self._folders, self._made, self._printed = synthetic_data, tmp_path_factory, {}, {}
+
+    def __call__(self, model: str, *args, images: int = 40, data_seed: int = 0, copy_to=None):
+        key = (model, tuple(map(str, args)), images, data_seed)
+        if key not in self._made:
+            from click.testing import CliRunner
+
+            from retr.trainers.commands import cli
+
+            manifest, features = self._data(images, data_seed)
+            run = self._folders.mktemp(f"synthetic-run-{model}-") / model
+            result = CliRunner().invoke(cli, [model, "--features", str(features), "--manifest", str(manifest), "--out",
+                                              str(run), *map(str, args)], catch_exceptions=False)
+            assert result.exit_code == 0, result.output
+            self._made[key], self._printed[run] = run, result.output
+        run = self._made[key]
+        if copy_to is None:
+            return run
+        copy = _copy_to(run, copy_to)
+        self._printed[copy] = self._printed[run]
+        return copy
+
+    def printed(self, run) -> str:
+        """What training the run (or the run it is a copy of) printed."""
+        return self._printed[run]
+
+
+@pytest.fixture(scope="session")
+def synthetic_run(synthetic_data, tmp_path_factory) -> SyntheticRuns:
+    """``synthetic_run(model, *args, images=40, data_seed=0)`` → the folder (named ``model``) of the run that
+    ``retr-train MODEL --features … --manifest … --out … *args`` trains on ``synthetic_data(images, data_seed)``:
+    trained once per test process for each model, arguments and data (a training that fails fails the test that
+    asked for it); ``synthetic_run.printed(run)`` is what the training printed.
+
+    READ-ONLY, as the data: a test (or module fixture) that resumes the run, evaluates it (``eval`` writes
+    ``eval.json`` into it), searches it (the gallery cache) or plants files in it asks for its own copy with
+    ``copy_to=FOLDER`` (made there, FOLDER must not exist; the copy is returned)."""
+    return SyntheticRuns(synthetic_data, tmp_path_factory)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from retr.trainers.runs import checkpoint as ckpt
-from trainer_synthetic import make_synthetic
 
 
 class Payload:
@@ -21,18 +20,11 @@ class Payload:
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    from click.testing import CliRunner
-
-    from retr.trainers.commands import cli
-
-    folder = tmp_path_factory.mktemp("trust")
-    manifest, features = make_synthetic(folder / "s", images=30, seed=0)
-    run = folder / "run"
-    result = CliRunner().invoke(cli, ["vsepp", "--features", str(features), "--manifest", str(manifest), "--out",
-                                      str(run), "--epochs", "2", "--batch-size", "16", "--train-split", "train",
-                                      "--embed-size", "16", "--word-dim", "8", "--device", "cpu", "--quiet"])
-    assert result.exit_code == 0, result.output
+def trained_run(synthetic_data, synthetic_run):
+    """The shared run (read-only: the tests below plant files in copies)."""
+    manifest, features = synthetic_data(images=30)
+    run = synthetic_run("vsepp", "--epochs", "2", "--batch-size", "16", "--train-split", "train", "--embed-size",
+                        "16", "--word-dim", "8", "--device", "cpu", "--quiet", images=30)
     return run, manifest, features
 
 

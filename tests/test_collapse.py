@@ -16,7 +16,7 @@ from retr.trainers.training.collapse import (STRETCH, CollapseMonitor, StepRanki
                                     recall_at_chance)
 from retr.trainers.models.losses import hinge_triplet_loss, in_batch_ranking
 from retr.trainers.models import get_spec, list_models
-from trainer_synthetic import make_synthetic, write_uninformative_regions
+from trainer_synthetic import write_uninformative_regions
 
 TINY = ["--embed-size", "16", "--word-dim", "8", "--batch-size", "16", "--quiet", "--log-every", "1",
         "--val-images", "10"]
@@ -115,10 +115,10 @@ def _events(run, kind):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("collapse")
-    manifest, features = make_synthetic(folder, images=60)          # 48 training images: 15 steps an epoch
-    return folder, manifest, features, write_uninformative_regions(folder)
+def data(synthetic_data, tmp_path_factory):
+    manifest, features = synthetic_data(images=60)          # 48 training images: 15 steps an epoch
+    folder = manifest.parent
+    return folder, manifest, features, write_uninformative_regions(folder, out=tmp_path_factory.mktemp("collapse"))
 
 
 @pytest.mark.slow

@@ -13,23 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from trainer_synthetic import make_synthetic
-
 LEGACY = Path(__file__).parent / "data" / "legacy_runs"
 
 
-@pytest.fixture(scope="module")
-def legacy_data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("legacy")
-    manifest, features = make_synthetic(folder / "s", images=60, seed=0)
-    return manifest, features
-
-
 @pytest.mark.parametrize("name", ["scan", "smfea", "jgcar"])
-def test_legacy_run_loads_and_evaluates_to_its_numbers(name, legacy_data, tmp_path, run_cli):
+def test_legacy_run_loads_and_evaluates_to_its_numbers(name, synthetic_data, tmp_path, run_cli):
     from retr.trainers.runs import checkpoint as ckpt
 
-    manifest, features = legacy_data
+    manifest, features = synthetic_data(images=60, seed=0)
     run = tmp_path / name
     shutil.copytree(LEGACY / name, run)
     stored = json.loads((LEGACY / name / "eval.json").read_text())["results"][0]

@@ -270,21 +270,14 @@ def test_state_dict_round_trip_gives_the_same_scores(name):
 
 
 @pytest.fixture(scope="module")
-def synthetic_side_files(tmp_path_factory):
+def synthetic_side_files(synthetic_data, tmp_path_factory):
     """A small synthetic dataset, its scene-region features, trees, concepts and a label file."""
-    from click.testing import CliRunner
-
-    from retr.pipeline.commands import cli as pipeline
-    from trainer_synthetic import make_synthetic
+    from trainer_synthetic import write_trees_and_concepts
 
     folder = tmp_path_factory.mktemp("registry")
-    manifest, features = make_synthetic(folder / "s", images=30, seed=0)
-    conllu = folder / "s" / "captions.conllu"
-    for args in (["parse-trees", "--manifest", manifest, "--conllu", conllu, "--out", folder / "trees.h5", "--quiet"],
-                 ["build-concepts", "--manifest", manifest, "--conllu", conllu, "--out", folder / "concepts.h5"]):
-        result = CliRunner().invoke(pipeline, [str(a) for a in args])
-        assert result.exit_code == 0, result.output
-    scenes = [json.loads(line) for line in (folder / "s" / "scenes.jsonl").read_text().splitlines()]
+    manifest, features = synthetic_data(images=30, seed=0)
+    write_trees_and_concepts(manifest, folder)
+    scenes = [json.loads(line) for line in (manifest.parent / "scenes.jsonl").read_text().splitlines()]
     (folder / "labels.json").write_text(json.dumps({s["id"]: sorted({o["shape"] for o in s["objects"]})
                                                     for s in scenes}))
     files = {"trees": str(folder / "trees.h5"), "concepts": str(folder / "concepts.h5"),

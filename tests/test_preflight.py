@@ -15,7 +15,6 @@ import pytest
 from retr.manifests.schema import manifest_sha256, read_manifest, write_manifest
 from test_clip_zero_shot import clip_set  # noqa: F401  (the module-scoped clip feature set)
 from test_pipeline_wrong_inputs import KINDS, assert_one_error_line
-from trainer_synthetic import make_synthetic
 
 TINY = ["--embed-size", "16", "--word-dim", "8", "--batch-size", "16", "--quiet", "--val-images", "10",
         "--device", "cpu", "--epochs", "1"]
@@ -44,14 +43,13 @@ def record_manifest(features: Path, manifest: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_sets(tmp_path_factory):
+def two_sets(synthetic_data, tmp_path_factory):
     """Two synthetic datasets with the same ids and relative paths but other images (seeds 0 and 1); the first's
-    feature set records its manifest's SHA-256, as an extracted one does."""
-    root = tmp_path_factory.mktemp("preflight")
-    manifest, features = make_synthetic(root / "a", images=40, seed=0)
-    record_manifest(Path(features), Path(manifest))
-    other, _ = make_synthetic(root / "b", images=40, seed=1)
-    return Path(manifest), Path(features), Path(other)
+    feature set records its manifest's SHA-256, as an extracted one does (so this module has its own copy)."""
+    manifest, features = synthetic_data(images=40, seed=0, copy_to=tmp_path_factory.mktemp("preflight") / "a")
+    record_manifest(features, manifest)
+    other, _ = synthetic_data(images=40, seed=1)
+    return manifest, features, other
 
 
 def nothing_written(folder: Path) -> bool:

@@ -10,18 +10,15 @@ from click.testing import CliRunner
 
 from retr.trainers.commands import cli
 from retr.trainers.runs.run_log import read_metrics, record_type
-from trainer_synthetic import make_synthetic
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("runlog")
-    manifest, features = make_synthetic(folder, images=40)
-    return folder, str(manifest), str(features)
+def data(synthetic_data):
+    return tuple(map(str, synthetic_data(images=40)))
 
 
 def _train(data, out, epochs, *extra):
-    _, manifest, features = data
+    manifest, features = data
     result = CliRunner().invoke(cli, ["vsepp", "--features", features, "--manifest", manifest, "--out", str(out),
                                       "--epochs", str(epochs), "--embed-size", "16", "--word-dim", "8",
                                       "--batch-size", "16", "--log-every", "1", "--quiet", "--device", "cpu",

@@ -16,7 +16,6 @@ from retr.trainers.data.splits import ImageFeatures, load_split
 from retr.trainers.search.retrieval import CACHE_DIR, Retriever
 from retr.trainers.evaluation.two_step import encode_all, rerank_matrices
 from retr.store.features import FeatureSet
-from trainer_synthetic import make_synthetic
 
 TINY = ["--embed-size", "16", "--word-dim", "8", "--batch-size", "16", "--quiet", "--val-images", "10",
         "--device", "cpu", "--epochs", "2", "--lr", "2e-3"]
@@ -32,13 +31,13 @@ def _invoke(args):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(synthetic_data, synthetic_run, tmp_path_factory):
+    """(this module's output folder, manifest, features, model → run): the runs are this module's copies, since
+    searches write their gallery caches into them."""
     folder = tmp_path_factory.mktemp("search")
-    manifest, features = make_synthetic(folder, images=60)
-    out = {}
-    for model, extra in RUNS.items():
-        out[model] = folder / model
-        _invoke([model, "--features", features, "--manifest", manifest, "--out", out[model], *TINY, *extra])
+    manifest, features = synthetic_data(images=60)
+    out = {model: synthetic_run(model, *TINY, *extra, images=60, copy_to=folder / model)
+           for model, extra in RUNS.items()}
     return folder, manifest, features, out
 
 

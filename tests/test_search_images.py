@@ -260,18 +260,17 @@ def _grid_attrs(grid):
     return {k: v for k, v in fs.attrs.items() if k not in skip}
 
 
-def test_imported_features_and_older_sets_are_refused_in_one_line(grid, tmp_path, run_cli):
+def test_imported_features_and_older_sets_are_refused_in_one_line(grid, tmp_path, run_cli, synthetic_data,
+                                                                  synthetic_run):
     from retr.pipeline.importers import import_attrs
     with pytest.raises(UserError, match=r"imported \(scan-precomp\).*re-extract"):
         extraction_options(_set_with(tmp_path, import_attrs("scan-precomp", "released"), "imported"))
     older = {k: v for k, v in _grid_attrs(grid).items() if k != "grid_size"}
     with pytest.raises(UserError, match="does not record grid_size"):
         extraction_options(_set_with(tmp_path, older, "older"))
-    from trainer_synthetic import make_synthetic                 # features no retr extractor made
-    manifest, features = make_synthetic(tmp_path / "scenes", images=20)
-    run = tmp_path / "scene-run"
-    run_cli("train", "vsepp", "--features", features, "--manifest", manifest, "--out", run, *TRAIN)
-    image = sorted((tmp_path / "scenes" / "images").glob("*.jpg"))[0]
+    manifest, _ = synthetic_data(images=20)                      # features no retr extractor made
+    run = synthetic_run("vsepp", *TRAIN, images=20)
+    image = sorted((manifest.parent / "images").glob("*.jpg"))[0]
     code, _out, err = run_cli.as_user("train", "search", run, "--image", image, "--device", "cpu")
     assert code != 0 and len(err.splitlines()) == 1 and "'scene-regions', not a retr extractor" in err
 

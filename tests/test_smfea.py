@@ -279,22 +279,14 @@ def test_registry_and_presets():
 
 # --------------------------------------------------------------------------------------------- end to end
 
-def _prepare_synthetic(tmp_path, images):
+def _prepare_synthetic(synthetic_data, tmp_path, images):
     """Synthetic scenes, scene-description region features (``tests/trainer_synthetic.py``: one region per
-    object, noise regions, K = 4), gold-parse referral trees and concepts — through the real commands."""
-    from click.testing import CliRunner
+    object, noise regions, K = 4; the shared ``synthetic_data``), gold-parse referral trees and concepts (in
+    ``tmp_path``) — through the real commands."""
+    from trainer_synthetic import write_trees_and_concepts
 
-    from retr.pipeline.commands import cli as pipeline
-    from trainer_synthetic import make_synthetic
-
-    manifest, features = make_synthetic(tmp_path / "s", images=images, seed=0)
-    conllu = tmp_path / "s" / "captions.conllu"
-    for args in (["parse-trees", "--manifest", str(manifest), "--conllu", str(conllu),
-                  "--out", str(tmp_path / "trees.h5")],
-                 ["build-concepts", "--manifest", str(manifest), "--conllu", str(conllu),
-                  "--out", str(tmp_path / "concepts.h5")]):
-        result = CliRunner().invoke(pipeline, args)
-        assert result.exit_code == 0, result.output
+    manifest, features = synthetic_data(images=images, seed=0)
+    write_trees_and_concepts(manifest, tmp_path)
     return manifest, features
 
 
@@ -303,7 +295,7 @@ TINY = ["--embed-size", "64", "--word-dim", "32", "--tree-hidden", "16", "--batc
 
 
 @pytest.mark.slow
-def test_smfea_learns_the_synthetic_scenes_and_reports_node_accuracy(tmp_path):
+def test_smfea_learns_the_synthetic_scenes_and_reports_node_accuracy(tmp_path, synthetic_data):
     from click.testing import CliRunner
 
     from retr.trainers.commands import cli as train_cli
@@ -313,7 +305,7 @@ def test_smfea_learns_the_synthetic_scenes_and_reports_node_accuracy(tmp_path):
     from retr.store.features import FeatureSet
     from retr.trainers.runs import checkpoint as ckpt
 
-    manifest, features = _prepare_synthetic(tmp_path, images=200)
+    manifest, features = _prepare_synthetic(synthetic_data, tmp_path, images=200)
     run = tmp_path / "run"
     # 10 epochs: CVSE's regularisers (dropout 0.4, the batch-summed concept KL) slow the first epochs down, and the
     # trajectory depends on the thread count's rounding: measured t2i R@1 with 1, 2 and 4 threads, 8 epochs
@@ -346,12 +338,12 @@ def test_smfea_learns_the_synthetic_scenes_and_reports_node_accuracy(tmp_path):
 
 
 @pytest.mark.slow
-def test_smfea_ablation_without_trees_and_errors(tmp_path):
+def test_smfea_ablation_without_trees_and_errors(tmp_path, synthetic_data):
     from click.testing import CliRunner
 
     from retr.trainers.commands import cli as train_cli
 
-    manifest, features = _prepare_synthetic(tmp_path, images=60)
+    manifest, features = _prepare_synthetic(synthetic_data, tmp_path, images=60)
     common = ["--features", str(features), "--manifest", str(manifest), "--concepts", str(tmp_path / "concepts.h5"),
               "--epochs", "1", *TINY]
     missing = CliRunner().invoke(train_cli, ["smfea", *common, "--out", str(tmp_path / "r0")])
@@ -365,7 +357,7 @@ def test_smfea_ablation_without_trees_and_errors(tmp_path):
     assert bad.exit_code != 0 and "GloVe" in str(bad.exception)
 
 
-def test_token_concepts_agree_with_concepts_file(tmp_path):
+def test_token_concepts_agree_with_concepts_file(tmp_path, synthetic_data):
     """The labels a caption gets from its own tokens are the ones build-concepts wrote for it."""
     from retr.store.concepts import ConceptSet
     from retr.store.features import FeatureSet
@@ -374,7 +366,7 @@ def test_token_concepts_agree_with_concepts_file(tmp_path):
     from retr.store.vocab import Vocabulary
     from retr.manifests.schema import read_manifest
 
-    manifest, features = _prepare_synthetic(tmp_path, images=40)
+    manifest, features = _prepare_synthetic(synthetic_data, tmp_path, images=40)
     vocab = Vocabulary.build(c for r in read_manifest(manifest) for c in r.captions)
     data, _ = load_split(manifest, ["train", "val", "test"], vocab, FeatureSet(features))
     inputs = read_training_inputs(data, str(tmp_path / "trees.h5"), str(tmp_path / "concepts.h5"),
@@ -391,7 +383,7 @@ def test_token_concepts_agree_with_concepts_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_smfea_with_glove_format_concept_vectors(tmp_path):
+def test_smfea_with_glove_format_concept_vectors(tmp_path, synthetic_data):
     """--concept-vectors FILE: fixed vectors from the file (absent words start random), recorded in the run."""
     from click.testing import CliRunner
 
@@ -399,7 +391,7 @@ def test_smfea_with_glove_format_concept_vectors(tmp_path):
     from retr.trainers.runs import checkpoint as ckpt
     from retr.trainers.commands import cli as train_cli
 
-    manifest, features = _prepare_synthetic(tmp_path, images=60)
+    manifest, features = _prepare_synthetic(synthetic_data, tmp_path, images=60)
     concepts = ConceptSet(tmp_path / "concepts.h5").concepts
     glove = tmp_path / "glove.txt"
     glove.write_text("".join(f"{w} {i} 0.5 -1 2 {i / 10}\n" for i, w in enumerate(concepts[1:], start=1)),

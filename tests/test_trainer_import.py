@@ -16,7 +16,7 @@ from retr.trainers.data.splits import ImageFeatures, load_split
 from retr.trainers.evaluation.similarity import similarity_matrix
 from retr.trainers.models import create_model
 from retr.store.vocab import Vocabulary, tokenize
-from trainer_synthetic import D, make_synthetic
+from trainer_synthetic import D
 
 
 def test_vocabulary_threshold_specials_and_scan_format(tmp_path):
@@ -34,8 +34,8 @@ def test_vocabulary_threshold_specials_and_scan_format(tmp_path):
 
 
 @pytest.mark.parametrize("weight_norm", [False, True])
-def test_official_checkpoint_imports_and_evaluates(tmp_path, weight_norm):
-    manifest, features = make_synthetic(tmp_path, images=40)
+def test_official_checkpoint_imports_and_evaluates(tmp_path, weight_norm, synthetic_data):
+    manifest, features = synthetic_data(images=40)
     from retr.manifests.schema import read_manifest
     vocab = Vocabulary.build([c for r in read_manifest(manifest, ["train"]) for c in r.captions], 4)
     vocab_path = vocab.save(tmp_path / "synth_precomp_vocab.json")
@@ -98,9 +98,9 @@ def _official_file(tmp_path, vocab, reference, **opt_fields):
     return path
 
 
-def test_two_layer_gru_and_no_txtnorm_import_exactly(tmp_path):
+def test_two_layer_gru_and_no_txtnorm_import_exactly(tmp_path, synthetic_data):
     """The official model with ``num_layers=2`` and ``no_txtnorm`` scores as retr's model with those settings."""
-    manifest, features = make_synthetic(tmp_path, images=20)
+    manifest, features = synthetic_data(images=20)
     from retr.manifests.schema import read_manifest
     vocab = Vocabulary.build([c for r in read_manifest(manifest, ["train"]) for c in r.captions], 4)
     vocab_path = vocab.save(tmp_path / "vocab.json")

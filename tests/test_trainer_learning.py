@@ -12,7 +12,6 @@ import pytest
 from click.testing import CliRunner
 
 from retr.trainers.commands import cli
-from trainer_synthetic import make_synthetic
 
 TINY = ["--embed-size", "64", "--word-dim", "32", "--batch-size", "32", "--lr", "2e-3", "--quiet",
         "--log-every", "5"]
@@ -25,25 +24,24 @@ def _invoke(args):
 
 
 @pytest.fixture(scope="module")
-def synthetic(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("synthetic")
-    manifest, features = make_synthetic(folder, images=200)
-    return folder, str(manifest), str(features)
+def synthetic(synthetic_data, tmp_path_factory):
+    """(this module's output folder, manifest, features) of the 200-image synthetic set."""
+    manifest, features = synthetic_data(images=200)
+    return tmp_path_factory.mktemp("synthetic"), str(manifest), str(features)
 
 
 TRAINED = {"scan": ["--direction", "t2i", "--epochs", "3"], "vsepp": ["--epochs", "4"]}
 
 
 @pytest.fixture(scope="module")
-def trained(synthetic):
-    """The SCAN and VSE++ runs, trained once for the tests of this module whatever their order: model → (run
-    folder, what training printed)."""
-    folder, manifest, features = synthetic
+def trained(synthetic, synthetic_run):
+    """The SCAN and VSE++ runs, trained once whatever the order of the tests (this module's copies, which they
+    evaluate): model → (run folder, what training printed)."""
+    folder, _, _ = synthetic
     runs = {}
     for model, extra in TRAINED.items():
-        run = folder / f"run-{model}"
-        runs[model] = run, _invoke([model, "--features", features, "--manifest", manifest, "--out", str(run), *TINY,
-                                    *extra])
+        run = synthetic_run(model, *TINY, *extra, images=200, copy_to=folder / f"run-{model}")
+        runs[model] = run, synthetic_run.printed(run)
     return runs
 
 

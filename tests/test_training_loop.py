@@ -30,23 +30,21 @@ from retr.trainers.data.splits import CaptionBatches, ImageFeatures, fits_on_dev
 from retr.trainers.training.loop import autocast_dtype, train_step
 from retr.trainers.models.losses import hinge_triplet_loss
 from retr.trainers.models.optim import apply_implementation, resolve_implementation
-from trainer_synthetic import make_synthetic
 
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def synthetic(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("synthetic")
-    manifest, features = make_synthetic(folder, images=40)
-    return folder, manifest, features
+def synthetic(synthetic_data):
+    """(manifest, features) of the 40-image synthetic set (shared: read-only)."""
+    return synthetic_data(images=40)
 
 
 # ------------------------------------------------------------------------------------------------ features
 
 def test_features_held_on_the_device_give_the_same_batches_as_host_memory_and_the_file(synthetic):
-    _, manifest, path = synthetic
+    manifest, path = synthetic
     fs = FeatureSet(path)
     ids = list(fs.ids)[3:31]
     held = {p: ImageFeatures(fs, ids, p, device=CPU) for p in ("gpu", "host", "off")}
@@ -70,7 +68,7 @@ def test_features_held_on_the_device_give_the_same_batches_as_host_memory_and_th
 
 
 def test_old_preload_values_still_mean_what_they_did(synthetic):
-    _, _, path = synthetic
+    _, path = synthetic
     fs = FeatureSet(path)
     ids = list(fs.ids)
     assert ImageFeatures(fs, ids, True).where == "host" and ImageFeatures(fs, ids, False).where == "file"
@@ -90,7 +88,7 @@ def test_features_that_do_not_fit_on_the_gpu_stay_in_host_memory(synthetic, monk
     assert fits_on_device(10 ** 15, CPU)
     import retr.trainers.data.splits as data_module
     monkeypatch.setattr(data_module, "fits_on_device", lambda nbytes, device: False)
-    _, _, path = synthetic
+    _, path = synthetic
     fs = FeatureSet(path)
     feats = ImageFeatures(fs, list(fs.ids), "gpu", device=CPU)
     assert feats.where == "host" and "do not fit" in feats.note and feats._on_device is None
@@ -291,24 +289,24 @@ def test_a_compiled_model_copies_and_saves_like_an_eager_one():
 # ------------------------------------------------------------------------------------------------ the command
 
 @pytest.mark.slow
-def test_gpu_options_from_the_command_line_train_the_same_run(synthetic, run_cli):
-    folder, manifest, features = synthetic
+def test_gpu_options_from_the_command_line_train_the_same_run(synthetic, run_cli, tmp_path):
+    manifest, features = synthetic
     common = ["vsepp", "--features", str(features), "--manifest", str(manifest), "--embed-size", "16",
               "--word-dim", "8", "--batch-size", "16", "--epochs", "2", "--device", "cpu", "--val-images", "10",
               "--sum-violation"]
-    plain = folder / "plain"
-    fast = folder / "fast"
+    plain = tmp_path / "plain"
+    fast = tmp_path / "fast"
     run_cli("train", *common, "--out", str(plain), "--preload", "off", "--optimizer-impl", "loop")
     result = run_cli("train", *common, "--out", str(fast), "--preload", "gpu", "--optimizer-impl", "foreach",
                      "--workers", "2")
     assert "held on the device" in result.output and "optimizer foreach" in result.output
     assert "--workers is ignored" in result.output
-    result = run_cli("train", *common, "--out", str(folder / "bare"), "--preload", "--epochs", "1")
+    result = run_cli("train", *common, "--out", str(tmp_path / "bare"), "--preload", "--epochs", "1")
     assert "(preloaded)" in result.output                  # --preload alone: host memory, as before
-    assert json.loads((folder / "bare" / ckpt.CONFIG).read_text())["preload"] == "host"
-    result = run_cli("train", *common, "--out", str(folder / "older"), "--no-preload", "--epochs", "1")
+    assert json.loads((tmp_path / "bare" / ckpt.CONFIG).read_text())["preload"] == "host"
+    result = run_cli("train", *common, "--out", str(tmp_path / "older"), "--no-preload", "--epochs", "1")
     assert "(read per batch)" in result.output             # the older spelling still works, hidden from --help
-    assert json.loads((folder / "older" / ckpt.CONFIG).read_text())["preload"] == "off"
+    assert json.loads((tmp_path / "older" / ckpt.CONFIG).read_text())["preload"] == "off"
     config = json.loads((fast / ckpt.CONFIG).read_text())
     assert (config["preload"], config["optimizer_impl"], config["compile"]) == ("gpu", "foreach", "off")
 
@@ -413,8 +411,8 @@ def test_bf16_step_runs_under_autocast_on_cpu(monkeypatch):
 
 
 @pytest.mark.slow
-def test_amp_and_accum_from_the_command_line(tmp_path):
-    manifest, features = make_synthetic(tmp_path, images=40)
+def test_amp_and_accum_from_the_command_line(tmp_path, synthetic):
+    manifest, features = synthetic
     common = ["--features", str(features), "--manifest", str(manifest), "--embed-size", "16", "--word-dim", "8",
               "--batch-size", "16", "--epochs", "1", "--quiet", "--device", "cpu", "--val-images", "10"]
     result = CliRunner().invoke(cli, ["vsepp", *common, "--out", str(tmp_path / "a"), "--amp", "bf16",
@@ -435,10 +433,10 @@ def test_runs_from_before_amp_modes_read_as_fp16_or_off():
 
 
 @pytest.mark.slow
-def test_ema_checkpoint_follows_the_weights_resumes_and_evaluates(tmp_path):
+def test_ema_checkpoint_follows_the_weights_resumes_and_evaluates(tmp_path, synthetic):
     from retr.trainers.runs.checkpoint import load_checkpoint
 
-    manifest, features = make_synthetic(tmp_path, images=40)
+    manifest, features = synthetic
     common = ["vsepp", "--features", str(features), "--manifest", str(manifest), "--embed-size", "16",
               "--word-dim", "8", "--batch-size", "16", "--quiet", "--device", "cpu", "--val-images", "10"]
 
@@ -469,7 +467,7 @@ def _progress_lines(synthetic, tmp_path, seconds: str) -> list[str]:
     import subprocess
     import sys
 
-    folder, manifest, features = synthetic
+    manifest, features = synthetic
     log = tmp_path / f"train-{seconds}.log"
     with open(log, "w") as stderr:
         subprocess.run([str(Path(sys.executable).parent / "retr-train"), "vsepp", "--features", str(features),

@@ -24,7 +24,7 @@ from retr.common.errors import UserError
 from retr.common.locks import exclusive_lock
 from retr.trainers.commands import cli
 from retr.trainers.runs import checkpoint as ckpt
-from trainer_synthetic import make_synthetic, write_uninformative_regions
+from trainer_synthetic import write_uninformative_regions
 
 
 TINY = ["--embed-size", "16", "--word-dim", "8", "--batch-size", "16", "--quiet", "--log-every", "1",
@@ -33,10 +33,10 @@ RETR_TRAIN = [sys.executable, "-c", "from retr.trainers.commands import main; ma
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("safety")
-    manifest, features = make_synthetic(folder, images=60)          # 48 training images, 240 captions: 15 steps an epoch
-    return folder, str(manifest), str(features)
+def data(synthetic_data):
+    """(folder, manifest, features) of the shared (read-only) synthetic set."""
+    manifest, features = synthetic_data(images=60)     # 48 training images, 240 captions: 15 steps an epoch
+    return manifest.parent, str(manifest), str(features)
 
 
 def _train(data, out, epochs, *extra, model="vsepp"):
@@ -58,11 +58,11 @@ def _error_line(result) -> str:
 
 
 @pytest.fixture(scope="module")
-def straight(data, tmp_path_factory):
-    """An uninterrupted 3-epoch run: what every interrupted one must end up equal to."""
-    out = tmp_path_factory.mktemp("straight") / "run"
-    assert _train(data, out, 3).exit_code == 0
-    return out
+def straight(synthetic_run, tmp_path_factory):
+    """An uninterrupted 3-epoch run: what every interrupted one must end up equal to (this module's copy, which
+    a test evaluates)."""
+    return synthetic_run("vsepp", "--epochs", "3", *TINY, images=60,
+                         copy_to=tmp_path_factory.mktemp("straight") / "run")
 
 
 # ------------------------------------------------------------------------------------------------ lock
@@ -176,7 +176,7 @@ def test_resume_refuses_other_data_and_follows_moved_data(data, tmp_path):
     folder, manifest, features = data
     out = tmp_path / "run"
     assert _train(data, out, 1).exit_code == 0
-    other = write_uninformative_regions(folder, name=f"other-{tmp_path.name}")
+    other = write_uninformative_regions(folder, name=f"other-{tmp_path.name}", out=tmp_path)
     result = CliRunner().invoke(cli, ["vsepp", "--out", str(out), "--resume", "--epochs", "2",
                                       "--features", str(other)])
     assert "was trained on other data" in _error_line(result) and "features_attrs" in str(result.exception)
@@ -384,10 +384,10 @@ def test_resume_gives_the_same_losses(data, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("left", [[], ["run.lock"], None])
-def test_resume_of_a_run_killed_before_its_settings_starts_it(tmp_path, left):
+def test_resume_of_a_run_killed_before_its_settings_starts_it(tmp_path, left, synthetic_data):
     """Requeue scripts always pass --resume: a run killed before config.json (nothing there, only run.lock, or
     no folder at all) starts with a note and trains as a fresh run does."""
-    manifest, features = make_synthetic(tmp_path, images=40)
+    manifest, features = synthetic_data(images=40)
     out = tmp_path / "run"
     if left is not None:
         out.mkdir()

@@ -129,14 +129,13 @@ def test_optimiser_presets_and_settings():
 
 
 @pytest.mark.slow
-def test_train_eval_and_explain_from_the_command_line(tmp_path):
+def test_train_eval_and_explain_from_the_command_line(tmp_path, synthetic_data):
     """``retr-train vse-infinity`` (its preset's warm-up epoch, size augmentation, AdamW) learns the synthetic task:
     R@1 both ways at least 5× chance (measured 80 / 42 against chance 5); the run's model explains a pair; a bad
     setting is one line."""
     from retr.trainers.runs.checkpoint import load_run_model
-    from trainer_synthetic import make_synthetic
 
-    manifest, features = make_synthetic(tmp_path / "s", images=200)
+    manifest, features = synthetic_data(images=200)
     run = tmp_path / "run"
     args = ["vse-infinity", "--features", str(features), "--manifest", str(manifest), "--out", str(run),
             "--embed-size", "64", "--word-dim", "32", "--batch-size", "32", "--epochs", "4", "--lr", "2e-3",

@@ -20,6 +20,7 @@ from retr.common.errors import MissingResourceError, UserError
 from retr.store import word_vectors as wv
 from retr.store.vocab import SPECIALS, Vocabulary
 from tests.local_server import LocalServer
+from trainer_synthetic import write_trees_and_concepts
 
 DIM = 8
 ZIP, TXT = "glove.840B.300d.zip", "glove.840B.300d.txt"
@@ -41,12 +42,11 @@ def _zip(text: str, name: str = TXT) -> bytes:
 
 
 @pytest.fixture
-def data(tmp_path):
-    """The synthetic scenes (40 images, scene region features) and their vocabulary file."""
+def data(tmp_path, synthetic_data):
+    """The synthetic scenes (40 images, scene region features; shared, read-only) and their vocabulary file."""
     from retr.manifests.schema import read_manifest
-    from trainer_synthetic import make_synthetic
 
-    manifest, features = make_synthetic(tmp_path / "s", images=40, seed=0)
+    manifest, features = synthetic_data(images=40, seed=0)
     vocab = Vocabulary.build(c for r in read_manifest(manifest, splits=["train", "restval"]) for c in r.captions)
     vocab.save(tmp_path / "vocab.json")
     absent = set(vocab.idx2word[4:6])                  # two real words the vectors lack
@@ -237,11 +237,7 @@ def test_smfea_trains_with_glove_words_and_concepts(mirror, data, tmp_path, run_
     of the concepts GloVe has are the file's."""
     from retr.store.concepts import ConceptSet
 
-    conllu = data["manifest"].parent / "captions.conllu"
-    for args in (["parse-trees", "--manifest", data["manifest"], "--conllu", conllu, "--out", tmp_path / "trees.h5"],
-                 ["build-concepts", "--manifest", data["manifest"], "--conllu", conllu,
-                  "--out", tmp_path / "concepts.h5"]):
-        run_cli("pipeline", *args)
+    write_trees_and_concepts(data["manifest"], tmp_path)
     out = tmp_path / "smfea"
     run_cli("train", "smfea", "--features", data["features"], "--manifest", data["manifest"], "--out", out,
             "--trees", tmp_path / "trees.h5", "--concepts", tmp_path / "concepts.h5", "--concept-vectors", "glove",

@@ -60,16 +60,33 @@ def make_synthetic(folder: Path, images: int = 300, seed: int = 0) -> tuple[Path
     return folder / "manifest.jsonl", write_scene_regions(folder)
 
 
-def write_uninformative_regions(folder: Path, name: str = "same-regions", seed: int = 0) -> Path:
-    """``folder/<name>.h5``: every image of ``folder/scenes.jsonl`` gets the same regions, so no model can rank
-    images, and every image-side score ties (the state a collapsed run ends in)."""
+def write_trees_and_concepts(manifest: Path, out: Path) -> tuple[Path, Path]:
+    """``out/trees.h5`` and ``out/concepts.h5`` made from the gold parses beside ``manifest``
+    (``captions.conllu``) through the real commands (``retr-pipeline parse-trees`` and ``build-concepts``)."""
+    from click.testing import CliRunner
+
+    from retr.pipeline.commands import cli as pipeline
+
+    conllu = Path(manifest).parent / "captions.conllu"
+    for args in (["parse-trees", "--manifest", manifest, "--conllu", conllu, "--out", out / "trees.h5", "--quiet"],
+                 ["build-concepts", "--manifest", manifest, "--conllu", conllu, "--out", out / "concepts.h5"]):
+        result = CliRunner().invoke(pipeline, [str(a) for a in args])
+        assert result.exit_code == 0, result.output
+    return out / "trees.h5", out / "concepts.h5"
+
+
+def write_uninformative_regions(folder: Path, name: str = "same-regions", seed: int = 0,
+                                out: Path | None = None) -> Path:
+    """``out/<name>.h5`` (``out`` defaults to ``folder``): every image of ``folder/scenes.jsonl`` gets the same
+    regions, so no model can rank images, and every image-side score ties (the state a collapsed run ends in)."""
+    out = folder if out is None else out
     scenes = [json.loads(line) for line in (folder / "scenes.jsonl").read_text().splitlines() if line.strip()]
     ids = [s["id"] for s in scenes]
     regions = np.random.default_rng(seed).standard_normal((K, D)).astype(np.float32)
     feats = np.broadcast_to(regions, (len(ids), K, D)).copy()
     attrs = dict(kind="regions", extractor=name, backbone="constant", weights="random", image_size=224,
                  manifest_sha256="0" * 64)
-    path = folder / name / shard_name(0, 1)
+    path = out / name / shard_name(0, 1)
     with ShardWriter(path, attrs, (K, D), extras={"num_boxes": ((), "int32")}, shard_index=0, num_shards=1) as writer:
         writer.append(ids, feats, num_boxes=np.full(len(ids), K, dtype=np.int32))
-    return write_index(folder / f"{name}.h5", [path])
+    return write_index(out / f"{name}.h5", [path])
