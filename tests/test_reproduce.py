@@ -74,10 +74,8 @@ def test_recipes_command_lists_every_recipe(run_cli):
 
 
 @pytest.mark.slow
-def test_reproduce_runs_an_ensemble_and_a_single_recipe_end_to_end(tmp_path, run_cli):
-    from trainer_synthetic import make_synthetic
-
-    manifest, features = make_synthetic(tmp_path / "s", images=40, seed=0)
+def test_reproduce_runs_an_ensemble_and_a_single_recipe_end_to_end(tmp_path, run_cli, synthetic_data):
+    manifest, features = synthetic_data(images=40, seed=0)
     out = tmp_path / "runs"
     small = ["--features", features, "--manifest", manifest, "--out", out, "--epochs", "1", "--batch-size", "16",
              "--train-split", "train", "--val-images", "0", "--set", "embed_size=16", "--set", "word_dim=8",
@@ -273,10 +271,8 @@ def test_trees_and_concepts_built_otherwise_are_reasons(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_member_run_made_otherwise_is_refused_and_retrain_sets_it_aside(tmp_path, run_cli):
-    from trainer_synthetic import make_synthetic
-
-    manifest, features = make_synthetic(tmp_path / "s", images=40, seed=0)
+def test_a_member_run_made_otherwise_is_refused_and_retrain_sets_it_aside(tmp_path, run_cli, synthetic_data):
+    manifest, features = synthetic_data(images=40, seed=0)
     out = tmp_path / "runs"
     small = ["--features", features, "--manifest", manifest, "--out", out, "--epochs", "1", "--batch-size", "16",
              "--train-split", "train", "--val-images", "0", "--set", "word_dim=8", "--allow-size-mismatch",
@@ -295,7 +291,7 @@ def test_a_member_run_made_otherwise_is_refused_and_retrain_sets_it_aside(tmp_pa
     assert "member scan-f30k-t2i-avg" in message and "embed_size 16 (recipe 8)" in message
     assert "--retrain" in message and sorted(p.name for p in run.iterdir()) == before
     # other features: the data the run was trained on is part of the comparison
-    other_manifest, other_features = make_synthetic(tmp_path / "t", images=40, seed=1)
+    other_manifest, other_features = synthetic_data(images=40, seed=1)
     moved = [a if a != features else other_features for a in small]
     moved = [a if a != manifest else other_manifest for a in moved]
     refused = run_cli("train", "reproduce", "scan-f30k-t2i-avg", *moved, "--set", "embed_size=16", ok=False)
@@ -319,16 +315,15 @@ def test_the_first_line_says_yes_only_without_reasons():
 
 
 @pytest.mark.slow
-def test_vocab_split_builds_the_vocabulary_from_train_and_dev_as_scan(tmp_path, run_cli):
+def test_vocab_split_builds_the_vocabulary_from_train_and_dev_as_scan(tmp_path, run_cli, synthetic_data):
     """SCAN's vocab.py counts the train and dev captions; --vocab-split (the recipes' setting) does the same, the
     default keeps the training splits only."""
     from retr.manifests.schema import read_manifest, write_manifest
-    from trainer_synthetic import make_synthetic
 
     from retr.trainers.reproduction.recipes import RECIPES
 
     assert RECIPES["scan-f30k-t2i-avg"].members[0].settings["vocab_splits"] == ("train", "restval", "val")
-    manifest, features = make_synthetic(tmp_path / "s", images=40, seed=0)
+    manifest, features = synthetic_data(images=40, seed=0, copy_to=tmp_path / "s")     # its manifest is edited
     records = read_manifest(manifest)
     records = [r if r.split != "val" else type(r)(r.id, r.path, r.split, tuple(c + " zebu" for c in r.captions),
                                                   r.extra) for r in records]
