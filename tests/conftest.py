@@ -192,6 +192,19 @@ def _copy_to(folder, destination):
     return Path(shutil.copytree(folder, destination))
 
 
+def _state(folder) -> dict:
+    """Every path below ``folder`` with its size and modification time."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def _unchanged(made: dict, what: str) -> None:
+    """Teardown check of the shared folders ``{folder: state when made}``: a test that wrote into one made the
+    tests after it (in this process, in any order) see something else."""
+    changed = {str(folder): sorted(set(_state(folder).items()) ^ set(state.items()))[:5]
+               for folder, state in made.items() if _state(folder) != state}
+    assert not changed, f"a test changed the shared {what} (ask for a copy with copy_to=): {changed}"
+
+
 @pytest.fixture(scope="session")
 def synthetic_data(tmp_path_factory):
     """``synthetic_data(images=40, seed=0)`` → ``(manifest, features)``, both paths: the synthetic dataset of
@@ -203,21 +216,23 @@ def synthetic_data(tmp_path_factory):
     to the test's own ``tmp_path`` (or its module's ``tmp_path_factory`` folder), never beside the data. A test
     that changes the dataset (edits the manifest, records a hash into the features, writes a feature set beside
     them) asks for its own copy with ``copy_to=FOLDER`` (made there, FOLDER must not exist; the copy's paths are
-    returned)."""
+    returned). A test process that ends with the files changed fails (at the session's teardown)."""
     from trainer_synthetic import make_synthetic
 
-    made = {}
+    made, states = {}, {}
 
     def data(images: int = 40, seed: int = 0, copy_to=None):
         if (images, seed) not in made:
             made[images, seed] = make_synthetic(tmp_path_factory.mktemp(f"synthetic-{images}-{seed}-"), images, seed)
+            states[made[images, seed][0].parent] = _state(made[images, seed][0].parent)
         manifest, features = made[images, seed]
         if copy_to is None:
             return manifest, features
         folder = _copy_to(manifest.parent, copy_to)
         return folder / manifest.name, folder / features.name
 
-    return data
+    yield data
+    _unchanged(states, "synthetic data")
 
 
 class SyntheticRuns:
@@ -225,6 +240,7 @@ class SyntheticRuns:
 
     def __init__(self, synthetic_data, tmp_path_factory):
         self._data, self._folders, self._made, self._printed = synthetic_data, tmp_path_factory, {}, {}
+        self.states = {}             # run folder → its state when trained (checked unchanged at the session's end)
 
     def __call__(self, model: str, *args, images: int = 40, data_seed: int = 0, copy_to=None):
         key = (model, tuple(map(str, args)), images, data_seed)
@@ -238,7 +254,7 @@ class SyntheticRuns:
             result = CliRunner().invoke(cli, [model, "--features", str(features), "--manifest", str(manifest), "--out",
                                               str(run), *map(str, args)], catch_exceptions=False)
             assert result.exit_code == 0, result.output
-            self._made[key], self._printed[run] = run, result.output
+            self._made[key], self._printed[run], self.states[run] = run, result.output, _state(run)
         run = self._made[key]
         if copy_to is None:
             return run
@@ -260,5 +276,7 @@ def synthetic_run(synthetic_data, tmp_path_factory) -> SyntheticRuns:
 
     READ-ONLY, as the data: a test (or module fixture) that resumes the run, evaluates it (``eval`` writes
     ``eval.json`` into it), searches it (the gallery cache) or plants files in it asks for its own copy with
-    ``copy_to=FOLDER`` (made there, FOLDER must not exist; the copy is returned)."""
-    return SyntheticRuns(synthetic_data, tmp_path_factory)
+    ``copy_to=FOLDER`` (made there, FOLDER must not exist; the copy is returned); checked as the data is."""
+    runs = SyntheticRuns(synthetic_data, tmp_path_factory)
+    yield runs
+    _unchanged(runs.states, "synthetic runs")

@@ -269,7 +269,7 @@ def test_imported_features_and_older_sets_are_refused_in_one_line(grid, tmp_path
     with pytest.raises(UserError, match="does not record grid_size"):
         extraction_options(_set_with(tmp_path, older, "older"))
     manifest, _ = synthetic_data(images=20)                      # features no retr extractor made
-    run = synthetic_run("vsepp", *TRAIN, images=20)
+    run = synthetic_run("vsepp", *TRAIN, images=20, copy_to=tmp_path / "scene-run")    # search caches its gallery
     image = sorted((manifest.parent / "images").glob("*.jpg"))[0]
     code, _out, err = run_cli.as_user("train", "search", run, "--image", image, "--device", "cpu")
     assert code != 0 and len(err.splitlines()) == 1 and "'scene-regions', not a retr extractor" in err
