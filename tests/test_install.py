@@ -35,7 +35,7 @@ BIN = Path(sys.executable).parent
 #: module a fresh ``pip install .`` lacks → the extra that brings it (huggingface_hub and safetensors come with timm)
 BLOCKED = {"stanza": "pipeline", "cv2": "pipeline", "timm": "pipeline", "huggingface_hub": "hub",
            "matplotlib": "report", "faiss": "search", "tensorboard": "tensorboard",
-           "open_clip": "clip", "flask": "serve", "waitress": "serve", "jinja2": "report"}
+           "open_clip": "clip", "flask": "serve", "waitress": "serve", "jinja2": "report", "wandb": "wandb"}
 
 BLOCKER = f'''
 import sys
@@ -69,7 +69,8 @@ def _import_name(distribution: str) -> str:
 def test_extras_split_what_only_some_users_need():
     project = PYPROJECT["project"]
     extras = project["optional-dependencies"]
-    assert set(extras) == {"clip", "hub", "pipeline", "report", "search", "serve", "tensorboard", "all", "dev"}
+    assert set(extras) == {"clip", "hub", "pipeline", "report", "search", "serve", "tensorboard", "wandb", "all",
+                           "dev"}
     parts = sorted(set(extras) - {"all", "dev"})
     assert extras["all"] == [f"retr[{','.join(parts)}]"], "all = every extra"
     assert "retr[all]" in extras["dev"] and {"pytest", "pytest-randomly"} <= set(extras["dev"])

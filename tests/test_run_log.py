@@ -93,3 +93,98 @@ def test_epochs_count_from_one_as_the_console_and_old_logs_are_read_so(data, tmp
     (old / "metrics.jsonl").write_text('{"epoch": 0, "step": 1, "loss": 3.0}\n'
                                        '{"epoch": 0, "step": 1, "train_loss": 3.0, "val": {}}\n{"epoch": 1, "st')
     assert [(r["type"], r["epoch"]) for r in read_metrics(old)] == [("step", 1), ("epoch", 1)]
+
+
+class FakeWandb:
+    """``wandb`` as far as ``--log wandb`` uses it: ``init`` (recorded) returns a run recording ``log`` and
+    ``finish``."""
+
+    def __init__(self):
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        fake = self
+
+        class Run:
+            def log(self, values, step):
+                fake.logged.append((step, dict(values)))
+
+            def finish(self):
+                fake.finished += 1
+        return Run()
+
+
+def _wandb_run(data, out, monkeypatch, fake, *extra):
+    import sys
+
+    manifest, features = data
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    args = ["vsepp", "--features", str(features), "--manifest", str(manifest), "--out", str(out), "--embed-size",
+            "16", "--word-dim", "8", "--batch-size", "16", "--log-every", "1", "--val-images", "10", "--quiet",
+            "--device", "cpu", "--log", "wandb", "--wandb-project", "my-project", *extra]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+
+
+def test_log_wandb_mirrors_the_metrics_lines_and_the_settings(data, tmp_path, monkeypatch):
+    """The W&B run gets the run's settings as its config, every step's and epoch's scalars at their steps (the
+    values of metrics.jsonl), and finishes; a resume continues the same W&B run (its id kept in RUN/wandb/)."""
+    fake = FakeWandb()
+    out = tmp_path / "run"
+    _wandb_run(data, out, monkeypatch, fake, "--epochs", "1")
+    (init,) = fake.inits
+    run_id = (out / "wandb" / "run-id").read_text().strip()
+    assert init["project"] == "my-project" and init["name"] == "run" and init["id"] == run_id and len(run_id) == 12
+    assert init["resume"] == "allow" and init["dir"] == str(out) and init["config"]["model"] == "vsepp"
+    assert init["config"]["model_args"]["embed_size"] == 16 and init["config"]["log"] == ["wandb"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["type"] == "step"]
+    epoch = next(r for r in records if r["type"] == "epoch")
+    logged = dict(fake.logged)
+    assert [s for s, _ in fake.logged if "train/loss" in _] == [r["step"] for r in steps]
+    assert all(logged[r["step"]]["train/loss"] == r["loss"] for r in steps[:-1])
+    last = [v for s, v in fake.logged if s == epoch["step"] and "val/rsum" in v][0]
+    assert last["val/rsum"] == epoch["val"]["rsum"] and last["val/t2i_r1"] == epoch["val"]["t2i"]["r1"]
+    assert fake.finished == 1
+    _wandb_run(data, out, monkeypatch, fake, "--epochs", "2", "--resume")
+    assert [i["id"] for i in fake.inits] == [run_id, run_id] and fake.finished == 2
+
+
+def test_log_wandb_offline_writes_its_run_files_under_the_run(data, tmp_path, monkeypatch):
+    """The real package in W&B's offline mode: no network, the W&B run's files under RUN/wandb/, holding the
+    logged scalar names."""
+    pytest.importorskip("wandb", reason="the wandb extra is not installed: pip install 'retr[wandb]'")
+    import sys
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    manifest, features = data
+    out = tmp_path / "run"
+    args = ["vsepp", "--features", str(features), "--manifest", str(manifest), "--out", str(out), "--embed-size",
+            "16", "--word-dim", "8", "--batch-size", "16", "--epochs", "1", "--val-images", "10", "--quiet",
+            "--device", "cpu", "--log", "wandb"]
+    assert "wandb" not in sys.modules or sys.modules["wandb"].__name__ == "wandb"
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    run_id = (out / "wandb" / "run-id").read_text().strip()
+    (log,) = (out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    content = log.read_bytes()
+    assert b"val/rsum" in content and b"train/loss" in content and b"vsepp" in content
+
+
+def test_an_unknown_log_target_or_missing_wandb_is_one_line_before_any_work(data, tmp_path, monkeypatch, run_cli):
+    import sys
+
+    from test_pipeline_wrong_inputs import assert_one_error_line
+
+    manifest, features = data
+    base = ["vsepp", "--features", features, "--manifest", manifest, "--out", tmp_path / "r", "--quiet"]
+    code, stdout, stderr = run_cli.as_user("train", *base, "--log", "mlflow")
+    assert_one_error_line(code, stdout, stderr)
+    assert "--log mlflow: choose among tensorboard, wandb" in stderr
+    monkeypatch.setitem(sys.modules, "wandb", None)                       # not installed
+    code, stdout, stderr = run_cli.as_user("train", *base, "--log", "wandb")
+    assert_one_error_line(code, stdout, stderr)
+    assert "wandb is not installed (needed by --log wandb): pip install 'retr[wandb]'" in stderr
+    assert not (tmp_path / "r").exists()

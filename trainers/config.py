@@ -110,8 +110,12 @@ class TrainConfig:
                                                 "--vocab-split train,restval,val).", flag="--vocab-split")
     vocab_threshold: int = setting(DEFAULT_THRESHOLD, "Keep words seen at least N times in training.", at_least=1)
     log_every: int = setting(10, "Steps between metrics lines (0 = none).", resume_applies=True, at_least=0)
-    log: tuple[str, ...] = setting((), "Also log to: tensorboard (RUN/tensorboard/; repeatable).",
+    log: tuple[str, ...] = setting((), "Also log to: tensorboard (RUN/tensorboard/), wandb (Weights & Biases; "
+                                       "WANDB_MODE=offline writes RUN/wandb/ only); repeatable.",
                                    resume_applies=True)
+    wandb_project: str = setting("retr", "W&B project of --log wandb.", resume_applies=True)
+    wandb_name: str | None = setting(None, "W&B run name of --log wandb (default: the run folder's name).",
+                                     resume_applies=True)
     keep_checkpoints: int = setting(2, "Epoch checkpoints kept (best.pt is kept besides; 0 = all).", resume_applies=True,
                                    at_least=0)
 

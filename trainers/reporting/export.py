@@ -28,7 +28,7 @@ PROVENANCE_ATTRS = ("kind", "extractor", "backbone", "weights", "weights_sha256"
                     "max_side", "post_nms_topk", "pooled_size", "source")
 #: run settings that describe where and how the run was trained, not the model: not carried into an export
 LOCAL_SETTINGS = ("features", "manifest", "out", "inputs", "paths_from_run", "device", "workers", "preload",
-                  "optimizer_impl", "compile", "log", "environment")
+                  "optimizer_impl", "compile", "log", "wandb_project", "wandb_name", "environment")
 
 
 def check_export_target(out: str | os.PathLike) -> Path:

@@ -275,7 +275,8 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     elif info.is_main:
         vocab.save(folder / ckpt.VOCAB)
     if info.is_main:
-        run.log = RunLog(folder, tuple(cfg.log), purge_step=run.step + 1 if state is not None else None)
+        run.log = RunLog(folder, tuple(cfg.log), purge_step=run.step + 1 if state is not None else None,
+                         config=asdict(cfg), wandb_project=cfg.wandb_project, wandb_name=cfg.wandb_name)
         # written at every start: a resume records the settings it changed (more epochs, another device); data
         # paths are stored absolute and relative to the run, so the run reads them from anywhere
         # (checkpoint.read_config resolves them)
