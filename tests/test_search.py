@@ -291,11 +291,11 @@ def test_an_ivf_index_over_too_few_images_is_refused_before_the_gallery_is_encod
     import retr.trainers.search.retrieval as retrieval
 
     folder, manifest, features, run = runs
+    n = Retriever.from_run(run["vsepp"], device="cpu").data.num_images     # encoded here if no test before did
 
     def encoded(*args, **kwargs):
         raise AssertionError("the gallery was encoded before the refusal")
     monkeypatch.setattr(retrieval, "_encode_gallery", encoded)
-    n = Retriever.from_run(run["vsepp"], device="cpu").data.num_images           # from the cache
     code, out, err = run_cli.as_user("train", "search", run["vsepp"], "--query", "a red circle", "--vector-index",
                                      "ivf", "--device", "cpu", "--no-cache")
     assert code == 1 and out == "" and err == (
