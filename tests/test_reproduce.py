@@ -123,14 +123,20 @@ def test_reproduce_refuses_settings_no_member_has(tmp_path, run_cli):
     assert "no member of scan-f30k-t2i-avg has the setting(s) gamma" in str(result.exception)
 
 
-def test_readme_table_is_the_recipes_table():
+def test_the_recipes_page_holds_the_recipes_table_and_the_readme_starts_with_the_user_path():
     from pathlib import Path
 
     from retr.trainers.reproduction.reproduce import markdown_table
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    assert markdown_table() in readme, "README's recipe table is stale: paste `retr-train recipes --markdown`"
-    assert readme.index("## Reproduce a paper's row") < readme.index("## Two commands")
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "recipes.md").read_text(encoding="utf-8")
+    assert markdown_table() in page, "docs/recipes.md's table is stale: paste `retr-train recipes --markdown`"
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert "| recipe " not in readme, "the recipe table lives in docs/recipes.md"
+    headings = [line for line in readme.splitlines() if line.startswith("## ")]
+    assert headings[:2] == ["## Install and a first result", "## Reproduce a paper's row"]
+    first_screen = readme[:readme.index("### Setup, tests and extras")]
+    assert "make demo" in first_screen and "make test" in first_screen
 
 
 # ------------------------------------------------------------------------- "reproduction: yes" only when it is one

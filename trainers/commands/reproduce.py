@@ -71,7 +71,7 @@ def reproduce_command(recipe, features, manifest, out, trees, concepts, concept_
 
 @click.command("recipes")
 @click.option("--json", "as_json", is_flag=True, help="Print the recipes as JSON.")
-@click.option("--markdown", is_flag=True, help="Print the README's table.")
+@click.option("--markdown", is_flag=True, help="Print the table of docs/recipes.md (GitHub markdown).")
 def recipes_command(as_json, markdown) -> None:
     """List every recipe: the published row it reproduces, its protocol and the features it needs.
 

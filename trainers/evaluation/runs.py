@@ -108,8 +108,9 @@ def table_rows(runs) -> tuple[list[str], list[list], list[str]]:
     """(header, rows, notes) of every result stored in the runs' ``eval.json``, one row per (protocol, split, run
     set): run name(s), model(s), preset, seed, protocol, split, single/ensemble, the six recalls and rSum (floats).
     A result evaluated with ``--allow-size-mismatch`` on a split of another size has its protocol marked
-    :data:`MISMATCH_MARK`, and one note says what was evaluated instead."""
-    rows, notes, seen = [], [], set()
+    :data:`MISMATCH_MARK`, and a note says what was evaluated instead (one note for the runs it is the same for)."""
+    rows, seen = [], set()
+    mismatched: dict[str, list[str]] = {}
     for run in runs:
         path = Path(run) / ckpt.EVAL
         if not path.is_file():
@@ -125,15 +126,17 @@ def table_rows(runs) -> tuple[list[str], list[list], list[str]]:
             protocol = r["protocol"]
             if mismatch := r.get("size_mismatch"):
                 protocol += MISMATCH_MARK
-                notes.append(f"{MISMATCH_MARK} {names}: {r['protocol']} on a {r['split']} split of "
-                             f"{mismatch['images']:,} images, not the protocol's {mismatch['expected']:,} "
-                             "(--allow-size-mismatch): not comparable with published numbers")
+                what = (f"{r['protocol']} on a {r['split']} split of {mismatch['images']:,} images, not the "
+                        f"protocol's {mismatch['expected']:,} (--allow-size-mismatch): not comparable with published "
+                        "numbers")
+                mismatched.setdefault(what, []).append(names)
             rows.append([names, models, "+".join(sorted({str(c.get("preset") or "-") for c in configs})),
                          "+".join(sorted({str(c.get("seed", "-")) for c in configs})),
                          protocol, r["split"], f"ensemble of {len(r['runs'])}" if r["ensemble"] else "single",
                          *(float(r[d][k]) for d, k in METRIC_COLUMNS), float(r["rsum"])])
     header = ["run", "model", "preset", "seed", "protocol", "split", "kind",
               "i2t R@1", "i2t R@5", "i2t R@10", "t2i R@1", "t2i R@5", "t2i R@10", "rSum"]
+    notes = [f"{MISMATCH_MARK} {', '.join(runs)}: {what}" for what, runs in mismatched.items()]
     return header, rows, notes
 
 

@@ -474,13 +474,14 @@ def provenance_json(recipe: Recipe) -> dict:
 
 
 def markdown_table() -> str:
-    """The README's table of recipes (``retr-train recipes --markdown``; a test keeps the README in step)."""
-    lines = ["| recipe | published in | protocol | i2t R@1 / R@5 / R@10 | t2i R@1 / R@5 / R@10 | rSum | features |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in list_recipes():
-        p = r.published
-        lines.append(f"| `{r.name}` | {p.source} | {r.protocol} | {' / '.join(map(_fmt, p.i2t))} | "
-                     f"{' / '.join(map(_fmt, p.t2i))} | {_fmt(p.rsum)} | `{r.features.extractor}` |")
-    return "\n".join(lines)
+    """The table of recipes in docs/recipes.md (``retr-train recipes --markdown``; a test keeps the page in step)."""
+    from tabulate import tabulate
+
+    rows = [[f"`{r.name}`", r.published.source, r.protocol, " / ".join(map(_fmt, r.published.i2t)),
+             " / ".join(map(_fmt, r.published.t2i)), _fmt(r.published.rsum), f"`{r.features.extractor}`"]
+            for r in list_recipes()]
+    return tabulate(rows, headers=["recipe", "published in", "protocol", "i2t R@1 / R@5 / R@10",
+                                   "t2i R@1 / R@5 / R@10", "rSum", "features"],
+                    tablefmt="github", disable_numparse=True)
 
 
