@@ -191,9 +191,10 @@ class Page:
         return self.find(selector).is_displayed()
 
     def image_widths(self, selector: str) -> list[int]:
-        """naturalWidth of each image under ``selector`` once every one has loaded or failed."""
-        self.wait.until(lambda d: self.js(f"return [...document.querySelectorAll({selector!r})]"
-                                          ".every(img => img.complete)"))
+        """naturalWidth of each image under ``selector`` once there is one and every one has loaded or failed (a
+        section the page fills after an event, e.g. the gallery once its box opens, is waited for)."""
+        self.wait.until(lambda d: self.js(f"const images = [...document.querySelectorAll({selector!r})];"
+                                          "return images.length > 0 && images.every(img => img.complete)"))
         return self.js(f"return [...document.querySelectorAll({selector!r})].map(img => img.naturalWidth)")
 
     def no_horizontal_scrolling(self) -> None:
