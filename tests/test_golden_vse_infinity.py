@@ -3,7 +3,7 @@
 ``tests/data/golden/vse_infinity/`` holds a seeded float32 initial state of the authors' ``VSEModel`` (BUTD-region
 encoder + BiGRU text, both with GPO), stored inputs, and what their code computed from them in float64 on the CPU
 (``tools/golden/vse_infinity.py``, run by hand; ``provenance.json`` names the commit and the patch). Here the state
-is renamed to retr's parameters (:data:`RENAMES`), and retr's GPO, encoders, loss, and training (the loop's
+is renamed to retr's parameters (``official_checkpoints.VSE_INFINITY_RENAMES``, the importer's), and retr's GPO, encoders, loss, and training (the loop's
 ``train_step``, the model's AdamW, the loop's ``StepLR`` and warm-up flag) run in float64 on the same inputs.
 """
 from __future__ import annotations
@@ -19,13 +19,11 @@ from retr.trainers.models import create_model
 from retr.trainers.models.layers import lengths_mask
 from retr.trainers.training.loop import lr_schedule, train_step
 from retr.trainers.models.optim import apply_implementation
+from retr.trainers.runs.official_checkpoints import vse_infinity_name
 
 PROVENANCE, INPUTS, FIGURES = load_golden("vse_infinity")
 OPT = json.loads(str(INPUTS["opt_json"]))
 CPU = torch.device("cpu")
-#: the authors' parameter names → retr's (their MLP's second batch norm is never applied: no retr counterpart)
-RENAMES = (("img_enc.mlp.layers.0.", "img_enc.mlp.0."), ("img_enc.mlp.bns.0.", "img_enc.mlp.1."),
-           ("img_enc.mlp.layers.1.", "img_enc.mlp.3."), ("txt_enc.gpool.", "txt_pool."))
 
 #: Largest relative gap (max |retr − authors| / max |authors|) and why: the arithmetic is the same, operation by
 #: operation (the positional encoding computed in float32 on both sides); what is left is float64 rounding where
@@ -51,15 +49,6 @@ def assert_close(got, want, what: str, tol: float = TOL, scale: float | None = N
     return gap
 
 
-def retr_name(name: str) -> str | None:
-    if name.startswith("img_enc.mlp.bns.1."):
-        return None
-    for old, new in RENAMES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
-
-
 @pytest.fixture(autouse=True)
 def one_torch_thread():
     """Tiny tensors: one thread is fastest; the gaps above were measured with 1, 2 and 4."""
@@ -75,7 +64,8 @@ def authors_model():
     model = create_model("vse-infinity", vocab_size=OPT["vocab_size"] - 1, img_dim=OPT["img_dim"],
                          embed_size=OPT["embed_size"], word_dim=OPT["word_dim"], margin=OPT["margin"],
                          drop_regions=0.0, augment_words=0.0)
-    state = {retr_name(k[len("init."):]): torch.from_numpy(v) for k, v in INPUTS.items() if k.startswith("init.")}
+    state = {vse_infinity_name(k[len("init."):]): torch.from_numpy(v) for k, v in INPUTS.items()
+             if k.startswith("init.")}
     state.pop(None)
     model.load_state_dict(state, strict=True)
     return model.double()
@@ -124,6 +114,76 @@ def test_eval_embeddings_with_varying_set_sizes():
     assert_close(captions["vector"], FIGURES["eval.cap_emb"], "caption embeddings")
 
 
+def authors_checkpoint(folder, opt: dict | None = None, text_state: dict | None = None):
+    """The stored initial state as a file in the authors' checkpoint layout (their ``save_checkpoint``:
+    ``{'model': [img_enc.state_dict(), txt_enc.state_dict()], 'opt': Namespace, 'epoch', 'best_rsum'}``) and a
+    vocabulary of the size their embedding was built for (one row less: their ``<mask>``)."""
+    import argparse
+
+    from retr.store.vocab import Vocabulary
+
+    state = {k[len("init."):]: torch.from_numpy(v) for k, v in INPUTS.items() if k.startswith("init.")}
+    parts = [{k[len(side):]: v for k, v in state.items() if k.startswith(side)} for side in ("img_enc.", "txt_enc.")]
+    if text_state is not None:
+        parts[1] = text_state
+    checkpoint = folder / "model_best.pth"
+    torch.save({"model": parts, "opt": argparse.Namespace(**(opt or OPT)), "epoch": 3, "best_rsum": 12.5},
+               checkpoint)
+    vocab = Vocabulary([f"word{i}" for i in range(OPT["vocab_size"] - 1 - 4)])      # 4 specials come first
+    assert len(vocab) == OPT["vocab_size"] - 1
+    return checkpoint, vocab.save(folder / "f30k_precomp_vocab.json")
+
+
+def test_an_imported_authors_checkpoint_gives_their_embeddings(tmp_path, run_cli):
+    """import-vse-infinity-checkpoint on a checkpoint in the authors' layout holding the state their code
+    computed the figures from: the run's model gives their eval embeddings (as above)."""
+    from retr.trainers.runs.checkpoint import load_run_model
+
+    checkpoint, vocab = authors_checkpoint(tmp_path)
+    run_cli("train", "import-vse-infinity-checkpoint", checkpoint, "--vocab", vocab, "--out", tmp_path / "run")
+    model, _, config = load_run_model(tmp_path / "run")
+    assert config["model"] == "vse-infinity" and config["model_args"]["embed_size"] == OPT["embed_size"]
+    model = model.double().eval()
+    counts = torch.from_numpy(INPUTS["eval.counts"])
+    with torch.no_grad():
+        images = model.encode_images(torch.from_numpy(INPUTS["eval.images"]).double(), lengths_mask(counts, 6))
+        captions = model.encode_captions(torch.from_numpy(INPUTS["eval.tokens"]),
+                                         torch.from_numpy(INPUTS["eval.lengths"]))
+    assert_close(images["vector"], FIGURES["eval.img_emb"], "imported image embeddings")
+    assert_close(captions["vector"], FIGURES["eval.cap_emb"], "imported caption embeddings")
+
+
+REFUSED = {"bert": "the BERT text encoder (the authors' master branch)",
+           "backbone": "precomp_enc_type='backbone'",
+           "unknown-field": "field(s) retr does not know: temperature=0.1",
+           "no-txtnorm": "no_txtnorm=True",
+           "vocabulary": "has 29 words but the checkpoint's embedding has 31 rows (1 beyond the vocabulary expected)"}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_checkpoints_retr_cannot_express_are_refused_in_one_line(tmp_path, run_cli, case):
+    from test_pipeline_wrong_inputs import assert_one_error_line
+
+    expected = REFUSED[case]
+    opt, text_state = dict(OPT), None
+    if case == "bert":
+        text_state = {"bert.embeddings.word_embeddings.weight": torch.zeros(3, 2), "embed.weight": torch.zeros(31, 2)}
+    elif case == "backbone":
+        opt["precomp_enc_type"] = "backbone"
+    elif case == "unknown-field":
+        opt["temperature"] = 0.1
+    elif case == "no-txtnorm":
+        opt["no_txtnorm"] = True
+    checkpoint, vocab = authors_checkpoint(tmp_path, opt, text_state)
+    if case == "vocabulary":
+        from retr.store.vocab import Vocabulary
+        vocab = Vocabulary([f"word{i}" for i in range(25)]).save(tmp_path / "small_vocab.json")
+    code, stdout, stderr = run_cli.as_user("train", "import-vse-infinity-checkpoint", checkpoint, "--vocab", vocab,
+                                           "--out", tmp_path / "run")
+    assert_one_error_line(code, stdout, stderr)
+    assert expected in stderr and not (tmp_path / "run").exists()
+
+
 def test_loss_and_every_gradient():
     """Batch 0 in train mode: the sum-of-violations loss (the loop's warm-up flag) and the hardest-negative loss
     with every parameter's gradient."""
@@ -137,11 +197,11 @@ def test_loss_and_every_gradient():
     loss = model(*args)
     loss.backward()
     assert_close(loss.item(), FIGURES["loss.max"], "loss (hardest negatives)")
-    theirs = {retr_name(k[len("grad."):]) for k in FIGURES if k.startswith("grad.")}
+    theirs = {vse_infinity_name(k[len("grad."):]) for k in FIGURES if k.startswith("grad.")}
     assert theirs == {n for n, _ in model.named_parameters()}
     largest = max(float(np.abs(FIGURES[k]).max()) for k in FIGURES if k.startswith("grad."))
     for key in (k for k in FIGURES if k.startswith("grad.")):   # on the largest gradient's scale: see NOISE_DRIVEN
-        assert_close(dict(model.named_parameters())[retr_name(key[5:])].grad, FIGURES[key], key, scale=largest)
+        assert_close(dict(model.named_parameters())[vse_infinity_name(key[5:])].grad, FIGURES[key], key, scale=largest)
 
 
 def test_training_steps():
@@ -176,7 +236,7 @@ def test_training_steps():
     assert_close(losses, FIGURES["train.loss"], "loss per step")
     assert_close(norms, FIGURES["train.grad_norm"], "gradient norm per step")
     for key in (k for k in FIGURES if k.startswith("trained.")):
-        name = retr_name(key[len("trained."):])
+        name = vse_infinity_name(key[len("trained."):])
         if name is None or name.endswith("num_batches_tracked"):
             continue
         tol = NOISE_DRIVEN.get(name, TOL)

@@ -77,6 +77,9 @@ def _slots(good=None):
                                                       "--vocab", x, "--out", out / "i"], None),
         "import-vsepp-checkpoint CHECKPOINT": (lambda x: ["import-vsepp-checkpoint", x, "--vocab", good["run"] /
                                                           "vocab.json", "--out", out / "j"], None),
+        "import-vse-infinity-checkpoint CHECKPOINT": (lambda x: ["import-vse-infinity-checkpoint", x, "--vocab",
+                                                                 good["run"] / "vocab.json", "--out", out / "k"],
+                                                      None),
         "reproduce --features": (lambda x: ["reproduce", "vsepp-f30k-fixed-resnet-1crop", "--features", x, "--manifest", m,
                                             "--out", out / "r", "--quiet"], "hdf5"),
         "reproduce --manifest": (lambda x: ["reproduce", "vsepp-f30k-fixed-resnet-1crop", "--features", f, "--manifest", x,

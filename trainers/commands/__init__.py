@@ -30,7 +30,8 @@ def _register() -> None:
     from retr.trainers.commands.evaluate import eval_command, table_command
     from retr.trainers.commands.export import export_command
     from retr.trainers.commands.push import push_command
-    from retr.trainers.commands.import_checkpoint import import_scan_command, import_vsepp_command
+    from retr.trainers.commands.import_checkpoint import (import_scan_command, import_vse_infinity_command,
+                                                          import_vsepp_command)
     from retr.trainers.commands.index import index_command
     from retr.trainers.commands.plot import plot_command
     from retr.trainers.commands.reproduce import recipes_command, reproduce_command
@@ -43,6 +44,7 @@ def _register() -> None:
     for name in list_models():
         cli.add_command(training_command(get_spec(name)))
     for command in (eval_command, eval_clip_command, table_command, import_scan_command, import_vsepp_command,
+                    import_vse_infinity_command,
                     reproduce_command, recipes_command, search_command, index_command, serve_command, plot_command,
                     show_command, export_command, push_command):
         cli.add_command(command)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from retr.trainers.runs.official_checkpoints import import_scan_checkpoint, import_vsepp_checkpoint
+from retr.trainers.runs.official_checkpoints import (import_scan_checkpoint, import_vse_infinity_checkpoint,
+                                                     import_vsepp_checkpoint)
 
 
 def _import_options(f):
@@ -56,4 +57,25 @@ def import_vsepp_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
           --manifest data/coco/manifest.jsonl
     """
     import_vsepp_checkpoint(checkpoint, vocab_path, out, trust_checkpoint)
+    click.echo(f"imported {checkpoint} → {out}")
+
+
+@click.command("import-vse-infinity-checkpoint")
+@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@_import_options
+def import_vse_infinity_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
+    """Turn the authors' VSE∞ checkpoint (woodfrog/vse_infty, bigru branch: BUTD regions + BiGRU text, GPO on
+    both sides) into a run that `retr-train eval` can evaluate. The BERT (master branch) and backbone models are
+    refused in one line: retr cannot express them.
+
+    The file is read without running code (tensors and the official argparse Namespace only).
+
+    \b
+    Example:
+      retr-train import-vse-infinity-checkpoint runs/f30k_butd_region_bigru/model_best.pth \\
+          --vocab vocab/f30k_precomp_vocab.json --out runs/vse-infinity-official-f30k
+      retr-train eval runs/vse-infinity-official-f30k --protocol f30k-1k \\
+          --features data/f30k/features/butd-regions.h5 --manifest data/f30k/manifest.jsonl
+    """
+    import_vse_infinity_checkpoint(checkpoint, vocab_path, out, trust_checkpoint)
     click.echo(f"imported {checkpoint} → {out}")

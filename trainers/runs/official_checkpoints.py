@@ -1,4 +1,4 @@
-"""Import official SCAN / VSE++ checkpoints (``model_best.pth.tar``) as retr runs.
+"""Import official SCAN / VSE++ / VSE∞ checkpoints (``model_best.pth(.tar)``) as retr runs.
 
 Read with ``weights_only=True`` allowing exactly ``argparse.Namespace`` (else ``--trust-checkpoint``); the run gets
 ``config.json``, ``vocab.json`` and ``best.pt``, but no features or manifest."""
@@ -72,21 +72,29 @@ def _load_official(checkpoint: Path, out: Path, trust_checkpoint: bool, kind: st
             or not isinstance(state["model"], (list, tuple)) or len(state["model"]) != 2:
         raise UserError(f"{checkpoint} is not an official {kind} checkpoint "
                         "(expected {'model': [img_enc, txt_enc], 'opt': …, 'epoch': …})")
+    if not all(isinstance(part, dict) for part in state["model"]):
+        raise UserError(f"{checkpoint} is not an official {kind} checkpoint (its 'model' holds no state dicts)")
     return state
 
 
-def _write_run(checkpoint: Path, vocab_path: str | Path, out: Path, state: dict, model_name: str, args: dict) -> Path:
-    """Load the official encoders' states into retr's model and write the run directory."""
+def _write_run(checkpoint: Path, vocab_path: str | Path, out: Path, state: dict, model_name: str, args: dict,
+               extra_rows: int = 0, rename=None) -> Path:
+    """Load the official encoders' states into retr's model and write the run directory. ``extra_rows``: word
+    embedding rows beyond the vocabulary (VSE∞'s ``<mask>``); ``rename``: official parameter name → retr's (None:
+    not loaded)."""
     vocab = Vocabulary.load(vocab_path)
     img_state, txt_state = state["model"]
     vocab_rows = txt_state["embed.weight"].shape[0] if "embed.weight" in txt_state else None
-    if vocab_rows != len(vocab):
-        raise UserError(f"{vocab_path} has {len(vocab)} words but the checkpoint's embedding has {vocab_rows} rows; "
-                        "use the vocabulary the model was trained with")
+    if vocab_rows != len(vocab) + extra_rows:
+        raise UserError(f"{vocab_path} has {len(vocab)} words but the checkpoint's embedding has {vocab_rows} rows"
+                        + (f" ({extra_rows} beyond the vocabulary expected)" if extra_rows else "")
+                        + "; use the vocabulary the model was trained with")
     args["vocab_size"] = len(vocab)
     model = create_model(model_name, **args)
     merged = {f"img_enc.{k}": v for k, v in img_state.items()}
     merged.update({f"txt_enc.{k}": v for k, v in txt_state.items()})
+    if rename is not None:
+        merged = {rename(k): v for k, v in merged.items() if rename(k) is not None}
     try:
         model.load_state_dict(merged)
     except RuntimeError as exc:
@@ -151,3 +159,65 @@ def import_vsepp_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out:
     return _write_run(checkpoint, vocab_path, out, state, "vsepp", vsepp_args_from_opt(state["opt"]))
 
 
+
+
+#: woodfrog/vse_infty ``opt`` fields (``bigru`` branch) that decide the scores of a precomputed-region model
+VSE_INFINITY_HONOURED = ("img_dim", "embed_size", "word_dim", "num_layers", "no_imgnorm", "no_txtnorm",
+                         "precomp_enc_type", "margin", "max_violation", "vocab_size")
+#: its fields that do not change a trained model's scores: paths, logging, the schedule and the backbone's
+#: schedule (used only with ``precomp_enc_type=backbone``, which is refused)
+VSE_INFINITY_IRRELEVANT = ("data_path", "data_name", "vocab_path", "num_epochs", "batch_size", "grad_clip",
+                           "learning_rate", "lr_update", "workers", "log_step", "val_step", "logger_name",
+                           "model_name", "resume", "optim", "drop", "vse_mean_warmup_epochs", "reset_start_epoch",
+                           "embedding_warmup_epochs", "backbone_warmup_epochs", "backbone_lr_factor",
+                           "backbone_source", "backbone_path", "input_scale_factor")
+#: the authors' parameter names → retr's; their MLP's second batch norm is never applied (no retr counterpart)
+VSE_INFINITY_RENAMES = (("img_enc.mlp.layers.0.", "img_enc.mlp.0."), ("img_enc.mlp.bns.0.", "img_enc.mlp.1."),
+                        ("img_enc.mlp.layers.1.", "img_enc.mlp.3."), ("txt_enc.gpool.", "txt_pool."))
+
+
+def vse_infinity_name(name: str) -> str | None:
+    """retr's name of the authors' VSE∞ parameter ``name`` (None: a parameter their forward never uses)."""
+    if name.startswith("img_enc.mlp.bns.1."):
+        return None
+    for old, new in VSE_INFINITY_RENAMES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def vse_infinity_args_from_opt(opt, text_state: dict) -> dict:
+    """VSE∞ settings from woodfrog/vse_infty's ``opt`` (BiGRU text, precomputed regions): every field honoured or
+    irrelevant, else refused by name; the BERT text encoder (their ``master`` branch), the fine-tuned backbone
+    (``precomp_enc_type=backbone``) and turned-off normalisation cannot be expressed and are refused."""
+    fields = dict(vars(opt)) if not isinstance(opt, dict) else dict(opt)
+    if any(k.startswith("bert.") for k in text_state) or "bert" in str(fields.get("text_encoder", "")):
+        raise UserError("a VSE∞ checkpoint with the BERT text encoder (the authors' master branch): retr's VSE∞ has "
+                        "their BiGRU text encoder (the bigru branch) and cannot express it")
+    unknown = sorted(set(fields) - set(VSE_INFINITY_HONOURED) - set(VSE_INFINITY_IRRELEVANT))
+    if unknown:
+        raise UserError(f"the checkpoint's options have field(s) retr does not know: "
+                        f"{', '.join(f'{k}={fields[k]!r}' for k in unknown)}; cannot tell whether they change the scores")
+    enc = fields.get("precomp_enc_type", "basic")
+    if enc != "basic":
+        raise UserError(f"precomp_enc_type={enc!r}: a VSE∞ model over "
+                        + ("a CNN backbone it fine-tunes (raw images); retr trains from cached features"
+                           if enc == "backbone" else "an image encoder retr does not know"))
+    for flag in ("no_imgnorm", "no_txtnorm"):
+        if fields.get(flag):
+            raise UserError(f"{flag}=True: retr's VSE∞ always normalises its embeddings (as the authors' runs did)")
+    return {"img_dim": int(fields.get("img_dim", 2048)), "embed_size": int(fields.get("embed_size", 1024)),
+            "word_dim": int(fields.get("word_dim", 300)), "num_layers": int(fields.get("num_layers", 1)),
+            "image_mlp": True, "margin": float(fields.get("margin", 0.2)),
+            "max_violation": bool(fields.get("max_violation", False))}
+
+
+def import_vse_infinity_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out: str | Path,
+                                   trust_checkpoint: bool = False) -> Path:
+    """Write a run directory ``out`` from the authors' VSE∞ checkpoint (woodfrog/vse_infty, ``bigru`` branch:
+    ``{'model': [img_enc, txt_enc], 'opt', …}``) and its vocabulary (their embedding has one row more: ``<mask>``)."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    state = _load_official(checkpoint, out, trust_checkpoint, "VSE∞")
+    args = vse_infinity_args_from_opt(state["opt"], state["model"][1])
+    return _write_run(checkpoint, vocab_path, out, state, "vse-infinity", args, extra_rows=1,
+                      rename=vse_infinity_name)
