@@ -101,17 +101,21 @@ def test_gpo_weights_and_pooled_vectors(side):
     assert_close(pooled, FIGURES[f"gpo.{side}.pooled"], f"{side} pooled vectors")
 
 
-def test_eval_embeddings_with_varying_set_sizes():
-    """Eval mode (batch norm on its stored running statistics): images of 1 to 6 regions, captions of 3 to 9
-    tokens."""
-    model = authors_model().eval()
+def assert_their_eval_embeddings(model, what: str) -> None:
+    """``model`` (float64, eval mode) embeds the stored eval images and captions as the authors' code did."""
     counts = torch.from_numpy(INPUTS["eval.counts"])
     with torch.no_grad():
         images = model.encode_images(torch.from_numpy(INPUTS["eval.images"]).double(), lengths_mask(counts, 6))
         captions = model.encode_captions(torch.from_numpy(INPUTS["eval.tokens"]),
                                          torch.from_numpy(INPUTS["eval.lengths"]))
-    assert_close(images["vector"], FIGURES["eval.img_emb"], "image embeddings")
-    assert_close(captions["vector"], FIGURES["eval.cap_emb"], "caption embeddings")
+    assert_close(images["vector"], FIGURES["eval.img_emb"], f"{what} image embeddings")
+    assert_close(captions["vector"], FIGURES["eval.cap_emb"], f"{what} caption embeddings")
+
+
+def test_eval_embeddings_with_varying_set_sizes():
+    """Eval mode (batch norm on its stored running statistics): images of 1 to 6 regions, captions of 3 to 9
+    tokens."""
+    assert_their_eval_embeddings(authors_model().eval(), "retr's")
 
 
 def authors_checkpoint(folder, opt: dict | None = None, text_state: dict | None = None):
@@ -143,14 +147,7 @@ def test_an_imported_authors_checkpoint_gives_their_embeddings(tmp_path, run_cli
     run_cli("train", "import-vse-infinity-checkpoint", checkpoint, "--vocab", vocab, "--out", tmp_path / "run")
     model, _, config = load_run_model(tmp_path / "run")
     assert config["model"] == "vse-infinity" and config["model_args"]["embed_size"] == OPT["embed_size"]
-    model = model.double().eval()
-    counts = torch.from_numpy(INPUTS["eval.counts"])
-    with torch.no_grad():
-        images = model.encode_images(torch.from_numpy(INPUTS["eval.images"]).double(), lengths_mask(counts, 6))
-        captions = model.encode_captions(torch.from_numpy(INPUTS["eval.tokens"]),
-                                         torch.from_numpy(INPUTS["eval.lengths"]))
-    assert_close(images["vector"], FIGURES["eval.img_emb"], "imported image embeddings")
-    assert_close(captions["vector"], FIGURES["eval.cap_emb"], "imported caption embeddings")
+    assert_their_eval_embeddings(model.double().eval(), "imported")
 
 
 REFUSED = {"bert": "the BERT text encoder (the authors' master branch)",
