@@ -118,12 +118,14 @@ def _plain_files(run: Path, folder: Path) -> Path:
     return folder
 
 
-def test_online_the_snapshot_is_asked_for_with_the_export_files(export, cache, monkeypatch):
+def test_online_the_snapshot_is_asked_for_with_the_export_files(export, cache, monkeypatch, run_cli):
+    """The call that would go out names the repository, the revision and the export's files; a command asks the
+    Hub once per model (each call is a request to it when online)."""
     import huggingface_hub
 
     from retr.trainers.runs.hub import EXPORT_FILES, local_run
 
-    _, exported, _, _ = export
+    _, exported, manifest, features = export
     monkeypatch.delenv("RETR_OFFLINE", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     snapshot = hub_cache(cache, "my-lab/tiny-vsepp", exported)
@@ -137,6 +139,10 @@ def test_online_the_snapshot_is_asked_for_with_the_export_files(export, cache, m
     assert local_run("hf-hub:my-lab/tiny-vsepp@v1") == snapshot
     assert calls == [("my-lab/tiny-vsepp", {"revision": "v1", "allow_patterns": list(EXPORT_FILES),
                                              "local_files_only": False})]
+    calls.clear()
+    run_cli("train", "eval", "hf-hub:my-lab/tiny-vsepp", "--features", features, "--manifest", manifest,
+            "--protocol", "f30k-1k", "--allow-size-mismatch", "--device", "cpu", "--save-sims", cache.parent / "s.npy")
+    assert [repo for repo, _ in calls] == ["my-lab/tiny-vsepp"]
 
 
 class FakeApi:

@@ -80,6 +80,7 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
       retr-train eval runs/scan-f30k --protocol f30k-1k
       retr-train eval runs/scan-coco-t2i runs/scan-coco-i2t --protocol coco-1k --json
     """
+    runs = [str(ckpt.local_run(run)) for run in runs]     # an hf-hub: name fetched (or found in the cache) once
     result, sims = evaluate_runs(list(runs), protocol, split, features, manifest, device, precision, which,
                                  preload, quiet, trust_checkpoint=trust_checkpoint,
                                  allow_size_mismatch=allow_size_mismatch, ties=ties, tf32=tf32)
@@ -88,7 +89,7 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
     if save_sims:
         write_sims(save_sims, sims, result, manifest or ckpt.read_config(runs[0]).get("manifest"), split)
     for run in runs:
-        if not ckpt.is_export(ckpt.local_run(run)):       # an export is shared as made: nothing is written in it
+        if not ckpt.is_export(run):                          # an export is shared as made: nothing is written in it
             record_result(run, result)
     if as_json:
         click.echo(json.dumps(result))
