@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: operators that launch no kernel: views and aliases, metadata, allocation without filling

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from retr.common.errors import UserError
 from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.commands import cli
-from retr.trainers.data.splits import ImageFeatures, load_split
+from retr.trainers.data.splits import ImageFeatures
 from retr.trainers.search.retrieval import CACHE_DIR, Retriever
 from retr.trainers.evaluation.two_step import encode_all, rerank_matrices
 from retr.store.features import FeatureSet
