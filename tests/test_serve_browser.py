@@ -197,6 +197,13 @@ class Page:
                                           "return images.length > 0 && images.every(img => img.complete)"))
         return self.js(f"return [...document.querySelectorAll({selector!r})].map(img => img.naturalWidth)")
 
+    def open_gallery(self) -> list:
+        """Open the gallery picker and return its thumbnails' buttons once the page has added them (it fills the
+        box on the box's toggle event, after the click returns)."""
+        self.find("#gallery-box summary").click()
+        self.wait.until(lambda d: d.find_elements("css selector", "#gallery .pick"))
+        return self.d.find_elements("css selector", "#gallery .pick")
+
     def no_horizontal_scrolling(self) -> None:
         width, inner = self.js("return [document.documentElement.scrollWidth, window.innerWidth]")
         assert width <= inner, f"the page is {width} px wide in a {inner}-px window"
@@ -314,8 +321,7 @@ def test_the_mode_toggle_switches_between_text_and_image_search(page):
     page.mode("image")
     assert page.visible("#image-panel") and not page.visible("#text-form")
     # pick an image of the gallery: its thumbnails load; a click finds its captions
-    page.find("#gallery-box summary").click()
-    thumbs = page.d.find_elements("css selector", "#gallery .pick")
+    thumbs = page.open_gallery()
     tests = sum(json.loads(line)["split"] == "test" for line in page.served.manifest.read_text().splitlines())
     assert len(thumbs) == min(tests, 24) and min(page.image_widths("#gallery img")) > 0
     image = thumbs[3].get_attribute("data-image-id")
@@ -447,7 +453,7 @@ def test_the_servers_log_stays_quiet(page):
     nothing about it; no request fails."""
     _check_query(page)
     page.mode("image")
-    page.find("#gallery-box summary").click()
+    page.open_gallery()
     assert min(page.image_widths("#gallery img")) > 0
     log = page.served.stderr()
     assert "Task queue depth" not in log and "Traceback" not in log and "ERROR" not in log, log
