@@ -7,13 +7,20 @@ counts so a regression fails without a GPU, and ``bench/`` reports them beside t
 
 What is counted: every operator call that reaches the Python dispatch key, views included (they cost no kernel
 but a host round trip each). ``launching`` leaves out the operators that never launch a kernel (views, shape
-queries, ``detach``, empty allocations). Operators that CPU kernels decompose but CUDA runs as one library call
-(an RNN's ``aten::gru``/``lstm`` become cuDNN's ``_cudnn_rnn``) are counted as their CPU decomposition; see
-``docs/benchmarks.md`` ("Operators dispatched")."""
+queries, ``detach``, empty allocations).
+
+A recurrent layer is where a CPU and CUDA differ most: the CPU's ``aten::gru``/``lstm`` is a loop over time steps
+of a dozen operators each (forward and backward), where CUDA makes one cuDNN call each way (``_cudnn_rnn``,
+``_cudnn_rnn_backward``). ``OpCounter(rnn_as_library_call=True)`` counts an RNN as CUDA runs it: the layer's
+operators are run uncounted and stand as one operator forward and one backward; everything around the layer
+(its initial state, the packing) is counted as usual. See ``docs/benchmarks.md`` ("Operators dispatched")."""
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
+import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: operators that launch no kernel: views and aliases, metadata, allocation without filling
@@ -26,6 +33,10 @@ NON_LAUNCHING = frozenset({
     "resize_",
 })
 
+#: torch's recurrent layers (``nn.GRU``/``LSTM``/``RNN`` call these), each one cuDNN call each way on CUDA
+RNN_FUNCTIONS = {torch._VF.gru: "gru", torch._VF.lstm: "lstm", torch._VF.rnn_tanh: "rnn_tanh",
+                 torch._VF.rnn_relu: "rnn_relu"}
+
 
 def _name(func) -> str:
     """``aten.mm.default`` → ``mm``."""
@@ -33,15 +44,42 @@ def _name(func) -> str:
 
 
 class OpCounter(TorchDispatchMode):
-    """``with OpCounter() as ops: …`` then ``ops.total``, ``ops.launching`` and ``ops.by_name`` (a Counter)."""
+    """``with OpCounter() as ops: …`` then ``ops.total``, ``ops.launching`` and ``ops.by_name`` (a Counter).
 
-    def __init__(self):
+    ``rnn_as_library_call``: each recurrent layer counts as the one library call CUDA makes each way (module
+    docstring), named ``_cudnn_rnn`` and ``_cudnn_rnn_backward``."""
+
+    def __init__(self, rnn_as_library_call: bool = False):
         super().__init__()
         self.by_name: Counter[str] = Counter()
+        self.counting = True
+        self._rnn_mode = _RNNAsOneCall(self) if rnn_as_library_call else None
+
+    def __enter__(self):
+        if self._rnn_mode is not None:
+            self._rnn_mode.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._rnn_mode is not None:
+                self._rnn_mode.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.by_name[_name(func.overloadpacket)] += 1
+        if self.counting:
+            self.by_name[_name(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Operators dispatched inside are not counted."""
+        before, self.counting = self.counting, False
+        try:
+            yield
+        finally:
+            self.counting = before
 
     @property
     def total(self) -> int:
@@ -64,11 +102,83 @@ class OpCounter(TorchDispatchMode):
         return self.by_name.most_common(n)
 
 
-def count_ops(fn, *args, **kwargs) -> tuple[OpCounter, object]:
+class _RNNAsOneCall(TorchFunctionMode):
+    """Runs each call of a :data:`RNN_FUNCTIONS` function through :class:`_LibraryCall`."""
+
+    def __init__(self, counter: OpCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in RNN_FUNCTIONS or not self.counter.counting:
+            return func(*args, **kwargs)
+        leaves, rebuild = _flatten(args)
+        is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        others = [x for x in leaves if not isinstance(x, torch.Tensor)]
+
+        def call(*inputs):
+            it_t, it_o = iter(inputs), iter(others)
+            return func(*rebuild([next(it_t) if t else next(it_o) for t in is_tensor]), **kwargs)
+
+        return _LibraryCall.apply(self.counter, call, *tensors)
+
+
+def _flatten(args) -> tuple[list, object]:
+    """``args`` with lists and tuples of tensors spread out, and the function that puts them back."""
+    leaves, shape = [], []
+    for a in args:
+        if isinstance(a, (list, tuple)) and a and all(isinstance(x, torch.Tensor) for x in a):
+            shape.append((type(a), len(a)))
+            leaves.extend(a)
+        else:
+            shape.append(None)
+            leaves.append(a)
+
+    def rebuild(flat):
+        out, i = [], 0
+        for kind in shape:
+            if kind is None:
+                out.append(flat[i])
+                i += 1
+            else:
+                out.append(kind[0](flat[i:i + kind[1]]))
+                i += kind[1]
+        return out
+
+    return leaves, rebuild
+
+
+class _LibraryCall(torch.autograd.Function):
+    """One counted operator forward (``_cudnn_rnn``) and one backward (``_cudnn_rnn_backward``) standing for the
+    CPU's uncounted ones: the function runs on detached inputs with its own graph, which backward differentiates."""
+
+    @staticmethod
+    def forward(ctx, counter, call, *tensors):
+        with counter.uncounted(), torch.enable_grad():
+            inputs = [t.detach().requires_grad_(t.requires_grad and t.is_floating_point()) for t in tensors]
+            outputs = call(*inputs)
+        counter.by_name["_cudnn_rnn"] += 1
+        ctx.counter, ctx.inputs, ctx.outputs = counter, inputs, outputs
+        return tuple(o.detach() for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        wanted = [t for t in ctx.inputs if t.requires_grad]
+        pairs = [(o, g) for o, g in zip(ctx.outputs, grads) if o.requires_grad]
+        with ctx.counter.uncounted():
+            found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                             allow_unused=True) if wanted and pairs else [None] * len(wanted))
+        ctx.counter.by_name["_cudnn_rnn_backward"] += 1
+        return (None, None, *(next(found) if t.requires_grad else None for t in ctx.inputs))
+
+
+def count_ops(fn, *args, rnn_as_library_call: bool = False, **kwargs) -> tuple[OpCounter, object]:
     """``(counter, fn(*args, **kwargs))``."""
-    with OpCounter() as counter:
+    with OpCounter(rnn_as_library_call) as counter:
         result = fn(*args, **kwargs)
     return counter, result
 
 
-__all__ = ["NON_LAUNCHING", "OpCounter", "count_ops"]
+__all__ = ["NON_LAUNCHING", "OpCounter", "RNN_FUNCTIONS", "count_ops"]

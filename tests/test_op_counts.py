@@ -4,6 +4,8 @@ The bounds are the targets in docs/benchmarks.md ("Operators dispatched"); the c
 embedding size, so the inputs are small where that keeps the test fast."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -134,3 +136,80 @@ def test_jgcar_co_attention_ops_grow_with_chunks_not_with_pairs(monkeypatch, bud
             jgcar.TanhContraction.apply(a, b, w).sum().backward()
         counts.append(counter.total)
     assert counts[0] == counts[1] <= 50, counts     # 49 with the sum and its backward
+
+
+def _rnn_run(rnn, x, lengths, packing: str, grad: torch.Tensor, counter: OpCounter | None = None):
+    """Outputs and every gradient of ``(rnn over x) · grad``, through torch's packing or :func:`run_rnn`."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    from retr.trainers.models.layers import run_rnn
+    x = x.detach().requires_grad_()
+    rnn.zero_grad(set_to_none=True)
+    with counter if counter is not None else contextlib.nullcontext():
+        if packing == "torch":
+            packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            out = pad_packed_sequence(rnn(packed)[0], batch_first=True, total_length=grad.shape[1])[0]
+        else:
+            out = run_rnn(rnn, x, lengths, grad.shape[1])
+        (out * grad).sum().backward()
+    return [out.detach(), x.grad, *(p.grad for p in rnn.parameters())]
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_run_rnn_gives_torchs_packing_values_with_a_gather_and_a_scatter(kind, bidirectional):
+    """run_rnn hands the RNN the very packed rows pack_padded_sequence would (same order, ties included), and each
+    padded position receives exactly one value or none, so outputs and gradients are equal bit for bit; its
+    packing costs the same operators for 3 steps or 40 (torch's: ~7 a step)."""
+    g = torch.Generator().manual_seed(0)
+    cls = torch.nn.GRU if kind == "gru" else torch.nn.LSTM
+    torch.manual_seed(0)
+    rnn = cls(5, 4, batch_first=True, bidirectional=bidirectional).double()
+    lengths = torch.tensor([6, 2, 6, 1, 3, 2, 5])
+    x = torch.randn(7, 8, 5, generator=g, dtype=torch.float64)
+    grad = torch.randn(7, 9, 4 * (2 if bidirectional else 1), generator=g, dtype=torch.float64)  # total_length 9
+    for ours, theirs in zip(_rnn_run(rnn, x, lengths, "ours", grad), _rnn_run(rnn, x, lengths, "torch", grad)):
+        assert torch.equal(ours, theirs)
+    counts = {}
+    for steps in (3, 40):
+        lengths = torch.randint(1, steps + 1, (7,), generator=g)
+        lengths[0] = steps
+        x = torch.randn(7, steps, 5, generator=g, dtype=torch.float64)
+        grad = torch.randn(7, steps, 4 * (2 if bidirectional else 1), generator=g, dtype=torch.float64)
+        for packing in ("ours", "torch"):
+            counter = OpCounter(rnn_as_library_call=True)
+            _rnn_run(rnn, x, lengths, packing, grad, counter)
+            counts[packing, steps] = counter.total
+    assert counts["ours", 3] == counts["ours", 40] < counts["torch", 3] < counts["torch", 40], counts
+
+
+def test_run_rnn_refuses_an_empty_caption():
+    from retr.trainers.models.layers import run_rnn
+    with pytest.raises(ValueError, match="at least 1"):
+        run_rnn(torch.nn.GRU(2, 2, batch_first=True), torch.zeros(2, 3, 2), torch.tensor([3, 0]))
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_an_rnn_counted_as_cudnns_one_call_keeps_its_values_and_gradients(kind):
+    """``rnn_as_library_call`` runs the layer uncounted under one autograd function (one operator each way, as
+    cuDNN): outputs and gradients are those of the plain layer, bit for bit (the same kernels on the same inputs),
+    and without packing the count does not depend on the number of time steps."""
+    g = torch.Generator().manual_seed(1)
+    cls = torch.nn.GRU if kind == "gru" else torch.nn.LSTM
+    torch.manual_seed(1)
+    rnn = cls(3, 4, num_layers=2, batch_first=True, bidirectional=True).double()
+    counts = []
+    for steps in (2, 30):
+        x = torch.randn(5, steps, 3, generator=g, dtype=torch.float64)
+        lengths = torch.full((5,), steps)
+        grad = torch.randn(5, steps, 8, generator=g, dtype=torch.float64)
+        plain = _rnn_run(rnn, x, lengths, "torch", grad, OpCounter())
+        counter = OpCounter(rnn_as_library_call=True)
+        counted = _rnn_run(rnn, x, lengths, "torch", grad, counter)
+        assert all(torch.equal(a, b) for a, b in zip(plain, counted))
+        assert counter.by_name["_cudnn_rnn"] == 1 and counter.by_name["_cudnn_rnn_backward"] == 1
+        with OpCounter(rnn_as_library_call=True) as unpacked:        # no packing: nothing grows with the steps
+            rnn(x)[0].sum().backward()
+        assert unpacked.by_name["_cudnn_rnn"] == 1 and unpacked.by_name["_cudnn_rnn_backward"] == 1
+        counts.append(unpacked.total)
+    assert counts[0] == counts[1], counts

@@ -16,7 +16,6 @@ from typing import Callable, Literal, Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.checkpoint import checkpoint
 
 from retr.common.errors import UserError
@@ -25,7 +24,7 @@ from retr.trainers.config import (dropout_setting, embed_size_setting, margin_se
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.models.optim import PerGroupOptimizer
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean, masked_softmax
+from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean, masked_softmax, run_rnn
 
 GLOBAL_SIMILARITIES = ("dot", "cosine")
 INTRA_REDUCTIONS = ("mean_positive", "sum")
@@ -56,9 +55,7 @@ class PhraseTextEncoder(nn.Module):
         phrases = torch.stack([torch.tanh(conv(F.pad(x, (0, c - 1))))            # window t : t+c-1
                                for c, conv in zip((1, 2, 3), self.convs)]).amax(0)  # [B, phrase_dim, T]
         phrases = self.dropout(phrases.transpose(1, 2))
-        packed = pack_padded_sequence(phrases, lengths.cpu(), batch_first=True, enforce_sorted=False)
-        out, _ = self.lstm(packed)
-        out, _ = pad_packed_sequence(out, batch_first=True, total_length=t)
+        out = run_rnn(self.lstm, phrases, lengths, t)
         return out[..., :self.embed_size] + out[..., self.embed_size:]           # sum of the two directions
 
 

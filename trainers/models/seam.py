@@ -15,13 +15,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, size_setting, violation_setting,
                                   word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import lengths_mask, masked_mean
+from retr.trainers.models.layers import lengths_mask, masked_mean, run_rnn
 from retr.store.vocab import PAD_ID
 
 TEXT_ENCODERS = ("e", "c", "g")
@@ -142,9 +141,7 @@ class SEAMTextEncoder(nn.Module):
             trigram = self.bn3(F.relu(self.conv3(x)), mask)
             views = [bigram.transpose(1, 2), trigram.transpose(1, 2), words]
         else:
-            packed = pack_padded_sequence(words, lengths.cpu(), batch_first=True, enforce_sorted=False)
-            out, _ = self.rnn(packed)
-            views = [pad_packed_sequence(out, batch_first=True, total_length=length)[0]]
+            views = [run_rnn(self.rnn, words, lengths, length)]
         return views, mask
 
     def _authors_conv_views(self, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -14,14 +14,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from retr.trainers.models.layers import scale_grad
 from retr.trainers.config import (dropout_setting, embed_size_setting, freeze_word_vectors_setting, margin_setting,
                                   setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import EPS, lengths_mask, masked_mean, masked_softmax, cosine
+from retr.trainers.models.layers import EPS, cosine, lengths_mask, masked_mean, masked_softmax, run_rnn, scale_grad
 from retr.trainers.models.text import install_word_vectors
 
 INTRA_PAIR_LEVELS = ("each", "sum")
@@ -77,9 +75,7 @@ class WordEncoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         x = self.dropout(self.embed(tokens))
-        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
-        out, _ = self.rnn(packed)
-        out, _ = pad_packed_sequence(out, batch_first=True, total_length=int(lengths.max()))
+        out = run_rnn(self.rnn, x, lengths)
         return (out[..., :self.hidden] + out[..., self.hidden:]) / 2
 
 

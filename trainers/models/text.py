@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from retr.trainers.models.layers import EPS, l2norm
+from retr.trainers.models.layers import EPS, l2norm, run_rnn
 
 
 class GRUWordEncoder(nn.Module):
@@ -25,9 +24,7 @@ class GRUWordEncoder(nn.Module):
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """``tokens`` [B, L] long, ``lengths`` [B] (≥ 1) → ``[B, max(lengths), d]``."""
         x = self.dropout(self.embed(tokens))
-        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
-        out, _ = self.rnn(packed)
-        out, _ = pad_packed_sequence(out, batch_first=True, total_length=int(lengths.max()))
+        out = run_rnn(self.rnn, x, lengths)
         if self.bidirectional:
             out = (out[:, :, :self.embed_size] + out[:, :, self.embed_size:]) / 2
         return l2norm(out, dim=-1) if self.normalize else out
@@ -46,9 +43,7 @@ class GRUSentenceEncoder(GRUWordEncoder):
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
-        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
-        out, _ = self.rnn(packed)
-        out, _ = pad_packed_sequence(out, batch_first=True, total_length=int(lengths.max()))
+        out = run_rnn(self.rnn, x, lengths)
         last = (lengths.to(out.device) - 1).view(-1, 1, 1).expand(-1, 1, out.shape[-1])
         sentence = out.gather(1, last).squeeze(1)
         if self.bidirectional:

@@ -16,12 +16,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from retr.trainers.config import (embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
                                   size_setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import l2norm, lengths_mask, masked_softmax
+from retr.trainers.models.layers import l2norm, lengths_mask, masked_softmax, run_rnn
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.text import GRUWordEncoder, install_word_vectors
 
@@ -57,9 +56,7 @@ class GPO(nn.Module):
         """``lengths`` [B] (≥ 1) → θ ``[B, width]`` (0 past each length)."""
         mask = lengths_mask(lengths, width)
         pe = positional_encoding(width, self.pe_dim).to(self.linear.weight)
-        packed = pack_padded_sequence(pe.expand(len(lengths), -1, -1), lengths.cpu(), batch_first=True,
-                                      enforce_sorted=False)
-        out, _ = pad_packed_sequence(self.gru(packed)[0], batch_first=True, total_length=width)
+        out = run_rnn(self.gru, pe.expand(len(lengths), -1, -1), lengths, width)
         out = (out[..., :self.hidden] + out[..., self.hidden:]) / 2
         return masked_softmax(self.linear(out).squeeze(-1) / TEMPERATURE, mask)
 
