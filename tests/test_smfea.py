@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from retr.trainers.models import create_model, preset
 from retr.trainers.models.concepts import ConceptGCN, consensus_vector, mix_text_labels
 from retr.trainers.models.smfea import SMFEA, node_cross_entropy, node_kl
+from retr.trainers.models.layers import l2norm
 from retr.trainers.models.tree_lstm import CHILDREN, SevenNodeTreeLSTM, StructuredTreeEncoder
 
 
@@ -556,3 +557,53 @@ def test_smfea_drops_the_last_smaller_batch_as_cvse_and_other_models_keep_it():
     assert list(dropped) == list(kept)[:2]                         # the same order, the tail left out
     assert [len(b) for b in EpochBatchSampler(3, 4, seed=0, drop_last=True)] == [3]
     assert [len(b) for b in EpochBatchSampler(8, 4, seed=0, drop_last=True)] == [4, 4]
+
+
+def _tree_node_by_node(lstm: SevenNodeTreeLSTM, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 6–11 one node at a time, children before parents (the direct reading of the equations)."""
+    H = lstm.hidden_size
+    W, b, U = lstm.W.weight, lstm.W.bias, lstm.U.weight
+    h, c, f = {}, {}, {}
+    for t in (0, 2, 4, 6, 1, 5, 3):
+        kids = CHILDREN[t]
+        h_sum = sum((h[k] for k in kids), torch.zeros_like(x[:, 0, :H]))
+        z = x[:, t] @ W.t() + b + h_sum @ U.t()
+        i, f[t], o, u = (torch.sigmoid(z[:, :H]), torch.sigmoid(z[:, H:2 * H]), torch.sigmoid(z[:, 2 * H:3 * H]),
+                         torch.tanh(z[:, 3 * H:]))
+        c[t] = i * u
+        for k in kids:
+            if lstm.forget_gate == "as-printed":
+                c[t] = c[t] + f[t] * f[k] * c[k]
+            else:
+                c[t] = c[t] + torch.sigmoid(x[:, t] @ W[H:2 * H].t() + b[H:2 * H] + h[k] @ U[H:2 * H].t()) * c[k]
+        h[t] = o * torch.tanh(c[t])
+    return torch.stack([h[t] for t in range(7)], 1), torch.stack([c[t] for t in range(7)], 1)
+
+
+@pytest.mark.parametrize("forget_gate", ["as-printed", "per-child"])
+def test_tree_lstm_levels_equal_the_node_by_node_equations(forget_gate):
+    """The level-batched update gives every node's Eq. 6–11 values and gradients (float64: the two differ only in
+    the order of a few sums, ~1e-16 relative)."""
+    torch.manual_seed(4)
+    lstm = SevenNodeTreeLSTM(input_dim=5, hidden_size=3, forget_gate=forget_gate).double()
+    x = torch.randn(4, 7, 5, dtype=torch.float64, requires_grad=True)
+    outputs = [lstm(x), _tree_node_by_node(lstm, x)]
+    for ours, direct in zip(*outputs):
+        torch.testing.assert_close(ours, direct, rtol=1e-12, atol=1e-14)
+    grads = [torch.autograd.grad(sum(o.sin().sum() for o in out), [x, *lstm.parameters()]) for out in outputs]
+    for ours, direct in zip(*grads):
+        torch.testing.assert_close(ours, direct, rtol=1e-12, atol=1e-14)
+
+
+def test_tree_encoder_node_maps_are_its_seven_linears():
+    """The node maps run as one product each; their values are the seven Linear layers' (float64)."""
+    torch.manual_seed(5)
+    enc = StructuredTreeEncoder(embed_size=8, num_entities=11, num_relations=5, hidden_size=4).double()
+    instance = torch.randn(3, 8, dtype=torch.float64)
+    out = enc(instance)
+    hidden, _ = enc.lstm(torch.stack([m(instance) for m in enc.node_inputs], 1))
+    tree = l2norm(sum(m(hidden[:, t]) for t, m in enumerate(enc.node_outputs)), dim=-1)
+    torch.testing.assert_close(out["hidden"], hidden, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(out["tree"], tree, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(out["entity_logits"], enc.entity_classifier(hidden[:, [0, 2, 4, 6]]))
+    torch.testing.assert_close(out["relation_logits"], enc.relation_classifier(hidden[:, [1, 3, 5]]))

@@ -11,7 +11,11 @@ from retr.trainers.models.layers import l2norm
 
 #: slot index → its children's slot indices (in-order layout E1 R2 E3 R4 E5 R6 E7)
 CHILDREN: dict[int, tuple[int, ...]] = {0: (), 2: (), 4: (), 6: (), 1: (0, 2), 5: (4, 6), 3: (1, 5)}
-#: bottom-up update order: the four leaves, the two relations of layer 2, the root
+#: the tree's levels, bottom-up, each a slice of the slots: the four leaves E1 E3 E5 E7 (0::2), the relations
+#: R2 R6 (1::4), the root R4 (3::4). A level's children are the level below in consecutive pairs: R2 ← E1, E3;
+#: R6 ← E5, E7; R4 ← R2, R6.
+LEVELS = (slice(0, None, 2), slice(1, None, 4), slice(3, None, 4))
+#: bottom-up update order (the levels' slots in turn)
 UPDATE_ORDER = (0, 2, 4, 6, 1, 5, 3)
 ENTITY_SLOTS = (0, 2, 4, 6)
 RELATION_SLOTS = (1, 3, 5)
@@ -21,7 +25,11 @@ FORGET_GATES = ("as-printed", "per-child")
 
 class SevenNodeTreeLSTM(nn.Module):
     """Child-sum tree-LSTM over the fixed 7-node tree: inputs ``[B, 7, input_dim]`` → ``(h, c)`` each
-    ``[B, 7, hidden_size]``, slot order."""
+    ``[B, 7, hidden_size]``, slot order.
+
+    The nodes of a level are updated together (:data:`LEVELS`: the 4 leaves, then the 2 inner relations, then the
+    root): each node's gates are Eq. 6–11 on its own inputs and its children's states, so the values are those of
+    a node-by-node update, in 3 rounds of batched operators instead of 7."""
 
     def __init__(self, input_dim: int, hidden_size: int = 128, forget_gate: str = "as-printed"):
         super().__init__()
@@ -31,38 +39,42 @@ class SevenNodeTreeLSTM(nn.Module):
         self.forget_gate = forget_gate
         self.W = nn.Linear(input_dim, 4 * hidden_size)              # W^i, W^f, W^o, W^u (with the bias)
         self.U = nn.Linear(hidden_size, 4 * hidden_size, bias=False)  # U^i, U^f, U^o, U^u
+        # where each slot lies among the levels' slots laid end to end (0 2 4 6 | 1 5 | 3)
+        self.register_buffer("slot_positions", torch.tensor(UPDATE_ORDER).argsort(), persistent=False)
 
     def forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``inputs`` [B, 7, input_dim] (slot order) → hidden ``[B, 7, H]`` and memory ``[B, 7, H]``."""
         if inputs.dim() != 3 or inputs.shape[1] != NUM_NODES:
             raise ValueError(f"inputs must be [B, 7, D], got {tuple(inputs.shape)}")
-        hsz = self.hidden_size
         wx = self.W(inputs)                                           # [B, 7, 4H]
-        h: dict[int, torch.Tensor] = {}
-        c: dict[int, torch.Tensor] = {}
-        f: dict[int, torch.Tensor] = {}
-        for t in UPDATE_ORDER:
-            kids = CHILDREN[t]
-            wx_i, wx_f, wx_o, wx_u = wx[:, t].split(hsz, dim=-1)
-            if kids:
-                h_sum = h[kids[0]] + h[kids[1]]
-                uh_i, uh_f, uh_o, uh_u = self.U(h_sum).split(hsz, dim=-1)
-            else:
-                uh_i = uh_f = uh_o = uh_u = 0.0
-            i_t = torch.sigmoid(wx_i + uh_i)
-            f_t = torch.sigmoid(wx_f + uh_f)
-            o_t = torch.sigmoid(wx_o + uh_o)
-            u_t = torch.tanh(wx_u + uh_u)
-            c_t = i_t * u_t
-            if kids:
-                if self.forget_gate == "as-printed":
-                    c_t = c_t + f_t * sum(f[k] * c[k] for k in kids)
-                else:
-                    u_f = self.U.weight[hsz:2 * hsz]                    # U^f rows
-                    c_t = c_t + sum(torch.sigmoid(wx_f + h[k] @ u_f.t()) * c[k] for k in kids)
-            h[t], c[t], f[t] = o_t * torch.tanh(c_t), c_t, f_t
-        order = range(NUM_NODES)
-        return torch.stack([h[t] for t in order], dim=1), torch.stack([c[t] for t in order], dim=1)
+        states, below = [], None
+        for level in LEVELS:
+            below = self._level(wx[:, level], below)
+            states.append(below)
+        h, c = (torch.cat([state[k] for state in states], 1).index_select(1, self.slot_positions) for k in (0, 1))
+        return h, c
+
+    def _level(self, wx: torch.Tensor, children: tuple[torch.Tensor, ...] | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One level's ``(h, c, f)`` ``[B, n, H]`` from its ``W x + b`` ``[B, n, 4H]`` and the level below's
+        ``(h, c, f)`` ``[B, 2n, H]`` (node j's children at 2j and 2j+1; None for the leaves)."""
+        hsz = self.hidden_size
+        z = wx
+        if children is not None:
+            h_kids, c_kids, f_kids = children
+            z = wx + self.U(h_kids[:, 0::2] + h_kids[:, 1::2])           # Σ_k h_k through U
+        gates = torch.sigmoid(z[..., :3 * hsz])
+        i_t, f_t, o_t = gates.split(hsz, dim=-1)
+        c_t = i_t * torch.tanh(z[..., 3 * hsz:])
+        if children is not None:
+            if self.forget_gate == "as-printed":                        # f_t · Σ_k f_k ⊙ c_k (Eq. 9 as printed)
+                kept = f_kids * c_kids
+            else:                                                         # Σ_k σ(W^f x_t + b^f + U^f h_k) ⊙ c_k
+                u_f = self.U.weight[hsz:2 * hsz]                          # U^f rows
+                kept = torch.sigmoid(wx[..., hsz:2 * hsz].repeat_interleave(2, dim=1) + h_kids @ u_f.t()) * c_kids
+            kept = kept[:, 0::2] + kept[:, 1::2]
+            c_t = c_t + (f_t * kept if self.forget_gate == "as-printed" else kept)
+        return o_t * torch.tanh(c_t), c_t, f_t
 
 
 class StructuredTreeEncoder(nn.Module):
@@ -86,13 +98,17 @@ class StructuredTreeEncoder(nn.Module):
     def forward(self, instance: torch.Tensor) -> dict[str, torch.Tensor]:
         """``instance`` [B, d] → ``entity_logits`` [B, 4, n_entities] (slots E1 E3 E5 E7),
         ``relation_logits`` [B, 3, n_relations] (slots R2 R4 R6), ``hidden`` [B, 7, H], ``tree`` [B, d]."""
-        inputs = torch.stack([m(instance) for m in self.node_inputs], dim=1)     # [B, 7, input_dim]
+        # the 7 node maps as one product each: [B, d] → [B, 7, input_dim], and [B, 7, H] → Σ_t W_t h_t + b_t
+        weights = torch.stack([m.weight for m in self.node_inputs])                       # [7, input_dim, d]
+        biases = torch.stack([m.bias for m in self.node_inputs])                          # [7, input_dim]
+        inputs = torch.einsum("bd,nkd->bnk", instance, weights) + biases
         hidden, _ = self.lstm(inputs)
-        tree = sum(m(hidden[:, t]) for t, m in enumerate(self.node_outputs))
+        out_weights = torch.stack([m.weight for m in self.node_outputs], 1)               # [d, 7, H]
+        tree = hidden.flatten(1) @ out_weights.flatten(1).t() + torch.stack([m.bias for m in self.node_outputs]).sum(0)
         if self.residual:
             tree = tree + instance
         if self.normalize:
             tree = l2norm(tree, dim=-1)
-        return {"entity_logits": self.entity_classifier(hidden[:, list(ENTITY_SLOTS)]),
-                "relation_logits": self.relation_classifier(hidden[:, list(RELATION_SLOTS)]),
+        return {"entity_logits": self.entity_classifier(hidden[:, 0::2]),          # ENTITY_SLOTS
+                "relation_logits": self.relation_classifier(hidden[:, 1::2]),      # RELATION_SLOTS
                 "hidden": hidden, "tree": tree}
