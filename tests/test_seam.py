@@ -393,3 +393,31 @@ def test_seam_learns_the_synthetic_scenes(tmp_path, kind):
     chance = 100.0 / test.num_images
     assert metrics["t2i"]["r1"] > 5 * chance, metrics
     assert metrics["i2t"]["r1"] > 5 * chance, metrics
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_masked_batch_norm_is_batch_norm_of_the_real_positions(momentum):
+    """``masked_batch_norm`` computes BatchNorm1d's statistics from the real positions with masked sums instead of
+    ``x[mask]`` (which reads the count back from a GPU): outputs, gradients and the running averages over three
+    training steps, then evaluation, equal ``bn(x[mask])``'s (float64: the sums differ only in order, ~1e-16)."""
+    from retr.trainers.models.layers import masked_batch_norm
+    torch.manual_seed(0)
+    ours, theirs = (torch.nn.BatchNorm1d(4, momentum=momentum).double() for _ in range(2))
+    for bn in (ours, theirs):
+        torch.nn.init.normal_(bn.weight)
+        torch.nn.init.normal_(bn.bias)
+    theirs.load_state_dict(ours.state_dict())
+    mask = torch.tensor([[True] * 5, [True, True, False, False, False], [True, False, False, False, False]])
+    for training in (True, True, True, False):
+        ours.train(training), theirs.train(training)
+        x = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
+        grad = torch.randn(3, 5, 4, dtype=torch.float64)
+        out = masked_batch_norm(ours, x, mask)
+        (g_ours,) = torch.autograd.grad((out * grad).sum(), x)
+        expected = theirs(x[mask])
+        (g_theirs,) = torch.autograd.grad((expected * grad[mask]).sum(), x)
+        torch.testing.assert_close(out[mask], expected, rtol=1e-12, atol=1e-12)
+        assert (out[~mask] == 0).all()
+        torch.testing.assert_close(g_ours, g_theirs, rtol=1e-12, atol=1e-12)
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-12, atol=1e-12)

@@ -110,7 +110,8 @@ class TanhContraction(torch.autograd.Function):
             parts.append(torch.bmm(t, w[rows].reshape(-1, l, 1)).view(len(range(n_rows)[rows]), m, n_cols))
         ctx.save_for_backward(a, b, w)
         device = a.device.type
-        ctx.autocast_state = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        enabled = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        ctx.autocast_state = (device, enabled, torch.get_autocast_dtype(device) if enabled else None)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @staticmethod
@@ -513,7 +514,7 @@ class JGCAR(MatchingModel):
                 caption_labels = image_labels
         images = self.encode_images(features, mask)
         captions = self.encode_captions(tokens, lengths)
-        extras = {"image_index": image_index if image_index is not None
+        extras = {"image_index": image_index.to(features.device) if image_index is not None   # a host index
                   else torch.arange(features.shape[0], device=features.device)}
         if image_labels is not None:
             extras["image_labels"] = image_labels

@@ -70,3 +70,34 @@ def run_rnn(rnn: torch.nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor, total
     data = rnn(packed)[0].data                                                               # [Σ lengths, d_out]
     out = data.new_zeros(batch * total_length, data.shape[-1]).index_put((target,), data)
     return out.view(batch, total_length, -1)
+
+
+def masked_batch_norm(bn: torch.nn.modules.batchnorm._BatchNorm, x: torch.Tensor, mask: torch.Tensor
+                      ) -> torch.Tensor:
+    """``bn`` over the channels of ``x`` ``[B, T, C]`` at the positions where ``mask`` ``[B, T]`` is True, 0
+    elsewhere: in training the batch statistics (and the running averages ``bn`` keeps) are those of the real
+    positions alone, as ``bn(x[mask])`` takes them, but without indexing by the mask, which reads the number of
+    real positions back from the device.
+
+    Statistics as BatchNorm's: the biased variance normalises, the unbiased one (n / (n − 1), n ≥ 2; a single
+    real position counts as 2) enters the running variance; ``momentum=None`` is a cumulative average."""
+    weights = mask.unsqueeze(-1).to(x.dtype)                                       # [B, T, 1]
+    if bn.training or bn.running_mean is None:
+        count = weights.sum()
+        mean = (x * weights).sum((0, 1)) / count                                   # [C]
+        centered = (x - mean) * weights                                            # 0 at padded positions
+        var = centered.pow(2).sum((0, 1)) / count
+        if bn.training and bn.running_mean is not None:
+            with torch.no_grad():
+                bn.num_batches_tracked.add_(1)
+                factor = bn.momentum if bn.momentum is not None else \
+                    1.0 / bn.num_batches_tracked.to(bn.running_mean.dtype)      # on the device, not read back
+                bn.running_mean.lerp_(mean.to(bn.running_mean.dtype), factor)
+                unbiased = var * count / (count - 1).clamp(min=1)
+                bn.running_var.lerp_(unbiased.to(bn.running_var.dtype), factor)
+    else:
+        centered, var = (x - bn.running_mean) * weights, bn.running_var
+    scale = torch.rsqrt(var + bn.eps)                                              # [C]
+    if not bn.affine:
+        return centered * scale
+    return torch.addcmul(centered * (scale * bn.weight), weights, bn.bias)         # + bias at real positions

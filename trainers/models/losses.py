@@ -60,6 +60,7 @@ def in_batch_ranking(scores: torch.Tensor, margin: float, max_violation: bool, h
     firsts = torch.cat([diagonal > negatives.max(1).values, diagonal > negatives.max(0).values])
     chance = 1.0 / (counts.float() + 1)
     at_equal = margin * (has_negative.sum() if max_violation else counts.sum()).float()
-    return BatchRanking(hits=(firsts & has_negative).sum(), expected=chance[has_negative].sum(),
-                        variance=(chance * (1 - chance))[has_negative].sum(), trials=has_negative.sum(),
+    chance = chance.where(has_negative, 0.0)         # not chance[has_negative]: that would read a count back
+    return BatchRanking(hits=(firsts & has_negative).sum(), expected=chance.sum(),
+                        variance=(chance * (1 - chance)).sum(), trials=has_negative.sum(),
                         hinge=hinge.detach().float(), hinge_at_equal_scores=at_equal)

@@ -20,7 +20,7 @@ from retr.trainers.config import (embed_size_setting, margin_setting, setting, s
                                   word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import lengths_mask, masked_mean, run_rnn
+from retr.trainers.models.layers import lengths_mask, masked_batch_norm, masked_mean, run_rnn
 from retr.store.vocab import PAD_ID
 
 TEXT_ENCODERS = ("e", "c", "g")
@@ -73,11 +73,7 @@ class MaskedBatchNorm1d(nn.BatchNorm1d):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
         if mask is None:
             return super().forward(x)
-        flat = x.transpose(1, 2)[mask]                                            # [N_real, C]
-        normed = super().forward(flat)
-        out = torch.zeros_like(x.transpose(1, 2))
-        out[mask] = normed
-        return out.transpose(1, 2)
+        return masked_batch_norm(self, x.transpose(1, 2), mask).transpose(1, 2)
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:

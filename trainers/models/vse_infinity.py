@@ -20,7 +20,7 @@ from torch import nn
 from retr.trainers.config import (embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
                                   size_setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import l2norm, lengths_mask, masked_softmax, run_rnn
+from retr.trainers.models.layers import l2norm, lengths_mask, masked_batch_norm, masked_softmax, run_rnn
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.text import GRUWordEncoder, install_word_vectors
 
@@ -53,12 +53,18 @@ class GPO(nn.Module):
         self.linear = nn.Linear(hidden, 1, bias=False)
 
     def weights(self, lengths: torch.Tensor, width: int) -> torch.Tensor:
-        """``lengths`` [B] (≥ 1) → θ ``[B, width]`` (0 past each length)."""
-        mask = lengths_mask(lengths, width)
+        """``lengths`` [B] (1 … width) → θ ``[B, width]`` (0 past each length).
+
+        θ depends on the set's size alone, so it is computed once for every size 1 … width (one GRU call over
+        ``width`` sequences, whose lengths are known on the host) and looked up by ``lengths`` on their device:
+        nothing is read back from it, and each row's values are those of running the GRU on that row."""
+        sizes = torch.arange(1, width + 1)                                           # host
+        mask = lengths_mask(sizes, width).to(self.linear.weight.device)
         pe = positional_encoding(width, self.pe_dim).to(self.linear.weight)
-        out = run_rnn(self.gru, pe.expand(len(lengths), -1, -1), lengths, width)
+        out = run_rnn(self.gru, pe.expand(width, -1, -1), sizes, width)           # [width, width, 2h]
         out = (out[..., :self.hidden] + out[..., self.hidden:]) / 2
-        return masked_softmax(self.linear(out).squeeze(-1) / TEMPERATURE, mask)
+        table = masked_softmax(self.linear(out).squeeze(-1) / TEMPERATURE, mask)   # [size − 1, rank]
+        return table[lengths.to(table.device) - 1]
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` [B, K, d], ``mask`` [B, K] (any positions) → pooled ``[B, d]``, θ ``[B, K]``, lengths ``[B]``."""
@@ -85,9 +91,9 @@ class GPOImageEncoder(nn.Module):
         """``fc(x) + MLP(x)``; the MLP (and its batch statistics) sees the real positions only."""
         x = self.fc(features)
         if self.mlp is not None:
-            residual = x.new_zeros(x.shape)
-            residual[mask] = self.mlp(features[mask]).to(x.dtype)
-            x = x + residual
+            first, norm, relu, last = self.mlp
+            hidden = relu(masked_batch_norm(norm, first(features), mask))      # statistics of the real positions
+            x = x + last(hidden).to(x.dtype) * mask.unsqueeze(-1)
         return x
 
 

@@ -255,8 +255,9 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16" and device.type == "cuda")
     net = model
     if info.enabled:
-        net = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+        # device_ids None: DDP leaves the inputs where train_step put them (with device_ids it would copy the
+        # host-side lengths and indices to the GPU, and the models would read them back)
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=None)
     sampler = EpochBatchSampler(train_data.num_captions, cfg.batch_size, cfg.seed, info.rank, info.world_size,
                                 cfg.drop_last)
     # batches leave the loader in the stored dtype (float16: half the bytes over the bus), pinned on CUDA so the
@@ -423,25 +424,29 @@ def train_step(model, batch: dict, optimizer, scaler: torch.amp.GradScaler | Non
     cuts = np.array_split(np.arange(size), max(1, min(accum_steps, size)))
     gather = GatherEmbeddings(dist_info.world_size) if dist_info.enabled else None
     dtype = autocast_dtype(amp, device)
-    total = 0.0
+    losses = []
     for n, rows in enumerate(cuts):
         part = {k: batch[k][torch.from_numpy(rows)] if len(cuts) > 1 else batch[k] for k in keys}
-        tensors = [part[k].to(device, non_blocking=True) for k in ("features", "mask", "tokens", "lengths")]
+        tensors = [part[k].to(device, non_blocking=True) for k in ("features", "mask", "tokens")]
         tensors[0] = tensors[0].float()          # the loader may hand over the stored float16
-        extras = {k: part[k].to(device) for k in inner.batch_extras}
+        # lengths and the extras (table indices) stay on the host: the models read them there (a caption's length
+        # packs its RNN input, an index looks up a host table) and move to the device what they compute with, so
+        # no step waits on the device to read them back
+        tensors.append(part["lengths"].cpu())
+        extras = {k: part[k].cpu() for k in inner.batch_extras}
         sync = n == len(cuts) - 1 or not dist_info.enabled       # DDP all-reduces on the last micro-batch only
         context = model.no_sync() if not sync else contextlib.nullcontext()
         with context:
             with torch.autocast(device_type=device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                 loss = model(*tensors, gather=gather, **extras)
             scaler.scale(loss * dist_info.world_size).backward()   # DDP averages gradients; the loss is a sum
-        total += float(loss.detach())
+        losses.append(loss.detach())
     scaler.unscale_(optimizer)
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     scaler.step(optimizer)
     scaler.update()
-    return total
+    return sum(float(loss) for loss in losses)     # read once the whole step is queued: one wait, at its end
 
 
 def train_one_epoch(run: Run, epoch: int, quiet: bool) -> list[float]:
@@ -488,8 +493,9 @@ def train_one_epoch(run: Run, epoch: int, quiet: bool) -> list[float]:
     return losses
 
 
-#: the batch entries the prefetcher copies to the device ahead (extras stay where models read them: on the host)
-DEVICE_KEYS = ("features", "mask", "tokens", "lengths")
+#: the batch entries the prefetcher copies to the device ahead (lengths and extras stay where models read them:
+#: on the host)
+DEVICE_KEYS = ("features", "mask", "tokens")
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
