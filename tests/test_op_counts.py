@@ -275,7 +275,8 @@ def test_a_training_step_reads_nothing_back_from_the_device(monkeypatch, name):
     reading one back, ``.item()``, ``.cpu()`` or a boolean-mask index that must count its hits, raises) and the
     lengths and table indices on the host, where train_step leaves them: on a GPU no step waits on the device
     before the loss is read at its end. VSE∞'s word augmentation (training, ``augment_words`` > 0) is the one
-    exception: the lengths of the shortened captions are read back to pack them (one wait a step)."""
+    exception: the lengths of the shortened captions are read back to pack them (one wait a step). Evaluation's
+    encoders read nothing back either."""
     from retr.trainers.training.loop import DEVICE_KEYS
     import retr.trainers.models.jgcar as jgcar
     monkeypatch.setattr(jgcar, "CPU_CHUNK_ELEMENTS", jgcar.GPU_CHUNK_ELEMENTS)
@@ -290,3 +291,7 @@ def test_a_training_step_reads_nothing_back_from_the_device(monkeypatch, name):
     loss.backward()
     assert loss.device.type == "meta"
     assert sum(p.grad is not None for p in model.parameters()) > len(list(model.parameters())) // 2
+    model.eval()                              # evaluation's encoders, given the lengths as the evaluator does
+    with torch.no_grad():
+        model.encode_images(*on_device[:2])
+        model.encode_captions(on_device[2], batch["lengths"])

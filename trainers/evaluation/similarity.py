@@ -71,7 +71,7 @@ def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.
             idx = np.arange(start, min(start + batch_size, data.num_captions))
             if wanted[idx].any():
                 tokens, lengths = pad_tokens([data.tokens[m] for m in idx])
-                block = model.encode_captions(tokens.to(device), lengths.to(device))
+                block = model.encode_captions(tokens.to(device), lengths)
                 keep = np.flatnonzero(wanted[idx])
                 caption_blocks.append((idx[keep], slice_embeddings(block, torch.as_tensor(keep, device=device))))
         return image_blocks, caption_blocks
@@ -79,7 +79,7 @@ def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.
     for start in progress(range(0, len(order), batch_size), desc="encode captions", quiet=quiet):
         idx = order[start:start + batch_size]
         tokens, lengths = pad_tokens([data.tokens[m] for m in idx])
-        caption_blocks.append((idx, model.encode_captions(tokens.to(device), lengths.to(device))))
+        caption_blocks.append((idx, model.encode_captions(tokens.to(device), lengths)))
     return image_blocks, caption_blocks
 
 

@@ -33,7 +33,7 @@ def tree_node_accuracy(model, data, features, trees_path: str, device: torch.dev
     for start in range(0, data.num_captions, batch_size):
         idx = np.arange(start, min(start + batch_size, data.num_captions))
         tokens, lengths = pad_tokens([data.tokens[m] for m in idx])
-        text_pred[idx] = model.predict_nodes(tokens=tokens.to(device), lengths=lengths.to(device)).cpu().numpy()
+        text_pred[idx] = model.predict_nodes(tokens=tokens.to(device), lengths=lengths).cpu().numpy()
     image_pred = np.zeros((data.num_images, 7), dtype=np.int64)
     for start in range(0, data.num_images, batch_size):
         idx = np.arange(start, min(start + batch_size, data.num_images))

@@ -342,7 +342,7 @@ class Retriever:
         unknown = [[w for w in tokenize(t) if w not in self.vocab] for t in texts]
         tokens, lengths = pad_tokens([self.vocab.encode(t) for t in texts])
         with torch.no_grad():
-            return self.model.encode_captions(tokens.to(self.device), lengths.to(self.device)), unknown
+            return self.model.encode_captions(tokens.to(self.device), lengths), unknown
 
     @torch.no_grad()
     def text_to_images(self, texts: Sequence[str], k: int = 10) -> list[SearchResult]:
