@@ -5,11 +5,13 @@ with its baseline counted in the same run.
   ``retr-train eval`` scores it, at each precision, with the CPU's block sizes and with a GPU's (no chunking
   inside a score call, blocks sized to 40 GB of free memory); baseline: the authors' evaluation loop (per caption,
   blocks of 128 images, attended vectors formed: bench/eval.py's ``baseline``) on the same embeddings.
-* ``train`` — one training step (forward, backward, optimiser) of each model at batch ``--batch`` on random data,
-  and JGCAR's co-attentive term alone (the step with β = 0.5 minus the step with β = 1) with the GPU's chunk
-  budget; baseline: the same co-attention logits written as one autograd expression (the ``[B, N, B, l]`` tanh
-  formed and kept for backward). Counts on a CPU include each RNN's step-by-step CPU kernels; CUDA runs each
-  GRU/LSTM as one cuDNN call each way.
+* ``train`` — one training step (forward, backward, optimiser) of each model at batch ``--batch`` on random data
+  with the GPU's chunk budgets, counted as CUDA runs it: the optimiser implementation ``--optimizer-impl auto``
+  picks there (fused or foreach) and each GRU/LSTM as one cuDNN call each way (a CPU's RNN kernels dispatch a
+  dozen operators a time step; ``cpu_ops`` is that plain count); baseline: the same step with one optimiser
+  update per parameter (the authors' style). And JGCAR's co-attentive term alone (the step with β = 0.5 minus the
+  step with β = 1); baseline: the same co-attention logits written as one autograd expression (the
+  ``[B, N, B, l]`` tanh formed and kept for backward).
 
     .venv/bin/python bench/ops.py [--images 1000 --captions 200 --dim 64 --batch 128]
 """
@@ -39,14 +41,19 @@ def _batch(batch: int, regions: int, dim: int, seed: int = 0) -> dict:
     return {"features": torch.rand(batch, regions, dim, generator=g),
             "mask": torch.ones(batch, regions, dtype=torch.bool),
             "tokens": torch.randint(4, 60, (batch, int(lengths.max())), generator=g), "lengths": lengths,
-            "image_index": torch.arange(batch)}
+            "image_index": torch.arange(batch), "caption_index": torch.arange(batch)}
 
 
-def _step_ops(model, batch: dict) -> OpCounter:
-    """Operators of one ``train_step`` (after a warm-up step that makes the optimiser's state)."""
+def _step_ops(model, batch: dict, implementation: str = "", as_on_cuda: bool = False) -> OpCounter:
+    """Operators of one ``train_step`` (after a warm-up step that makes the optimiser's state), with the optimiser
+    implementation ``implementation`` resolves to on CUDA ("": torch's default on this machine); ``as_on_cuda``
+    counts each recurrent layer as one cuDNN call each way."""
+    from retr.trainers.models.optim import apply_implementation
     optimizer = model.configure_optimizer(1e-4)
+    if implementation:
+        apply_implementation(optimizer, implementation, torch.device("cuda"))
     train_step(model, batch, optimizer, None, 2.0, torch.device("cpu"))
-    with OpCounter() as counter:
+    with OpCounter(rnn_as_library_call=as_on_cuda) as counter:
         train_step(model, batch, optimizer, None, 2.0, torch.device("cpu"))
     return counter
 
@@ -85,26 +92,57 @@ def scoring(n_img: int, n_cap: int, dim: int) -> list[dict]:
     return records
 
 
+#: each model's features in the training counts ([K, D]: D small, the counts do not depend on it) and settings
+TRAIN_SHAPES = {"vsepp": (36, 32), "scan": (36, 32), "seam": (10, 32), "sman": (49, 32), "jgcar": (49, 32),
+                "smfea": (36, 32), "vse-infinity": (36, 32)}
+TRAIN_SETTINGS = {"seam": {"text_encoder": "c"}, "jgcar": {"num_regions": 49, "hidden_size": 64, "dropout": 0.0}}
+
+
+def _training_model(name: str, batch: int):
+    """``name`` at its published settings but small sizes, with SMFEA's side tensors (the shapes load_smfea_inputs
+    gives); seeded, so that every count of a model sees the same model."""
+    torch.manual_seed(0)
+    k, d = TRAIN_SHAPES[name]
+    settings = {"embed_size": 32, "word_dim": 16, **TRAIN_SETTINGS.get(name, {})}
+    if name != "smfea":
+        return create_model(name, vocab_size=64, img_dim=d, **settings)
+    g = torch.Generator().manual_seed(0)
+    concepts, entities, relations = 30, 50, 20
+    model = create_model(name, vocab_size=64, img_dim=d, num_concepts=concepts, num_entities=entities,
+                         num_relations=relations, **settings)
+    token_concepts = torch.full((64,), -1, dtype=torch.long)
+    token_concepts[4:4 + concepts] = torch.arange(concepts)
+    nodes = torch.stack([torch.randint(0, entities if slot % 2 == 0 else relations, (batch,), generator=g)
+                         for slot in range(7)], dim=1)
+    model.prepare_training({"adjacency": torch.rand(concepts, concepts, generator=g), "nodes": nodes,
+                            "token_concepts": token_concepts,
+                            "image_labels": torch.rand(batch, concepts, generator=g) < 0.1})
+    return model
+
+
 def training(batch: int) -> list[dict]:
     import retr.trainers.models.jgcar as jgcar
     records = []
-    shapes = {"vsepp": (36, 32), "scan": (36, 32), "seam": (10, 32), "sman": (49, 32)}
-    for name, (k, d) in shapes.items():
-        step = _batch(batch, k, d)
-        torch.manual_seed(0)
-        model = create_model(name, vocab_size=64, img_dim=d, **({"text_encoder": "c"} if name == "seam" else {}))
-        ops = _step_ops(model, step)
-        records.append({"bench": "ops", "stage": "train", "model": name, "batch": batch, "features": [k, d],
-                        "ops": ops.total, "launching": ops.launching, "host_syncs": ops.host_syncs})
     jgcar.CPU_CHUNK_ELEMENTS, saved = jgcar.GPU_CHUNK_ELEMENTS, jgcar.CPU_CHUNK_ELEMENTS
     try:
-        settings = dict(vocab_size=64, img_dim=32, embed_size=32, word_dim=16, hidden_size=64, num_regions=49,
-                        dropout=0.0)
-        step = _batch(batch, 49, 32)
+        for name in TRAIN_SHAPES:
+            k, d = TRAIN_SHAPES[name]
+            step = _batch(batch, k, d)
+            cuda = _step_ops(_training_model(name, batch), step, "auto", as_on_cuda=True)
+            loop = _step_ops(_training_model(name, batch), step, "loop", as_on_cuda=True)
+            cpu = _step_ops(_training_model(name, batch), step)
+            records.append({"bench": "ops", "stage": "train", "model": name, "batch": batch, "features": [k, d],
+                            "counted": "as on CUDA: --optimizer-impl auto there, each RNN one cuDNN call each way",
+                            "ops": cuda.total, "launching": cuda.launching, "host_syncs": cuda.host_syncs,
+                            "cpu_ops": cpu.total,
+                            "baseline": {"what": "the same, one optimiser update per parameter (the authors' loop)",
+                                         "ops": loop.total, "launching": loop.launching}})
         totals = {}
         for beta in (0.5, 1.0):
             torch.manual_seed(0)
-            totals[beta] = _step_ops(create_model("jgcar", beta=beta, **settings), step).total
+            model = create_model("jgcar", beta=beta, vocab_size=64, img_dim=32, embed_size=32, word_dim=16,
+                                 **TRAIN_SETTINGS["jgcar"])
+            totals[beta] = _step_ops(model, _batch(batch, 49, 32)).total
         g = torch.Generator().manual_seed(0)
         a = torch.randn(batch, 49, 32, generator=g, requires_grad=True)
         b = torch.randn(batch, 32, 64, generator=g, requires_grad=True)
@@ -114,9 +152,8 @@ def training(batch: int) -> list[dict]:
         ours, _ = count_ops(lambda: jgcar.TanhContraction.apply(a, b, w).sum().backward())
     finally:
         jgcar.CPU_CHUNK_ELEMENTS = saved
-    records.append({"bench": "ops", "stage": "train", "model": "jgcar", "batch": batch, "features": [49, 32],
-                    "ops": totals[0.5], "co_attention_ops": totals[0.5] - totals[1.0],
-                    "one_side_logits_fwd_bwd_ops": ours.total,
+    records.append({"bench": "ops", "stage": "train", "model": "jgcar co-attention", "batch": batch,
+                    "co_attention_ops": totals[0.5] - totals[1.0], "one_side_logits_fwd_bwd_ops": ours.total,
                     "baseline": {"what": "one side's logits as one autograd expression ([B, N, B, l] tanh kept)",
                                  "one_side_logits_fwd_bwd_ops": direct.total}})
     return records
