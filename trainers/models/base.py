@@ -185,3 +185,33 @@ class MatchingModel(nn.Module):
         if gather is not None:
             images, captions = gather(images), gather(captions)
         return self.loss(self.scoring()(images, captions))
+
+
+class InnerProductModel(MatchingModel):
+    """A model whose score is the inner product of one vector per image and one per caption, ``embeddings[
+    vector_key]`` ``[n, d]`` (VSE++, VSE∞, SMFEA): :meth:`score` is one matrix product, :meth:`pair_score` the
+    listed pairs' own dot products (aligned: its cost grows with the pairs), :meth:`index_vectors` the vectors."""
+
+    #: the embeddings entry holding each side's vector
+    vector_key = "vector"
+    pair_score_is_aligned = True
+    #: pairs one step of :meth:`pair_score` gathers (two ``[pairs, d]`` tensors)
+    pair_chunk = 1 << 15
+
+    def index_vectors(self, embeddings: Embeddings, side: str) -> torch.Tensor:
+        """The vector ``[n, d]`` (:meth:`score` is their inner product)."""
+        return embeddings[self.vector_key]
+
+    def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Inner products ``[n_img, n_cap]``."""
+        dtype = dtype or images[self.vector_key].dtype
+        return images[self.vector_key].to(dtype) @ captions[self.vector_key].to(dtype).t()
+
+    def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor, cap_idx: torch.Tensor,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The inner products of the listed pairs ``[P]`` (``img_idx``, ``cap_idx`` ``[P]`` long)."""
+        image, caption = images[self.vector_key], captions[self.vector_key]
+        dtype = dtype or image.dtype
+        parts = [(image[img_idx[s:s + self.pair_chunk]].to(dtype) * caption[cap_idx[s:s + self.pair_chunk]].to(dtype))
+                 .sum(-1) for s in range(0, img_idx.numel(), self.pair_chunk)]
+        return torch.cat(parts) if parts else image.new_zeros(0, dtype=dtype)

@@ -234,6 +234,22 @@ class SEAM(MatchingModel):
             rows.append(-violation if self.order_squared else -violation.clamp(min=1e-12).sqrt())
         return torch.cat(rows, 0)
 
+    pair_score_is_aligned = True
+
+    def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor, cap_idx: torch.Tensor,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+        """:meth:`score` of the listed pairs only, ``[P]`` (``img_idx``, ``cap_idx`` ``[P]`` long), in chunks of
+        ``max_chunk_elements``."""
+        dtype = dtype or images["vector"].dtype
+        im, cap = images["vector"], captions["vector"]
+        step = max(1, self.max_chunk_elements // max(1, cap.shape[1]))
+        out = []
+        for start in range(0, img_idx.numel(), step):
+            i, c = img_idx[start:start + step], cap_idx[start:start + step]
+            violation = (cap[c].to(dtype) - im[i].to(dtype)).clamp(min=0).pow(2).sum(-1)
+            out.append(-violation if self.order_squared else -violation.clamp(min=1e-12).sqrt())
+        return torch.cat(out) if out else im.new_zeros(0, dtype=dtype)
+
     def loss(self, scores: torch.Tensor, penalty: torch.Tensor | None = None) -> torch.Tensor:
         """Hinge over ``scores`` [B, B] (all negatives, margin 0.05) + λ · mean of ``penalty`` [B]."""
         total = self.ranking_loss(scores)

@@ -89,6 +89,7 @@ class SMAN(MatchingModel):
     explains = ("visual_attention", "textual_attention")
 
     has_global_stage = True
+    pair_score_is_aligned = True               # pair_score scores each listed pair on its own
     compiled_functions = ("level_scores",)     # what forward scores the batch with (--compile)
 
     def __init__(self, vocab_size: int, img_dim: int = 2048, config: "SMANConfig | None" = None,

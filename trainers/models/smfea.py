@@ -19,7 +19,7 @@ from torch import nn
 from retr.trainers.config import (dropout_setting, embed_size_setting, freeze_word_vectors_setting, margin_setting,
                                   setting, size_setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
-from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
+from retr.trainers.models.base import Embeddings, InnerProductModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean, masked_softmax
 from retr.trainers.models.concepts import (ConceptAttention, ConceptGCN, consensus_vector, mix_text_labels)
 from retr.trainers.models.scan import RegionEncoder
@@ -109,7 +109,7 @@ def node_kl(image: Embeddings, text: Embeddings) -> torch.Tensor:
     return total
 
 
-class SMFEA(MatchingModel):
+class SMFEA(InnerProductModel):
     """SMFEA: instance + tree + consensus-concept embeddings fused by β, trained with Eq. 20; settings:
     :class:`SMFEAConfig`; ``num_entities``/``num_relations``/``num_concepts``: sizes of the run's side files.
 
@@ -118,6 +118,7 @@ class SMFEA(MatchingModel):
     """
 
     batch_extras = ("caption_index",)   # each row's training caption, to look up its tree and image labels
+    vector_key = "fused"                # the score: the inner product (cosine) of the fused vectors
 
     def __init__(self, vocab_size: int, num_entities: int, num_relations: int, num_concepts: int,
                  img_dim: int = 2048, config: "SMFEAConfig | None" = None, word_vectors_file: str = "",
@@ -245,14 +246,6 @@ class SMFEA(MatchingModel):
         out = self._branches(instance, self.txt_tree if self.use_trees else None, self.txt_concept_attn, labels)
         return {**out, "attention": attention, "mask": mask}
 
-    def index_vectors(self, embeddings: Embeddings, side: str) -> torch.Tensor:
-        """The fused vector ``[n, d]`` (``score`` is the inner product of the fused vectors)."""
-        return embeddings["fused"]
-
-    def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Cosine of the fused vectors ``[n_img, n_cap]``."""
-        dtype = dtype or images["fused"].dtype
-        return images["fused"].to(dtype) @ captions["fused"].to(dtype).t()
 
     @property
     def explains(self) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from torch import nn
 
 from retr.trainers.config import (embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
                                   size_setting, violation_setting, word_dim_setting, word_vectors_setting)
-from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
+from retr.trainers.models.base import Embeddings, InnerProductModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_batch_norm, masked_softmax, run_rnn
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.text import GRUWordEncoder, install_word_vectors
@@ -97,7 +97,7 @@ class GPOImageEncoder(nn.Module):
         return x
 
 
-class VSEInfinity(MatchingModel):
+class VSEInfinity(InnerProductModel):
     """VSE∞ with a BiGRU caption encoder; settings: :class:`VSEInfinityConfig`.
 
     ``explain`` gives GPO's pooling weights: ``image_pooling`` ``[k]`` over the k real regions' ranks (weight of
@@ -166,13 +166,6 @@ class VSEInfinity(MatchingModel):
             return {"vector": l2norm(pooled)}
         return {"vector": l2norm(pooled), "pooling": theta, "size": size}
 
-    def index_vectors(self, embeddings: Embeddings, side: str) -> torch.Tensor:
-        return embeddings["vector"]
-
-    def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Dot products ``[n_img, n_cap]``."""
-        dtype = dtype or images["vector"].dtype
-        return images["vector"].to(dtype) @ captions["vector"].to(dtype).t()
 
     def explain(self, images: Embeddings, captions: Embeddings) -> dict[str, torch.Tensor]:
         check_one_pair(images, captions)

@@ -11,14 +11,15 @@ from retr.store.features import TENCROP_ORDER
 from retr.trainers.config import (embed_size_setting, margin_setting, setting, size_setting, violation_setting,
                                   word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
-from retr.trainers.models.base import Embeddings, MatchingModel
+from retr.trainers.models.base import Embeddings, InnerProductModel
 from retr.trainers.models.layers import masked_mean
 from retr.trainers.models.scan import ENCODER_TYPES, RegionEncoder
 from retr.trainers.models.text import GRUSentenceEncoder
 
 
-class VSEPP(MatchingModel):
-    """VSE++ on any feature kind; settings: :class:`VSEPPConfig`; no attention maps (``explain`` raises)."""
+class VSEPP(InnerProductModel):
+    """VSE++ on any feature kind; settings: :class:`VSEPPConfig`; no attention maps (``explain`` raises). Scores
+    the inner products of the l2-normalised ``vector`` s."""
 
     def __init__(self, vocab_size: int, img_dim: int = 2048, config: "VSEPPConfig | None" = None, **settings):
         cfg = self.config = self.settings(VSEPPConfig, config, settings)
@@ -44,14 +45,6 @@ class VSEPP(MatchingModel):
         """``tokens`` [B, L], ``lengths`` [B] → ``{"vector": [B, d]}``."""
         return {"vector": self.txt_enc(tokens, lengths)}
 
-    def index_vectors(self, embeddings: Embeddings, side: str) -> torch.Tensor:
-        """The l2-normalised embedding ``[n, d]`` (``score`` is their inner product)."""
-        return embeddings["vector"]
-
-    def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Dot products ``[n_img, n_cap]``."""
-        dtype = dtype or images["vector"].dtype
-        return images["vector"].to(dtype) @ captions["vector"].to(dtype).t()
 
 
 @dataclass
