@@ -421,3 +421,23 @@ def test_masked_batch_norm_is_batch_norm_of_the_real_positions(momentum):
         torch.testing.assert_close(g_ours, g_theirs, rtol=1e-12, atol=1e-12)
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-12, atol=1e-12)
+
+
+def test_masked_batch_norm_of_bfloat16_inputs_takes_float32_statistics():
+    """Under autocast the features arrive in bfloat16, whose 8-bit mantissa cannot even count 4,607 positions:
+    the statistics are taken in float32 (the running mean equals float32's on the same inputs to 1e-5, where
+    bfloat16 sums are ~4e-3 off) and the result is returned in bfloat16, within its rounding of float32's."""
+    import copy
+
+    from retr.trainers.models.layers import masked_batch_norm
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(4).train()
+    wide_bn = copy.deepcopy(bn)
+    x = (torch.randn(64, 72, 4) * 3 + 5).bfloat16()
+    mask = torch.rand(64, 72) < 0.999                                   # ~4,600 real positions
+    narrow = masked_batch_norm(bn, x, mask)
+    wide = masked_batch_norm(wide_bn, x.float(), mask)
+    assert narrow.dtype == torch.bfloat16
+    torch.testing.assert_close(bn.running_mean, wide_bn.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bn.running_var, wide_bn.running_var, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(narrow, wide.to(torch.bfloat16), rtol=0, atol=0)

@@ -80,7 +80,10 @@ def masked_batch_norm(bn: torch.nn.modules.batchnorm._BatchNorm, x: torch.Tensor
     real positions back from the device.
 
     Statistics as BatchNorm's: the biased variance normalises, the unbiased one (n / (n − 1), n ≥ 2; a single
-    real position counts as 2) enters the running variance; ``momentum=None`` is a cumulative average."""
+    real position counts as 2) enters the running variance; ``momentum=None`` is a cumulative average. Half and
+    bfloat16 inputs (autocast) are normalised in float32, as cuDNN's batch norm does, and returned in their dtype."""
+    given = x.dtype
+    x = x.to(torch.promote_types(given, torch.float32))
     weights = mask.unsqueeze(-1).to(x.dtype)                                       # [B, T, 1]
     if bn.training or bn.running_mean is None:
         count = weights.sum()
@@ -99,5 +102,5 @@ def masked_batch_norm(bn: torch.nn.modules.batchnorm._BatchNorm, x: torch.Tensor
         centered, var = (x - bn.running_mean) * weights, bn.running_var
     scale = torch.rsqrt(var + bn.eps)                                              # [C]
     if not bn.affine:
-        return centered * scale
-    return torch.addcmul(centered * (scale * bn.weight), weights, bn.bias)         # + bias at real positions
+        return (centered * scale).to(given)
+    return torch.addcmul(centered * (scale * bn.weight), weights, bn.bias).to(given)   # + bias at real positions
