@@ -319,6 +319,9 @@ def test_gpu_options_from_the_command_line_train_the_same_run(synthetic, run_cli
                      "--optimizer-impl", "fused")
     assert "preloaded" in result.output and "optimizer fused" in result.output
     assert json.loads((fast / ckpt.CONFIG).read_text())["optimizer_impl"] == "fused"
+    # VSE++ scores a batch with one matrix product: --compile compiles nothing and says so
+    result = run_cli("train", *common, "--out", str(tmp_path / "eager"), "--epochs", "1", "--compile")
+    assert "nothing to compile, training runs eager" in result.output and "compiled (" not in result.output
 
 
 def test_the_prefetcher_moves_the_model_inputs_and_leaves_the_extras():
@@ -336,6 +339,7 @@ def test_the_prefetcher_moves_the_model_inputs_and_leaves_the_extras():
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in want)
         assert got["caption_index"] is want["caption_index"] and set(DEVICE_KEYS) < set(got)
+        assert got["lengths"] is want["lengths"]           # lengths stay on the host: models pack from them there
 
 
 # ----------------------------------------------------------------------------------------------- amp, accumulation, EMA

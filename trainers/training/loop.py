@@ -249,6 +249,9 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     optimizer_impls = apply_implementation(optimizer, cfg.optimizer_impl, device)
     if cfg.compile != "off":
         model.compile_scoring(mode=cfg.compile)
+        if not model.compiled_functions and info.is_main:
+            logger.warning(f"note: --compile: {cfg.model} scores a batch with one matrix product; nothing to compile, "
+                           "training runs eager")
     scheduler = lr_schedule(optimizer, cfg.lr_update)
     if cfg.amp == "fp16" and device.type != "cuda" and info.is_main:
         logger.warning("note: --amp fp16 needs CUDA; training in float32 on " + str(device) + " (--amp bf16 runs on CPU)")
@@ -294,7 +297,7 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
         logger.info(f"training {cfg.model}{f' (preset {cfg.preset})' if cfg.preset else ''} on {train_data.num_images} "
             f"images / {train_data.num_captions} captions "
             f"({FEATURES_HELD[train_feats.where]}), device {device}, optimizer {'+'.join(optimizer_impls)}"
-            f"{f', compiled ({cfg.compile})' if cfg.compile != 'off' else ''}, "
+            f"{f', compiled ({cfg.compile})' if cfg.compile != 'off' and model.compiled_functions else ''}, "
             f"epochs {run.start_epoch + 1}..{cfg.epochs}")
     return run
 
