@@ -35,7 +35,7 @@ NUMERICAL = ("test_golden_scan", "test_golden_vsepp", "test_golden_seam", "test_
              "test_golden_vse_infinity", "test_similarity", "test_evaluation", "test_gemm", "test_training_loop",
              "test_explain", "test_model_registry", "test_scan", "test_seam", "test_sman", "test_smfea", "test_jgcar",
              "test_vsepp", "test_vse_infinity", "test_butd_core", "test_butd_model", "test_butd_batched",
-             "test_concepts")
+             "test_concepts", "test_op_counts")
 
 
 #: files that take half a minute or more of one core: they start first, so that
