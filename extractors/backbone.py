@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from retr.common.devices import resolve_device as resolve_common_device
+from retr.common.devices import float32_arithmetic, resolve_device as resolve_common_device
 from retr.common.errors import ParameterError
 from retr.extractors.base import Extractor
 from retr.extractors.device_decode import EncodedBatch, EncodedReader, collate_encoded, decode_batch, resolve_decode
@@ -59,7 +59,8 @@ class BackboneExtractor(Extractor):
                  preprocess: Callable[[tuple, tuple], Callable[[str], torch.Tensor]],
                  unused_prefixes: tuple[str, ...] = (), random_options: dict | None = None,
                  device: str | torch.device = "cpu", half: bool = False, builder: ModelBuilder = build_backbone,
-                 cut: bool = True, decode: str = "auto", autocast: str = "none", channels_last: bool = False):
+                 cut: bool = True, decode: str = "auto", autocast: str = "none", channels_last: bool = False,
+                 tf32: bool = False):
         self.backbone = arch
         self.node = node
         self.half = bool(half)
@@ -70,6 +71,9 @@ class BackboneExtractor(Extractor):
             raise ParameterError("half (a float16 network) and autocast exclude each other; give one", "half",
                                  "autocast")
         self.autocast, self.channels_last = autocast, bool(channels_last)
+        #: let CUDA's float32 convolutions and products use TF32 (faster, ~1e-3 relative); default: exact float32,
+        #: so CUDA gives the CPU's features to float32 rounding
+        self.tf32 = bool(tf32)
         self.device = resolve_device(device, self.half)
         self.decode = resolve_decode(decode, self.device)
         model, self.weights = builder(arch, weights, unused_prefixes,
@@ -118,11 +122,11 @@ class BackboneExtractor(Extractor):
 
     def run_network(self, images: torch.Tensor) -> torch.Tensor:
         """The kept node's output for ``images`` ``[B, 3, H, W]`` on the device (CPU: ``CPU_PIXELS_PER_PASS`` input
-        pixels a pass; the features are the same)."""
+        pixels a pass; the features are the same), in exact float32 on CUDA unless ``tf32``."""
         dtype = torch.float16 if self.half else torch.float32
         autocast_dtype = AUTOCAST_DTYPES[self.autocast]
-        with torch.inference_mode(), torch.autocast(self.device.type, dtype=autocast_dtype,
-                                                    enabled=autocast_dtype is not None):
+        with float32_arithmetic(self.tf32), torch.inference_mode(), \
+                torch.autocast(self.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             images = images.to(self.device, dtype=dtype, non_blocking=True)
             if self.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
@@ -156,6 +160,7 @@ class BackboneExtractor(Extractor):
         attrs = {"kind": self.kind, "extractor": self.name, "backbone": self.backbone, "weights": weights.name,
                  "layer": self.node, "normalize_mean": list(weights.mean), "normalize_std": list(weights.std),
                  "half_precision": self.half, "decode": self.decode, "autocast": self.autocast,
-                 "channels_last": self.channels_last, **weights.attrs}
+                 "channels_last": self.channels_last, "tf32": self.tf32 and self.device.type == "cuda",
+                 **weights.attrs}
         attrs.update(self.extra_attrs())
         return attrs

@@ -203,7 +203,7 @@ class ClipExtractor(BackboneExtractor):
     kind = "clip"
 
     def __init__(self, *, name: str, weights: str, device: str, half: bool, exif_orientation: bool, decode: str,
-                 autocast: str, channels_last: bool):
+                 autocast: str, channels_last: bool, tf32: bool = False):
         self.name, self.geometry, self.exif_orientation = name, geometry(FAMILY[name]), exif_orientation
         size = self.geometry["image_size"]
 
@@ -214,7 +214,7 @@ class ClipExtractor(BackboneExtractor):
         super().__init__(arch=FAMILY[name], node="visual.ln_post+proj (every token)", weights=weights,
                          preprocess=lambda mean, std: ClipResize(size, mean, std, exif_orientation), device=device,
                          half=half, builder=builder, cut=False, decode=decode, autocast=autocast,
-                         channels_last=channels_last)
+                         channels_last=channels_last, tf32=tf32)
 
     @property
     def feature_shape(self) -> tuple[int, int]:
@@ -256,9 +256,10 @@ class OpenClipWeights(WeightSource):
 
 def _register(name: str) -> None:
     def build(weights: str = DEFAULT_WEIGHTS, device: str = "cpu", half: bool = False, exif_orientation: bool = False,
-              decode: str = "auto", autocast: str = "none", channels_last: bool = False) -> ClipExtractor:
+              decode: str = "auto", autocast: str = "none", channels_last: bool = False,
+              tf32: bool = False) -> ClipExtractor:
         return ClipExtractor(name=name, weights=weights, device=device, half=half, exif_orientation=exif_orientation,
-                             decode=decode, autocast=autocast, channels_last=channels_last)
+                             decode=decode, autocast=autocast, channels_last=channels_last, tf32=tf32)
     build.__doc__ = f"open_clip {FAMILY[name]}: projected embedding + projected patch tokens per image."
     register_extractor(ExtractorSpec(
         name=name, builder=build, kind="clip", output=OUTPUT[name],

@@ -28,7 +28,7 @@ class ResNetGridExtractor(BackboneExtractor):
 
     def __init__(self, *, weights: str = "imagenet", device: str = "cpu", half: bool = False,
                  image_size: int = 448, grid_size: int = 7, exif_orientation: bool = False,
-                 decode: str = "auto", autocast: str = "none", channels_last: bool = False):
+                 decode: str = "auto", autocast: str = "none", channels_last: bool = False, tf32: bool = False):
         if image_size % STRIDE or image_size < STRIDE:
             raise ParameterError(f"image_size must be a multiple of {STRIDE} for {self.name}, not {image_size}",
                                  "image_size")
@@ -44,7 +44,7 @@ class ResNetGridExtractor(BackboneExtractor):
         super().__init__(arch="resnet152", node="layer4", weights=weights, device=device, half=half,
                          preprocess=lambda mean, std: SquareResize(image_size, mean, std, exif_orientation),
                          unused_prefixes=("fc.",), random_options=dict(RANDOM_RESNET.options),
-                         decode=decode, autocast=autocast, channels_last=channels_last)
+                         decode=decode, autocast=autocast, channels_last=channels_last, tf32=tf32)
 
     @property
     def feature_shape(self) -> tuple[int, int]:
@@ -64,12 +64,12 @@ class ResNetGridExtractor(BackboneExtractor):
 
 def build_resnet152_grid(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 448,
                          grid_size: int = 7, exif_orientation: bool = False,
-                         decode: str = "auto", autocast: str = "none", channels_last: bool = False,
+                         decode: str = "auto", autocast: str = "none", channels_last: bool = False, tf32: bool = False,
                          ) -> ResNetGridExtractor:
     """ResNet-152 res5c grid: 448 input pooled to 7×7 (default), raw 14×14 (``grid_size=14``) or a 224 input."""
     return ResNetGridExtractor(weights=weights, device=device, half=half, image_size=image_size,
                                grid_size=grid_size, exif_orientation=exif_orientation,
-                               decode=decode, autocast=autocast, channels_last=channels_last)
+                               decode=decode, autocast=autocast, channels_last=channels_last, tf32=tf32)
 
 
 register_extractor(ExtractorSpec(

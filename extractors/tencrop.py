@@ -33,7 +33,7 @@ class TenCropExtractor(BackboneExtractor):
                  random_options: dict | None, weights: str, device: str, half: bool, image_size: int,
                  exif_orientation: bool, builder: ModelBuilder = build_backbone, min_crop: int = MIN_CROP,
                  normalisation: str = "ImageNet", cut: bool = True,
-                 decode: str = "auto", autocast: str = "none", channels_last: bool = False):
+                 decode: str = "auto", autocast: str = "none", channels_last: bool = False, tf32: bool = False):
         if image_size < min_crop:
             raise ParameterError(f"image_size (the crop side) must be at least {min_crop} for {name}, "
                                  f"not {image_size}", "image_size")
@@ -43,7 +43,7 @@ class TenCropExtractor(BackboneExtractor):
         super().__init__(arch=arch, node=node, weights=weights, device=device, half=half,
                          preprocess=lambda mean, std: TenCrop(image_size, self.resize, mean, std, exif_orientation),
                          unused_prefixes=unused_prefixes, random_options=random_options, builder=builder,
-                         cut=cut, decode=decode, autocast=autocast, channels_last=channels_last)
+                         cut=cut, decode=decode, autocast=autocast, channels_last=channels_last, tf32=tf32)
 
     @property
     def feature_shape(self) -> tuple[int, int]:
@@ -66,36 +66,39 @@ class TenCropExtractor(BackboneExtractor):
 
 def build_tencrop_vgg19(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 224,
                         exif_orientation: bool = False,
-                        decode: str = "auto", autocast: str = "none", channels_last: bool = False) -> TenCropExtractor:
+                        decode: str = "auto", autocast: str = "none", channels_last: bool = False,
+                        tf32: bool = False) -> TenCropExtractor:
     """VGG-19 fc7 (after ReLU) of ten crops: ``[10, 4096]`` per image."""
     return TenCropExtractor(name="tencrop-vgg19", arch="vgg19", node="classifier.4", dim=4096,
                             unused_prefixes=("classifier.6.",), random_options=None, weights=weights,
                             device=device, half=half, image_size=image_size, exif_orientation=exif_orientation,
-                            decode=decode, autocast=autocast, channels_last=channels_last)
+                            decode=decode, autocast=autocast, channels_last=channels_last, tf32=tf32)
 
 
 def build_tencrop_resnet152(weights: str = "imagenet", device: str = "cpu", half: bool = False,
                             image_size: int = 224, exif_orientation: bool = False,
                             decode: str = "auto", autocast: str = "none", channels_last: bool = False,
+                            tf32: bool = False,
                             ) -> TenCropExtractor:
     """ResNet-152 global average pool of ten crops: ``[10, 2048]`` per image."""
     return TenCropExtractor(name="tencrop-resnet152", arch="resnet152", node="flatten", dim=2048,
                             unused_prefixes=("fc.",), random_options=dict(RANDOM_RESNET.options),
                             weights=weights, device=device, half=half, image_size=image_size,
                             exif_orientation=exif_orientation,
-                            decode=decode, autocast=autocast, channels_last=channels_last)
+                            decode=decode, autocast=autocast, channels_last=channels_last, tf32=tf32)
 
 
 def build_tencrop_irv2(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 299,
                        exif_orientation: bool = False,
-                       decode: str = "auto", autocast: str = "none", channels_last: bool = False) -> TenCropExtractor:
+                       decode: str = "auto", autocast: str = "none", channels_last: bool = False,
+                       tf32: bool = False) -> TenCropExtractor:
     """Inception-ResNet-v2 (timm) global average pool of ten crops: ``[10, 1536]`` per image."""
     return TenCropExtractor(name="tencrop-irv2", arch="inception_resnet_v2", node="global_pool.flatten", dim=1536,
                             unused_prefixes=("classif.",), random_options=None, weights=weights, device=device,
                             half=half, image_size=image_size, exif_orientation=exif_orientation,
                             builder=build_timm_backbone, min_crop=MIN_CROP_IRV2,
                             normalisation="Inception (mean 0.5, std 0.5)", cut=False,
-                            decode=decode, autocast=autocast, channels_last=channels_last)
+                            decode=decode, autocast=autocast, channels_last=channels_last, tf32=tf32)
 
 
 register_extractor(ExtractorSpec(

@@ -28,7 +28,7 @@ class VggMapsExtractor(BackboneExtractor):
 
     def __init__(self, *, weights: str = "imagenet", device: str = "cpu", half: bool = False,
                  image_size: int = 448, exif_orientation: bool = False,
-                 decode: str = "auto", autocast: str = "none", channels_last: bool = False):
+                 decode: str = "auto", autocast: str = "none", channels_last: bool = False, tf32: bool = False):
         if image_size not in IMAGE_SIZES:
             raise ParameterError(f"image_size for {self.name} must be one of {IMAGE_SIZES} (14×14 or 7×7 maps), "
                                  f"not {image_size}", "image_size")
@@ -36,7 +36,7 @@ class VggMapsExtractor(BackboneExtractor):
         super().__init__(arch="vgg16", node=POOL5, weights=weights, device=device, half=half,
                          preprocess=lambda mean, std: SquareResize(image_size, mean, std, exif_orientation),
                          unused_prefixes=("classifier.",),
-                         decode=decode, autocast=autocast, channels_last=channels_last)
+                         decode=decode, autocast=autocast, channels_last=channels_last, tf32=tf32)
 
     @property
     def feature_shape(self) -> tuple[int, int]:
@@ -55,11 +55,12 @@ class VggMapsExtractor(BackboneExtractor):
 
 def build_vgg16_maps(weights: str = "imagenet", device: str = "cpu", half: bool = False, image_size: int = 448,
                      exif_orientation: bool = False,
-                     decode: str = "auto", autocast: str = "none", channels_last: bool = False) -> VggMapsExtractor:
+                     decode: str = "auto", autocast: str = "none", channels_last: bool = False,
+                     tf32: bool = False) -> VggMapsExtractor:
     """VGG-16 pool5 maps: 196×512 at a 448 input (default), 49×512 at 224."""
     return VggMapsExtractor(weights=weights, device=device, half=half, image_size=image_size,
                             exif_orientation=exif_orientation,
-                            decode=decode, autocast=autocast, channels_last=channels_last)
+                            decode=decode, autocast=autocast, channels_last=channels_last, tf32=tf32)
 
 
 register_extractor(ExtractorSpec(

@@ -46,8 +46,9 @@ TENCROP_ORDER = ("top-left", "top-right", "bottom-left", "bottom-right", "centre
 CHECKSUMS = "checksums"
 #: What extraction settings a set written before they were recorded was made with (Pillow decoding, no autocast,
 #: the default memory format, no TF32): extraction reuses such shards for these settings, reproduce reads them so.
-#: (A butd-regions set made on CUDA before ``tf32`` was recorded ran PyTorch's default TF32 convolutions: resumed
-#: now, its remaining shards are exact float32; docs/butd.md, TF32.)
+#: (A set made on CUDA before ``tf32`` was recorded — butd-regions before 2026-11-26, the backbones and CLIP before
+#: 2026-11-28 — ran PyTorch's default TF32 convolutions: resumed now, its remaining shards are exact float32;
+#: docs/butd.md, TF32.)
 ATTRS_BEFORE_RECORDED = {"decode": "cpu", "autocast": "none", "channels_last": False, "tf32": False}
 CHECKSUM_ALGORITHM = "crc32(id utf-8 + NUL, features, other per-row datasets in name order; little-endian)"
 #: Datasets that are not per-row data: the index copies ``ids``/``errors`` and leaves ``checksums`` in the shards.

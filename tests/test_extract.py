@@ -325,14 +325,14 @@ def test_extract_preset_gives_the_image_path_options_to_the_backbones_only(tmp_p
     write_one_image_manifest(tmp_path / "m.jsonl")
     result = CliRunner().invoke(cli, ["extract-preset", "synthetic", "--manifest", str(tmp_path / "m.jsonl"),
                                       "--out", str(tmp_path / "f"), "--weights", "random", "--decode", "cpu",
-                                      "--autocast", "bfloat16", "--channels-last",
+                                      "--autocast", "bfloat16", "--channels-last", "--tf32",
                                       "--only", "vgg16-maps", "--only", "butd-regions"])
     assert result.exit_code == 0, result.output
-    assert {k: calls["vgg16-maps"][k] for k in ("decode", "autocast", "channels_last")} == \
-        {"decode": "cpu", "autocast": "bfloat16", "channels_last": True}
+    assert {k: calls["vgg16-maps"][k] for k in ("decode", "autocast", "channels_last", "tf32")} == \
+        {"decode": "cpu", "autocast": "bfloat16", "channels_last": True, "tf32": True}
     assert not {"decode", "autocast", "channels_last"} & set(calls["butd-regions"])
-    assert "butd-regions: --autocast, --channels-last, --decode not used (backbone extractors only)" \
-        in result.output
+    assert calls["butd-regions"]["tf32"] is True                   # every extractor takes --tf32
+    assert "butd-regions: --autocast, --channels-last, --decode not used by this extractor" in result.output
 
 
 def test_extract_preset_reports_each_failure_in_flags(tmp_path, monkeypatch):

@@ -228,6 +228,35 @@ def test_resnet152_grid_matches_torchvision(jpeg):
     assert attrs["weights_seed"] == 0 and attrs["exif_orientation"] is False
 
 
+def _precisions() -> tuple:
+    """The convolution and matrix-product precisions in force (per-backend on torch >= 2.9, else the flags)."""
+    b = torch.backends
+    if hasattr(b.cudnn, "conv"):
+        return b.cudnn.conv.fp32_precision, b.cuda.matmul.fp32_precision
+    return b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32
+
+
+@pytest.mark.parametrize("name", ["resnet152-grid", "vgg16-maps", "tencrop-vgg19", "tencrop-resnet152"])
+def test_backbones_run_exact_float32_unless_tf32_is_asked_for(name, jpeg):
+    """PyTorch lets cuDNN's convolutions use TF32 by default, so CUDA's features would differ from the CPU's by
+    ~1e-3: every backbone runs its network with TF32 off unless ``tf32`` (seen through the settings in force at its
+    first convolution; a CPU ignores them, CUDA follows them), and records ``tf32`` as what ran (CUDA only)."""
+    exact = ("ieee", "ieee") if hasattr(torch.backends.cudnn, "conv") else (False, False)
+    outside = _precisions()
+    seen = {}
+    for tf32 in (False, True):
+        extractor = build_extractor(name, weights="random", image_size=64 if "tencrop" in name else 224, tf32=tf32)
+        first_conv = next(m for m in extractor.network.modules() if isinstance(m, torch.nn.Conv2d))
+        hook = first_conv.register_forward_pre_hook(lambda *_, tf32=tf32: seen.setdefault(tf32, _precisions()) and None)
+        try:
+            extractor.extract(extractor.collate([extractor.load(str(jpeg))]))
+        finally:
+            hook.remove()
+        assert extractor.tf32 is tf32 and extractor.attrs()["tf32"] is False      # no TF32 on a CPU
+    assert seen == {False: exact, True: outside} and outside != exact
+    assert _precisions() == outside
+
+
 @pytest.mark.slow
 def test_vgg16_maps_matches_torchvision(jpeg):
     extractor = build_extractor("vgg16-maps", weights="random", image_size=224)

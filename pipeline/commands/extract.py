@@ -47,9 +47,6 @@ BUTD_OPTIONS = [
                  help="butd-regions: images per detector forward, padded to the largest (default 4 on CUDA, 1 on "
                       "CPU; at most --batch-size). Each image's regions are its one-image forward's up to the "
                       "convolution library's summation order; recorded in the feature set."),
-    click.option("--tf32", is_flag=True,
-                 help="butd-regions: let CUDA convolutions use TF32 (about 3x faster on an H200, but a batch then "
-                      "keeps other boxes than its images alone; default: exact float32). Recorded in the feature set."),
     click.option("--allow-partial", is_flag=True,
                  help="butd-regions: load a checkpoint even if keys are missing or unexpected."),
     click.option("--trust-checkpoint", is_flag=True,
@@ -114,6 +111,10 @@ def _run_options(f):
                           "--half). Backbone extractors only."),
         click.option("--channels-last", is_flag=True,
                      help="Network and inputs in channels-last memory format. Backbone extractors only."),
+        click.option("--tf32", is_flag=True,
+                     help="Let CUDA's float32 convolutions and matrix products use TF32 (faster: butd-regions about "
+                          "3x on an H200, but a batch then keeps other boxes than its images alone); default: exact "
+                          "float32, the CPU's features to rounding. Recorded in the feature set."),
         click.option("--dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True,
                      help="On-disk type of the features."),
         click.option("--num-shards", type=int, default=None,
@@ -212,7 +213,8 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
 @_run_options
 def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None, only: tuple[str, ...],
                            weights: str | None, batch_size: int, workers: int, device: str, half: bool,
-                           decode: str, autocast: str, channels_last: bool, dtype: str, num_shards: int | None, image_root: Path | None, allow_outside_root: bool,
+                           decode: str, autocast: str, channels_last: bool, tf32: bool, dtype: str,
+                           num_shards: int | None, image_root: Path | None, allow_outside_root: bool,
                            offline: bool, mirror: str | None, quiet: bool) -> None:
     """Run every extractor of a dataset preset (coco, f30k, synthetic) into its features folder, in turn.
 
@@ -263,14 +265,15 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
                        f"skipped")
             continue
         name_weights, specific = plans[name]
-        options = _builder_options(name_weights, device, half, decode, autocast, channels_last, **specific)
-        not_applying = sorted(set(options) & set(IMAGE_PATH_OPTIONS) - declared_options(name))
+        options = _builder_options(name_weights, device, half, decode, autocast, channels_last, tf32=tf32,
+                                   **specific)
+        not_applying = sorted(set(options) & {*IMAGE_PATH_OPTIONS, "tf32"} - declared_options(name))
         if not_applying:     # the backbones' image-path options: a preset runs butd-regions beside them
             for option in not_applying:
                 del options[option]
             if not quiet:
                 click.echo(f"{name}: {', '.join('--' + o.replace('_', '-') for o in not_applying)} "
-                           f"not used (backbone extractors only)", err=True)
+                           f"not used by this extractor", err=True)
         try:
             summary = extract_features(preset.manifest, name, preset.features, image_root=preset.images,
                                        options=options, batch_size=batch_size, workers=workers,
