@@ -21,11 +21,14 @@ data and weights (random weights: the arithmetic of real ones, nothing to downlo
   float32 everywhere, features indexed from a float32 array in host memory and copied per batch, the
   per-parameter optimiser (``foreach=False``), one batch at a time. Both run the same batches from the same
   weights; ``first_loss_relative_difference`` compares their first losses (0 up to rounding without autocast).
+  ``per_step``: what one more step dispatches (:func:`dispatch_counts`: operators, and on CUDA the kernels and
+  the GPU's busy share); ``tf32``: the precisions in force.
 * ``eval`` — SCAN t-i over COCO 5K's sizes (5,000 images × 25,000 captions, 36 regions, d = 1024) as ``retr-train
   eval`` scores it (``refined`` precision; on CUDA with GPU block sizes and the refinement on the device), in
   seconds, against the authors'-style loop (per caption, blocks of 128 images, attended vectors formed; float32,
   as their code runs on a GPU) timed on ``eval_baseline_captions`` captions and extrapolated to the matrix;
-  ``identical_ranks_vs_float64`` compares every t2i and i2t rank with a float64 matrix of the same embeddings.
+  ``identical_ranks_vs_float64`` compares every t2i and i2t rank with a float64 matrix of the same embeddings;
+  ``per_caption``: what the ``refined`` matrix dispatches per caption (as ``per_step``).
 
 Every timed section ends with a device synchronisation; each is preceded by an untimed warm-up (``--tiny``
 skips the extraction stages' warm-ups: its figures mean nothing, and they were half of its CPU time).
@@ -114,6 +117,43 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object
     result = fn()
     synchronize(device)
     return time.perf_counter() - start, result
+
+
+def tf32_state() -> dict:
+    """The float32 precisions in force outside retr's own ``exact_float32`` sections (per backend on torch >= 2.9:
+    ``ieee`` exact, ``tf32``, or ``none`` for PyTorch's default, which lets cuDNN use TF32)."""
+    b = torch.backends
+    if hasattr(b.cudnn, "conv"):
+        return {"cudnn_conv": b.cudnn.conv.fp32_precision, "cudnn_rnn": b.cudnn.rnn.fp32_precision,
+                "matmul": b.cuda.matmul.fp32_precision}
+    return {"cudnn_allow_tf32": b.cudnn.allow_tf32, "matmul_allow_tf32": b.cuda.matmul.allow_tf32}
+
+
+def dispatch_counts(fn: Callable[[], object], device: torch.device, per: int = 1) -> dict:
+    """What ``fn()`` dispatches, divided by ``per`` (steps, captions): ATen operators (:class:`OpCounter`; on CUDA
+    nearly each one a kernel launch), the launching ones and the host reads; on CUDA also, from a second run under
+    torch.profiler, the kernels it ran and ``gpu_busy``, their summed time over the wall time (kernels on several
+    streams may overlap, so this can exceed 1 there)."""
+    from retr.common.op_count import OpCounter
+
+    with OpCounter() as ops:
+        fn()
+    synchronize(device)
+    out = {"ops": round(ops.total / per, 2), "launching": round(ops.launching / per, 2),
+           "host_syncs": round(ops.host_syncs / per, 2)}
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            synchronize(device)
+        wall = time.perf_counter() - start
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                   for e in kernels) / 1e6
+        out.update(kernels=round(sum(e.count for e in kernels) / per, 2), gpu_busy=round(busy / wall, 3))
+    return out
 
 
 def device_name(device: torch.device) -> str:
@@ -328,12 +368,15 @@ def bench_train(name: str, folder: Path, device: torch.device, sizes: Sizes, com
         first = train_step(model, next(loaded), optimizer, None, 2.0, device, amp=amp)   # warm-up (and compile)
         t_loop, _ = timed(lambda: [train_step(model, b, optimizer, None, 2.0, device, amp=amp) for b in loaded],
                           device)
+        again = next(iter(torch.utils.data.DataLoader(CaptionBatches(data, held, as_stored=True), batch_size=None,
+                                                      sampler=batches[1:2])))
+        counts = dispatch_counts(lambda: train_step(model, again, optimizer, None, 2.0, device, amp=amp), device)
         model.__dict__.pop("_compiled", None)
         records.append({
             "bench": "gpu", "stage": "train", "model": name, "variant": label, "device": device_name(device),
             "batch_size": sizes.train_batch, "steps": steps, "features": list(sizes.train_shapes[name]),
             "preload": held.where, "optimizer": "+".join(impls), "amp": amp, "compile": compile_mode,
-            "steps_per_s": round(steps / t_loop, 3),
+            "steps_per_s": round(steps / t_loop, 3), "per_step": counts, "tf32": tf32_state(),
             "baseline": {"what": "authors'-style: float32, features from host memory per batch, per-parameter "
                                  "optimiser, one batch at a time", "steps_per_s": round(steps / t_base, 3)},
             "speedup": round(t_base / t_loop, 2),
@@ -368,6 +411,7 @@ def bench_eval(device: torch.device, sizes: Sizes) -> dict:
     stats: dict = {}
     t_retr, sims = timed(lambda: combined_matrix([scorer], "refined", owner, stats=stats), device)
     t_wide, wide = timed(lambda: combined_matrix([scorer], "float64", owner), device)
+    counts = dispatch_counts(lambda: combined_matrix([scorer], "refined", owner), device, per=n_cap)
 
     # the authors' loop, float32 on the device, on the first captions (all images), extrapolated
     nb = min(sizes.eval_baseline_captions, n_cap)
@@ -379,7 +423,7 @@ def bench_eval(device: torch.device, sizes: Sizes) -> dict:
     same = lambda a, b: float(np.mean(a == b))                          # noqa: E731
     return {"bench": "gpu", "stage": "eval", "model": "scan t-i LSE (λ 9, 6)", "device": device_name(device),
             "images": n_img, "captions": n_cap, "regions": sizes.eval_regions, "dim": sizes.eval_dim,
-            "precision": "refined", "seconds": round(t_retr, 2),
+            "precision": "refined", "seconds": round(t_retr, 2), "per_caption": counts, "tf32": tf32_state(),
             "rescored_fraction": round(stats["rescored_fraction"], 6), "refine_rounds": stats["rounds"],
             "baseline": {"what": "authors'-style: per caption, 128-image blocks, attended vectors formed, float32",
                          "captions_timed": nb, "seconds_timed": round(t_base, 2),

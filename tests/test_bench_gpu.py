@@ -65,6 +65,9 @@ def test_every_model_trains_through_the_loop_as_the_authors_style_loop_does(reco
         assert r["preload"] == "host" and r["amp"] == "off" and set(r["optimizer"].split("+")) == {"loop"}
         # float32 on the CPU, the same weights, batches and dropout masks: the same first loss to rounding
         assert r["first_loss_relative_difference"] < 1e-5, r
+        # what a step dispatches (kernels and the GPU's busy share are CUDA's only), and the precisions in force
+        assert 0 < r["per_step"]["launching"] <= r["per_step"]["ops"] and "kernels" not in r["per_step"], r
+        assert r["tf32"] and all(isinstance(v, (str, bool)) for v in r["tf32"].values())
 
 
 def test_scan_evaluation_ranks_equal_float64_and_the_authors_loop(records):
@@ -73,3 +76,4 @@ def test_scan_evaluation_ranks_equal_float64_and_the_authors_loop(records):
     assert r["identical_ranks_vs_float64"] == {"t2i": 1.0, "i2t": 1.0}
     assert r["identical_t2i_ranks_vs_baseline"] == 1.0
     assert r["baseline"]["captions_timed"] == 20 and 0 < r["rescored_fraction"] < 1
+    assert 0 < r["per_caption"]["launching"] <= r["per_caption"]["ops"] and r["tf32"]
