@@ -64,7 +64,7 @@ class GPO(nn.Module):
         out = run_rnn(self.gru, pe.expand(width, -1, -1), sizes, width)           # [width, width, 2h]
         out = (out[..., :self.hidden] + out[..., self.hidden:]) / 2
         table = masked_softmax(self.linear(out).squeeze(-1) / TEMPERATURE, mask)   # [size − 1, rank]
-        return table[lengths.to(table.device) - 1]
+        return table[lengths.to(table.device).clamp(min=1) - 1]          # an empty set pools to 0 whatever θ
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` [B, K, d], ``mask`` [B, K] (any positions) → pooled ``[B, d]``, θ ``[B, K]``, lengths ``[B]``."""
