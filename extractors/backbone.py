@@ -71,8 +71,8 @@ class BackboneExtractor(Extractor):
             raise ParameterError("half (a float16 network) and autocast exclude each other; give one", "half",
                                  "autocast")
         self.autocast, self.channels_last = autocast, bool(channels_last)
-        #: let CUDA's float32 convolutions and products use TF32 (faster, ~1e-3 relative); default: exact float32,
-        #: so CUDA gives the CPU's features to float32 rounding
+        #: PyTorch's default float32 settings on CUDA, which let cuDNN's convolutions use TF32 (faster, ~1e-3
+        #: relative); default: exact float32, so CUDA gives the CPU's features to float32 rounding
         self.tf32 = bool(tf32)
         self.device = resolve_device(device, self.half)
         self.decode = resolve_decode(decode, self.device)

@@ -5,10 +5,13 @@ embedding size, so the inputs are small where that keeps the test fast."""
 from __future__ import annotations
 
 import contextlib
+import traceback
 
 import numpy as np
 import pytest
 import torch
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from retr.common.op_count import OpCounter, count_ops
 from retr.trainers.evaluation.similarity import (Scorer, SplitEmbeddings, combined_matrix, gpu_image_block,
@@ -269,14 +272,39 @@ def test_a_training_step_counted_as_cuda_runs_it_stays_within_its_bound(monkeypa
     assert counter.host_syncs <= 8, counter.most_common(12)
 
 
+class _BlockingUploads(TorchDispatchMode):
+    """Records each copy of a host tensor to the ``meta`` device made without ``non_blocking``: on a GPU such a
+    copy waits for every kernel queued before it (PyTorch synchronises the stream after a blocking upload)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket is torch.ops.aten._to_copy:
+            source, target, blocking = args[0], kwargs.get("device"), not kwargs.get("non_blocking", False)
+        elif func.overloadpacket is torch.ops.aten.copy_:
+            target, source = args[0].device, args[1]
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        else:
+            return func(*args, **kwargs)
+        if blocking and source.device.type == "cpu" and target is not None and torch.device(target).type == "meta":
+            frames = [f for f in traceback.extract_stack() if "/trainers/" in f.filename]
+            self.found.append(f"{frames[-1].filename.split('/trainers/')[-1]}:{frames[-1].lineno}" if frames
+                              else str(func))
+        return func(*args, **kwargs)
+
+
 @pytest.mark.parametrize("name", sorted(STEP_BOUNDS))
 def test_a_training_step_reads_nothing_back_from_the_device(monkeypatch, name):
     """The model's forward and backward with its tensors on the ``meta`` device (which has shapes but no values:
     reading one back, ``.item()``, ``.cpu()`` or a boolean-mask index that must count its hits, raises) and the
-    lengths and table indices on the host, where train_step leaves them: on a GPU no step waits on the device
-    before the loss is read at its end. VSE∞'s word augmentation (training, ``augment_words`` > 0) is the one
-    exception: the lengths of the shortened captions are read back to pack them (one wait a step). Evaluation's
-    encoders read nothing back either."""
+    lengths and table indices on the host, where train_step leaves them; and every host tensor the model moves
+    to the device goes ``non_blocking`` (a blocking upload synchronises the GPU's stream): on a GPU no step waits
+    on the device before the loss is read at its end. VSE∞'s word augmentation (training, ``augment_words`` > 0)
+    is the one exception: the lengths of the shortened captions are read back to pack them (one wait a step).
+    Evaluation's encoders wait on nothing either."""
     from retr.trainers.training.loop import DEVICE_KEYS
     import retr.trainers.models.jgcar as jgcar
     monkeypatch.setattr(jgcar, "CPU_CHUNK_ELEMENTS", jgcar.GPU_CHUNK_ELEMENTS)
@@ -287,14 +315,16 @@ def test_a_training_step_reads_nothing_back_from_the_device(monkeypatch, name):
     assert "lengths" not in DEVICE_KEYS
     model.train().to("meta")
     on_device = [batch[k].to("meta") for k in ("features", "mask", "tokens")]
-    loss = model(*on_device, batch["lengths"], **{k: batch[k] for k in model.batch_extras})
-    loss.backward()
+    with _BlockingUploads() as uploads:
+        loss = model(*on_device, batch["lengths"], **{k: batch[k] for k in model.batch_extras})
+        loss.backward()
+        model.eval()                          # evaluation's encoders, given the lengths as the evaluator does
+        with torch.no_grad():
+            model.encode_images(*on_device[:2])
+            model.encode_captions(on_device[2], batch["lengths"])
     assert loss.device.type == "meta"
     assert sum(p.grad is not None for p in model.parameters()) > len(list(model.parameters())) // 2
-    model.eval()                              # evaluation's encoders, given the lengths as the evaluator does
-    with torch.no_grad():
-        model.encode_images(*on_device[:2])
-        model.encode_captions(on_device[2], batch["lengths"])
+    assert not uploads.found, uploads.found
 
 
 def _encoded_split(model, regions: int, n_img: int, n_cap: int, seed: int = 0) -> SplitEmbeddings:
@@ -327,3 +357,13 @@ def test_refined_rescoring_scores_the_listed_pairs_in_one_call(name):
     wide = combined_matrix([Scorer(model, embeddings)], "float64", owner)
     np.testing.assert_array_equal(t2i_ranks(refined, owner), t2i_ranks(wide, owner))
     np.testing.assert_array_equal(i2t_ranks(refined, owner), i2t_ranks(wide, owner))
+
+
+def test_run_rnn_refuses_a_length_beyond_its_input_or_output():
+    """torch's packing refuses these too; a scatter would silently write one row's steps into another's."""
+    from retr.trainers.models.layers import run_rnn
+    gru = torch.nn.GRU(2, 2, batch_first=True)
+    with pytest.raises(ValueError, match="exceeds"):
+        run_rnn(gru, torch.zeros(2, 3, 2), torch.tensor([3, 1]), total_length=2)
+    with pytest.raises(ValueError, match="exceeds"):
+        run_rnn(gru, torch.zeros(2, 3, 2), torch.tensor([4, 1]))

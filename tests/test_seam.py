@@ -441,3 +441,24 @@ def test_masked_batch_norm_of_bfloat16_inputs_takes_float32_statistics():
     torch.testing.assert_close(bn.running_mean, wide_bn.running_mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(bn.running_var, wide_bn.running_var, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(narrow, wide.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_masked_batch_norm_without_real_positions_and_with_non_finite_padding():
+    """A batch with no real position gives zeros and leaves the running averages as they were (``bn(x[mask])``
+    raised); a NaN or inf at a padded position is never read."""
+    from retr.trainers.models.layers import masked_batch_norm
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(3).train()
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    out = masked_batch_norm(bn, torch.randn(2, 4, 3), torch.zeros(2, 4, dtype=torch.bool))
+    assert (out == 0).all()
+    for key, value in bn.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    x = torch.randn(2, 4, 3)
+    mask = torch.tensor([[True, True, False, False], [True, True, True, False]])
+    spoiled = x.clone()
+    spoiled[~mask] = float("nan")
+    spoiled[0, 3, 0] = float("inf")
+    clean_bn, spoiled_bn = torch.nn.BatchNorm1d(3).train(), torch.nn.BatchNorm1d(3).train()
+    torch.testing.assert_close(masked_batch_norm(spoiled_bn, spoiled, mask), masked_batch_norm(clean_bn, x, mask))
+    torch.testing.assert_close(spoiled_bn.running_var, clean_bn.running_var)

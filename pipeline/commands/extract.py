@@ -112,9 +112,10 @@ def _run_options(f):
         click.option("--channels-last", is_flag=True,
                      help="Network and inputs in channels-last memory format. Backbone extractors only."),
         click.option("--tf32", is_flag=True,
-                     help="Let CUDA's float32 convolutions and matrix products use TF32 (faster: butd-regions about "
-                          "3x on an H200, but a batch then keeps other boxes than its images alone); default: exact "
-                          "float32, the CPU's features to rounding. Recorded in the feature set."),
+                     help="Run with PyTorch's default float32 settings on CUDA, which let cuDNN's convolutions use "
+                          "TF32 (faster: butd-regions about 3x on an H200, but a batch then keeps other boxes than "
+                          "its images alone); default: exact float32, the CPU's features to rounding. Recorded in "
+                          "the feature set."),
         click.option("--dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True,
                      help="On-disk type of the features."),
         click.option("--num-shards", type=int, default=None,

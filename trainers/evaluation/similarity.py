@@ -71,7 +71,7 @@ def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.
             idx = np.arange(start, min(start + batch_size, data.num_captions))
             if wanted[idx].any():
                 tokens, lengths = pad_tokens([data.tokens[m] for m in idx])
-                block = model.encode_captions(tokens.to(device), lengths)
+                block = model.encode_captions(tokens.to(device, non_blocking=True), lengths)
                 keep = np.flatnonzero(wanted[idx])
                 caption_blocks.append((idx[keep], slice_embeddings(block, torch.as_tensor(keep, device=device))))
         return image_blocks, caption_blocks
@@ -79,7 +79,7 @@ def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.
     for start in progress(range(0, len(order), batch_size), desc="encode captions", quiet=quiet):
         idx = order[start:start + batch_size]
         tokens, lengths = pad_tokens([data.tokens[m] for m in idx])
-        caption_blocks.append((idx, model.encode_captions(tokens.to(device), lengths)))
+        caption_blocks.append((idx, model.encode_captions(tokens.to(device, non_blocking=True), lengths)))
     return image_blocks, caption_blocks
 
 
@@ -240,12 +240,16 @@ class Scorer:
         return out
 
     def _pairs_aligned(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
-        """One ``pair_score`` call over every listed pair: the listed captions gathered from their blocks."""
+        """One ``pair_score`` call over every listed pair: the listed images and the listed captions (gathered from
+        their blocks) in float64, each once (not a float64 copy of every image: SMAN's cells on COCO 5K are 2 GB)."""
+        device = self.device
+        rows, row_of = np.unique(image_rows, return_inverse=True)
+        images = cast_embeddings(slice_embeddings(self.embeddings.images, torch.as_tensor(rows, device=device)),
+                                 torch.float64)
         distinct, inverse = np.unique(captions, return_inverse=True)
         caps = cast_embeddings(self._captions(distinct), torch.float64)
-        device = self.device
         scores = self._with_dtype(torch.float64, lambda model: model.pair_score(
-            self._wide_images(), caps, torch.as_tensor(image_rows, device=device),
+            images, caps, torch.as_tensor(row_of.reshape(-1), device=device),
             torch.as_tensor(inverse.reshape(-1), device=device), dtype=torch.float64))
         return scores.double().cpu().numpy()
 

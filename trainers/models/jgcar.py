@@ -49,7 +49,7 @@ class PhraseTextEncoder(nn.Module):
         """``tokens`` [B, L] long, ``lengths`` [B] (≥ 1) → ``[B, max(lengths), d]``."""
         t = int(lengths.max())
         tokens = tokens[:, :t]
-        mask = lengths_mask(lengths.to(tokens.device), t)
+        mask = lengths_mask(lengths.to(tokens.device, non_blocking=True), t)
         words = self.dropout(self.embed(tokens)) * mask.unsqueeze(-1)            # S^w, 0 after each caption
         x = words.transpose(1, 2)                                                 # [B, word_dim, T]
         phrases = torch.stack([torch.tanh(conv(F.pad(x, (0, c - 1))))            # window t : t+c-1
@@ -367,7 +367,7 @@ class JGCAR(MatchingModel):
         """``tokens`` [B, L], ``lengths`` [B] → ``words`` S^s [B, T, d] (T ≤ max_words), ``mask`` [B, T], ``global``."""
         lengths = lengths.clamp(max=self.max_words)
         words = self.txt_enc(tokens, lengths)
-        mask = lengths_mask(lengths.to(words.device), words.shape[1])
+        mask = lengths_mask(lengths.to(words.device, non_blocking=True), words.shape[1])
         g = masked_mean(words, mask)
         return {"words": words, "mask": mask, "global": l2norm(g) if self.global_similarity == "cosine" else g}
 
@@ -509,13 +509,13 @@ class JGCAR(MatchingModel):
 
         Labels not given are looked up in the table ``prepare_training`` built, by ``image_index``."""
         if image_labels is None and image_index is not None and self.image_label_table is not None:
-            image_labels = self.image_label_table[image_index.cpu()].to(features.device)
+            image_labels = self.image_label_table[image_index.cpu()].to(features.device, non_blocking=True)
             if self.labels_are_captions and caption_labels is None:
                 caption_labels = image_labels
         images = self.encode_images(features, mask)
         captions = self.encode_captions(tokens, lengths)
-        extras = {"image_index": image_index.to(features.device) if image_index is not None   # a host index
-                  else torch.arange(features.shape[0], device=features.device)}
+        extras = {"image_index": image_index.to(features.device, non_blocking=True)      # a host index
+                  if image_index is not None else torch.arange(features.shape[0], device=features.device)}
         if image_labels is not None:
             extras["image_labels"] = image_labels
         if caption_labels is not None:

@@ -53,10 +53,14 @@ def run_rnn(rnn: torch.nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor, total
     slice and copy once per time step (forward and backward: ~7 operators a step on any device). ``lengths``
     (≥ 1) are read on the host: a CPU tensor costs no device sync."""
     host = lengths.cpu().numpy()
+    batch, width = x.shape[:2]
+    longest = int(host.max()) if host.size else 0
+    total_length = longest if total_length is None else total_length
     if host.size and host.min() < 1:
         raise ValueError("run_rnn: every length must be at least 1")
-    batch, width = x.shape[:2]
-    total_length = int(host.max()) if total_length is None else total_length
+    if longest > min(width, total_length):
+        raise ValueError(f"run_rnn: a length of {longest} exceeds the input's {width} steps or the output's "
+                         f"{total_length}")
     sorted_lengths, order = torch.sort(torch.from_numpy(host), descending=True)   # pack_padded_sequence's order
     sorted_lengths, order = sorted_lengths.numpy(), order.numpy()
     steps_count = int(sorted_lengths[0]) if batch else 0
@@ -64,8 +68,8 @@ def run_rnn(rnn: torch.nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor, total
     step = np.repeat(np.arange(steps_count), batch_sizes)                                    # packed row → t
     rank = np.arange(len(step)) - np.repeat(np.cumsum(batch_sizes) - batch_sizes, batch_sizes)
     row = order[rank]                                                                        # packed row → b
-    source = torch.from_numpy(row * width + step).to(x.device)
-    target = torch.from_numpy(row * total_length + step).to(x.device)
+    source = torch.from_numpy(row * width + step).to(x.device, non_blocking=True)
+    target = torch.from_numpy(row * total_length + step).to(x.device, non_blocking=True)
     packed = PackedSequence(x.reshape(batch * width, -1)[source], torch.from_numpy(batch_sizes))
     data = rnn(packed)[0].data                                                               # [Σ lengths, d_out]
     out = data.new_zeros(batch * total_length, data.shape[-1]).index_put((target,), data)
@@ -80,24 +84,30 @@ def masked_batch_norm(bn: torch.nn.modules.batchnorm._BatchNorm, x: torch.Tensor
     real positions back from the device.
 
     Statistics as BatchNorm's: the biased variance normalises, the unbiased one (n / (n − 1), n ≥ 2; a single
-    real position counts as 2) enters the running variance; ``momentum=None`` is a cumulative average. Half and
-    bfloat16 inputs (autocast) are normalised in float32, as cuDNN's batch norm does, and returned in their dtype."""
+    real position counts as 2) enters the running variance; ``momentum=None`` is a cumulative average. A batch
+    without a real position gives zeros and leaves the running averages as they were (``bn(x[mask])`` raised).
+    Padded positions are never read (a non-finite value there changes nothing). Half and bfloat16 inputs
+    (autocast) are normalised in float32, as cuDNN's batch norm does, and returned in their dtype."""
     given = x.dtype
-    x = x.to(torch.promote_types(given, torch.float32))
-    weights = mask.unsqueeze(-1).to(x.dtype)                                       # [B, T, 1]
+    real = mask.unsqueeze(-1)                                                      # [B, T, 1]
+    x = torch.where(real, x.to(torch.promote_types(given, torch.float32)), 0.0)
+    weights = real.to(x.dtype)
     if bn.training or bn.running_mean is None:
         count = weights.sum()
-        mean = (x * weights).sum((0, 1)) / count                                   # [C]
+        mean = x.sum((0, 1)) / count.clamp(min=1)                                  # [C]
         centered = (x - mean) * weights                                            # 0 at padded positions
-        var = centered.pow(2).sum((0, 1)) / count
+        var = centered.pow(2).sum((0, 1)) / count.clamp(min=1)
         if bn.training and bn.running_mean is not None:
             with torch.no_grad():
-                bn.num_batches_tracked.add_(1)
-                factor = bn.momentum if bn.momentum is not None else \
-                    1.0 / bn.num_batches_tracked.to(bn.running_mean.dtype)      # on the device, not read back
-                bn.running_mean.lerp_(mean.to(bn.running_mean.dtype), factor)
+                any_real = count > 0                                               # on the device, not read back
+                bn.num_batches_tracked.add_(any_real.to(bn.num_batches_tracked.dtype))
+                dtype = bn.running_mean.dtype
+                step = any_real.to(dtype)                                          # 0: nothing to average in
+                factor = step * bn.momentum if bn.momentum is not None else \
+                    step / bn.num_batches_tracked.clamp(min=1).to(dtype)
+                bn.running_mean.lerp_(mean.to(dtype), factor)
                 unbiased = var * count / (count - 1).clamp(min=1)
-                bn.running_var.lerp_(unbiased.to(bn.running_var.dtype), factor)
+                bn.running_var.lerp_(unbiased.to(dtype), factor)
     else:
         centered, var = (x - bn.running_mean) * weights, bn.running_var
     scale = torch.rsqrt(var + bn.eps)                                              # [C]

@@ -194,7 +194,7 @@ class SMFEA(InnerProductModel):
     def caption_concept_labels(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Multi-hot ``[B, C]`` float of the concepts among each caption's own tokens."""
         concept = self.token_concepts[tokens]                                        # [B, L]
-        valid = lengths_mask(lengths.to(tokens.device), tokens.shape[1]) & (concept >= 0)
+        valid = lengths_mask(lengths.to(tokens.device, non_blocking=True), tokens.shape[1]) & (concept >= 0)
         labels = torch.zeros(tokens.shape[0], self.num_concepts + 1, device=tokens.device)
         labels.scatter_(1, torch.where(valid, concept, self.num_concepts), 1.0)
         return labels[:, :self.num_concepts]
@@ -240,7 +240,7 @@ class SMFEA(InnerProductModel):
         words). ``concept_labels`` [B, C] replaces the caption's own labels (training with
         ``train_text_labels="image"`` only)."""
         words = self.txt_enc(tokens, lengths)
-        mask = lengths_mask(lengths.to(words.device), words.shape[1])
+        mask = lengths_mask(lengths.to(words.device, non_blocking=True), words.shape[1])
         instance, attention = self.txt_attn.attend(words, mask)
         labels = concept_labels if concept_labels is not None else self.caption_concept_labels(tokens, lengths)
         out = self._branches(instance, self.txt_tree if self.use_trees else None, self.txt_concept_attn, labels)
@@ -308,9 +308,9 @@ class SMFEA(InnerProductModel):
         if caption_index is not None:
             index = caption_index.cpu()
             if nodes is None and self.train_nodes is not None:
-                nodes = self.train_nodes[index].to(tokens.device)
+                nodes = self.train_nodes[index].to(tokens.device, non_blocking=True)
             if image_concept_labels is None and self.train_image_labels is not None:
-                image_concept_labels = self.train_image_labels[index].to(tokens.device)
+                image_concept_labels = self.train_image_labels[index].to(tokens.device, non_blocking=True)
         labels = image_concept_labels.float() if (self.train_text_labels == "image"
                                                   and image_concept_labels is not None) else None
         images = self.encode_images(features, mask)
@@ -338,7 +338,7 @@ class SMFEA(InnerProductModel):
             tree = self.img_tree
         else:
             words = self.txt_enc(tokens, lengths)
-            instance = self.txt_attn(words, lengths_mask(lengths.to(words.device), words.shape[1]))
+            instance = self.txt_attn(words, lengths_mask(lengths.to(words.device, non_blocking=True), words.shape[1]))
             tree = self.txt_tree
         out = tree(instance)
         return node_ids(out["entity_logits"], out["relation_logits"])

@@ -44,7 +44,7 @@ class GRUSentenceEncoder(GRUWordEncoder):
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         out = run_rnn(self.rnn, x, lengths)
-        last = (lengths.to(out.device) - 1).view(-1, 1, 1).expand(-1, 1, out.shape[-1])
+        last = (lengths.to(out.device, non_blocking=True) - 1).view(-1, 1, 1).expand(-1, 1, out.shape[-1])
         sentence = out.gather(1, last).squeeze(1)
         if self.bidirectional:
             sentence = (sentence[:, :self.embed_size] + out[:, 0, self.embed_size:]) / 2

@@ -57,14 +57,17 @@ class GPO(nn.Module):
 
         θ depends on the set's size alone, so it is computed once for every size 1 … width (one GRU call over
         ``width`` sequences, whose lengths are known on the host) and looked up by ``lengths`` on their device:
-        nothing is read back from it, and each row's values are those of running the GRU on that row."""
+        nothing is read back from it. Each row's values are those of running the GRU on that size alone, to the
+        rounding of a batch of other rows (float32: ~1e-8; the authors' code packs the batch's own sizes). The
+        GRU runs over ``width`` sequences whatever the batch: 36 for regions, 577 for CLIP-L/336's tokens."""
         sizes = torch.arange(1, width + 1)                                           # host
-        mask = lengths_mask(sizes, width).to(self.linear.weight.device)
-        pe = positional_encoding(width, self.pe_dim).to(self.linear.weight)
+        mask = lengths_mask(sizes, width).to(self.linear.weight.device, non_blocking=True)
+        pe = positional_encoding(width, self.pe_dim).to(self.linear.weight, non_blocking=True)
         out = run_rnn(self.gru, pe.expand(width, -1, -1), sizes, width)           # [width, width, 2h]
         out = (out[..., :self.hidden] + out[..., self.hidden:]) / 2
         table = masked_softmax(self.linear(out).squeeze(-1) / TEMPERATURE, mask)   # [size − 1, rank]
-        return table[lengths.to(table.device).clamp(min=1) - 1]          # an empty set pools to 0 whatever θ
+        # an empty set pools to 0 whatever θ
+        return table[lengths.to(table.device, non_blocking=True).clamp(min=1) - 1]
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` [B, K, d], ``mask`` [B, K] (any positions) → pooled ``[B, d]``, θ ``[B, K]``, lengths ``[B]``."""
@@ -156,9 +159,10 @@ class VSEInfinity(InnerProductModel):
     def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
         """``tokens`` [B, L], ``lengths`` [B] → ``{"vector": [B, d]}`` (+ ``"pooling"``, ``"size"`` as images)."""
         if self.training and self.config.augment_words > 0:
-            tokens, lengths = self.augment_words(tokens, lengths.to(tokens.device))
+            tokens, lengths = self.augment_words(tokens, lengths.to(tokens.device, non_blocking=True))
         words = self.txt_enc(tokens, lengths)
-        pooled, theta, size = self.txt_pool(words, lengths_mask(lengths.to(words.device), words.shape[1]))
+        mask = lengths_mask(lengths.to(words.device, non_blocking=True), words.shape[1])
+        pooled, theta, size = self.txt_pool(words, mask)
         return self._embeddings(pooled, theta, size)
 
     def _embeddings(self, pooled: torch.Tensor, theta: torch.Tensor, size: torch.Tensor) -> Embeddings:
