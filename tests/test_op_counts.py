@@ -367,3 +367,26 @@ def test_run_rnn_refuses_a_length_beyond_its_input_or_output():
         run_rnn(gru, torch.zeros(2, 3, 2), torch.tensor([3, 1]), total_length=2)
     with pytest.raises(ValueError, match="exceeds"):
         run_rnn(gru, torch.zeros(2, 3, 2), torch.tensor([4, 1]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on a GPU machine: make test-gpu)")
+@pytest.mark.parametrize("name", sorted(STEP_BOUNDS))
+def test_a_training_forward_and_backward_never_synchronise_a_gpu(monkeypatch, name):
+    """On a GPU, under torch.cuda.set_sync_debug_mode("error") (which raises at any operation that waits for the
+    device): the model's forward and backward with the loop's placement (lengths and indices on the host)."""
+    import retr.trainers.models.jgcar as jgcar
+    monkeypatch.setattr(jgcar, "CPU_CHUNK_ELEMENTS", jgcar.GPU_CHUNK_ELEMENTS)
+    model, regions = _step_model(name)
+    if name == "vse-infinity":
+        model.config.augment_words = 0.0          # the documented exception: it reads its new lengths back
+    batch = _training_batch(16, regions)
+    model.train().cuda()
+    on_device = [batch[k].cuda() for k in ("features", "mask", "tokens")]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = model(*on_device, batch["lengths"], **{k: batch[k] for k in model.batch_extras})
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss).item()
