@@ -249,7 +249,7 @@ def _step_model(name: str):
 
 
 #: operators of a training step at batch 128, counted as CUDA runs it: what each model reaches, with ~10 % to
-#: spare, so that a regression fails. The target is ≤ 600 (JGCAR ≤ 2,000); SEAM-C (629: its masked batch norms
+#: spare, so that a regression fails. The target is ≤ 600 (JGCAR ≤ 2,000); SEAM-C (645: its masked batch norms
 #: take their statistics with masked sums, not one library call on gathered positions, so that nothing is read
 #: back), SMAN (779) and SMFEA (1,828) are above it (docs/benchmarks.md, "Operators dispatched").
 STEP_BOUNDS = {"vsepp": 220, "scan": 360, "seam": 700, "vse-infinity": 630, "jgcar": 1150, "sman": 850,

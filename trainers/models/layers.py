@@ -94,9 +94,10 @@ def masked_batch_norm(bn: torch.nn.modules.batchnorm._BatchNorm, x: torch.Tensor
     weights = real.to(x.dtype)
     if bn.training or bn.running_mean is None:
         count = weights.sum()
-        mean = x.sum((0, 1)) / count.clamp(min=1)                                  # [C]
+        divisor = count.clamp(min=1)
+        mean = x.sum((0, 1)) / divisor                                             # [C]
         centered = (x - mean) * weights                                            # 0 at padded positions
-        var = centered.pow(2).sum((0, 1)) / count.clamp(min=1)
+        var = centered.pow(2).sum((0, 1)) / divisor
         if bn.training and bn.running_mean is not None:
             with torch.no_grad():
                 any_real = count > 0                                               # on the device, not read back
