@@ -390,3 +390,22 @@ def test_a_training_forward_and_backward_never_synchronise_a_gpu(monkeypatch, na
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(loss).item()
+
+
+def test_jgcars_listed_pairs_are_grouped_on_the_host():
+    """JGCAR's ``pair_score`` (two-step evaluation, ``refined`` on CUDA) reads its indices back once and groups the
+    pairs by image block on the host: no ``nonzero`` or ``unique`` per block and per chunk (each a wait on a GPU;
+    before: a ``nonzero`` per 128-image block and a ``unique`` per ``pair_chunk`` pairs, 13 here). The scores are
+    ``score``'s entries (float64), bit for bit those of the grouping on the device."""
+    model, regions = _step_model("jgcar")
+    embeddings = _encoded_split(model, regions, 300, 100)
+    captions = embeddings.caption_blocks[0][1]
+    g = torch.Generator().manual_seed(0)
+    img_idx = torch.randint(0, 300, (2000,), generator=g)
+    cap_idx = torch.randint(0, captions["words"].shape[0], (2000,), generator=g)
+    with torch.no_grad():
+        counter, pairs = count_ops(model.pair_score, embeddings.images, captions, img_idx, cap_idx,
+                                   dtype=torch.float64)
+        full = model.score(embeddings.images, captions, dtype=torch.float64)
+    assert counter.host_syncs == 0, counter.most_common(8)
+    torch.testing.assert_close(pairs, full[img_idx, cap_idx], rtol=1e-12, atol=1e-12)

@@ -13,6 +13,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -405,24 +406,30 @@ class JGCAR(MatchingModel):
     def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor,
                    cap_idx: torch.Tensor, dtype: torch.dtype | None = None, image_block: int = 128) -> torch.Tensor:
         """Co-attentive α of the listed pairs only → ``[P]``, ``image_block`` images and ``pair_chunk`` pairs at a
-        time (memory bounded for any split)."""
+        time (memory bounded for any split). The pairs are grouped on the host (the indices read back once, not a
+        ``nonzero`` and a ``unique`` per block and chunk, each a wait on a GPU); each image block's side ``X``,
+        ``R`` is computed once for all its pairs."""
         dtype = dtype or images["regions"].dtype
+        device = images["regions"].device
         out = images["regions"].new_empty(img_idx.numel(), dtype=dtype)
-        n_img = images["regions"].shape[0]
-        for start in range(0, n_img, image_block):
-            sel = torch.nonzero((img_idx >= start) & (img_idx < start + image_block)).view(-1)
-            if sel.numel() == 0:
-                continue
-            block = {"regions": images["regions"][start:start + image_block], "mask": images["mask"][start:start + image_block]}
-            img = {"regions": block["regions"].to(dtype), "mask": block["mask"].bool()}
+        images_of, captions_of = img_idx.cpu().numpy(), cap_idx.cpu().numpy()
+        for block_index in np.unique(images_of // image_block):
+            start = int(block_index) * image_block
+            sel = np.flatnonzero((images_of >= start) & (images_of < start + image_block))   # ascending
+            rows = slice(start, start + image_block)
+            img = {"regions": images["regions"][rows].to(dtype), "mask": images["mask"][rows].bool()}
             img.update(self.coattn.image_side(img["regions"], img["mask"]))
-            for c in range(0, sel.numel(), self.pair_chunk):
+            for c in range(0, len(sel), self.pair_chunk):
                 part = sel[c:c + self.pair_chunk]
-                caps, inverse = torch.unique(cap_idx[part], return_inverse=True)
+                caps, inverse = np.unique(captions_of[part], return_inverse=True)
+                caps = torch.from_numpy(caps).to(device, non_blocking=True)
                 words = captions["words"][caps].to(dtype)
                 mask = captions["mask"][caps].bool()
                 cap = {"words": words, "mask": mask, **self.coattn.caption_side(words, mask)}
-                out[part] = self.coattn.pair_scores(img, cap, img_idx[part] - start, inverse, chunk=part.numel())
+                local = torch.from_numpy(images_of[part] - start).to(device, non_blocking=True)
+                scores = self.coattn.pair_scores(img, cap, local, torch.from_numpy(inverse.reshape(-1)).to(
+                    device, non_blocking=True), chunk=len(part))
+                out[torch.from_numpy(part).to(device, non_blocking=True)] = scores
         return out
 
     # -- the objective ----------------------------------------------------------------------------------
