@@ -262,6 +262,20 @@ def bench_butd(paths: list[str], device: torch.device, sizes: Sizes, tf32: bool 
 VOCAB = 1000
 
 
+def smfea_side_inputs(vocab_size: int, captions: int, seed: int = 0) -> tuple[dict, dict]:
+    """Random SMFEA side data of the shapes ``load_smfea_inputs`` gives (30 concepts, 50 entities, 20 relations;
+    tokens 4–33 name the concepts): the model's size settings and the tensors for ``prepare_training``."""
+    concepts, entities, relations = 30, 50, 20
+    g = torch.Generator().manual_seed(seed)
+    token_concepts = torch.full((vocab_size,), -1, dtype=torch.long)
+    token_concepts[4:4 + concepts] = torch.arange(concepts)
+    nodes = torch.stack([torch.randint(0, entities if slot % 2 == 0 else relations, (captions,), generator=g)
+                         for slot in range(7)], dim=1)
+    tensors = {"adjacency": torch.rand(concepts, concepts, generator=g), "token_concepts": token_concepts,
+               "image_labels": torch.rand(captions, concepts, generator=g) < 0.1, "nodes": nodes}
+    return {"num_concepts": concepts, "num_entities": entities, "num_relations": relations}, tensors
+
+
 def _training_set(folder: Path, name: str, sizes: Sizes, seed: int = 0):
     """A float16 feature set of ``name``'s shape written through the store (as extraction writes one), a
     manifest of 5 random captions per image, and the model built at ``sizes``' settings with its side tensors."""
@@ -290,17 +304,7 @@ def _training_set(folder: Path, name: str, sizes: Sizes, seed: int = 0):
     features = FeatureSet(write_index(folder / f"{name}-features.h5", [shard]))
     vocab = Vocabulary(words)
     data, _ = load_split(manifest, ["train"], vocab, features)
-    extra_sizes, tensors = {}, {}
-    if name == "smfea":                        # side tensors of the shapes load_smfea_inputs gives
-        concepts, entities, relations = 30, 50, 20
-        extra_sizes = {"num_concepts": concepts, "num_entities": entities, "num_relations": relations}
-        g = torch.Generator().manual_seed(seed)
-        token_concepts = torch.full((len(vocab),), -1, dtype=torch.long)
-        token_concepts[4:4 + concepts] = torch.arange(concepts)
-        nodes = torch.stack([torch.randint(0, entities if slot % 2 == 0 else relations, (data.num_captions,),
-                                           generator=g) for slot in range(7)], dim=1)
-        tensors = {"adjacency": torch.rand(concepts, concepts, generator=g), "token_concepts": token_concepts,
-                   "image_labels": torch.rand(data.num_captions, concepts, generator=g) < 0.1, "nodes": nodes}
+    extra_sizes, tensors = smfea_side_inputs(len(vocab), data.num_captions, seed) if name == "smfea" else ({}, {})
     torch.manual_seed(seed)
     model = create_model(name, vocab_size=len(vocab), img_dim=d, **extra_sizes, **sizes.train_settings[name])
     if tensors:

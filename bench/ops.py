@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval import baseline, embeddings  # noqa: E402  (bench/eval.py: the authors' loop, SCAN's encoder outputs)
+from gpu import smfea_side_inputs  # noqa: E402  (bench/gpu.py: SMFEA's side data of the real shapes)
 
 from retr.common.op_count import OpCounter, count_ops  # noqa: E402
 from retr.trainers.evaluation.similarity import Scorer, combined_matrix, gpu_image_block, gpu_pair_budget  # noqa: E402
@@ -106,17 +107,9 @@ def _training_model(name: str, batch: int):
     settings = {"embed_size": 32, "word_dim": 16, **TRAIN_SETTINGS.get(name, {})}
     if name != "smfea":
         return create_model(name, vocab_size=64, img_dim=d, **settings)
-    g = torch.Generator().manual_seed(0)
-    concepts, entities, relations = 30, 50, 20
-    model = create_model(name, vocab_size=64, img_dim=d, num_concepts=concepts, num_entities=entities,
-                         num_relations=relations, **settings)
-    token_concepts = torch.full((64,), -1, dtype=torch.long)
-    token_concepts[4:4 + concepts] = torch.arange(concepts)
-    nodes = torch.stack([torch.randint(0, entities if slot % 2 == 0 else relations, (batch,), generator=g)
-                         for slot in range(7)], dim=1)
-    model.prepare_training({"adjacency": torch.rand(concepts, concepts, generator=g), "nodes": nodes,
-                            "token_concepts": token_concepts,
-                            "image_labels": torch.rand(batch, concepts, generator=g) < 0.1})
+    sizes, tensors = smfea_side_inputs(64, batch)
+    model = create_model(name, vocab_size=64, img_dim=d, **sizes, **settings)
+    model.prepare_training(tensors)
     return model
 
 
