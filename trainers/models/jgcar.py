@@ -50,7 +50,7 @@ class PhraseTextEncoder(nn.Module):
         """``tokens`` [B, L] long, ``lengths`` [B] (≥ 1) → ``[B, max(lengths), d]``."""
         t = int(lengths.max())
         tokens = tokens[:, :t]
-        mask = lengths_mask(lengths.to(tokens.device, non_blocking=True), t)
+        mask = lengths_mask(lengths, t, tokens.device)
         words = self.dropout(self.embed(tokens)) * mask.unsqueeze(-1)            # S^w, 0 after each caption
         x = words.transpose(1, 2)                                                 # [B, word_dim, T]
         phrases = torch.stack([torch.tanh(conv(F.pad(x, (0, c - 1))))            # window t : t+c-1
@@ -368,7 +368,7 @@ class JGCAR(MatchingModel):
         """``tokens`` [B, L], ``lengths`` [B] → ``words`` S^s [B, T, d] (T ≤ max_words), ``mask`` [B, T], ``global``."""
         lengths = lengths.clamp(max=self.max_words)
         words = self.txt_enc(tokens, lengths)
-        mask = lengths_mask(lengths.to(words.device, non_blocking=True), words.shape[1])
+        mask = lengths_mask(lengths, words.shape[1], words.device)
         g = masked_mean(words, mask)
         return {"words": words, "mask": mask, "global": l2norm(g) if self.global_similarity == "cosine" else g}
 

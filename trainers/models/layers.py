@@ -10,9 +10,13 @@ from torch.nn.utils.rnn import PackedSequence
 EPS = 1e-8
 
 
-def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-    """``[B, max_len]`` bool, True at positions ``< lengths[b]`` (``lengths`` ``[B]`` long)."""
-    return torch.arange(max_len, device=lengths.device).view(1, -1) < lengths.view(-1, 1)
+def lengths_mask(lengths: torch.Tensor, max_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """``[B, max_len]`` bool on ``device`` (default: the lengths'), True at positions ``< lengths[b]`` (``lengths``
+    ``[B]`` long, e.g. on the host where the loop keeps them: moved ``non_blocking``, since a blocking upload
+    waits for every kernel queued on the GPU)."""
+    device = lengths.device if device is None else device
+    lengths = lengths.to(device, non_blocking=True)
+    return torch.arange(max_len, device=device).view(1, -1) < lengths.view(-1, 1)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

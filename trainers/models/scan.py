@@ -74,7 +74,7 @@ class SCAN(MatchingModel):
     def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
         """``tokens`` [B, L], ``lengths`` [B] → ``{"words": [B, L', d], "mask": [B, L']}``."""
         words = self.txt_enc(tokens, lengths)
-        return {"words": words, "mask": lengths_mask(lengths.to(words.device, non_blocking=True), words.shape[1])}
+        return {"words": words, "mask": lengths_mask(lengths, words.shape[1], words.device)}
 
     def score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Cross-attention similarities ``[n_img, n_cap]``; with ``dtype`` the arithmetic runs in it and the

@@ -125,7 +125,7 @@ class SEAMTextEncoder(nn.Module):
         bigram and trigram features and the embeddings; G: the GRU outputs), and their mask ``[B, T]``."""
         length = int(lengths.max())
         tokens = tokens[:, :length]
-        mask = lengths_mask(lengths.to(tokens.device, non_blocking=True), length)
+        mask = lengths_mask(lengths, length, tokens.device)
         words = self.embed(tokens) * mask.unsqueeze(-1)                           # [B, T, 300], padding = 0
         if self.kind == "e":
             views = [words]

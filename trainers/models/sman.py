@@ -175,7 +175,7 @@ class SMAN(MatchingModel):
         """``tokens`` [B, L], ``lengths`` [B] → ``t0``, ``t1`` [B, d]; ``words`` S, ``keys`` [B, L', d]; ``mask``;
         ``attention`` [B, L'] (the intra-modal weights ``t1`` pools with, 0 past each caption)."""
         words = self.txt_enc(tokens, lengths)
-        mask = lengths_mask(lengths.to(words.device, non_blocking=True), words.shape[1])
+        mask = lengths_mask(lengths, words.shape[1], words.device)
         t0 = masked_mean(words, mask)
         a1 = self.txt_attn1(words, mask, t0)
         t1 = (a1.unsqueeze(-1) * words).sum(1)

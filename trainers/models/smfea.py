@@ -194,7 +194,7 @@ class SMFEA(InnerProductModel):
     def caption_concept_labels(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Multi-hot ``[B, C]`` float of the concepts among each caption's own tokens."""
         concept = self.token_concepts[tokens]                                        # [B, L]
-        valid = lengths_mask(lengths.to(tokens.device, non_blocking=True), tokens.shape[1]) & (concept >= 0)
+        valid = lengths_mask(lengths, tokens.shape[1], tokens.device) & (concept >= 0)
         labels = torch.zeros(tokens.shape[0], self.num_concepts + 1, device=tokens.device)
         labels.scatter_(1, torch.where(valid, concept, self.num_concepts), 1.0)
         return labels[:, :self.num_concepts]
@@ -240,7 +240,7 @@ class SMFEA(InnerProductModel):
         words). ``concept_labels`` [B, C] replaces the caption's own labels (training with
         ``train_text_labels="image"`` only)."""
         words = self.txt_enc(tokens, lengths)
-        mask = lengths_mask(lengths.to(words.device, non_blocking=True), words.shape[1])
+        mask = lengths_mask(lengths, words.shape[1], words.device)
         instance, attention = self.txt_attn.attend(words, mask)
         labels = concept_labels if concept_labels is not None else self.caption_concept_labels(tokens, lengths)
         out = self._branches(instance, self.txt_tree if self.use_trees else None, self.txt_concept_attn, labels)
@@ -338,7 +338,7 @@ class SMFEA(InnerProductModel):
             tree = self.img_tree
         else:
             words = self.txt_enc(tokens, lengths)
-            instance = self.txt_attn(words, lengths_mask(lengths.to(words.device, non_blocking=True), words.shape[1]))
+            instance = self.txt_attn(words, lengths_mask(lengths, words.shape[1], words.device))
             tree = self.txt_tree
         out = tree(instance)
         return node_ids(out["entity_logits"], out["relation_logits"])

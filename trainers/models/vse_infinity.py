@@ -61,7 +61,7 @@ class GPO(nn.Module):
         rounding of a batch of other rows (float32: ~1e-8; the authors' code packs the batch's own sizes). The
         GRU runs over ``width`` sequences whatever the batch: 36 for regions, 577 for CLIP-L/336's tokens."""
         sizes = torch.arange(1, width + 1)                                           # host
-        mask = lengths_mask(sizes, width).to(self.linear.weight.device, non_blocking=True)
+        mask = lengths_mask(sizes, width, self.linear.weight.device)
         pe = positional_encoding(width, self.pe_dim).to(self.linear.weight, non_blocking=True)
         out = run_rnn(self.gru, pe.expand(width, -1, -1), sizes, width)           # [width, width, 2h]
         out = (out[..., :self.hidden] + out[..., self.hidden:]) / 2
@@ -161,7 +161,7 @@ class VSEInfinity(InnerProductModel):
         if self.training and self.config.augment_words > 0:
             tokens, lengths = self.augment_words(tokens, lengths.to(tokens.device, non_blocking=True))
         words = self.txt_enc(tokens, lengths)
-        mask = lengths_mask(lengths.to(words.device, non_blocking=True), words.shape[1])
+        mask = lengths_mask(lengths, words.shape[1], words.device)
         pooled, theta, size = self.txt_pool(words, mask)
         return self._embeddings(pooled, theta, size)
 
