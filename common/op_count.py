@@ -174,9 +174,9 @@ class _LibraryCall(torch.autograd.Function):
         return (None, None, *(next(found) if t.requires_grad else None for t in ctx.inputs))
 
 
-def count_ops(fn, *args, rnn_as_library_call: bool = False, **kwargs) -> tuple[OpCounter, object]:
+def count_ops(fn, *args, **kwargs) -> tuple[OpCounter, object]:
     """``(counter, fn(*args, **kwargs))``."""
-    with OpCounter(rnn_as_library_call) as counter:
+    with OpCounter() as counter:
         result = fn(*args, **kwargs)
     return counter, result
 
