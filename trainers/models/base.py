@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from retr.trainers.models.layers import cat_parts
 from retr.trainers.models.losses import BatchRanking, hinge_triplet_loss, in_batch_ranking
 
 
@@ -217,4 +218,4 @@ class InnerProductModel(MatchingModel):
         dtype = dtype or image.dtype
         parts = [(image[img_idx[s:s + self.pair_chunk]].to(dtype) * caption[cap_idx[s:s + self.pair_chunk]].to(dtype))
                  .sum(-1) for s in range(0, img_idx.numel(), self.pair_chunk)]
-        return torch.cat(parts) if parts else image.new_zeros(0, dtype=dtype)
+        return cat_parts(parts) if parts else image.new_zeros(0, dtype=dtype)

@@ -25,7 +25,7 @@ from retr.trainers.config import (dropout_setting, embed_size_setting, margin_se
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.models.optim import PerGroupOptimizer
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean, masked_softmax, run_rnn
+from retr.trainers.models.layers import cat_parts, l2norm, lengths_mask, masked_mean, masked_softmax, run_rnn
 
 GLOBAL_SIMILARITIES = ("dot", "cosine")
 INTRA_REDUCTIONS = ("mean_positive", "sum")
@@ -113,7 +113,7 @@ class TanhContraction(torch.autograd.Function):
         device = a.device.type
         enabled = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
         ctx.autocast_state = (device, enabled, torch.get_autocast_dtype(device) if enabled else None)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return cat_parts(parts)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -229,7 +229,7 @@ class CoAttention(nn.Module):
                 return self._aligned(iv[ii], images["mask"][ii], ix[ii], ir[ii],
                                      cs[cc], captions["mask"][cc], cz[cc], cq[cc])
             out.append(checkpoint(run, use_reentrant=False) if recompute else run())
-        return torch.cat(out) if out else images["regions"].new_zeros(0)
+        return cat_parts(out) if out else images["regions"].new_zeros(0)
 
     def _block(self, v, vmask, x, r, s, smask, z, q) -> torch.Tensor:
         """Scores ``[I, C]`` of every pair of ``I`` images × ``C`` captions (:meth:`_block_attention`'s scores)."""

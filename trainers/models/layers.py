@@ -19,6 +19,12 @@ def lengths_mask(lengths: torch.Tensor, max_len: int, device: torch.device | Non
     return torch.arange(max_len, device=device).view(1, -1) < lengths.view(-1, 1)
 
 
+def cat_parts(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat(parts, dim)`` of a chunked computation's parts, except that a single part is returned as it is:
+    concatenating one tensor copies it, an operator forward and one backward for nothing."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x`` ``[B, K, d]`` over K where ``mask`` ``[B, K]`` is True → ``[B, d]`` (0 for an empty row)."""
     weights = mask.to(x.dtype).unsqueeze(-1)

@@ -20,7 +20,7 @@ from retr.trainers.config import (embed_size_setting, margin_setting, setting, s
                                   word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import lengths_mask, masked_batch_norm, masked_mean, run_rnn
+from retr.trainers.models.layers import cat_parts, lengths_mask, masked_batch_norm, masked_mean, run_rnn
 from retr.store.vocab import PAD_ID
 
 TEXT_ENCODERS = ("e", "c", "g")
@@ -55,12 +55,12 @@ class SelfAttention(nn.Module):
         logits = self.ws2(torch.tanh(self.ws1(h))).transpose(1, 2)               # [B, hops, T]
         logits = logits.masked_fill(~mask.unsqueeze(1), PAD_LOGIT)
         attention = torch.softmax(logits, dim=-1)
-        return (attention @ h).flatten(1), attention
+        return torch.bmm(attention, h).flatten(1), attention
 
 
 def attention_penalty(attention: torch.Tensor, squared: bool = True) -> torch.Tensor:
     """``‖A Aᵀ − I‖_F`` (squared by default) per caption for ``attention`` [B, hops, T] → [B]."""
-    gram = attention @ attention.transpose(1, 2)
+    gram = torch.bmm(attention, attention.transpose(1, 2))
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     squares = (gram - eye).pow(2).sum(dim=(1, 2))
     return squares if squared else squares.clamp(min=1e-12).sqrt()
@@ -200,8 +200,11 @@ class SEAM(MatchingModel):
         ``"attention"`` [B, modules·hops, T] (each module's ``A``, stacked in module order) and ``"mask"``
         [B, T] (the positions attended over)."""
         vector, attentions, mask = self.txt_enc(tokens, lengths)
-        penalty = sum(attention_penalty(a, self.penalty_squared) for a in attentions)
-        return {"vector": _unit(vector).abs(), "penalty": penalty, "attention": torch.cat(attentions, dim=1),
+        stacked = torch.cat(attentions, dim=1)                                    # [B, modules·hops, T]
+        batch, hops = stacked.shape[0], attentions[0].shape[1]
+        # every module has the same hops: one batched penalty over [B·modules, hops, T], summed per caption
+        penalty = attention_penalty(stacked.view(batch * len(attentions), hops, -1), self.penalty_squared)
+        return {"vector": _unit(vector).abs(), "penalty": penalty.view(batch, -1).sum(1), "attention": stacked,
                 "mask": mask}
 
     @property
@@ -232,7 +235,7 @@ class SEAM(MatchingModel):
         for start in range(0, im.shape[0], step):
             violation = (cap.unsqueeze(0) - im[start:start + step].unsqueeze(1)).clamp(min=0).pow(2).sum(-1)
             rows.append(-violation if self.order_squared else -violation.clamp(min=1e-12).sqrt())
-        return torch.cat(rows, 0)
+        return cat_parts(rows)
 
     pair_score_is_aligned = True
 
@@ -248,7 +251,7 @@ class SEAM(MatchingModel):
             i, c = img_idx[start:start + step], cap_idx[start:start + step]
             violation = (cap[c].to(dtype) - im[i].to(dtype)).clamp(min=0).pow(2).sum(-1)
             out.append(-violation if self.order_squared else -violation.clamp(min=1e-12).sqrt())
-        return torch.cat(out) if out else im.new_zeros(0, dtype=dtype)
+        return cat_parts(out) if out else im.new_zeros(0, dtype=dtype)
 
     def loss(self, scores: torch.Tensor, penalty: torch.Tensor | None = None) -> torch.Tensor:
         """Hinge over ``scores`` [B, B] (all negatives, margin 0.05) + λ · mean of ``penalty`` [B]."""

@@ -19,7 +19,7 @@ from retr.trainers.config import (dropout_setting, embed_size_setting, freeze_wo
                                   setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import EPS, cosine, lengths_mask, masked_mean, masked_softmax, run_rnn, scale_grad
+from retr.trainers.models.layers import EPS, cat_parts, cosine, lengths_mask, masked_mean, masked_softmax, run_rnn, scale_grad
 from retr.trainers.models.text import install_word_vectors
 
 INTRA_PAIR_LEVELS = ("each", "sum")
@@ -215,7 +215,7 @@ class SMAN(MatchingModel):
         d = images["v0"].shape[-1]
         step = max(1, self.max_chunk_elements // max(1, n_cap * d))
         chunks = [self._multimodal(images, captions, slice(i, i + step), dtype, dots) for i in range(0, n_img, step)]
-        return torch.stack([*pair_independent, torch.cat(chunks, 0)], 2)
+        return torch.stack([*pair_independent, cat_parts(chunks)], 2)
 
     def _multimodal(self, images: Embeddings, captions: Embeddings, rows: slice, dtype: torch.dtype,
                     dots: bool) -> torch.Tensor:
@@ -312,7 +312,7 @@ class SMAN(MatchingModel):
                 out.append(dot / (vv.sqrt() * tt.sqrt()).clamp(min=EPS))
             else:
                 out.append(sum(cosine(v, t) for v, t in pairs))
-        return torch.cat(out) if out else images["v0"].new_zeros(0, dtype=dtype)
+        return cat_parts(out) if out else images["v0"].new_zeros(0, dtype=dtype)
 
     def _multimodal_pairs(self, im: Embeddings, cap: Embeddings) -> tuple[torch.Tensor, torch.Tensor]:
         """(v2, t2) ``[P, d]`` of P aligned pairs (image p with caption p): Eq. 12–18 without the block axes."""

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from retr.trainers.models.gemm import dot_products
+from retr.trainers.models.layers import cat_parts
 
 NORMS = ("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")
 AGGREGATIONS = ("lse", "avg", "max", "sum")
@@ -302,4 +303,4 @@ def xattn_pair_scores(regions: torch.Tensor, region_mask: torch.Tensor, words: t
                 attended_sq = h_alpha.mul_(alpha.view(-1, k, length)).sum(dim=2, keepdim=True)  # [P, K, 1]
                 rel = _relevance(along, torch.linalg.vector_norm(v, dim=-1).unsqueeze(-1), attended_sq)
                 out.append(_aggregate(rel.to(agg_dtype), region_mask[p].unsqueeze(-1), 1, agg, lambda_lse)[:, 0])
-    return torch.cat(out) if len(out) != 1 else out[0]
+    return cat_parts(out)
