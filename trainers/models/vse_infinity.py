@@ -135,18 +135,26 @@ class VSEInfinity(InnerProductModel):
 
     def augment_words(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token with probability p = ``augment_words``: ``<mask>`` (p/2), a random id (p/10), deleted
-        (2p/5); survivors are moved to the front. Returns ``(tokens [B, L], lengths [B])``."""
-        valid = lengths_mask(lengths, tokens.shape[1])
-        u = torch.rand(tokens.shape, device=tokens.device) / self.config.augment_words   # < 1: the token is hit
+        (2p/5); survivors are moved to the front. Returns ``(tokens [B, L], lengths [B])``, each on its own device.
+
+        The draws and the new lengths are made where ``lengths`` lies (the host, in training), so the RNN packs by
+        lengths read there; the tokens are rewritten on their device from one upload of the replacements and the
+        new order: nothing is read back from a GPU."""
+        host, width = lengths.device, tokens.shape[1]
+        valid = lengths_mask(lengths, width, host)
+        u = torch.rand(tokens.shape, device=host) / self.config.augment_words          # < 1: the token is hit
         hit = valid & (u < 1)
-        tokens = torch.where(hit & (u < 0.5), self.mask_token, tokens)
-        random = torch.randint(0, self.mask_token + 1, tokens.shape, device=tokens.device)
-        tokens = torch.where(hit & (u >= 0.5) & (u < 0.6), random, tokens)
+        replacement = torch.where(hit & (u < 0.5), self.mask_token, -1)                  # −1: the token stays
+        random = torch.randint(0, self.mask_token + 1, tokens.shape, device=host)
+        replacement = torch.where(hit & (u >= 0.5) & (u < 0.6), random, replacement)
         keep = valid & ~(hit & (u >= 0.6))
         keep = torch.where(keep.any(1, keepdim=True), keep, valid)                       # never an empty caption
         order = (~keep).to(torch.uint8).sort(dim=1, stable=True).indices
         lengths = keep.sum(1)
-        return tokens.gather(1, order) * lengths_mask(lengths, tokens.shape[1]), lengths
+        moved = torch.stack([replacement, order, lengths_mask(lengths, width, host).long()])
+        replacement, order, kept = moved.to(tokens.device, non_blocking=True).unbind(0)
+        tokens = torch.where(replacement >= 0, replacement, tokens)
+        return tokens.gather(1, order) * kept, lengths
 
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
         """``features`` [B, K, D_in], ``mask`` [B, K] → ``{"vector": [B, d]}`` (+ outside training
@@ -159,7 +167,7 @@ class VSEInfinity(InnerProductModel):
     def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
         """``tokens`` [B, L], ``lengths`` [B] → ``{"vector": [B, d]}`` (+ ``"pooling"``, ``"size"`` as images)."""
         if self.training and self.config.augment_words > 0:
-            tokens, lengths = self.augment_words(tokens, lengths.to(tokens.device, non_blocking=True))
+            tokens, lengths = self.augment_words(tokens, lengths)
         words = self.txt_enc(tokens, lengths)
         mask = lengths_mask(lengths, words.shape[1], words.device)
         pooled, theta, size = self.txt_pool(words, mask)
