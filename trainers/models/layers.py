@@ -47,6 +47,14 @@ def cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x * y).sum(-1) / (x.norm(dim=-1) * y.norm(dim=-1)).clamp(min=EPS)
 
 
+def cosine_matrix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The cosine of every row of ``x`` ``[G, n, d]`` with every row of ``y`` ``[G, m, d]``, group by group →
+    ``[G, n, m]``: :func:`cosine`'s formula with the dot products as one batched matrix product, not a
+    ``[G, n, m, d]`` broadcast."""
+    norms = torch.linalg.vector_norm(x, dim=-1).unsqueeze(2) * torch.linalg.vector_norm(y, dim=-1).unsqueeze(1)
+    return torch.bmm(x, y.transpose(1, 2)) / norms.clamp(min=EPS)
+
+
 def scale_grad(p: torch.Tensor, scale: float) -> torch.Tensor:
     """``p`` unchanged in value, its gradient multiplied by ``scale`` (1/world size for parameters used only after
     the gather)."""

@@ -19,7 +19,8 @@ from retr.trainers.config import (dropout_setting, embed_size_setting, freeze_wo
                                   setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import EPS, cat_parts, cosine, lengths_mask, masked_mean, masked_softmax, run_rnn, scale_grad
+from retr.trainers.models.layers import (EPS, cat_parts, cosine, cosine_matrix, lengths_mask, masked_mean, masked_softmax,
+                                        run_rnn, scale_grad)
 from retr.trainers.models.text import install_word_vectors
 
 INTRA_PAIR_LEVELS = ("each", "sum")
@@ -202,20 +203,20 @@ class SMAN(MatchingModel):
                 dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or images["v0"].dtype
         n_img, n_cap = images["v0"].shape[0], captions["t0"].shape[0]
-        pair_independent = []
-        for k in ("0", "1"):
-            v, t = images["v" + k].to(dtype), captions["t" + k].to(dtype)
-            if dots:
-                pair_independent.append(torch.stack(torch.broadcast_tensors(
-                    v @ t.t(), v.pow(2).sum(-1, keepdim=True), t.pow(2).sum(-1).unsqueeze(0)), -1))
-            else:
-                pair_independent.append(cosine(v.unsqueeze(1), t.unsqueeze(0)))
+        # the pair-independent levels 0 and 1 together: [2, n_img, d] against [2, n_cap, d], one batched product
+        v = torch.stack([images["v0"], images["v1"]]).to(dtype)
+        t = torch.stack([captions["t0"], captions["t1"]]).to(dtype)
+        if dots:
+            levels = torch.stack(torch.broadcast_tensors(torch.bmm(v, t.transpose(1, 2)), v.pow(2).sum(-1).unsqueeze(2),
+                                                         t.pow(2).sum(-1).unsqueeze(1)), -1).permute(1, 2, 0, 3)
+        else:
+            levels = cosine_matrix(v, t).permute(1, 2, 0)                       # [n_img, n_cap, 2]
         if not (self.multimodal_step and pair_specific):
-            return torch.stack(pair_independent, 2)
+            return levels
         d = images["v0"].shape[-1]
         step = max(1, self.max_chunk_elements // max(1, n_cap * d))
         chunks = [self._multimodal(images, captions, slice(i, i + step), dtype, dots) for i in range(0, n_img, step)]
-        return torch.stack([*pair_independent, cat_parts(chunks)], 2)
+        return torch.cat([levels, cat_parts(chunks).unsqueeze(2)], 2)
 
     def _multimodal(self, images: Embeddings, captions: Embeddings, rows: slice, dtype: torch.dtype,
                     dots: bool) -> torch.Tensor:
