@@ -19,8 +19,8 @@ from retr.trainers.config import (dropout_setting, embed_size_setting, freeze_wo
                                   setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import (EPS, cat_parts, cosine, cosine_matrix, lengths_mask, masked_mean, masked_softmax,
-                                        run_rnn, scale_grad)
+from retr.trainers.models.layers import (EPS, cat_parts, cosine, cosine_matrix, lengths_mask, masked_mean,
+                                        masked_softmax, run_rnn, scale_grad)
 from retr.trainers.models.text import install_word_vectors
 
 INTRA_PAIR_LEVELS = ("each", "sum")
@@ -207,8 +207,9 @@ class SMAN(MatchingModel):
         v = torch.stack([images["v0"], images["v1"]]).to(dtype)
         t = torch.stack([captions["t0"], captions["t1"]]).to(dtype)
         if dots:
-            levels = torch.stack(torch.broadcast_tensors(torch.bmm(v, t.transpose(1, 2)), v.pow(2).sum(-1).unsqueeze(2),
-                                                         t.pow(2).sum(-1).unsqueeze(1)), -1).permute(1, 2, 0, 3)
+            parts = torch.broadcast_tensors(torch.bmm(v, t.transpose(1, 2)), v.pow(2).sum(-1).unsqueeze(2),
+                                            t.pow(2).sum(-1).unsqueeze(1))
+            levels = torch.stack(parts, -1).permute(1, 2, 0, 3)                # [n_img, n_cap, 2, 3]
         else:
             levels = cosine_matrix(v, t).permute(1, 2, 0)                       # [n_img, n_cap, 2]
         if not (self.multimodal_step and pair_specific):
