@@ -107,9 +107,29 @@ def read_manifest(path: str | os.PathLike, splits: Sequence[str] | None = None) 
         if unknown:
             raise ParameterError(f"unknown split {unknown[0]!r} in splits (expected one of {', '.join(SPLITS)})",
                                  "splits")
-    records = list(iter_manifest(path))
-    if splits is not None:
-        records = [r for r in records if r.split in splits]
+    records = _parsed(path)
+    return list(records) if splits is None else [r for r in records if r.split in splits]
+
+
+#: the last manifest parsed — ``(path, file state, records)`` — so the stages of one start that each read it
+#: (the checks before any work, then the run's splits) parse a COCO-size manifest once, not once each
+_last_parsed: tuple[str, tuple, tuple[ManifestRecord, ...]] | None = None
+
+
+def _parsed(path: str | os.PathLike) -> tuple[ManifestRecord, ...]:
+    """Every record of ``path``, parsed and validated once per file state (inode, size, modification time)."""
+    global _last_parsed
+    try:
+        info = os.stat(path)
+        state = (info.st_ino, info.st_size, info.st_mtime_ns)
+    except OSError:
+        state = None                     # iter_manifest says what is wrong with the path
+    key = os.path.abspath(path)
+    if state is not None and _last_parsed is not None and _last_parsed[:2] == (key, state):
+        return _last_parsed[2]
+    records = tuple(iter_manifest(path))
+    if state is not None:
+        _last_parsed = (key, state, records)
     return records
 
 

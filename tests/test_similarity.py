@@ -324,3 +324,94 @@ def test_gpu_block_sizes_come_from_the_measured_memory_per_pair(monkeypatch):
     assert scorer.block_sizes(torch.float32) == (budget // 16, budget)
     assert seen["probe"] == (64, 8)                      # 64 images × the last caption block (40 = 2·16 + 8)
     assert scorer.block_sizes(torch.float32, pair_budget=1 << 16) == (4096, 1 << 16)
+
+
+# ------------------------------------------------------------------------------------------------ memory budgets
+
+def _scan_scorer(n: int = 50, per: int = 2, pair_memory: int | None = None, seed: int = 4):
+    torch.manual_seed(0)
+    model = create_model("scan", vocab_size=30, img_dim=8, embed_size=8, word_dim=5, direction="t2i").eval()
+    rng = np.random.default_rng(seed)
+    tokens = [[1] + [int(t) for t in rng.integers(4, 30, size=int(rng.integers(1, 9)))] + [2]
+              for _ in range(n * per)]
+    data = SplitData([f"i{j}" for j in range(n)], ["x"] * (n * per), np.arange(n * per) // per, tokens)
+    feats = in_memory_features(rng.standard_normal((n, 6, 8)).astype(np.float16), np.full(n, 6))
+    embeddings = SplitEmbeddings.encode(model, data, feats, batch_size=16, quiet=True)
+    return Scorer(model, embeddings, pair_memory=pair_memory), data
+
+
+def test_listed_pairs_are_scored_in_chunks_the_memory_budget_holds(monkeypatch):
+    """A pair costs its image's and caption's rows in float64 — once gathered by the scorer, twice more inside
+    SCAN's pair_score — so 6 regions × 8 dims + the mask, and 10 words (the longest listed caption) × 8 + the
+    mask: 3 · (6·8·8 + 6 + 10·8·8 + 10) = 3 · 1,040 bytes. The chunks are the budget's, every pair_score call
+    stays within them, and the scores do not depend on the chunks, to the bit."""
+    reference, _ = _scan_scorer(pair_memory=1 << 40)
+    rng = np.random.default_rng(5)
+    rows, cols = rng.integers(0, 50, 400), rng.integers(0, 100, 400)
+    whole = reference.pairs(rows, cols, "aligned")
+    distinct = len(np.unique(rows * 100 + reference.embeddings.sources[cols]))
+    assert reference.pair_chunks == [distinct]
+    shapes = reference._caption_shapes(np.unique(reference.embeddings.sources[cols]))
+    assert shapes["words"] == (10, 8) and shapes["mask"] == (10,)
+    for budget in (3 * 1040 * 200, 3 * 1040 * 37, 3 * 1040 * 37 + 3 * 1040 - 1, 3 * 1040, 1):
+        scorer, _ = _scan_scorer(pair_memory=budget)
+        step = max(1, budget // (3 * 1040))
+        assert scorer.pair_step(shapes) == step
+        calls = []
+        real = scorer.model.pair_score
+        monkeypatch.setattr(scorer.model, "pair_score", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+        got = scorer.pairs(rows, cols, "aligned")
+        assert scorer.pair_chunks == [step] * (distinct // step) + ([distinct % step] if distinct % step else [])
+        assert max(calls) <= step
+        np.testing.assert_array_equal(got, whole)
+        # a score call per image, or per caption block: a chunk holds whole calls, and while the budget holds the
+        # largest call the scores are the unchunked ones to the bit; a call cut in parts may round otherwise (its
+        # GEMMs have other shapes), by an ulp
+        for strategy, group in (("image", rows), ("block", reference._caption_block[cols])):
+            largest = max(len(np.unique((rows * 100 + cols)[group == g])) for g in np.unique(group))
+            chunked, unchunked = scorer.pairs(rows, cols, strategy), reference.pairs(rows, cols, strategy)
+            if step >= largest:
+                np.testing.assert_array_equal(chunked, unchunked)
+            else:
+                np.testing.assert_allclose(chunked, unchunked, rtol=1e-15, atol=0)
+
+
+def test_the_pair_budget_is_a_share_of_the_memory_available_now(monkeypatch, tmp_path):
+    import retr.common.memory as memory
+    import retr.trainers.evaluation.similarity as similarity
+
+    gib = 1 << 30
+    monkeypatch.setattr(similarity, "available_bytes", lambda device: 1 * gib)
+    assert similarity.pair_memory_budget(torch.device("cpu")) == gib // 4
+    monkeypatch.setattr(similarity, "available_bytes", lambda device: 16 * gib)
+    assert similarity.pair_memory_budget(torch.device("cpu")) == similarity.CPU_PAIR_MEMORY_MAX   # no faster above
+    assert similarity.pair_memory_budget(torch.device("cuda")) == 4 * gib                         # a GPU's share
+    seen = []
+    monkeypatch.setattr(similarity, "available_bytes", lambda device: seen.append(device) or 2 * gib)
+    scorer, data = _scan_scorer()
+    scorer.pairs(np.array([0, 1]), np.array([0, 3]), "aligned")
+    assert seen == [torch.device("cpu")]                   # read when the pairs are scored
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   12345678 kB\n")
+    assert memory.available_host_bytes(str(meminfo)) == 12345678 * 1024
+    assert memory.available_host_bytes(str(tmp_path / "absent")) > 0                 # sysconf's free pages
+
+
+def test_refinement_searches_the_matrix_a_block_of_rows_at_a_time(monkeypatch):
+    """No [N, M] mask: the rank-deciding pairs are looked for REFINE_ROWS rows at a time, and the pairs rescored
+    are kept as keys; the refined matrix is the one the whole-matrix search gave."""
+    import retr.trainers.evaluation.similarity as similarity
+
+    scorer, data = _scan_scorer(n=50)
+    monkeypatch.setattr(similarity, "REFINE_ROWS", 16)
+    searched = []
+    real = similarity.rank_deciding_pairs
+    monkeypatch.setattr(similarity, "rank_deciding_pairs",
+                        lambda *a, **k: searched.append(a[4]) or real(*a, **k))
+    stats = {}
+    refined = combined_matrix([scorer], "refined", data.caption_image, stats=stats)
+    assert {(s.start, s.stop) for s in searched} == {(0, 16), (16, 32), (32, 48), (48, 64)}
+    wide = combined_matrix([scorer], "float64", data.caption_image)
+    for got, want in zip(_ranks(refined, data.caption_image), _ranks(wide, data.caption_image)):
+        np.testing.assert_array_equal(got, want)
+    assert stats["rescored_pairs"] >= 32 * 32

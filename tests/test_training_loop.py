@@ -495,3 +495,28 @@ def test_training_progress_in_a_log_file_is_a_line_per_interval_not_per_batch(sy
         total = counts[0][1]
         assert total > 1 and counts == [(n, total) for n in range(total + 1)] + [(total, total)], lines
     assert all("loss=" in line for line in lines if not re.search(r" 0/\d+ ", line)), lines
+
+
+# ------------------------------------------------------------------------------------------------ start-up
+
+def test_a_training_start_reads_the_manifest_and_tokenises_each_caption_once(tmp_path, synthetic, monkeypatch):
+    """The checks before any work and the run's vocabulary, training and validation splits all come from one
+    parse of the manifest and one tokenising pass over the captions of the splits it uses."""
+    import retr.manifests.schema as schema
+    import retr.store.vocab as vocab_module
+    from retr.manifests.schema import read_manifest
+
+    manifest, features = synthetic
+    used = [c for r in read_manifest(manifest) if r.split in ("train", "restval", "val") for c in r.captions]
+    tokenised, parsed = [], []
+    real_tokenize, real_iter = vocab_module.tokenize, schema.iter_manifest
+    monkeypatch.setattr(vocab_module, "tokenize", lambda caption: tokenised.append(caption) or real_tokenize(caption))
+    monkeypatch.setattr(schema, "iter_manifest", lambda path: parsed.append(path) or real_iter(path))
+    monkeypatch.setattr(schema, "_last_parsed", None)
+    result = CliRunner().invoke(cli, ["vsepp", "--features", str(features), "--manifest", str(manifest),
+                                      "--out", str(tmp_path / "run"), "--embed-size", "16", "--word-dim", "8",
+                                      "--batch-size", "16", "--epochs", "1", "--quiet", "--device", "cpu",
+                                      "--val-images", "10"])
+    assert result.exit_code == 0, result.output
+    assert len(parsed) == 1
+    assert sorted(tokenised) == sorted(used) and len(tokenised) == len(used)

@@ -15,7 +15,7 @@ import torch
 from retr.common.errors import UserError
 from retr.manifests.schema import ManifestRecord, read_manifest
 from retr.store.features import FeatureSet
-from retr.store.vocab import PAD_ID, Vocabulary
+from retr.store.vocab import PAD_ID, TokenizedCaptions, TokenLists, Vocabulary, concat_ranges
 from retr.trainers.config import preload_choice
 
 DEFAULT_PRELOAD_LIMIT = 2 << 30   # bytes of float16 features kept in memory without being asked
@@ -28,16 +28,14 @@ class SplitData:
     image_ids: list[str]
     captions: list[str]
     caption_image: np.ndarray          # [M] int64: index into image_ids
-    tokens: list[list[int]]            # [M] token ids with <start>/<end>
+    tokens: Sequence[Sequence[int]]    # [M] token ids with <start>/<end> (a TokenLists, or lists)
 
     @classmethod
     def from_records(cls, records: Sequence[ManifestRecord], vocab: Vocabulary) -> "SplitData":
-        image_ids, captions, owner = [], [], []
-        for i, record in enumerate(records):
-            image_ids.append(record.id)
-            captions.extend(record.captions)
-            owner.extend([i] * len(record.captions))
-        return cls(image_ids, captions, np.asarray(owner, dtype=np.int64), [vocab.encode(c) for c in captions])
+        captions = [c for r in records for c in r.captions]
+        tokens = TokenizedCaptions.of(captions, total=len(captions), quiet=True).encode(vocab)
+        return cls([r.id for r in records], captions,
+                   np.repeat(np.arange(len(records), dtype=np.int64), [len(r.captions) for r in records]), tokens)
 
     @property
     def num_images(self) -> int:
@@ -50,8 +48,74 @@ class SplitData:
     def subset_images(self, start: int, stop: int) -> "SplitData":
         """Images ``start:stop`` and their captions (COCO 1K folds)."""
         keep = np.flatnonzero((self.caption_image >= start) & (self.caption_image < stop))
+        tokens = (self.tokens.subset(keep) if isinstance(self.tokens, TokenLists)
+                  else [self.tokens[m] for m in keep])
         return SplitData(self.image_ids[start:stop], [self.captions[m] for m in keep],
-                         self.caption_image[keep] - start, [self.tokens[m] for m in keep])
+                         self.caption_image[keep] - start, tokens)
+
+
+@dataclass
+class ManifestCaptions:
+    """The records of some of a manifest's splits, with every caption of theirs tokenised once
+    (:class:`~retr.store.vocab.TokenizedCaptions`): a vocabulary built from some of those splits and each split's
+    :class:`SplitData` come from it, so a training start reads the manifest and tokenises a caption once.
+
+    ``first_caption`` ``[R + 1]``: record ``r``'s captions are ``first_caption[r]:first_caption[r + 1]``."""
+
+    manifest: str
+    records: list[ManifestRecord]
+    tokenized: TokenizedCaptions
+    first_caption: np.ndarray
+
+    @classmethod
+    def read(cls, manifest: str | os.PathLike, splits: Sequence[str], quiet: bool = False) -> "ManifestCaptions":
+        """The records of ``splits`` and their captions, tokenised with a progress bar (unless ``quiet``)."""
+        records = read_manifest(manifest, splits=list(dict.fromkeys(splits)))
+        counts = np.array([len(r.captions) for r in records], dtype=np.int64)
+        tokenized = TokenizedCaptions.of((c for r in records for c in r.captions), total=int(counts.sum()),
+                                         quiet=quiet)
+        return cls(str(manifest), records, tokenized, np.concatenate([[0], np.cumsum(counts)]))
+
+    def _records_of(self, splits: Sequence[str]) -> np.ndarray:
+        wanted = set(splits)
+        return np.array([n for n, r in enumerate(self.records) if r.split in wanted], dtype=np.int64)
+
+    def _captions_of(self, records: np.ndarray) -> np.ndarray:
+        starts = self.first_caption[records]
+        return concat_ranges(starts, self.first_caption[records + 1] - starts)
+
+    def vocabulary(self, splits: Sequence[str], threshold: int) -> Vocabulary:
+        """The vocabulary of ``splits``' captions (as :meth:`Vocabulary.build` makes it from their texts)."""
+        captions = self._captions_of(self._records_of(splits))
+        if not len(captions):
+            raise UserError(f"{self.manifest} has no captions in {', '.join(splits)} to build the vocabulary from "
+                            "(--vocab-split / --train-split)")
+        return self.tokenized.vocabulary(captions, threshold)
+
+    def split(self, splits: Sequence[str], vocab: Vocabulary, features: FeatureSet | None = None,
+              missing: str = "error") -> tuple[SplitData, list[str]]:
+        """``splits``' images that have features and their captions encoded with ``vocab``; returns (data, ids
+        without features), as :func:`load_split`."""
+        chosen = self._records_of(splits)
+        if not len(chosen):
+            raise UserError(f"{self.manifest} has no images in split(s) {', '.join(splits)}")
+        absent: list[str] = []
+        if features is not None:
+            has = np.array([self.records[r].id in features for r in chosen], dtype=bool)
+            absent = [self.records[r].id for r in chosen[~has]]
+            if absent and missing == "error":
+                raise UserError(f"{len(absent)} image(s) of split {'+'.join(splits)} have no features in "
+                                f"{features.path} (first: {absent[0]}); extract them or pick the matching manifest")
+            if len(absent) == len(chosen):
+                raise UserError(f"no image of split {'+'.join(splits)} has features in {features.path}: "
+                                "is this the feature set of that manifest?")
+            chosen = chosen[has]
+        captions = self._captions_of(chosen)
+        counts = self.first_caption[chosen + 1] - self.first_caption[chosen]
+        records = [self.records[r] for r in chosen]
+        return SplitData([r.id for r in records], [c for r in records for c in r.captions],
+                         np.repeat(np.arange(len(chosen), dtype=np.int64), counts),
+                         self.tokenized.encode(vocab, captions)), absent
 
 
 def load_split(manifest: str | os.PathLike, splits: Sequence[str], vocab: Vocabulary,
@@ -60,20 +124,7 @@ def load_split(manifest: str | os.PathLike, splits: Sequence[str], vocab: Vocabu
 
     ``missing="error"`` (evaluation: a protocol must see every image) raises when an image has no features;
     ``missing="skip"`` (training) leaves such images out and returns their ids so the caller can say so."""
-    records = read_manifest(manifest, splits=list(splits))
-    if not records:
-        raise UserError(f"{manifest} has no images in split(s) {', '.join(splits)}")
-    absent: list[str] = []
-    if features is not None:
-        absent = [r.id for r in records if r.id not in features]
-        if absent and missing == "error":
-            raise UserError(f"{len(absent)} image(s) of split {'+'.join(splits)} have no features in "
-                            f"{features.path} (first: {absent[0]}); extract them or pick the matching manifest")
-        if len(absent) == len(records):
-            raise UserError(f"no image of split {'+'.join(splits)} has features in {features.path}: "
-                            "is this the feature set of that manifest?")
-        records = [r for r in records if r.id in features]
-    return SplitData.from_records(records, vocab), absent
+    return ManifestCaptions.read(manifest, splits, quiet=True).split(splits, vocab, features, missing)
 
 
 class ImageFeatures:

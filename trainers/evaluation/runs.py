@@ -52,7 +52,7 @@ def _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, wh
             if ties != "pessimistic":
                 raise UserError("--ties official applies to one-step scoring; a two-step run ranks its shortlists")
             result = two_step_protocol(model, data, image_features, protocol, dev, model.shortlist, precision,
-                                       allow_size_mismatch=allow_size_mismatch)
+                                       allow_size_mismatch=allow_size_mismatch, quiet=quiet)
             result.update({k: result["two_step"][k] for k in ("i2t", "t2i", "rsum")}, protocol=protocol,
                           split=split, ensemble=False, runs=[str(run)], precision=precision,
                           models=[{"run": str(run), "model": config["model"], "direction": None,
@@ -61,6 +61,7 @@ def _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, wh
                           evaluated=datetime.now(timezone.utc).isoformat(timespec="seconds"))
             return result, None
         scorers.append(Scorer(model, SplitEmbeddings.encode(model, data, image_features, dev, quiet=quiet)))
+        del image_features                   # read once: features held in memory are let go before scoring
         models.append({"run": str(run), "model": config["model"],
                        "direction": config["model_args"].get("direction"), "features": str(feats_path),
                        "checkpoint": ckpt.resolve_checkpoint(run, which).name})

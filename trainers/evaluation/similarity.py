@@ -10,8 +10,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from retr.common.progress import progress
 from retr.common.errors import UserError
+from retr.common.memory import available_bytes
+from retr.common.progress import progress
 from retr.trainers.data.splits import ImageFeatures, SplitData, pad_tokens
 from retr.trainers.models.base import Embeddings, MatchingModel, cast_embeddings, slice_embeddings
 
@@ -24,15 +25,22 @@ CPU_PAIR_BUDGET = 1 << 16   # pairs per score call on the CPU: the block's atten
 GPU_MEMORY_SHARE = 0.5      # on CUDA, one score call may use this share of the free memory …
 GPU_PAIR_BUDGET_MAX = 1 << 24   # … and hold at most this many pairs
 PAIR_STRATEGIES = ("auto", "image", "block", "aligned")
+#: listed pairs (rescoring, re-ranking) are scored in chunks whose working memory takes at most this share of
+#: the memory available where they are scored (host RAM on a CPU, the GPU's free memory on CUDA) …
+PAIR_MEMORY_SHARE = 0.25
+#: … and on a CPU at most this many bytes: a larger chunk is no faster there, only a larger peak
+CPU_PAIR_MEMORY_MAX = 512 << 20
 
 
 
-def _concat(blocks: Sequence[Embeddings]) -> Embeddings:
-    """Join per-block embeddings along dim 0, zero-padding other dims to the largest block's."""
+def _concat(blocks: Sequence[Embeddings], shapes: dict[str, tuple[int, ...]] | None = None) -> Embeddings:
+    """Join per-block embeddings along dim 0, zero-padding other dims to the largest block's (or to ``shapes``,
+    per key the row shape to pad to, when given)."""
     out = {}
     for key in blocks[0]:
         parts = [b[key] for b in blocks]
-        shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+        shape = (list(shapes[key]) if shapes is not None
+                 else [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())])
         padded = []
         for p in parts:
             pad = []
@@ -49,19 +57,90 @@ def caption_sources(tokens: Sequence[Sequence[int]]) -> np.ndarray:
     return np.array([first.setdefault(tuple(t), m) for m, t in enumerate(tokens)], dtype=np.int64)
 
 
+def pair_memory_budget(device: torch.device) -> int:
+    """Bytes one call scoring listed pairs may take on ``device``: :data:`PAIR_MEMORY_SHARE` of the memory
+    available now (:func:`~retr.common.memory.available_bytes`), at most :data:`CPU_PAIR_MEMORY_MAX` on a CPU."""
+    budget = int(PAIR_MEMORY_SHARE * available_bytes(device))
+    return budget if device.type == "cuda" else min(budget, CPU_PAIR_MEMORY_MAX)
+
+
+def row_bytes(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype], dtype: torch.dtype) -> int:
+    """Bytes one row of embeddings with these row ``shapes`` takes, its floating tensors in ``dtype``."""
+    total = 0
+    for key, shape in shapes.items():
+        size = dtype.itemsize if dtypes[key].is_floating_point else dtypes[key].itemsize
+        total += int(np.prod(shape, dtype=np.int64)) * size
+    return total
+
+
+def chunk_bounds(groups: np.ndarray | None, step: int, count: int | None = None) -> list[tuple[int, int]]:
+    """``(start, stop)`` of consecutive chunks of at most ``step`` items: of ``count`` items anywhere (``groups``
+    None), else of the items of ``groups`` (sorted group ids) without splitting a group, unless a group alone is
+    larger than ``step`` (it is then cut in chunks of ``step``)."""
+    if groups is None:
+        return [(s, min(s + step, count)) for s in range(0, count, step)]
+    starts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]]) if len(groups) else np.zeros(0, dtype=np.int64)
+    bounds, start = [], 0
+    for first, stop in zip(starts, np.r_[starts[1:], len(groups)]):
+        first, stop = int(first), int(stop)
+        if stop - start <= step:
+            continue                             # the group fits in the chunk being filled
+        if first > start:
+            bounds.append((start, first))        # close the chunk before this group
+            start = first
+        while stop - start > step:               # a group larger than a chunk on its own
+            bounds.append((start, start + step))
+            start += step
+    if start < len(groups):
+        bounds.append((start, len(groups)))
+    return bounds
+
+
+def pairs_per_chunk(budget: int, bytes_per_pair: float) -> int:
+    """Listed pairs one call takes: as many as ``budget`` bytes hold at ``bytes_per_pair`` (at least one)."""
+    return max(1, int(budget // max(1.0, bytes_per_pair)))
+
+
+class RowsJoiner:
+    """Blocks of embeddings joined along dim 0 as they come, into one tensor per key made at the first block (a
+    list of blocks joined at the end would hold every row twice: SCAN's regions of COCO 5K are 737 MB). Other dims
+    are zero-padded to the largest block's, as :func:`_concat` does."""
+
+    def __init__(self, rows: int):
+        self.rows, self.filled = rows, 0
+        self.joined: Embeddings = {}
+
+    def add(self, block: Embeddings) -> None:
+        count = next(iter(block.values())).shape[0]
+        for key, part in block.items():
+            held = self.joined.get(key)
+            if held is None or any(p > h for p, h in zip(part.shape[1:], held.shape[1:])):
+                grown = part.new_zeros((self.rows, *(max(p, h) for p, h in zip(
+                    part.shape[1:], held.shape[1:] if held is not None else part.shape[1:]))))
+                if held is not None:
+                    grown[(slice(0, self.filled), *(slice(0, h) for h in held.shape[1:]))] = held[:self.filled]
+                self.joined[key] = held = grown
+            held[(slice(self.filled, self.filled + count), *(slice(0, p) for p in part.shape[1:]))] = part
+        self.filled += count
+
+    def result(self) -> Embeddings:
+        return {key: value[:self.filled] for key, value in self.joined.items()}
+
+
 @torch.no_grad()
 def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.device, batch_size: int = 128,
                  quiet: bool = False, captions: np.ndarray | None = None):
-    """``(image_blocks, caption_blocks)``: image embeddings per block, caption blocks sorted by length.
+    """``(images, caption_blocks)``: every image's embeddings (joined along dim 0), caption blocks sorted by length.
 
     Each caption block is ``(caption indices, embeddings)``; ``captions``: only these indices (default: all).
     ``captions_in_split_order`` models (SEAM-C, authors' padding) are encoded in the authors' batches instead."""
     model.eval()
-    image_blocks = []
+    images = RowsJoiner(data.num_images)
     for start in progress(range(0, data.num_images, batch_size), desc="encode images", quiet=quiet):
         idx = np.arange(start, min(start + batch_size, data.num_images))
         feats, mask = features.get(idx)
-        image_blocks.append(model.encode_images(feats.to(device), mask.to(device)))
+        images.add(model.encode_images(feats.to(device), mask.to(device)))
+    images = images.result()
     chosen = np.arange(data.num_captions) if captions is None else np.asarray(captions, dtype=np.int64)
     caption_blocks = []
     if getattr(model, "captions_in_split_order", False):
@@ -74,13 +153,13 @@ def encode_split(model, data: SplitData, features: ImageFeatures, device: torch.
                 block = model.encode_captions(tokens.to(device, non_blocking=True), lengths)
                 keep = np.flatnonzero(wanted[idx])
                 caption_blocks.append((idx[keep], slice_embeddings(block, torch.as_tensor(keep, device=device))))
-        return image_blocks, caption_blocks
+        return images, caption_blocks
     order = chosen[np.argsort([len(data.tokens[m]) for m in chosen], kind="stable")]
     for start in progress(range(0, len(order), batch_size), desc="encode captions", quiet=quiet):
         idx = order[start:start + batch_size]
         tokens, lengths = pad_tokens([data.tokens[m] for m in idx])
         caption_blocks.append((idx, model.encode_captions(tokens.to(device, non_blocking=True), lengths)))
-    return image_blocks, caption_blocks
+    return images, caption_blocks
 
 
 @dataclass
@@ -117,24 +196,29 @@ class SplitEmbeddings:
         # stands where the authors' evaluation encodes it: encode_split)
         source = (np.arange(data.num_captions) if getattr(model, "captions_in_split_order", False)
                   else caption_sources(data.tokens))
-        image_blocks, caption_blocks = encode_split(model, data, features, torch.device(device), batch_size, quiet,
-                                                    captions=np.flatnonzero(source == np.arange(len(source))))
-        return cls(_concat(image_blocks), caption_blocks, source)
+        images, caption_blocks = encode_split(model, data, features, torch.device(device), batch_size, quiet,
+                                              captions=np.flatnonzero(source == np.arange(len(source))))
+        return cls(images, caption_blocks, source)
 
 
 class Scorer:
-    """A model's ``score`` over its :class:`SplitEmbeddings`: whole matrices and listed pairs."""
+    """A model's ``score`` over its :class:`SplitEmbeddings`: whole matrices and listed pairs.
 
-    def __init__(self, model: MatchingModel, embeddings: SplitEmbeddings):
+    ``pair_memory`` bytes bound each call scoring listed pairs (None: :func:`pair_memory_budget` of the device,
+    read when the pairs are scored)."""
+
+    def __init__(self, model: MatchingModel, embeddings: SplitEmbeddings, pair_memory: int | None = None):
         self.model, self.embeddings = model, embeddings
+        self.pair_memory = pair_memory
         self._wide_model = None
-        self._images64: Embeddings | None = None      # every image in float64, for the block strategy's rescoring
         caption_block = np.full(embeddings.num_captions, -1, dtype=np.int64)
         caption_row = np.full(embeddings.num_captions, -1, dtype=np.int64)
         for b, (idx, _) in enumerate(embeddings.caption_blocks):
             caption_block[idx] = b
             caption_row[idx] = np.arange(len(idx))
         self._caption_block, self._caption_row = caption_block, caption_row
+        #: the number of pairs of each call the last :meth:`pairs` made (what its memory budget allowed)
+        self.pair_chunks: list[int] = []
 
     def _model_for(self, dtype: torch.dtype):
         params = [p for p in self.model.parameters() if p.is_floating_point()]
@@ -183,9 +267,15 @@ class Scorer:
         sims[:, shared] = sims[:, e.sources[shared]]          # identical captions: the very same column
         return sims
 
-    def _captions(self, captions: np.ndarray) -> Embeddings:
-        """The embeddings of ``captions`` (any order, any blocks), padded to their longest: one gather per caption
-        block they come from."""
+    def _caption_shapes(self, captions: np.ndarray) -> dict[str, tuple[int, ...]]:
+        """Per embeddings key, the row shape the blocks of ``captions`` pad to together (the largest of each dim)."""
+        blocks = [self.embeddings.caption_blocks[b][1] for b in np.unique(self._caption_block[captions])]
+        return {key: tuple(max(block[key].shape[d] for block in blocks) for d in range(1, blocks[0][key].dim()))
+                for key in blocks[0]}
+
+    def _captions(self, captions: np.ndarray, shapes: dict[str, tuple[int, ...]] | None = None) -> Embeddings:
+        """The embeddings of ``captions`` (any order, any blocks), padded to their longest (or to ``shapes``):
+        one gather per caption block they come from."""
         captions = np.asarray(captions, dtype=np.int64)
         blocks, rows = self._caption_block[captions], self._caption_row[captions]
         order = np.argsort(blocks, kind="stable")                  # the captions grouped by block
@@ -194,13 +284,28 @@ class Scorer:
             block = self.embeddings.caption_blocks[b][1]
             index = torch.as_tensor(rows[blocks == b], device=next(iter(block.values())).device)
             parts.append(slice_embeddings(block, index))
-        joined = _concat(parts)                                     # rows in ``order``
+        joined = _concat(parts, shapes)                             # rows in ``order``
         back = np.empty_like(order)
         back[order] = np.arange(len(order))
         return slice_embeddings(joined, torch.as_tensor(back, device=next(iter(joined.values())).device))
 
-    def pairs(self, image_rows: np.ndarray, captions: np.ndarray, strategy: str = "auto") -> np.ndarray:
-        """float64 scores ``[P]`` of the listed pairs (``image_rows[p]``, ``captions[p]``).
+    def pair_step(self, caption_shapes: dict[str, tuple[int, ...]]) -> int:
+        """Pairs one call of :meth:`pairs` scores: as many as :attr:`pair_memory` (else the device's
+        :func:`pair_memory_budget`) holds at the bytes a pair takes — its image and caption rows in float64 (captions
+        padded to ``caption_shapes``) gathered once by the scorer and ``pair_score_copies`` times by the model."""
+        images = self.embeddings.images
+        image = row_bytes({k: tuple(v.shape[1:]) for k, v in images.items()}, {k: v.dtype for k, v in images.items()},
+                          torch.float64)
+        first = self.embeddings.caption_blocks[0][1]
+        caption = row_bytes(caption_shapes, {k: v.dtype for k, v in first.items()}, torch.float64)
+        budget = self.pair_memory if self.pair_memory is not None else pair_memory_budget(self.device)
+        return pairs_per_chunk(budget, (1 + self.model.pair_score_copies) * (image + caption))
+
+    def pairs(self, image_rows: np.ndarray, captions: np.ndarray, strategy: str = "auto",
+              quiet: bool = True) -> np.ndarray:
+        """float64 scores ``[P]`` of the listed pairs (``image_rows[p]``, ``captions[p]``), in calls of at most
+        :meth:`pair_step` pairs (the same scores whatever the chunks: every chunk pads its captions to the same
+        length); a progress bar over the pairs unless ``quiet``.
 
         ``strategy``: ``image`` (a call per image), ``block`` (``pair_score`` per caption block), ``aligned`` (one
         ``pair_score`` over every listed caption: models whose ``pair_score_is_aligned``), ``auto`` (``aligned``
@@ -213,49 +318,60 @@ class Scorer:
         if strategy == "auto":
             strategy = ("aligned" if self.model.pair_score_is_aligned
                         else "block" if self.device.type == "cuda" else "image")
+        num_captions = self.embeddings.num_captions
         image_rows = np.asarray(image_rows, dtype=np.int64)
-        keys = image_rows * self.embeddings.num_captions + self.embeddings.sources[np.asarray(captions, dtype=np.int64)]
-        keys, back = np.unique(keys, return_inverse=True)
+        keys = image_rows * num_captions + self.embeddings.sources[np.asarray(captions, dtype=np.int64)]
+        keys, back = np.unique(keys, return_inverse=True)              # distinct pairs, by image then caption
+        rows, cols = keys // num_captions, keys % num_captions
+        # a chunk holds whole calls of its strategy where the budget allows (an image's pairs; a caption block's,
+        # the pairs sorted by block): a block scored with other captions beside it may round otherwise
+        groups = {"aligned": None, "image": rows, "block": self._caption_block[cols]}[strategy]
+        order = np.argsort(groups, kind="stable") if strategy == "block" else np.arange(len(keys))
+        shapes = self._caption_shapes(cols) if len(cols) else {}
+        step = self.pair_step(shapes) if len(cols) else 1
         distinct = {"block": self._pairs_by_caption_block, "image": self._pairs_by_image,
                     "aligned": self._pairs_aligned}[strategy]
-        return distinct(keys // self.embeddings.num_captions, keys % self.embeddings.num_captions)[back]
+        out = np.empty(len(keys), dtype=np.float64)
+        self.pair_chunks = []
+        with progress(total=len(keys), desc="rescore", unit="pair", quiet=quiet) as bar:
+            for start, stop in chunk_bounds(None if groups is None else groups[order], step, len(keys)):
+                chunk = order[start:stop]
+                out[chunk] = distinct(rows[chunk], cols[chunk], shapes)
+                self.pair_chunks.append(stop - start)
+                bar.update(stop - start)
+        return out[back.reshape(-1)]
 
-    def _wide_images(self) -> Embeddings:
-        """Every image's embeddings in float64 (made once: the block strategy rescores from all of them)."""
-        if self._images64 is None:
-            self._images64 = cast_embeddings(self.embeddings.images, torch.float64)
-        return self._images64
-
-    def _pairs_by_image(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
+    def _pairs_by_image(self, image_rows: np.ndarray, captions: np.ndarray, shapes) -> np.ndarray:
+        """A ``score`` call per image of the listed pairs (sorted by image), against its listed captions."""
         out = np.empty(len(image_rows), dtype=np.float64)
-        order = np.argsort(image_rows, kind="stable")
-        starts = np.flatnonzero(np.r_[True, np.diff(image_rows[order]) != 0])
-        for start, stop in zip(starts, np.r_[starts[1:], len(order)]):
-            listed = order[start:stop]
-            row = int(image_rows[listed[0]])
+        starts = np.flatnonzero(np.r_[True, np.diff(image_rows) != 0])
+        for start, stop in zip(starts, np.r_[starts[1:], len(image_rows)]):
+            row = int(image_rows[start])
             image = cast_embeddings(slice_embeddings(self.embeddings.images, slice(row, row + 1)), torch.float64)
-            caps = cast_embeddings(self._captions(captions[listed]), torch.float64)
+            caps = cast_embeddings(self._captions(captions[start:stop], shapes), torch.float64)
             scores = self._with_dtype(torch.float64, lambda model: model.score(image, caps, dtype=torch.float64))
-            out[listed] = scores[0].double().cpu().numpy()
+            out[start:stop] = scores[0].double().cpu().numpy()
         return out
 
-    def _pairs_aligned(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
-        """One ``pair_score`` call over every listed pair: the listed images and the listed captions (gathered from
-        their blocks) in float64, each once (not a float64 copy of every image: SMAN's cells on COCO 5K are 2 GB)."""
+    def _pairs_aligned(self, image_rows: np.ndarray, captions: np.ndarray, shapes) -> np.ndarray:
+        """One ``pair_score`` call over the listed pairs: their images and captions (gathered from their blocks) in
+        float64, each once (not a float64 copy of every image: SMAN's cells on COCO 5K are 2 GB)."""
         device = self.device
         rows, row_of = np.unique(image_rows, return_inverse=True)
         images = cast_embeddings(slice_embeddings(self.embeddings.images, torch.as_tensor(rows, device=device)),
                                  torch.float64)
         distinct, inverse = np.unique(captions, return_inverse=True)
-        caps = cast_embeddings(self._captions(distinct), torch.float64)
+        caps = cast_embeddings(self._captions(distinct, shapes), torch.float64)
         scores = self._with_dtype(torch.float64, lambda model: model.pair_score(
             images, caps, torch.as_tensor(row_of.reshape(-1), device=device),
             torch.as_tensor(inverse.reshape(-1), device=device), dtype=torch.float64))
         return scores.double().cpu().numpy()
 
-    def _pairs_by_caption_block(self, image_rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
+    def _pairs_by_caption_block(self, image_rows: np.ndarray, captions: np.ndarray, shapes) -> np.ndarray:
+        """``pair_score`` per caption block over every image as stored: the model casts what it scores to float64
+        (the block's captions are cast here), so no float64 copy of every image is made."""
         out = np.empty(len(image_rows), dtype=np.float64)
-        images = self._wide_images()
+        images = self.embeddings.images
         device = self.device
         blocks = self._caption_block[captions]
         for b in np.unique(blocks):
@@ -339,26 +455,30 @@ def score_blocks(score, images: Embeddings, caption_blocks, num_images: int, num
 # ------------------------------------------------------------------------------------------- refinement
 
 def rank_deciding_pairs(sims: np.ndarray, caption_image: np.ndarray, margin: float,
-                        device: torch.device | str | None = None) -> np.ndarray:
-    """``[N, M]`` bool: pairs within ``margin`` of the score they are ranked against."""
+                        device: torch.device | str | None = None, rows: slice = slice(None)) -> np.ndarray:
+    """``[N, M]`` bool (of the ``rows`` of ``sims`` only, when given): pairs within ``margin`` of the score they are
+    ranked against — their caption's true pair, or their image's best true pair."""
     columns = np.arange(sims.shape[1])
     true = sims[caption_image, columns]
     best = np.full(sims.shape[0], -np.inf)
     np.maximum.at(best, caption_image, true)
-    near = np.empty(sims.shape, dtype=bool)
+    first, last, _ = rows.indices(sims.shape[0])
+    near = np.empty((max(0, last - first), sims.shape[1]), dtype=bool)
     if device is not None:
         true_t = torch.from_numpy(true).to(device)
         best_t = torch.from_numpy(best).to(device)
-        for start in range(0, sims.shape[0], 1024):
-            rows = torch.from_numpy(sims[start:start + 1024]).to(device, non_blocking=True)
-            close = ((rows - true_t[None, :]).abs() <= margin) | \
-                ((rows - best_t[start:start + 1024, None]).abs() <= margin)
-            near[start:start + 1024] = close.cpu().numpy()
+        for start in range(first, last, 1024):
+            stop = min(start + 1024, last)
+            block = torch.from_numpy(sims[start:stop]).to(device, non_blocking=True)
+            close = ((block - true_t[None, :]).abs() <= margin) | \
+                ((block - best_t[start:stop, None]).abs() <= margin)
+            near[start - first:stop - first] = close.cpu().numpy()
         return near
-    for start in range(0, sims.shape[0], 1024):       # 1,024 rows at a time: no [N, M] float temporaries
-        rows = sims[start:start + 1024]
-        near[start:start + 1024] = (np.abs(rows - true[None, :]) <= margin) | \
-            (np.abs(rows - best[start:start + 1024, None]) <= margin)
+    for start in range(first, last, 1024):       # 1,024 rows at a time: no [N, M] float temporaries
+        stop = min(start + 1024, last)
+        block = sims[start:stop]
+        near[start - first:stop - first] = (np.abs(block - true[None, :]) <= margin) | \
+            (np.abs(block - best[start:stop, None]) <= margin)
     return near
 
 
@@ -376,28 +496,37 @@ def with_shared_captions(rows: np.ndarray, cols: np.ndarray, source: np.ndarray)
     return keys // len(source), keys % len(source)
 
 
+#: rows of the matrix searched for rank-deciding pairs at a time (no [N, M] mask is ever made)
+REFINE_ROWS = 1024
+
+
 def refine(sims: np.ndarray, caption_image: np.ndarray,
            rescore: Callable[[np.ndarray, np.ndarray], np.ndarray], source: np.ndarray | None = None,
            device: torch.device | str | None = None) -> dict:
     """Rescore the rank-deciding pairs of a float32 matrix in place; returns the statistics.
 
     ``rescore(image_rows [P], captions [P])`` → float64 ``[P]``; ``source`` ``[M]`` (:func:`caption_sources`):
-    identical captions are rescored together and stay tied."""
+    identical captions are rescored together and stay tied. The pairs rescored are kept as sorted keys
+    (``row · M + column``), and the matrix is searched :data:`REFINE_ROWS` rows at a time, so what this adds to the
+    matrix's own memory grows with the pairs rescored, not with the matrix."""
     num_images, num_captions = sims.shape
     caption_image = np.asarray(caption_image, dtype=np.int64)
-    exact = np.zeros(sims.shape, dtype=bool)
+    exact = np.zeros(0, dtype=np.int64)          # sorted keys of the pairs rescored so far
     worst = 0.0
 
     def rescore_pairs(rows: np.ndarray, cols: np.ndarray) -> None:
-        nonlocal worst
+        nonlocal worst, exact
         if source is not None:
             rows, cols = with_shared_captions(rows, cols, source)
+        keys = rows * num_captions + cols
+        fresh = ~np.isin(keys, exact, assume_unique=True) if len(exact) else np.ones(len(keys), dtype=bool)
+        rows, cols = rows[fresh], cols[fresh]
         if len(rows) == 0:
             return
         values = rescore(rows, cols)
         worst = max(worst, float(np.max(np.abs(values - sims[rows, cols]))))
         sims[rows, cols] = values
-        exact[rows, cols] = True
+        exact = np.union1d(exact, keys[fresh])
 
     # the probe block and every true pair in one call: the largest error they show sets the first margin
     probe = np.ix_(np.arange(min(PROBE, num_images)), np.arange(min(PROBE, num_captions)))
@@ -410,16 +539,21 @@ def refine(sims: np.ndarray, caption_image: np.ndarray,
     rounds = 0
     while True:
         rounds += 1
-        rows, cols = np.nonzero(rank_deciding_pairs(sims, caption_image, margin, device) & ~exact)
-        rescore_pairs(rows, cols)
+        found = []
+        for start in range(0, num_images, REFINE_ROWS):
+            block_rows, block_cols = np.nonzero(rank_deciding_pairs(sims, caption_image, margin, device,
+                                                                    slice(start, start + REFINE_ROWS)))
+            found.append((block_rows + start) * num_captions + block_cols)
+        keys = np.setdiff1d(np.concatenate(found), exact, assume_unique=True)
+        rescore_pairs(keys // num_captions, keys % num_captions)
         if worst <= margin / 2 or rounds == MAX_ROUNDS:
             break
         margin = SAFETY * worst
     if worst > margin / 2:
         raise UserError(f"refined evaluation: float32 scores are up to {worst:.3g} off their float64 values, more "
                         f"than the margin allows after {rounds} rounds; use --precision float64")
-    return {"margin": margin, "max_float32_error": worst, "rounds": rounds,
-            "rescored_pairs": int(exact.sum()), "rescored_fraction": float(exact.mean()) if exact.size else 0.0}
+    return {"margin": margin, "max_float32_error": worst, "rounds": rounds, "rescored_pairs": int(len(exact)),
+            "rescored_fraction": float(len(exact) / sims.size) if sims.size else 0.0}
 
 
 def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISION,
@@ -443,7 +577,7 @@ def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISIO
             raise ValueError("refined precision needs caption_image (which pairs are true)")
 
         def rescore(rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
-            return sum(s.pairs(rows, captions, pair_strategy) for s in scorers) / len(scorers)
+            return sum(s.pairs(rows, captions, pair_strategy, quiet) for s in scorers) / len(scorers)
         # captions identical for every member share a column
         source = caption_sources(np.stack([s.embeddings.sources for s in scorers], axis=1).tolist())
         device = scorers[0].device

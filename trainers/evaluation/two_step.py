@@ -18,10 +18,10 @@ DEFAULT_SHORTLIST = 100
 
 @torch.no_grad()
 def encode_all(model, data: SplitData, features: ImageFeatures, device: torch.device, batch_size: int = 128,
-               dtype: torch.dtype = torch.float64, quiet: bool = True) -> tuple[dict, dict]:
-    """Image and caption embeddings of a split, both in manifest order, cast to ``dtype``."""
-    image_blocks, caption_blocks = encode_split(model, data, features, device, batch_size, quiet)
-    images = _concat(image_blocks)
+               dtype: torch.dtype | None = None, quiet: bool = True) -> tuple[dict, dict]:
+    """Image and caption embeddings of a split, both in manifest order, cast to ``dtype`` (None: as encoded; the
+    scoring calls cast what they score, chunk by chunk, so no float64 copy of every embedding is needed)."""
+    images, caption_blocks = encode_split(model, data, features, device, batch_size, quiet)
     captions = _concat([emb for _, emb in caption_blocks])
     order = torch.from_numpy(np.concatenate([idx for idx, _ in caption_blocks])).to(device)
     inverse = torch.empty_like(order)
@@ -30,11 +30,13 @@ def encode_all(model, data: SplitData, features: ImageFeatures, device: torch.de
 
     def cast(e: dict) -> dict:
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in e.items()}
-    return cast(images), cast(captions)
+    return (cast(images), cast(captions)) if dtype is not None else (images, captions)
 
 
-def rerank_matrices(global_sims: torch.Tensor, pair_score, shortlist: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(i2t matrix, t2i matrix) ``[N_img, M]`` from global scores and ``pair_score(img_idx, cap_idx) -> [P]``."""
+def rerank_matrices(global_sims: torch.Tensor, pair_score, shortlist: int,
+                    in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(i2t matrix, t2i matrix) ``[N_img, M]`` from global scores and ``pair_score(img_idx, cap_idx) -> [P]``
+    (``in_place``: the i2t matrix is ``global_sims`` itself, rewritten: one ``[N_img, M]`` matrix fewer)."""
     n_img, n_cap = global_sims.shape
     k_cap, k_img = min(shortlist, n_cap), min(shortlist, n_img)
     device = global_sims.device
@@ -43,11 +45,12 @@ def rerank_matrices(global_sims: torch.Tensor, pair_score, shortlist: int) -> tu
     img_idx = torch.cat([torch.arange(n_img, device=device).repeat_interleave(k_cap), top_imgs.t().reshape(-1)])
     cap_idx = torch.cat([top_caps.reshape(-1), torch.arange(n_cap, device=device).repeat_interleave(k_img)])
     alpha = pair_score(img_idx, cap_idx).to(global_sims.dtype)
-    below = global_sims - global_sims.max() - 2
-    i2t = below.clone()
-    i2t.scatter_(1, top_caps, alpha[:n_img * k_cap].view(n_img, k_cap))
+    top = global_sims.max()
+    below = global_sims.sub_(top).sub_(2) if in_place else global_sims - top - 2
     t2i = below.clone()
     t2i.scatter_(0, top_imgs, alpha[n_img * k_cap:].view(n_cap, k_img).t())
+    i2t = below
+    i2t.scatter_(1, top_caps, alpha[:n_img * k_cap].view(n_img, k_cap))
     return i2t, t2i
 
 
@@ -65,7 +68,7 @@ def _sync(device: torch.device) -> None:
 @torch.no_grad()
 def two_step_split(model, data: SplitData, features: ImageFeatures, device: torch.device | str = "cpu",
                    shortlist: int = DEFAULT_SHORTLIST, precision: str = "float64", encode_batch: int = 128,
-                   full: bool = False) -> dict:
+                   full: bool = False, quiet: bool = True) -> dict:
     """One-step and two-step numbers of one split, with times: ``{"one_step", "two_step", "seconds",
     "pairs_scored"}`` (``full=True`` adds ``"full"``: every pair through ``model.score``).
     """
@@ -78,19 +81,20 @@ def two_step_split(model, data: SplitData, features: ImageFeatures, device: torc
     dtype = torch.float32 if precision == "float32" else torch.float64   # "refined": the re-rank is cheap, so float64
     # the scoring dtype is passed to every call: nothing is set on the model
     t0 = time.perf_counter()
-    images, captions = encode_all(model, data, features, device, encode_batch, dtype)
+    images, captions = encode_all(model, data, features, device, encode_batch, quiet=quiet)
     _sync(device)
     t1 = time.perf_counter()
     global_sims = model.global_score(images, captions, dtype=dtype)
     _sync(device)
     t2 = time.perf_counter()
+    ci = data.caption_image
+    one_step = retrieval_metrics(global_sims.double().cpu().numpy(), ci)
+    # the global matrix becomes the i2t matrix: two [N_img, M] matrices held, not four
     i2t, t2i = rerank_matrices(global_sims, lambda ii, cc: model.pair_score(images, captions, ii, cc, dtype=dtype),
-                               shortlist)
+                               shortlist, in_place=True)
     _sync(device)
     t3 = time.perf_counter()
-    ci = data.caption_image
-    g = global_sims.double().cpu().numpy()
-    result = {"one_step": retrieval_metrics(g, ci),
+    result = {"one_step": one_step,
               "two_step": _directions(i2t.double().cpu().numpy(), t2i.double().cpu().numpy(), ci),
               "shortlist": shortlist,
               "seconds": {"encode": t1 - t0, "global": t2 - t1, "rerank": t3 - t2,
@@ -127,30 +131,31 @@ def full_scores(model, images: dict, captions: dict, image_block: int = 128, cap
 
 def two_step_protocol(model, data: SplitData, features: ImageFeatures, protocol: str,
                       device: torch.device | str = "cpu", shortlist: int = DEFAULT_SHORTLIST,
-                      precision: str = "float64", full: bool = False, allow_size_mismatch: bool = False) -> dict:
+                      precision: str = "float64", full: bool = False, allow_size_mismatch: bool = False,
+                      quiet: bool = True) -> dict:
     """Every number of ``protocol`` for both steps; ``coco-1k`` runs each fold on its own and averages,
     ``coco-1k-first`` runs the first fold only."""
     mismatch = check_split_size(protocol, data.num_images, allow_size_mismatch)
-    result = _two_step_numbers(model, data, features, protocol, device, shortlist, precision, full)
+    result = _two_step_numbers(model, data, features, protocol, device, shortlist, precision, full, quiet)
     if mismatch:
         result["size_mismatch"] = mismatch
     return result
 
 
 def _two_step_numbers(model, data: SplitData, features: ImageFeatures, protocol: str, device, shortlist: int,
-                      precision: str, full: bool) -> dict:
+                      precision: str, full: bool, quiet: bool = True) -> dict:
     if protocol == "coco-1k-first":
         start, stop = coco_folds(data.num_images, COCO_FOLDS)[0]
         data, features = data.subset_images(start, stop), _SubsetFeatures(features, start)
     if protocol != "coco-1k":
-        result = two_step_split(model, data, features, device, shortlist, precision, full=full)
+        result = two_step_split(model, data, features, device, shortlist, precision, full=full, quiet=quiet)
         result.update(images=data.num_images, captions=data.num_captions)
         return result
     folds = []
     for start, stop in coco_folds(data.num_images, COCO_FOLDS):
         sub = data.subset_images(start, stop)
         sub_feats = _SubsetFeatures(features, start)
-        fold = two_step_split(model, sub, sub_feats, device, shortlist, precision, full=full)
+        fold = two_step_split(model, sub, sub_feats, device, shortlist, precision, full=full, quiet=quiet)
         fold.update(images=sub.num_images, captions=sub.num_captions)
         folds.append(fold)
     out: dict = {"folds": folds, "images": data.num_images, "captions": data.num_captions, "shortlist": shortlist}

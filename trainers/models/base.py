@@ -47,6 +47,10 @@ class MatchingModel(nn.Module):
     #: True when :meth:`pair_score` computes only the listed pairs (its cost grows with their number, not with the
     #: images × captions they span): the evaluator then rescores listed pairs in a few large calls on any device
     pair_score_is_aligned: bool = False
+    #: how many copies of a listed pair's image and caption embeddings (in the scoring dtype) :meth:`pair_score`
+    #: holds at once at most — its gathers and the intermediates of their size: the evaluator sizes its calls to
+    #: its memory budget by it (retr.trainers.evaluation.similarity.Scorer.pair_step)
+    pair_score_copies: float = 2.0
     #: True when :meth:`global_score` is a pair-independent first stage that :meth:`pair_score` re-ranks
     has_global_stage: bool = False
 

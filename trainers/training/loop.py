@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from retr.common.atomic import atomic_text
-from retr.common.progress import progress
+from retr.common.progress import progress, stage
 from retr.common.devices import resolve_device
 from retr.common.errors import UserError
 from retr.common.locks import exclusive_lock
@@ -53,8 +53,8 @@ from retr.trainers.training.collapse import (CollapseMonitor, StepRanking, colla
                                     val_at_chance_message)
 from retr.trainers.config import TrainConfig
 from retr.trainers.runs.run_log import RunLog, epoch_index, summary_writer
-from retr.trainers.data.splits import (CaptionBatches, EpochBatchSampler, ImageFeatures, SplitData,
-                                       check_feature_contract, load_split)
+from retr.trainers.data.splits import (CaptionBatches, EpochBatchSampler, ImageFeatures, ManifestCaptions, SplitData,
+                                       check_feature_contract)
 from retr.trainers.runs.resume import check_same_data, data_identity, resumed_config
 from retr.trainers.training.distributed import DistInfo, GatherEmbeddings, barrier, cleanup, init_from_env
 from retr.trainers.evaluation.metrics import retrieval_metrics
@@ -91,14 +91,14 @@ def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False, trust_che
         torch.cuda.set_device(device)
     try:
         with run_lock(cfg.out, info):
-            run = build_run(cfg, resume, device, info, trust_checkpoint, notes)
+            run = build_run(cfg, resume, device, info, trust_checkpoint, notes, quiet)
             last_val: dict = {}
             epoch = run.start_epoch - 1
             for epoch in range(run.start_epoch, run.cfg.epochs):
                 started = time.time()
                 losses = train_one_epoch(run, epoch, quiet)
                 if info.is_main:
-                    last_val = validate(run)
+                    last_val = validate(run, quiet)
                     is_best = run.record_epoch(epoch, losses, last_val)
                     if epoch == run.cfg.epochs - 1 or run.early_stop_due(epoch):
                         report_val_at_chance(run, last_val, epoch)   # logged before the last checkpoint
@@ -183,7 +183,7 @@ def lr_schedule(optimizer: torch.optim.Optimizer, lr_update: int) -> torch.optim
 
 
 def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistInfo,
-              trust_checkpoint: bool = False, notes: tuple[str, ...] = ()) -> Run:
+              trust_checkpoint: bool = False, notes: tuple[str, ...] = (), quiet: bool = False) -> Run:
     """Open (or resume) the run directory, load the data, build the model, optimiser and data loader."""
     folder, state = _open_run_folder(cfg, resume, info, trust_checkpoint)
     if not Path(cfg.manifest).is_file():
@@ -198,22 +198,23 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
         check_same_data(folder, identity)
         if state is not None:
             check_feature_contract(features, cfg.model_args.get("img_dim"))
+    # the manifest read and every caption tokenised once: the vocabulary and both splits come from that pass
+    vocab_splits = list(cfg.vocab_splits or cfg.train_splits)
+    builds_vocab = state is None and not cfg.vocab
+    captions = ManifestCaptions.read(cfg.manifest, [*cfg.train_splits, cfg.val_split,
+                                                    *(vocab_splits if builds_vocab else [])],
+                                     quiet=quiet or not info.is_main)
     if state is not None:
         vocab = Vocabulary.from_json(state["vocab"])
     elif cfg.vocab:
         vocab = Vocabulary.load(cfg.vocab)
     else:
-        from retr.manifests.schema import read_manifest
-        splits = list(cfg.vocab_splits or cfg.train_splits)
-        records = read_manifest(cfg.manifest, splits=splits)
-        if not any(r.captions for r in records):
-            raise UserError(f"{cfg.manifest} has no captions in {', '.join(splits)} to build the vocabulary from "
-                            "(--vocab-split / --train-split)")
-        vocab = Vocabulary.build((c for r in records for c in r.captions), cfg.vocab_threshold)
-    train_data, absent = load_split(cfg.manifest, list(cfg.train_splits), vocab, features, missing="skip")
+        vocab = captions.vocabulary(vocab_splits, cfg.vocab_threshold)
+    train_data, absent = captions.split(list(cfg.train_splits), vocab, features, missing="skip")
     if absent and info.is_main:
         logger.warning(f"note: {len(absent)} training image(s) have no features and are left out (first: {absent[0]})")
-    val_data, _ = load_split(cfg.manifest, [cfg.val_split], vocab, features, missing="skip")
+    val_data, _ = captions.split([cfg.val_split], vocab, features, missing="skip")
+    del captions
     if cfg.val_images and val_data.num_images > cfg.val_images:
         val_data = val_data.subset_images(0, cfg.val_images)
     train_feats = ImageFeatures(features, train_data.image_ids, cfg.preload, device=device)
@@ -521,13 +522,16 @@ def non_finite_message(run: Run, batch: dict, epoch: int, loss: float) -> str:
             "--grad-clip; the run stays at its last checkpoint (--resume continues from there)")
 
 
-def validate(run: Run) -> dict:
-    """Validation metrics of the model as it is evaluated: two-step for models with a shortlist."""
+def validate(run: Run, quiet: bool = False) -> dict:
+    """Validation metrics of the model as it is evaluated: two-step for models with a shortlist. Its encoding and
+    scoring show progress as ``validation: …`` bars (unless ``quiet``)."""
     model = run.model
-    if model.shortlist:
-        from retr.trainers.evaluation.two_step import two_step_split
-        return two_step_split(model, run.val_data, run.val_feats, run.device, model.shortlist, "mixed")["two_step"]
-    sims = similarity_matrix(model, run.val_data, run.val_feats, run.device, precision="refined", quiet=True)
+    with stage("validation"):
+        if model.shortlist:
+            from retr.trainers.evaluation.two_step import two_step_split
+            return two_step_split(model, run.val_data, run.val_feats, run.device, model.shortlist, "mixed",
+                                  quiet=quiet)["two_step"]
+        sims = similarity_matrix(model, run.val_data, run.val_feats, run.device, precision="refined", quiet=quiet)
     return retrieval_metrics(sims, run.val_data.caption_image)
 
 
