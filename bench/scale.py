@@ -77,16 +77,29 @@ def pseudo_words(count: int, rng: np.random.Generator) -> list[str]:
     return sorted(words)
 
 
+#: what some captions carry, each with its share of captions (COCO-like; these decide how often the tokenizer
+#: cannot take its plain path): a comma, a possessive 's, a parenthesis
+CAPTION_EXTRAS = ((",", 0.15), ("'s", 0.03), ("(", 0.01))
+
+
 def write_captions(path: Path, images: int, rng: np.random.Generator, vocabulary: list[str]) -> None:
-    """Five captions an image: 8–20 words (mean ≈ 11), Zipf-distributed over ``vocabulary``, a final period."""
+    """Five captions an image: 8–20 words (mean ≈ 11), Zipf-distributed over ``vocabulary``, a final period; some
+    with a comma, a possessive or a parenthesis (:data:`CAPTION_EXTRAS`)."""
     weights = 1.0 / np.arange(1, len(vocabulary) + 1)
     weights /= weights.sum()
     lengths = np.clip(rng.poisson(10.5, size=images * 5), 8, 20)
     words = rng.choice(len(vocabulary), size=int(lengths.sum()), p=weights)
+    extras = [(mark, rng.random(len(lengths)) < share) for mark, share in CAPTION_EXTRAS]
     with open(path, "w", encoding="utf-8") as handle:
         start = 0
-        for length in lengths:
-            handle.write("A " + " ".join(vocabulary[w] for w in words[start:start + length]) + " .\n")
+        for n, length in enumerate(lengths):
+            caption = [vocabulary[w] for w in words[start:start + length]]
+            for k, (mark, chosen) in enumerate(extras):
+                if chosen[n]:
+                    at = 1 + (n + 3 * k) % (length - 2)          # each mark on its own word
+                    caption[at] = {",": caption[at] + ",", "'s": caption[at] + "'s",
+                                   "(": f"({caption[at]})"}[mark]
+            handle.write("A " + " ".join(caption) + " .\n")
             start += length
 
 
@@ -282,14 +295,15 @@ def stage_loader(name: str, target: Path, seconds: float) -> list[dict]:
     return records
 
 
-def stage_eval(name: str, target: Path, runs: Path, protocol: str, exact_size: bool = True) -> dict:
-    run = runs / f"eval-{name}"
+def stage_eval(name: str, target: Path, runs: Path, protocol: str, exact_size: bool = True,
+               embed_size: int = 1024) -> dict:
+    run = runs / f"eval-{name}-d{embed_size}"
     if not (run / "best.pt").is_file():
         shutil.rmtree(run, ignore_errors=True)
         trained = timed([str(BIN / "retr-train"), "scan", "--features", str(target / "regions.h5"), "--manifest",
                          str(target / "manifest.jsonl"), "--out", str(run), "--train-split", "val", "--val-split",
                          "val", "--val-images", "100", "--epochs", "1", "--batch-size", "128", "--embed-size",
-                         "1024", "--device", "cpu", "--quiet"])
+                         str(embed_size), "--device", "cpu", "--quiet"])
         if trained["rc"] != 0:
             raise SystemExit(f"training the evaluated run failed: {trained['stderr_lines'][-3:]}")
     result = timed([str(BIN / "retr-train"), "eval", str(run), "--protocol", protocol, "--device", "cpu", "--json",
@@ -298,7 +312,7 @@ def stage_eval(name: str, target: Path, runs: Path, protocol: str, exact_size: b
         raise SystemExit(f"eval failed: {result['stderr_lines'][-3:]}")
     evaluated = json.loads(result["stdout"])
     refinement = evaluated.get("refinement", {})
-    return {"bench": "scale", "stage": "eval", "dataset": name, "protocol": protocol, "embed_size": 1024,
+    return {"bench": "scale", "stage": "eval", "dataset": name, "protocol": protocol, "embed_size": embed_size,
             "seconds": result["seconds"], "peak_rss_gb": result["peak_rss_gb"],
             "rescored_pairs": refinement.get("rescored_pairs"), "rsum": evaluated.get("rsum"),
             "repeated_progress_lines": repeated_progress(result["stderr_lines"]),
@@ -314,6 +328,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="work folder (default: a new temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (the imported sets) at the end")
     parser.add_argument("--steps", type=int, default=4, help="training steps of the start-up stage")
+    parser.add_argument("--embed-size", type=int, default=1024, help="joint space of the evaluated SCAN")
     parser.add_argument("--loader-seconds", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fraction", type=float, default=1.0,
@@ -342,7 +357,8 @@ def main() -> None:
                 for record in stage_loader(name, target, args.loader_seconds):
                     emit(record)
             if "eval" in stages and spec["protocol"]:
-                emit(stage_eval(name, target, runs, spec["protocol"], exact_size=args.fraction == 1.0))
+                emit(stage_eval(name, target, runs, spec["protocol"], exact_size=args.fraction == 1.0,
+                                embed_size=args.embed_size))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -49,18 +49,29 @@ def _tokenizer():
     return NLTKWordTokenizer()
 
 
-#: captions :func:`tokenize` splits itself: ASCII lower-case letters, digits, spaces, hyphens and commas, and at
-#: most one period, the last character before trailing spaces. On these NLTK's rules reduce to: commas are
-#: tokens, the final period is a token, the rest splits on spaces …
-_PLAIN = re.compile(r"[a-z0-9 ,\-]*\.? *")
-#: … except where one of these occurs, which go to NLTK: a comma before a digit or a comma (NLTK keeps ``3,000``
-#: whole and splits a run of commas its own way), a double dash, and the words NLTK's contraction rules split
-#: (``cannot`` → ``can not``, ``gonna`` → ``gon na`` …)
-_NOT_PLAIN = re.compile(r",[,0-9]|--|\b(?:cannot|gimme|gonna|gotta|lemme|wanna)\b")
-#: what a caption must contain for :data:`_NOT_PLAIN` to match (substring tests are ~20× faster than it) …
-_NOT_PLAIN_HINTS = ("--", ",,", "cannot", "gimme", "gonna", "gotta", "lemme", "wanna")
-#: … or this
+#: captions :func:`tokenize` splits itself: ASCII lower-case letters, digits, spaces, hyphens, commas and
+#: apostrophes, and at most one period, the last character before trailing spaces. On these NLTK's rules reduce
+#: to: commas are tokens, the final period is a token, a word's clitic is a token of its own (``dog's`` → ``dog
+#: 's``, ``don't`` → ``do n't``), the rest splits on spaces …
+_PLAIN = re.compile(r"[a-z0-9 ,'\-]*\.? *")
+#: … where every apostrophe is such a clitic's: ``'s 'm 'd 'll 're 've`` or ``n't`` after a word character or a
+#: hyphen, ending the word (before a space, a comma, the period or the end) …
+_CLITIC = re.compile(r"(?:(?<=[a-z0-9\-])'(?:s|m|d|ll|re|ve)|(?<=[a-z0-9\-]n)'t)(?=[ ,.]|$)")
+#: … and none of these occurs, which go to NLTK: a double dash, two commas in a row (NLTK splits a run of
+#: commas its own way), the words NLTK's contraction rules split (``cannot`` → ``can not``, ``gonna`` → ``gon
+#: na`` …: anywhere in the caption, since a clitic split off first can make a word of them) …
+_NOT_PLAIN = ("--", ",,", "cannot", "gimme", "gonna", "gotta", "lemme", "wanna")
+#: … or a comma before a digit (NLTK keeps ``3,000`` whole)
 _COMMA_DIGIT = re.compile(r",[0-9]")
+
+
+def _split_clitic(word: str) -> list[str]:
+    """``dog's`` → ``[dog, 's]``, ``don't`` → ``[do, n't]`` (a word :data:`_CLITIC` vouched for)."""
+    at = word.find("'")
+    if at < 0:
+        return [word]
+    at = at - 1 if word.endswith("n't") else at
+    return [word[:at], word[at:]]
 
 
 def _plain_tokens(text: str) -> list[str] | None:
@@ -68,14 +79,19 @@ def _plain_tokens(text: str) -> list[str] | None:
     expressions (the same tokens: tests/test_vocab.py checks them against NLTK); None for any other caption."""
     if _PLAIN.fullmatch(text) is None:
         return None
-    if ((any(hint in text for hint in _NOT_PLAIN_HINTS) or ("," in text and _COMMA_DIGIT.search(text)))
-            and _NOT_PLAIN.search(text) is not None):
+    if any(part in text for part in _NOT_PLAIN) or ("," in text and _COMMA_DIGIT.search(text)):
+        return None
+    apostrophes = text.count("'")
+    if apostrophes and len(_CLITIC.findall(text)) != apostrophes:
         return None
     body = text.rstrip(" ")
     final = []
     if body.endswith("."):
         body, final = body[:-1], ["."]
-    return body.replace(",", " , ").split() + final
+    words = body.replace(",", " , ").split()
+    if apostrophes:
+        words = [part for word in words for part in _split_clitic(word)]
+    return words + final
 
 
 def tokenize(caption: str) -> list[str]:

@@ -475,20 +475,20 @@ class Retriever:
                   index: "InnerProductIndex | None" = None, query: torch.Tensor | None = None):
         """Eval's two-step rule for one query: shortlist by ``global_score`` (float64; with an ``index``, among
         the float32 index's candidates, which hold every item the float64 shortlist can), re-rank with
-        ``pair_score`` (float64, eval's default). Returns (candidate rows, their scores)."""
-        images64, captions64 = cast_embeddings(images, torch.float64), cast_embeddings(captions, torch.float64)
+        ``pair_score`` (float64, eval's default; both cast what they score, so the gallery is not copied to
+        float64 for a query). Returns (candidate rows, their scores)."""
         shortlist = min(self.model.shortlist, n)
         pool = torch.arange(n, device=self.device)
         if index is not None and query is not None:
             pool = torch.from_numpy(index.candidates(query, shortlist)).to(self.device)
         if image_side:
-            g = self.model.global_score(images64, slice_embeddings(captions64, pool), dtype=torch.float64)[0]
+            g = self.model.global_score(images, slice_embeddings(captions, pool), dtype=torch.float64)[0]
         else:
-            g = self.model.global_score(slice_embeddings(images64, pool), captions64, dtype=torch.float64)[:, 0]
+            g = self.model.global_score(slice_embeddings(images, pool), captions, dtype=torch.float64)[:, 0]
         cands = pool[_top_stable(g, shortlist)]
         zeros = torch.zeros_like(cands)
         img_idx, cap_idx = (zeros, cands) if image_side else (cands, zeros)
-        scores = self.model.pair_score(images64, captions64, img_idx, cap_idx, dtype=torch.float64)
+        scores = self.model.pair_score(images, captions, img_idx, cap_idx, dtype=torch.float64)
         return cands.cpu().numpy(), scores.double().cpu().numpy()
 
 
