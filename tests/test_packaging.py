@@ -65,7 +65,8 @@ def test_console_scripts_run_and_report_errors_in_one_line(tmp_path):
     result = subprocess.run([str(bin_dir / "retr-pipeline"), "manifest", "check", str(tmp_path / "none.jsonl")],
                             capture_output=True, text=True)
     assert result.returncode == 1
-    assert result.stderr == f"error: manifest {tmp_path / 'none.jsonl'} does not exist\n"
+    assert result.stderr == (f"error: MANIFEST {tmp_path / 'none.jsonl'} does not exist (expected a JSON Lines "
+                             "manifest)\n")
     result = subprocess.run([str(bin_dir / "retr-pipeline"), "verify", "--no-such-flag", "x"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "error: No such option" in result.stderr

@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 import click
 
-from retr.common.cli import LazyChoice, error_message, quiet_option
+from retr.common.cli import InputPath, LazyChoice, OutputPath, error_message, quiet_option
+from retr.common.paths import check_input
 from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError, RetrError, UserError
 from retr.manifests.schema import read_manifest
@@ -39,9 +40,9 @@ BUTD_OPTIONS = [
     click.option("--max-boxes", type=int, default=None, help="butd-regions: MAX_BOXES (default 36)."),
     click.option("--conf-threshold", type=float, default=None,
                  help="butd-regions: max_conf threshold of the box selection (default 0.2)."),
-    click.option("--object-vocab", type=click.Path(dir_okay=False), default=None,
+    click.option("--object-vocab", type=InputPath("file", "a vocabulary file, one name a line"), default=None,
                  help="butd-regions: objects_vocab.txt (1600 lines), recorded in the feature set."),
-    click.option("--attr-vocab", type=click.Path(dir_okay=False), default=None,
+    click.option("--attr-vocab", type=InputPath("file", "a vocabulary file, one name a line"), default=None,
                  help="butd-regions: attributes_vocab.txt (400 lines), recorded in the feature set."),
     click.option("--detector-batch", type=click.IntRange(min=1), default=None,
                  help="butd-regions: images per detector forward, padded to the largest (default 4 on CUDA, 1 on "
@@ -160,11 +161,11 @@ def _builder_options(weights: str | None, device: str, half: bool, decode: str =
 
 
 @click.command("extract")
-@click.option("--manifest", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.option("--manifest", type=InputPath("file", "a JSON Lines manifest", path_type=Path), required=True,
               help="The dataset manifest (JSON Lines).")
 @click.option("--extractor", "name", type=RegisteredExtractors(lambda: available_extractors()), required=True,
               help="The registered extractor to run.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+@click.option("--out", type=OutputPath("folder", path_type=Path), required=True,
               help="Features folder: writes OUT/NAME/shard-*.h5 and the index OUT/NAME.h5.")
 @click.option("--shard-index", type=int, default=None, help="Run only this shard (with --num-shards).")
 @click.option("--image-size", type=int, default=None,
@@ -195,6 +196,8 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
       torchrun --nproc-per-node 2 --no-python retr-pipeline extract \\
           --manifest data/coco/manifest.jsonl --extractor vgg16-maps --out data/coco/features
     """
+    if image_root is not None:
+        check_input(image_root, "--image-root", "folder", "a folder of images")
     apply_network_options(offline, mirror)
     options = _builder_options(weights, device, half, decode, autocast, channels_last, image_size=image_size,
                                grid_size=grid_size, exif_orientation=exif_orientation, **butd)
@@ -206,9 +209,9 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
 
 @click.command("extract-preset")
 @click.argument("dataset")
-@click.option("--manifest", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--manifest", type=InputPath("file", "a JSON Lines manifest", path_type=Path), default=None,
               help="Use this manifest instead of the preset's.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--out", type=OutputPath("folder", path_type=Path), default=None,
               help="Use this features folder instead of the preset's.")
 @click.option("--only", "only", multiple=True, help="Run only this extractor (repeatable).")
 @_run_options

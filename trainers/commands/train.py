@@ -22,7 +22,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from retr.common.cli import quiet_option
+from retr.common.cli import InputPath, quiet_option
 from retr.common.errors import UserError
 from retr.trainers.runs.checkpoint import CONFIG
 from retr.trainers.config import TrainConfig, choices_of, field_types, setting_fields
@@ -113,14 +113,21 @@ def training_command(spec: ModelSpec) -> click.Command:
         params.append(option)
     for name in ("features", "manifest", "out"):
         next(p for p in params if p.name == name).show_default = False
-    params += [click.Option(["--" + i.name.replace("_", "-"), i.name], type=click.Path(dir_okay=False),
+    params += [click.Option(["--" + i.name.replace("_", "-"), i.name],
+                            type=InputPath("file", takes=set(i.resources).__contains__ if i.resources else None),
                             default=None, help=i.help + (" (required)" if i.required else ""))
                for i in spec.inputs]
     params += settings_options(spec.config_class, shown)
     params += [click.Option([flag, shortcut_name(flag)], is_flag=True, default=False, help=help_text)
                for flag, (help_text, _) in spec.shortcuts.items()]
-    params += [click.Option(["--config"], type=click.Path(dir_okay=False), default=None,
+    params += [click.Option(["--config"], type=InputPath("file", "a JSON or YAML settings file"), default=None,
                             help="Settings from a JSON/YAML file or a run's config.json (options override it)."),
+               click.Option(["--allow-nonempty-out"], is_flag=True,
+                            help="Train into a non-empty --out that holds no run (refused otherwise: the run's files "
+                                 "would lie among others)."),
+               click.Option(["--no-verify"], is_flag=True,
+                            help="Do not compare the feature set's rows with the checksums stored when they were "
+                                 "written (done once per state of its files and remembered: see README)."),
                click.Option(["--resume"], is_flag=True,
                             help="Continue the run in --out from its newest checkpoint, with its own settings "
                                  "(--out is enough; --epochs, --device, --workers … may change, other options "
@@ -133,7 +140,7 @@ def training_command(spec: ModelSpec) -> click.Command:
     def callback(**values) -> None:
         from retr.trainers.evaluation.reports import report_after_training
         from retr.trainers.training.loop import train
-        from retr.trainers.training.preflight import check_training
+        from retr.trainers.training.preflight import check_feature_rows, check_training
 
         ctx = click.get_current_context()
         explicit = {name for name in values if ctx.get_parameter_source(name) in _EXPLICIT}
@@ -156,7 +163,10 @@ def training_command(spec: ModelSpec) -> click.Command:
             cfg = resume_settings(spec, values, explicit)
         else:
             cfg, _ = gather_settings(spec, values, explicit)
-        notes = tuple(f"note: {note}" for note in check_training(cfg, resume=values["resume"]))
+        notes = tuple(f"note: {note}" for note in check_training(cfg, resume=values["resume"],
+                                                                  allow_nonempty_out=values["allow_nonempty_out"]))
+        if not values["no_verify"]:
+            check_feature_rows(cfg.features, quiet=values["quiet"])
         if not values["resume"] and "preset" not in explicit and not values.get("config") and cfg.preset:
             notes += (f"note: no --preset given: starting from {cfg.preset}'s published settings "
                       f"(presets: {', '.join(spec.presets)}); options given override them",)

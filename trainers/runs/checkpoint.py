@@ -121,6 +121,21 @@ def list_checkpoints(run: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def holds_run(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a run (its ``config.json``, ``metrics.jsonl`` or an epoch checkpoint)."""
+    folder = Path(folder)
+    return (folder / CONFIG).exists() or (folder / METRICS).exists() or bool(list_checkpoints(folder))
+
+
+def is_run_file(name: str) -> bool:
+    """Whether a file or folder named ``name`` is one a run writes into its folder (a run stopped before its
+    ``config.json`` leaves some of them)."""
+    from retr.common.atomic import PARTIAL_SUFFIX
+
+    return (name in (CONFIG, VOCAB, BEST, METRICS, EVAL, LOCK, EMA, "tensorboard", "wandb")
+            or bool(_CHECKPOINT.match(name)) or name.endswith(PARTIAL_SUFFIX))
+
+
 def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
     """``torch.save`` to a temporary name, then rename (a killed run never leaves a truncated checkpoint)."""
     with atomic_file(path) as partial:
