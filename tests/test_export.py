@@ -143,7 +143,8 @@ def test_wrong_inputs_are_one_line_and_write_nothing(exported, run_cli, tmp_path
     assert "is not empty" in _one_line(run_cli, "export", run, "--out", full)
     assert (full / "keep.txt").read_text() == "mine" and len(list(full.iterdir())) == 1
     assert "is an export already" in _one_line(run_cli, "export", export, "--out", tmp_path / "again")
-    assert "is not a run directory" in _one_line(run_cli, "export", tmp_path, "--out", tmp_path / "x")
+    assert "holds no config.json, so it is not a run folder" in _one_line(run_cli, "export", tmp_path, "--out",
+                                                                           tmp_path / "x")
     assert not (tmp_path / "again").exists() and not (tmp_path / "x").exists()
     # weights of another model under this config: refused when loaded, naming the file
     other = tmp_path / "mixed"

@@ -179,7 +179,7 @@ WORD_VECTORS = {"not-a-number.txt": (b"the 0.1 0.2 abc 0.4\n", "its first line i
                 "text.zip": (b"the 0.1 0.2\n", "is named .zip but is not a zip archive"),
                 "no-words-of-the-vocabulary.txt": (f"zzzq{EIGHT}\n".encode(), "covers none of the"),
                 "folder": (None, "is a folder, not a GloVe-format"),
-                "absent.txt": (None, "word-vector file")}
+                "absent.txt": (None, "vectors/absent.txt does not exist (expected a GloVe-format")}
 
 
 @pytest.mark.parametrize("name", list(WORD_VECTORS))

@@ -9,7 +9,6 @@ from typing import Any, Callable
 import click
 
 from retr.common.cli import InputPath, LazyChoice, OutputPath, error_message, quiet_option
-from retr.common.paths import check_input
 from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError, RetrError, UserError
 from retr.manifests.schema import read_manifest
@@ -90,7 +89,7 @@ def extract_features(*args: Any, **kwargs: Any):
 
 
 def _run_options(f):
-    """Options shared by both commands: weights, batching, device, precision."""
+    """Options shared by both commands: weights, batching, device, precision (each adds its own --image-root)."""
     options = [
         click.option("--weights", default=None,
                      help="imagenet | a torchvision weight name (e.g. IMAGENET1K_V2) | random | PATH to a state "
@@ -122,8 +121,6 @@ def _run_options(f):
         click.option("--num-shards", type=int, default=None,
                      help="Split the manifest into this many shards (contiguous rows). Under torchrun: the world "
                           "size unless given."),
-        click.option("--image-root", type=click.Path(file_okay=False, path_type=Path), default=None,
-                     help="Folder the manifest's image paths are relative to."),
         click.option("--allow-outside-root", is_flag=True,
                      help="Read manifest paths that leave the image root (absolute, or '..' above it); by "
                           "default they are recorded in errors, unread."),
@@ -177,6 +174,8 @@ def _builder_options(weights: str | None, device: str, half: bool, decode: str =
               help="Rotate images by their EXIF orientation tag (off by default, like the published features).")
 @butd_options
 @_run_options
+@click.option("--image-root", type=InputPath("folder", "a folder of images", path_type=Path), default=None,
+              help="Folder the manifest's image paths are relative to (default: the manifest's folder).")
 def extract_command(manifest: Path, name: str, out: Path, shard_index: int | None, image_size: int | None,
                     grid_size: int | None, exif_orientation: bool, weights: str | None, batch_size: int,
                     workers: int, device: str, half: bool, decode: str, autocast: str, channels_last: bool,
@@ -196,8 +195,6 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
       torchrun --nproc-per-node 2 --no-python retr-pipeline extract \\
           --manifest data/coco/manifest.jsonl --extractor vgg16-maps --out data/coco/features
     """
-    if image_root is not None:
-        check_input(image_root, "--image-root", "folder", "a folder of images")
     apply_network_options(offline, mirror)
     options = _builder_options(weights, device, half, decode, autocast, channels_last, image_size=image_size,
                                grid_size=grid_size, exif_orientation=exif_orientation, **butd)
@@ -215,6 +212,8 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
               help="Use this features folder instead of the preset's.")
 @click.option("--only", "only", multiple=True, help="Run only this extractor (repeatable).")
 @_run_options
+@click.option("--image-root", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Use this image folder instead of the preset's (made when the preset's images are fetched).")
 def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None, only: tuple[str, ...],
                            weights: str | None, batch_size: int, workers: int, device: str, half: bool,
                            decode: str, autocast: str, channels_last: bool, tf32: bool, dtype: str,

@@ -36,9 +36,12 @@ def write_json(path: str | os.PathLike, data) -> Path:
 def read_config(run: str | os.PathLike) -> dict:
     """The run's ``config.json``, upgraded to today's form (:func:`upgrade_config`), with its data paths
     resolved (:func:`resolve_paths`)."""
-    path = local_run(run) / CONFIG
+    folder = local_run(run)
+    path = folder / CONFIG
     if not path.is_file():
-        raise UserError(f"{run} is not a run directory (no {CONFIG})")
+        what = ("does not exist" if not folder.exists() else "is a file, not a run folder" if not folder.is_dir()
+                else f"is not a run folder (it holds no {CONFIG})")
+        raise UserError(f"{run} {what}")
     run = path.parent
     return resolve_paths(run, upgrade_config(json.loads(path.read_text(encoding="utf-8"))))
 

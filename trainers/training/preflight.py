@@ -28,6 +28,7 @@ from retr.common.errors import UserError
 from retr.common.paths import check_folder_holds_only, check_input, check_output_folder
 from retr.manifests.schema import ManifestRecord, read_manifest
 from retr.store.features import FeatureSet
+from retr.store.word_vectors import GLOVE_SETS, RANDOM
 from retr.trainers.config import TrainConfig
 from retr.trainers.data.splits import check_feature_contract
 from retr.trainers.data.pairing import check_manifest_pairing
@@ -120,6 +121,9 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
         features = FeatureSet(cfg.features)
     check_feature_contract(features, cfg.model_args.get("img_dim") if resume else None)
     spec = get_spec(cfg.model)
+    vectors = cfg.model_args.get("word_vectors")
+    if vectors and vectors != RANDOM and vectors not in GLOVE_SETS:
+        check_input(vectors, "--word-vectors", "file", f"a GloVe-format .txt or .zip file, or {' / '.join(GLOVE_SETS)}")
     notes = check_feature_kind(spec, features, cfg.model_args)
     notes += check_manifest_pairing(features, cfg.manifest)
     if not resume and cfg.vocab:
