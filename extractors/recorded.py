@@ -91,8 +91,6 @@ def extract_arguments(feature_set) -> list[str]:
         value = options[key]
         if key in NUMERIC_RUNTIME_DEFAULTS and value == NUMERIC_RUNTIME_DEFAULTS[key]:
             continue
-        if key == "detector_batch" and value in (None, 1):
-            continue
         cuda = cuda or CUDA_ONLY.get(key) == value
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
