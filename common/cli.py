@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from typing import Any, Callable, Iterable
 
@@ -121,16 +122,21 @@ class InputPath(click.ParamType):
     ``--features X does not exist``, ``… is a folder, not a feature set (.h5 file)`` — one ``error:`` line,
     before any work. ``kind``: ``file`` or ``folder``; ``what``: what the path should be, in words; ``takes``:
     values taken as they are (``hf-hub:ORG/NAME`` where a run goes); ``holds``: a file a folder must hold (a run's
-    ``config.json``); ``path_type``: the value's type."""
+    ``config.json``); ``resource``: a download the user makes (annotations, models), so an absent path is left to
+    the command's own line saying what is missing, where it looked and how to get it; ``path_type``: the value's
+    type."""
 
     def __init__(self, kind: str = "file", what: str | None = None, takes: Callable[[str], bool] | None = None,
-                 holds: str | None = None, path_type: type = str):
+                 holds: str | None = None, resource: bool = False, path_type: type = str):
         self.kind, self.what, self.takes, self.holds, self.path_type = kind, what, takes, holds, path_type
+        self.resource = resource
         self.name = "folder" if kind == "folder" else "file"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and self.takes is not None and self.takes(value):
             return value
+        if self.resource and not os.path.lexists(value):
+            return self.path_type(value)
         return self.path_type(check_input(value, _name(param), self.kind, self.what, self.holds))
 
 

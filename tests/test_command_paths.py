@@ -59,6 +59,11 @@ WRONG = {
                 "a folder": ("full", "{name} {value} is a folder, not ")},
     "in-folder": {"absent": ("nowhere/folder", "{name} {value} does not exist"),
                   "a file": ("a-file", "{name} {value} is a file, not ")},
+    # a download the user makes (annotations, parser models): absent, the missing-resource line (what, where, how)
+    "in-resource-file": {"absent": ("nowhere/thing.txt", "not found (looked in nowhere)"),
+                         "a folder": ("full", "{name} {value} is a folder, not ")},
+    "in-resource-folder": {"absent": ("nowhere/folder", "not found (looked in nowhere/folder"),
+                           "a file": ("a-file", "{name} {value} is a file, not ")},
     "in-run": {"absent": ("nowhere/run", "{name} {value} does not exist"),
                "a file": ("a-file", "{name} {value} is a file, not "),
                "no run": ("full", "{name} {value} holds no config.json, so it is not a run folder")},
@@ -185,8 +190,8 @@ def _trainer_slots() -> list[Slot]:
 
 def _pipeline_slots() -> list[Slot]:
     p = "retr-pipeline"
-    extract = lambda *a: ["extract", "--extractor", "tencrop-resnet152", "--weights", "random", "--workers", "0",  # noqa: E731
-                          "--quiet", *a]
+    extract = lambda *a: ["extract", "--extractor", "tencrop-resnet152", "--weights", "random",  # noqa: E731
+                          "--workers", "0", "--quiet", *a]
     concepts = lambda *a: ["build-concepts", *a, "--select", "frequency"]                          # noqa: E731
     trees = lambda *a: ["parse-trees", *a, "--quiet"]                                              # noqa: E731
     coco = lambda *a: ["labels", "coco", *a]                                                       # noqa: E731
@@ -212,7 +217,8 @@ def _pipeline_slots() -> list[Slot]:
         Slot(p, "fetch-data", "--images-zip", "in-file",
              lambda v: ["fetch-data", "f30k", "--root", "made/f30k", "--images-zip", v, "--quiet"]),
         Slot(p, "fetch-parser-models", "MODEL_DIR", "out-folder", lambda v: ["fetch-parser-models", v]),
-        Slot(p, "fetch-weights", "--stanza-dir", "out-folder", lambda v: ["fetch-weights", "stanza", "--stanza-dir", v]),
+        Slot(p, "fetch-weights", "--stanza-dir", "out-folder",
+             lambda v: ["fetch-weights", "stanza", "--stanza-dir", v]),
         Slot(p, "import-npz", "FOLDER", "in-folder", lambda v: ["import-npz", v, "--out", "made/f", "--quiet"]),
         Slot(p, "import-npz", "--out", "out-folder", lambda v: ["import-npz", "data", "--out", v, "--quiet"]),
         Slot(p, "import-scan", "DATA_DIR", "in-folder", lambda v: ["import-scan", v, "--out", "made/s", "--quiet"]),
@@ -224,16 +230,16 @@ def _pipeline_slots() -> list[Slot]:
         Slot(p, "index", "FOLDER", "in-folder", lambda v: ["index", v]),
         Slot(p, "index", "the index", "out-beside", lambda v: ["index", v]),
         Slot(p, "inspect", "PATHS", "in-file", lambda v: ["inspect", F, v]),
-        Slot(p, "labels coco", "--instances", "in-file",
+        Slot(p, "labels coco", "--instances", "in-resource-file",
              lambda v: coco("--instances", v, "--manifest", M, "--out", "made/l.json")),
-        Slot(p, "labels coco", "MORE_INSTANCES", "in-file",
-             lambda v: coco("--instances", CONLLU, v, "--manifest", M, "--out", "made/l.json")),
+        Slot(p, "labels coco", "MORE_INSTANCES", "in-resource-file",
+             lambda v: coco("--instances", "data/instances.json", v, "--manifest", M, "--out", "made/l.json")),
         Slot(p, "labels coco", "--manifest", "in-file",
              lambda v: coco("--instances", CONLLU, "--manifest", v, "--out", "made/l.json")),
         Slot(p, "labels coco", "--out", "out-file", lambda v: coco("--instances", CONLLU, "--manifest", M, "--out", v)),
-        Slot(p, "labels f30k-entities", "--sentences", "in-folder",
+        Slot(p, "labels f30k-entities", "--sentences", "in-resource-folder",
              lambda v: f30k("--sentences", v, "--manifest", M, "--out", "made/l.json")),
-        Slot(p, "labels f30k-entities", "--annotations", "in-folder",
+        Slot(p, "labels f30k-entities", "--annotations", "in-resource-folder",
              lambda v: f30k("--sentences", IMAGES, "--annotations", v, "--manifest", M, "--out", "made/l.json")),
         Slot(p, "labels f30k-entities", "--manifest", "in-file",
              lambda v: f30k("--sentences", IMAGES, "--manifest", v, "--out", "made/l.json")),
@@ -247,13 +253,14 @@ def _pipeline_slots() -> list[Slot]:
         Slot(p, "parse-trees", "--manifest", "in-file",
              lambda v: trees("--manifest", v, "--conllu", CONLLU, "--out", "made/t.h5")),
         Slot(p, "parse-trees", "--out", "out-file", lambda v: trees("--manifest", M, "--conllu", CONLLU, "--out", v)),
-        Slot(p, "parse-trees", "--conllu", "in-file", lambda v: trees("--manifest", M, "--conllu", v, "--out", "made/t.h5")),
-        Slot(p, "parse-trees", "--stanza-dir", "in-folder",
+        Slot(p, "parse-trees", "--conllu", "in-file",
+             lambda v: trees("--manifest", M, "--conllu", v, "--out", "made/t.h5")),
+        Slot(p, "parse-trees", "--stanza-dir", "in-resource-folder",
              lambda v: trees("--manifest", M, "--stanza-dir", v, "--out", "made/t.h5")),
         Slot(p, "parse-trees", "--dictionaries", "in-file",
              lambda v: trees("--manifest", M, "--conllu", CONLLU, "--dictionaries", v, "--out", "made/t.h5")),
         Slot(p, "show-tree", "--conllu", "in-file", lambda v: ["show-tree", "a cat", "--conllu", v]),
-        Slot(p, "show-tree", "--stanza-dir", "in-folder", lambda v: ["show-tree", "a cat", "--stanza-dir", v]),
+        Slot(p, "show-tree", "--stanza-dir", "in-resource-folder", lambda v: ["show-tree", "a cat", "--stanza-dir", v]),
         Slot(p, "show-tree", "--dictionaries", "in-file",
              lambda v: ["show-tree", "a cat", "--conllu", CONLLU, "--dictionaries", v]),
         Slot(p, "synth", "--out", "out-own-folder", lambda v: ["synth", "--out", v, "--images", "3", "--quiet"],
@@ -321,7 +328,8 @@ def _undo_read_only(folder: Path, how: str | None) -> None:
 
 @pytest.fixture(scope="module")
 def world(synthetic_data, synthetic_run, tmp_path_factory):
-    """The folder every case runs from: ``data/`` (the synthetic dataset, its feature set, trees and concepts),
+    """The folder every case runs from: ``data/`` (the synthetic dataset, its feature set, trees, concepts and an
+    empty COCO instances file),
     ``run/`` (a trained VSE++ run), ``a-file``, ``full/`` (a folder of someone's notes), ``full.h5/`` (a folder
     named like an index), ``ro/`` (read-only: a run and a shard folder in it). Yields ``(folder, how ro/ was made
     read-only or None)``."""
@@ -331,6 +339,7 @@ def world(synthetic_data, synthetic_run, tmp_path_factory):
     manifest, _features = synthetic_data(images=40, copy_to=root / "data")
     write_trees_and_concepts(manifest, root / "data")
     synthetic_run("vsepp", *TINY, copy_to=root / "run")
+    (root / "data" / "instances.json").write_text('{"images": [], "annotations": [], "categories": []}\n')
     (root / "a-file").write_text("a file, not a folder\n")
     (root / "full").mkdir()
     (root / "full" / "notes.txt").write_text("someone's notes\n")

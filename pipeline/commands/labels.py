@@ -18,7 +18,7 @@ _manifest_option = click.option("--manifest", type=InputPath("file", "a JSON Lin
                                 required=True,
                                 help="The dataset manifest whose images get labels (JSON Lines).")
 #: a COCO instances_*.json file
-_INSTANCES = InputPath("file", "a COCO instance annotation JSON file", path_type=Path)
+_INSTANCES = InputPath("file", "a COCO instance annotation JSON file", resource=True, path_type=Path)
 _out_option = click.option("--out", type=OutputPath("file", path_type=Path), required=True,
                            help="Label file to write: .json (one object) or .jsonl (one image per line).")
 
@@ -85,9 +85,11 @@ def coco_command(instances: tuple[Path, ...], more_instances: tuple[Path, ...], 
 
 
 @labels_group.command("f30k-entities")
-@click.option("--sentences", type=InputPath("folder", "the Sentences folder", path_type=Path), required=True,
+@click.option("--sentences", required=True,
+              type=InputPath("folder", "the Sentences folder", resource=True, path_type=Path),
               help="Flickr30K Entities' Sentences folder (one <image id>.txt per image).")
-@click.option("--annotations", type=InputPath("folder", "the Annotations folder", path_type=Path), default=None,
+@click.option("--annotations", default=None,
+              type=InputPath("folder", "the Annotations folder", resource=True, path_type=Path),
               help="Flickr30K Entities' Annotations folder: count only entities that have a bounding box "
                    "(recommended: the paper's labels come 'from the bounding box annotation').")
 @click.option("--f30k-labels", "reading", type=click.Choice(F30K_READINGS), default=F30K_READINGS[0],

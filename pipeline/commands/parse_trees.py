@@ -38,7 +38,7 @@ def _parser_options(f):
     f = click.option("--device", default="auto", show_default=True, help="stanza: auto, cpu, cuda or cuda:N.")(f)
     f = click.option("--match", type=click.Choice(["auto", "key", "order"]), default="auto", show_default=True,
                      help="CoNLL-U: match sentences to captions by '# sent_id' (key) or by order.")(f)
-    f = click.option("--stanza-dir", type=InputPath("folder", "a stanza model folder"),
+    f = click.option("--stanza-dir", type=InputPath("folder", "a stanza model folder", resource=True),
                      help="stanza model folder (default: $STANZA_RESOURCES_DIR, else stanza's own).")(f)
     f = click.option("--conllu", type=InputPath("file", "a CoNLL-U file"),
                      help="parses made elsewhere (CoNLL-U, '# sent_id = <image id>#<caption index>'); needs no "

@@ -23,8 +23,9 @@ import click
 from click.core import ParameterSource
 
 from retr.common.cli import InputPath, quiet_option
+from retr.trainers.commands.options import no_verify_option
 from retr.common.errors import UserError
-from retr.trainers.runs.checkpoint import CONFIG
+from retr.trainers.runs.checkpoint import CONFIG, holds_run
 from retr.trainers.config import TrainConfig, choices_of, field_types, setting_fields
 from retr.trainers.models.registry import ModelSpec
 from retr.trainers.training.settings import (evaluate_hint, flag_of, gather_settings, resume_settings,
@@ -114,7 +115,8 @@ def training_command(spec: ModelSpec) -> click.Command:
     for name in ("features", "manifest", "out"):
         next(p for p in params if p.name == name).show_default = False
     params += [click.Option(["--" + i.name.replace("_", "-"), i.name],
-                            type=InputPath("file", takes=set(i.resources).__contains__ if i.resources else None),
+                            type=InputPath("file", i.what, takes=set(i.resources).__contains__ if i.resources
+                                           else None),
                             default=None, help=i.help + (" (required)" if i.required else ""))
                for i in spec.inputs]
     params += settings_options(spec.config_class, shown)
@@ -125,9 +127,6 @@ def training_command(spec: ModelSpec) -> click.Command:
                click.Option(["--allow-nonempty-out"], is_flag=True,
                             help="Train into a non-empty --out that holds no run (refused otherwise: the run's files "
                                  "would lie among others)."),
-               click.Option(["--no-verify"], is_flag=True,
-                            help="Do not compare the feature set's rows with the checksums stored when they were "
-                                 "written (done once per state of its files and remembered: see README)."),
                click.Option(["--resume"], is_flag=True,
                             help="Continue the run in --out from its newest checkpoint, with its own settings "
                                  "(--out is enough; --epochs, --device, --workers … may change, other options "
@@ -135,7 +134,7 @@ def training_command(spec: ModelSpec) -> click.Command:
                click.Option(["--trust-checkpoint"], is_flag=True,
                             help="With --resume: read a checkpoint that holds Python objects besides tensors (they "
                                  "can run code: only for files you trust).")]
-    params.extend(_quiet_params())
+    params.extend(_params_of(no_verify_option, quiet_option))
 
     def callback(**values) -> None:
         from retr.trainers.evaluation.reports import report_after_training
@@ -163,6 +162,8 @@ def training_command(spec: ModelSpec) -> click.Command:
             cfg = resume_settings(spec, values, explicit)
         else:
             cfg, _ = gather_settings(spec, values, explicit)
+        if not values["resume"] and holds_run(cfg.out):
+            raise UserError(f"{cfg.out} already holds a run; pass --resume to continue it or choose another --out")
         notes = tuple(f"note: {note}" for note in check_training(cfg, resume=values["resume"],
                                                                   allow_nonempty_out=values["allow_nonempty_out"]))
         if not values["no_verify"]:
@@ -179,8 +180,11 @@ def training_command(spec: ModelSpec) -> click.Command:
                          short_help=spec.summary.split(". ")[0].rstrip("."))
 
 
-def _quiet_params() -> list[click.Parameter]:
-    """The shared ``--quiet`` and ``-v`` options (:func:`retr.common.cli.quiet_option`) as parameter objects."""
+def _params_of(*decorators) -> list[click.Parameter]:
+    """The options shared decorators add (``--no-verify``; ``--quiet`` and ``-v``: :func:`retr.common.cli.quiet_option`)
+    as parameter objects."""
     def holder() -> None:
         """placeholder"""
-    return click.command()(quiet_option(holder)).params
+    for decorator in reversed(decorators):
+        holder = decorator(holder)
+    return click.command()(holder).params

@@ -633,6 +633,6 @@ register_model(ModelSpec(
     default_preset="f30k",
     inputs=(InputFile("labels", "Image labels for the intra-modal losses (JSON {id: [labels]} or .jsonl "
                                 "{id, labels}), e.g. COCO instance categories; default: shared caption concepts "
-                                "(see docs/models-jgcar.md)."),),
+                                "(see docs/models-jgcar.md).", what="a label file (.json or .jsonl)"),),
     load_inputs=_jgcar_inputs, upgrade_args=_jgcar_upgrade, feature_kinds=("maps",),
     check_features=_jgcar_features))

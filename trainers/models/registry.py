@@ -34,11 +34,13 @@ DATA_SIZES = ("vocab_size", "img_dim")
 @dataclass(frozen=True)
 class InputFile:
     """A side file a model reads through its spec's ``load_inputs`` (an option ``--NAME`` of its command).
-    ``resources``: names the option takes besides a file (resources fetched on first use, e.g. ``glove``)."""
+    ``what``: the file in words (``a trees.h5 file``: a wrong path's one line says it); ``resources``: names the
+    option takes besides a file (resources fetched on first use, e.g. ``glove``)."""
 
     name: str
     help: str
     required: bool = False
+    what: str = "a file"
     resources: tuple[str, ...] = ()
 
 

@@ -448,11 +448,14 @@ register_model(ModelSpec(
               "retr-train eval runs/smfea-f30k --protocol f30k-1k"),
     presets={"f30k": {**SMFEA_SCHEDULE, "label_ratio": 0.35}, "coco": {**SMFEA_SCHEDULE, "label_ratio": 0.4}},
     default_preset="f30k",
-    inputs=(InputFile("trees", "trees.h5 from retr-pipeline parse-trees (required unless --no-trees)."),
-            InputFile("concepts", "concepts.h5 from retr-pipeline build-concepts.", required=True),
+    inputs=(InputFile("trees", "trees.h5 from retr-pipeline parse-trees (required unless --no-trees).",
+                      what="a trees.h5 file"),
+            InputFile("concepts", "concepts.h5 from retr-pipeline build-concepts.", required=True,
+                      what="a concepts.h5 file"),
             InputFile("concept_vectors", "Concept word vectors, kept fixed as CVSE: glove (GloVe 840B.300d, "
                                          "downloaded on first use), glove-6b, or a GloVe-format .txt/.zip file; "
-                                         "default: vectors learned from U(±0.1).", resources=tuple(GLOVE_SETS))),
+                                         "default: vectors learned from U(±0.1).", resources=tuple(GLOVE_SETS),
+                      what=f"a GloVe-format .txt or .zip file, or {' / '.join(GLOVE_SETS)}")),
     load_inputs=_smfea_inputs,
     shortcuts={"--no-kl": ("Ablation 'w/o D_KL' (Table 5): --kl-weight 0.", {"kl_weight": 0.0}),
                "--no-node-ce": ("Ablation 'w/o L_CE' (Table 5): --ce-weight 0.", {"ce_weight": 0.0})},

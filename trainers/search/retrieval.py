@@ -8,8 +8,8 @@
 
 **The gallery** (the split's images and captions) is encoded once and cached in the run directory,
 ``RUN/search-cache/<split>-<key>.pt`` (an export's, and a run folder's that takes no files, in
-``$RETR_CACHE/search/``: :func:`search_caches`), where the key hashes the checkpoint file, the feature set's identity (ids
-digest, shape, dtype, extraction attributes) and the manifest: a new checkpoint or other data encode anew. The
+``$RETR_CACHE/search/``: :func:`search_caches`), where the key hashes the checkpoint file, the feature set's identity
+(ids digest, shape, dtype, extraction attributes) and the manifest: a new checkpoint or other data encode anew. The
 cache holds tensors only (read with ``weights_only``) and is written through a temporary name.
 
 **Scores are eval's.** Every returned score is the one ``retr-train eval`` gives that pair:

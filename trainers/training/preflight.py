@@ -35,16 +35,15 @@ from retr.trainers.data.pairing import check_manifest_pairing
 
 
 def check_run_folder(out: str | os.PathLike, resume: bool = False, allow_nonempty_out: bool = False) -> None:
-    """The folder a training run writes: one it can make and write (:func:`check_output_folder`); for a new run
-    not a run already (``--resume`` continues one), and not a non-empty folder of other files unless
-    ``allow_nonempty_out`` (the files a run writes, left by a start that stopped before its settings, do not count)."""
-    from retr.trainers.runs.checkpoint import holds_run, is_run_file
+    """The folder a training run writes: one it can make and write (:func:`check_output_folder`), and for a new run
+    not a non-empty folder of other files unless ``allow_nonempty_out`` (a run's own files do not count: those of a
+    start that stopped before its settings, or of a run ``reproduce --retrain`` moves aside; a run already there is
+    refused by ``retr-train MODEL`` unless ``--resume``)."""
+    from retr.trainers.runs.checkpoint import is_run_file
 
     check_output_folder(out, "--out")
     if resume:
         return
-    if holds_run(out):
-        raise UserError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     if not allow_nonempty_out:
         check_folder_holds_only(out, "--out", "a run",
                                 lambda folder: all(is_run_file(p.name) for p in folder.iterdir()))
