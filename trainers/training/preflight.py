@@ -15,7 +15,8 @@ caption encoding, never after minutes of it.
   (:func:`~retr.store.integrity.verify_rows`).
 
 Each raises :class:`~retr.common.errors.UserError` (one line) and returns the notes to print (``note: …``
-lines, without the prefix) when something differs without being wrong. None of them writes anything.
+lines, without the prefix) when something differs without being wrong. None of them writes anything, but for the
+files :func:`check_feature_rows` found sound, remembered in the user's cache (``$RETR_CACHE/verified/``).
 """
 from __future__ import annotations
 
