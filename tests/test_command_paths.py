@@ -496,3 +496,15 @@ def test_a_missing_choice_is_one_line(world, run_cli, monkeypatch):
     assert_one_error_line(code, stdout, stderr)
     assert stderr.splitlines()[-1] == ("error: Missing option '--protocol'. Choose from: f30k-1k, coco-1k, "
                                        "coco-5k, coco-1k-first")
+
+
+@pytest.mark.parametrize("content, telling", [('{"architectures": ["BertModel"]}', "it names no model"),
+                                              ("not json", "not JSON")])
+def test_a_folder_with_another_tools_config_json_is_no_run(tmp_path, run_cli, monkeypatch, content, telling):
+    """A Hugging Face model folder holds a config.json too: one line, not a KeyError."""
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(content)
+    monkeypatch.chdir(tmp_path)
+    code, stdout, stderr = run_cli.as_user("train", "eval", "bert", "--protocol", "f30k-1k")
+    assert_one_error_line(code, stdout, stderr)
+    assert stderr.startswith("error: bert/config.json is not a") and telling in stderr

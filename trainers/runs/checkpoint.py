@@ -43,7 +43,14 @@ def read_config(run: str | os.PathLike) -> dict:
                 else f"is not a run folder (it holds no {CONFIG})")
         raise UserError(f"{run} {what}")
     run = path.parent
-    return resolve_paths(run, upgrade_config(json.loads(path.read_text(encoding="utf-8"))))
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{path} is not a run's settings (not JSON: {str(exc).splitlines()[0]})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model"), str):
+        raise UserError(f"{path} is not a retr run's settings (it names no model): is {run} a run folder, or "
+                        "another tool's?")
+    return resolve_paths(run, upgrade_config(config))
 
 
 def absolute_paths(cfg):
