@@ -8,7 +8,10 @@ its boxes and labels), in ``--shards`` shards plus the index, in a temporary fol
   per row); baseline: the writer of ``--baseline-ref`` (the commit before checksums), writing the same rows;
 * ``verify``       — :func:`retr.pipeline.verify.verify_report` in its modes: every row with checksums (the
   default), every row without (``--no-checksum``), ``--sample 64`` with and without checksums; baseline: the
-  ``verify_feature_set`` of ``--baseline-ref``, which read 64 random rows (plus the first and last).
+  ``verify_feature_set`` of ``--baseline-ref``, which read 64 random rows (plus the first and last);
+* ``before work``  — :func:`retr.store.integrity.verify_rows`, the check training and evaluation run first: on
+  first use (every row read, the files remembered in a fresh ``$RETR_CACHE``) and once remembered (the files'
+  states only); baseline: the full ``verify`` of this run.
 
 The baselines' code is read from git (``git show REF:store/features.py`` / ``pipeline/verify.py``) and run as
 it was. Reads come from the page cache (the files were just written): this measures the checks' own cost, not
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,6 +39,7 @@ import numpy as np
 
 from retr.store.features import REGION_DATASETS, REGION_IMAGE_DATASETS, ShardWriter, shard_name, write_index
 from retr.pipeline.verify import verify_report
+from retr.store.integrity import verify_rows
 
 REPO = Path(__file__).resolve().parents[1]
 K, D = 36, 2048
@@ -122,17 +127,28 @@ def main() -> None:
         baseline = {"baseline": "the old verify: 64 random rows + first and last", "baseline_seconds": round(base_s, 3),
                     "baseline_rows_read": int(np.unique(np.concatenate([[0, args.rows - 1], sampled])).size),
                     "baseline_peak_mb": round(base_peak, 1)}
+        full_s = None
         for mode, options in (("all rows, checksums (default)", {}),
                               ("all rows, --no-checksum", {"checksum": False}),
                               ("--sample 64, checksums", {"sample": 64}),
                               ("--sample 64 --no-checksum", {"sample": 64, "checksum": False})):
             report, seconds, peak = timed(lambda: verify_report(index, **options))
             assert report.ok, report.problems
+            full_s = seconds if full_s is None else full_s
             print(json.dumps({"bench": "verify", "what": "verify", "mode": mode, **common,
                               "rows_read": report.rows_read, "rows_checksummed": report.rows_checksummed,
                               "seconds": round(seconds, 3),
                               "mb_per_s": round(report.rows_read * row_mb / seconds, 1), "peak_mb": round(peak, 1),
                               **baseline, "x_baseline": round(seconds / base_s, 1)}), flush=True)
+
+        os.environ["RETR_CACHE"] = str(tmp / "cache")          # nothing remembered yet
+        for mode in ("first use: every row read", "remembered: the files' states only"):
+            read, seconds, peak = timed(lambda: verify_rows(index, quiet=True))
+            print(json.dumps({"bench": "verify", "what": "before work", "mode": mode, **common, "rows_read": read,
+                              "seconds": round(seconds, 4), "peak_mb": round(peak, 1),
+                              "baseline": "retr-pipeline verify, all rows with checksums, in this run",
+                              "baseline_seconds": round(full_s, 3), "x_baseline": round(seconds / full_s, 4)}),
+                  flush=True)
 
 
 if __name__ == "__main__":

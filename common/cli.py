@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import click
 
 from retr.common.errors import ParameterError, RetrError, UserError, with_flags
+from retr.common.paths import check_input, check_output_file, check_output_folder
 
 _WRAPPED = "_retr_flags_in_errors"
 
@@ -71,9 +73,14 @@ def flags_in_errors(command: click.Command) -> click.Command:
     return command
 
 
+def one_line(text: str) -> str:
+    """``text`` on one line: its lines joined by spaces (click lists a choice's values one per line)."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
 def fail(message: str, code: int = 1) -> None:
     """Print one ``error:`` line and exit."""
-    click.echo(f"error: {message}", err=True)
+    click.echo(f"error: {one_line(message)}", err=True)
     sys.exit(code)
 
 
@@ -99,6 +106,55 @@ def run(group: click.Group, args: list[str] | None = None) -> None:
         fail("interrupted (finished work is kept; run the same command again to resume)", 130)
     if isinstance(rv, int) and rv != 0:
         sys.exit(rv)
+
+
+def _name(param: click.Parameter | None) -> str:
+    """How a user writes ``param``: an option's first long flag, an argument's metavar."""
+    if param is None:
+        return "the path"
+    if isinstance(param, click.Option):
+        return next((o for o in param.opts if o.startswith("--")), param.opts[0])
+    return param.human_readable_name
+
+
+class InputPath(click.ParamType):
+    """A path a command reads, checked when the command line is parsed (:func:`retr.common.paths.check_input`):
+    ``--features X does not exist``, ``… is a folder, not a feature set (.h5 file)`` — one ``error:`` line,
+    before any work. ``kind``: ``file`` or ``folder``; ``what``: what the path should be, in words; ``takes``:
+    values taken as they are (``hf-hub:ORG/NAME`` where a run goes); ``holds``: a file a folder must hold (a run's
+    ``config.json``); ``resource``: a download the user makes (annotations, models), so an absent path is left to
+    the command's own line saying what is missing, where it looked and how to get it; ``path_type``: the value's
+    type."""
+
+    def __init__(self, kind: str = "file", what: str | None = None, takes: Callable[[str], bool] | None = None,
+                 holds: str | None = None, resource: bool = False, path_type: type = str):
+        self.kind, self.what, self.takes, self.holds, self.path_type = kind, what, takes, holds, path_type
+        self.resource = resource
+        self.name = "folder" if kind == "folder" else "file"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and self.takes is not None and self.takes(value):
+            return value
+        if self.resource and not os.path.lexists(value):
+            return self.path_type(value)
+        return self.path_type(check_input(value, _name(param), self.kind, self.what, self.holds))
+
+
+class OutputPath(click.ParamType):
+    """A file or folder a command writes, checked when the command line is parsed
+    (:func:`retr.common.paths.check_output_folder` / :func:`~retr.common.paths.check_output_file`): a file where
+    the folder goes, a folder where the file goes, or a place that takes no files (read-only, no permission) is
+    one ``error:`` line naming the option, before anything is loaded or read."""
+
+    def __init__(self, kind: str = "folder", path_type: type = str):
+        if kind not in ("file", "folder"):
+            raise ValueError(f"kind must be 'file' or 'folder', not {kind!r}")
+        self.kind, self.path_type = kind, path_type
+        self.name = kind
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        check = check_output_folder if self.kind == "folder" else check_output_file
+        return self.path_type(check(value, _name(param)))
 
 
 class LazyChoice(click.Choice):

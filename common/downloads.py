@@ -235,6 +235,14 @@ def _refuse(partial: Path, message: str) -> UserError:
 
 def _download_folder(folder: Path) -> None:
     """Create ``folder`` (a download's destination), or one :class:`UserError` line saying why it cannot be."""
+    from retr.common.paths import nearest_existing, write_problem
+
+    existing = nearest_existing(folder)
+    if existing.exists() and not existing.is_dir():
+        raise UserError(f"cannot download into {folder}: it, or a folder above it, is a file")
+    problem = write_problem(existing) if existing.is_dir() else None
+    if problem is not None:                  # read-only, no permission, /proc: said before any request
+        raise UserError(f"cannot download into {folder}: {existing} takes no files ({problem})")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):

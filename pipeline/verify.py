@@ -1,7 +1,8 @@
 """Checks of a feature set (``retr-pipeline verify``) and its one-screen summary (``retr-pipeline inspect``).
 
-Streams every row (or a ``sample``) in ``chunk_bytes`` blocks: finite values, stored CRC-32s, shard ids against the
-index (docs/extraction.md, "Checking a feature set")."""
+Streams every row (or a ``sample``) in ``chunk_bytes`` blocks (:func:`retr.store.integrity.check_rows`, which the
+trainer's check before work shares): finite values, stored CRC-32s, shard ids against the index
+(docs/extraction.md, "Checking a feature set")."""
 from __future__ import annotations
 
 import json
@@ -15,10 +16,8 @@ import numpy as np
 from retr.common.errors import UserError
 from retr.store.features import (CHECKSUMS, FEATURE_DTYPES, FORMAT_VERSION, KINDS, NOT_ROW_DATA, PARTIAL_SUFFIX,
                                  REGION_DATASETS, REGION_IMAGE_DATASETS, ROOT_ATTRS, SHARED_ATTRS, decode_str,
-                                 is_complete, non_finite_rows, row_checksums)
-
-#: Bytes of row data read at once while streaming (all per-row datasets of a block together).
-DEFAULT_CHUNK_BYTES = 64 << 20
+                                 is_complete)
+from retr.store.integrity import DEFAULT_CHUNK_BYTES, RowNames, check_rows
 
 #: What each kind's per-sample shape (K, D) may be. ``None`` means any positive size.
 #: grid: 7×7 (448 input pooled 2×2, or 224 input) or the raw 14×14; maps: 14×14 (448) or 7×7 (224);
@@ -191,76 +190,16 @@ def _verify_open_file(f: h5py.File, path: Path, report: VerifyReport, sample: in
                             f"written before retr stored them): their rows were checked for finite values only")
 
 
-@dataclass(frozen=True)
-class RowNames:
-    """How a problem names a row: its row in the set (``offset`` + row in the file), and the shard if any."""
-
-    set_name: str
-    offset: int
-    shard: str | None
-
-    def __call__(self, row: int, image_id: str) -> str:
-        where = f"row {self.offset + row} (id {image_id!r}"
-        return where + (f", row {row} of {self.shard})" if self.shard else ")")
-
-
 def _check_rows(f: h5py.File, names: RowNames, rows: np.ndarray | None, checksum: bool, chunk_bytes: int,
                 report: VerifyReport, note_missing: bool = True) -> None:
-    """Read the rows of one file (every row, or ``rows`` [R] sorted) block by block: floats finite, checksums equal.
-
-    Per-row datasets are ``features`` then the others in name order — the order the checksums cover."""
-    n = f["features"].shape[0]
-    datasets = ["features"] + sorted(name for name in f if name not in NOT_ROW_DATA and name != "features")
-    ids_ds = f["ids"]
-    sums = f[CHECKSUMS] if checksum and CHECKSUMS in f else None
-    if sums is not None and sums.shape != (n,):
-        report.problems.append(f"{names.shard or names.set_name}: checksums have shape {sums.shape}, expected ({n},)")
-        sums = None
-    if checksum and CHECKSUMS not in f and note_missing:
+    """One file's rows (:func:`retr.store.integrity.check_rows`) into ``report``."""
+    found = check_rows(f, names, rows, checksum, chunk_bytes)
+    report.problems += found.problems
+    report.rows_read += found.rows_read
+    report.rows_checksummed += found.rows_checksummed
+    if found.without_checksums and note_missing:
         report.notes.append(f"no checksums in {names.shard or names.set_name} (written before retr stored them): "
                             f"rows were checked for finite values only")
-    row_bytes = sum(f[name].dtype.itemsize * int(np.prod(f[name].shape[1:])) for name in datasets)
-    per_block = max(1, chunk_bytes // max(1, row_bytes))
-    wanted = np.arange(n) if rows is None else np.asarray(rows, dtype=np.int64)
-    bad_values: dict[str, list] = {}   # dataset → [rows not finite, the first one named]
-    mismatched: list = [0, None]        # [rows whose checksum differs, the first one named]
-    for first in range(0, len(wanted), per_block):
-        block_rows = wanted[first:first + per_block]
-        if rows is None:  # contiguous: slice reads
-            lo, hi = int(block_rows[0]), int(block_rows[-1]) + 1
-            data = {name: f[name][lo:hi] for name in datasets}
-            block_ids = [decode_str(v) for v in ids_ds[lo:hi]]
-            stored = sums[lo:hi] if sums is not None else None
-        else:  # a sample: one slice per row (h5py's point selection is far slower on one-row chunks)
-            data = {name: np.concatenate([f[name][r:r + 1] for r in block_rows]) for name in datasets}
-            block_ids = [decode_str(ids_ds[r]) for r in block_rows]
-            stored = np.array([sums[r] for r in block_rows], dtype=np.uint32) if sums is not None else None
-        for name in datasets:
-            bad = non_finite_rows(data[name])
-            if bad.any():
-                found = bad_values.setdefault(name, [0, None])
-                found[0] += int(bad.sum())
-                if found[1] is None:
-                    k = int(np.argmax(bad))
-                    found[1] = names(int(block_rows[k]), block_ids[k])
-        if stored is not None:
-            differ = row_checksums(block_ids, [data[name] for name in datasets]) != stored
-            if differ.any():
-                if mismatched[1] is None:
-                    k = int(np.argmax(differ))
-                    mismatched[1] = names(int(block_rows[k]), block_ids[k])
-                mismatched[0] += int(differ.sum())
-    checked = len(wanted)
-    report.rows_read += checked
-    if sums is not None:
-        report.rows_checksummed += checked
-    what = names.shard or names.set_name
-    for name, (count, example) in bad_values.items():
-        report.problems.append(f"{count} of {checked} checked rows of {name!r} in {what} are not finite "
-                               f"(NaN or inf), e.g. {example}")
-    if mismatched[0]:
-        report.problems.append(f"{mismatched[0]} of {checked} checked rows in {what} do not match the checksum stored "
-                               f"when they were written (changed since, or their id was), e.g. {mismatched[1]}")
 
 
 def _compare_ids(shard: h5py.File, shard_file: str, index_ids: list[str], offset: int) -> list[str]:

@@ -321,6 +321,8 @@ class FeatureSet:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        if self.path.is_dir():
+            raise UserError(f"feature set {self.path} is a folder, not a feature-set .h5 file")
         if not self.path.is_file():
             raise UserError(f"feature set {self.path} does not exist")
         try:

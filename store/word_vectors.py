@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import zipfile
 from contextlib import contextmanager
@@ -31,6 +32,8 @@ from retr.common.atomic import atomic_file
 from retr.common.downloads import SOURCES, fetch_source, format_bytes
 from retr.common.errors import MissingResourceError, UserError
 from retr.common.hashing import sha256_file
+
+logger = logging.getLogger(__name__)
 
 #: where named sets and the caches live (default ``~/.cache/retr/word-vectors``)
 VECTORS_ENV = "RETR_WORD_VECTORS"
@@ -202,6 +205,9 @@ def vocabulary_vectors(vectors: VectorsFile, words: Sequence[str],
     matrix, missing = read_word_vectors(vectors.path, words, vectors.member)
     absent = set(missing)
     found = np.array([w not in absent for w in words], dtype=bool)
-    with atomic_file(cache) as partial, open(partial, "wb") as handle:
-        np.savez(handle, vectors=matrix, found=found)
+    try:
+        with atomic_file(cache) as partial, open(partial, "wb") as handle:
+            np.savez(handle, vectors=matrix, found=found)
+    except OSError as exc:                       # a shared, read-only vectors folder: read again next time
+        logger.debug(f"the vocabulary's rows were not cached in {cache.parent} ({exc.strerror or exc})")
     return matrix, found

@@ -26,6 +26,9 @@ os.environ["RETR_OFFLINE"] = "1"
 # removed when this test process ends (each xdist worker has its own)
 os.environ["RETR_WORD_VECTORS"] = __import__("tempfile").mkdtemp(prefix="retr-word-vectors-")
 __import__("atexit").register(__import__("shutil").rmtree, os.environ["RETR_WORD_VECTORS"], ignore_errors=True)
+# what retr remembers between commands (verified feature files, exports' search caches: retr.common.cache) likewise
+os.environ["RETR_CACHE"] = __import__("tempfile").mkdtemp(prefix="retr-cache-")
+__import__("atexit").register(__import__("shutil").rmtree, os.environ["RETR_CACHE"], ignore_errors=True)
 
 #: Test files whose assertions compare computed numbers at a tolerance: `make test` runs them with 1 thread (the
 #: default above), `make test-matrix` again with 2 and 4 threads (OMP_NUM_THREADS), since a reduction's order, and so its rounding, depends on the thread count.

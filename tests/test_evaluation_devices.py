@@ -85,5 +85,6 @@ def test_the_commands_score_in_exact_float32_unless_tf32(monkeypatch, tmp_path, 
         raise UserError("stop here")
     monkeypatch.setattr(evaluate, "evaluate_runs", fake_eval)
     monkeypatch.setattr(Retriever, "from_run", staticmethod(fake_from_run))
+    (tmp_path / "config.json").write_text('{"model": "vsepp"}')      # a run folder, as the RUN argument checks
     result = CliRunner().invoke(cli, [a.format(run=tmp_path) for a in argv])
     assert str(result.exception) == "stop here" and seen == [exact]

@@ -143,7 +143,8 @@ def test_wrong_inputs_are_one_line_and_write_nothing(exported, run_cli, tmp_path
     assert "is not empty" in _one_line(run_cli, "export", run, "--out", full)
     assert (full / "keep.txt").read_text() == "mine" and len(list(full.iterdir())) == 1
     assert "is an export already" in _one_line(run_cli, "export", export, "--out", tmp_path / "again")
-    assert "is not a run directory" in _one_line(run_cli, "export", tmp_path, "--out", tmp_path / "x")
+    assert "holds no config.json, so it is not a run folder" in _one_line(run_cli, "export", tmp_path, "--out",
+                                                                           tmp_path / "x")
     assert not (tmp_path / "again").exists() and not (tmp_path / "x").exists()
     # weights of another model under this config: refused when loaded, naming the file
     other = tmp_path / "mixed"
@@ -160,3 +161,71 @@ def test_wrong_inputs_are_one_line_and_write_nothing(exported, run_cli, tmp_path
     # an export evaluated without data: it records no local path
     assert "pass --features and --manifest" in _one_line(run_cli, "eval", export, "--protocol", "f30k-1k",
                                                          "--allow-size-mismatch", "--device", "cpu")
+
+
+def test_nothing_is_written_into_a_local_export(exported, run_cli, tmp_path):
+    """An export is shared as made: ``eval`` records no result in it and ``search`` keeps its gallery cache in
+    ``$RETR_CACHE/search/`` (found again by the next search); its weights have its other files' mode (safetensors
+    wrote them 0600)."""
+    import os
+
+    runs, manifest, features = exported
+    export = shutil.copytree(runs["vsepp"][1], tmp_path / "export")
+    before = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in export.iterdir()}
+    search = ["search", export, "--features", features, "--manifest", manifest, "--query", "a red circle", "--json",
+              "--device", "cpu", "--quiet"]
+    first = run_cli("train", *search).output
+    caches = sorted((Path(os.environ["RETR_CACHE"]) / "search").rglob("*.pt"))
+    assert caches and run_cli("train", *search).output == first
+    run_cli("train", "eval", export, "--features", features, "--manifest", manifest, "--protocol", "f30k-1k",
+            "--allow-size-mismatch", "--device", "cpu", "--quiet")
+    assert {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in export.iterdir()} == before
+    for _run, folder in runs.values():
+        modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+        assert len(set(modes.values())) == 1, modes
+
+
+def test_the_model_cards_extract_command_makes_the_same_features(synthetic_data, run_cli, tmp_path, monkeypatch):
+    """The card's ``retr-pipeline extract`` command carries every setting the feature set records: for ``make
+    demo``'s region features (a random detector at 224 px, 36 proposals, 7×7 pooling) the command, run as printed,
+    builds the extractor with the options that made the set (the extraction itself is not run here)."""
+    import inspect
+    import shlex
+    from types import SimpleNamespace
+
+    from retr.extractors.base import build_extractor, extractor_spec
+    from retr.extractors.recorded import extraction_options
+    from retr.store.features import FeatureSet, ShardWriter, shard_name, write_index
+
+    demo = {"weights": "random", "short_side": 224, "max_side": 224, "post_nms_topk": 36, "pooled_size": 7}
+    manifest, scene = synthetic_data(images=40)
+    rows = FeatureSet(scene)
+    features = tmp_path / "features" / "butd-regions.h5"
+    shard = features.parent / "butd-regions" / shard_name(0, 1)
+    attrs = {**build_extractor("butd-regions", **demo).attrs(), "manifest_sha256": "0" * 64}   # as extract adds
+    with ShardWriter(shard, attrs, rows.feature_shape) as writer:
+        writer.append(list(rows.ids), rows.read_all())      # the demo's attributes on rows the trainer can read
+    write_index(features, [shard])
+    run, export = tmp_path / "run", tmp_path / "export"
+    run_cli("train", "vsepp", "--features", features, "--manifest", manifest, "--out", run, *TINY)
+    run_cli("train", "export", run, "--out", export)
+    card = (export / "README.md").read_text()
+    command, = [line for line in card.splitlines() if line.startswith("retr-pipeline extract ")]
+    for flag in ("--weights random", "--short-side 224", "--max-side 224", "--post-nms-topk 36", "--pooled-size 7"):
+        assert flag in command, command
+
+    built = []
+    monkeypatch.setattr("retr.pipeline.commands.extract.extract_features",
+                        lambda manifest, name, out, options, **kw: built.append((name, options)) or
+                        SimpleNamespace(line=lambda: "not extracted"))
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    shutil.copy(manifest, work / "data" / "manifest.jsonl")
+    monkeypatch.chdir(work)                                 # the card's paths: data/manifest.jsonl, data/features
+    code, _out, err = run_cli.as_user("pipeline", *shlex.split(command)[1:])
+    assert code == 0, err
+    (name, options), = built
+    recorded = extraction_options(FeatureSet(features))[1]
+    defaults = {k: p.default for k, p in inspect.signature(extractor_spec(name).builder).parameters.items()}
+    assert name == "butd-regions" and options["weights"] == "random"
+    assert {k: options.get(k, defaults[k]) for k in recorded} == recorded

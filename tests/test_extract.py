@@ -263,6 +263,7 @@ def test_command_errors_are_one_line(dataset, tmp_path, monkeypatch, capsys):
 
 def test_extractor_is_a_choice_of_the_registered_ones(tmp_path, capsys):
     names = available_extractors()
+    write_one_image_manifest(tmp_path / "m.jsonl")            # a manifest that is one: the choice is what is wrong
     with pytest.raises(SystemExit) as exited:
         run(cli, ["extract", "--manifest", str(tmp_path / "m.jsonl"), "--extractor", "nope", "--out", str(tmp_path)])
     stderr = capsys.readouterr().err

@@ -105,6 +105,8 @@ def test_wrong_hub_inputs_are_one_line(export, cache, run_cli, tmp_path):
 
     missing = one_line("eval", "hf-hub:my-lab/absent", *data)
     assert "model my-lab/absent not found" in missing and str(cache) in missing and "hf download my-lab/absent" in missing
+    pinned = one_line("eval", "hf-hub:my-lab/absent@v1.0", *data)          # the command fetches that revision
+    assert "model my-lab/absent@v1.0 not found" in pinned and "`hf download my-lab/absent --revision v1.0`" in pinned
     assert "names no Hub repository" in one_line("eval", "hf-hub:just-a-name", *data)
     # a repository that is not a retr export: a run folder's files, no export record
     hub_cache(cache, "my-lab/a-run", _plain_files(run, tmp_path / "plain"))

@@ -28,9 +28,12 @@ def test_package_discovery_finds_every_subpackage_under_the_retr_namespace():
     found = discovered_packages()
     assert {"retr", "retr.trainers.runs", "retr.trainers.data", "retr.extractors.butd",
             "retr.pipeline.commands"} <= set(found)
-    # every folder with an __init__.py under a mapped folder, and nothing else
-    inits = sum(len(list((ROOT / folder).rglob("__init__.py"))) for folder in config["package-dir"].values())
-    assert len(found) == inits
+    # every folder under a mapped folder, and nothing else: the ones with an __init__.py, and the folders of data
+    # files the package data names (which setuptools warns about when they are left out)
+    inits = {".".join((package, *init.parent.relative_to(ROOT / folder).parts))
+             for package, folder in config["package-dir"].items() for init in (ROOT / folder).rglob("__init__.py")}
+    assert inits <= set(found)
+    assert set(found) - inits == set(config["package-data"]), "a folder without __init__.py holds package data"
     assert all(p == "retr" or p.startswith("retr.") for p in found), "every package lives under retr"
 
 
@@ -65,7 +68,8 @@ def test_console_scripts_run_and_report_errors_in_one_line(tmp_path):
     result = subprocess.run([str(bin_dir / "retr-pipeline"), "manifest", "check", str(tmp_path / "none.jsonl")],
                             capture_output=True, text=True)
     assert result.returncode == 1
-    assert result.stderr == f"error: manifest {tmp_path / 'none.jsonl'} does not exist\n"
+    assert result.stderr == (f"error: MANIFEST {tmp_path / 'none.jsonl'} does not exist (expected a JSON Lines "
+                             "manifest)\n")
     result = subprocess.run([str(bin_dir / "retr-pipeline"), "verify", "--no-such-flag", "x"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "error: No such option" in result.stderr

@@ -160,7 +160,8 @@ def test_stanza_without_models_is_one_error_line(synth, tmp_path, run_cli):
     assert code == 1
     assert err.startswith("error: stanza English models") and len(err.strip().splitlines()) == 1
     assert "fetch-parser-models" in err and str(tmp_path / "nowhere") in err and not (tmp_path / "t.h5").exists()
-    code, _, err = run_cli.as_user("pipeline", "show-tree", "a dog", "--conllu", "x.conllu", "--stanza-dir", "d")
+    code, _, err = run_cli.as_user("pipeline", "show-tree", "a dog", "--conllu", synth / "captions.conllu",
+                                   "--stanza-dir", tmp_path)
     assert code != 0 and "not both" in err
 
 

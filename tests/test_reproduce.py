@@ -117,9 +117,10 @@ def test_reproduce_runs_an_ensemble_and_a_single_recipe_end_to_end(tmp_path, run
     assert [m["epoch"] for m in metrics if "val" in m] == [1, 2]
 
 
-def test_reproduce_refuses_settings_no_member_has(tmp_path, run_cli):
-    result = run_cli("train", "reproduce", "scan-f30k-t2i-avg", "--features", tmp_path / "f.h5", "--manifest",
-                     tmp_path / "m.jsonl", "--out", tmp_path / "o", "--set", "gamma=3", ok=False)
+def test_reproduce_refuses_settings_no_member_has(tmp_path, run_cli, synthetic_data):
+    manifest, features = synthetic_data(images=40)
+    result = run_cli("train", "reproduce", "scan-f30k-t2i-avg", "--features", features, "--manifest", manifest,
+                     "--out", tmp_path / "o", "--set", "gamma=3", ok=False)
     assert "no member of scan-f30k-t2i-avg has the setting(s) gamma" in str(result.exception)
 
 

@@ -72,7 +72,7 @@ def _cases(run, scan, p):
     query = ["--query", "a small red circle"]
     return {
         # retr-train index
-        "index --images absent": ([*index, "--images", p["missing"], "--out", p["index"]], "(absent)"),
+        "index --images absent": ([*index, "--images", p["missing"], "--out", p["index"]], "does not exist"),
         "index --images a file": ([*index, "--images", p["a_file"], "--out", p["index"]], "is a file"),
         "index --images empty folder": ([*index, "--images", p["empty"], "--out", p["index"]], "holds no files"),
         "index --images only notes.txt": ([*index, "--images", p["notes_only"], "--out", p["index"]],
@@ -103,7 +103,7 @@ def _cases(run, scan, p):
         "search --image empty folder": ([*search, "--image", p["empty"]], "holds no files"),
         "search --image folder of notes": ([*search, "--image", p["notes_only"]], "holds no image files"),
         # retr-train search --images
-        "search --images absent": ([*search, *query, "--images", p["missing"]], "(absent)"),
+        "search --images absent": ([*search, *query, "--images", p["missing"]], "does not exist"),
         "search --images a file": ([*search, *query, "--images", p["a_file"]], "is a file"),
         "search --images empty folder": ([*search, *query, "--images", p["empty"]], "holds no files"),
         "search --images only notes.txt": ([*search, *query, "--images", p["notes_only"]], "holds no image files"),
@@ -112,7 +112,8 @@ def _cases(run, scan, p):
         "search --images and --index": ([*search, *query, "--images", p["photos"], "--index", p["index"]],
                                         "not both"),
         # retr-train search --index
-        "search --index absent": ([*search, *query, "--index", p["missing"]], "is not a gallery index (absent)"),
+        "search --index absent": ([*search, *query, "--index", p["missing"]],
+                                  "does not exist (expected a gallery index folder)"),
         "search --index a file": ([*search, *query, "--index", p["a_file"]], "is a file"),
         "search --index empty folder": ([*search, *query, "--index", p["empty"]], "(no meta.json)"),
         "search --index another model's": ([*search, *query, "--index", p["scan_index"]],

@@ -67,8 +67,8 @@ def _cases(run: Path, tmp: Path, port: int) -> dict:
     data = run.parent / "data"
     return {
         "nonexistent --image-root": (["--image-root", "nonexistent/"],
-                                     "--image-root nonexistent/ is not a folder (absent); give the folder the "
-                                     "manifest's image paths are relative to"),
+                                     "--image-root nonexistent does not exist (expected the folder the "
+                                     "manifest's image paths are relative to)"),
         "--image-root one level too deep": (["--image-root", data / "images"],
                                             f"no image of the test split is under {data / 'images'}"),
         "--host not an address": (["--host", "999.1.1.1"], "cannot listen on 999.1.1.1: no such address"),
@@ -79,18 +79,20 @@ def _cases(run: Path, tmp: Path, port: int) -> dict:
                                       "must be an address of this machine"),
         "port in use": (["--port", port], f"cannot listen on 127.0.0.1:{port} (Address already in use); something "
                                           "else listens there: choose another --port (0: any free one)"),
-        "run folder that does not exist": ((tmp / "no-run", []), f"{tmp / 'no-run'} is not a run directory"),
-        "run folder without a run": ((tmp / "empty", []), f"{tmp / 'empty'} is not a run directory"),
+        "run folder that does not exist": ((tmp / "no-run", []), f"RUN {tmp / 'no-run'} does not exist (expected "
+                                                                 "a run folder or an export)"),
+        "run folder without a run": ((tmp / "empty", []), f"RUN {tmp / 'empty'} holds no config.json, so it is not a "
+                                                          "run folder or an export"),
         "--index that does not exist": (["--index", tmp / "no.index"],
-                                        f"{tmp / 'no.index'} is not a gallery index (not a folder: absent); build "
-                                        "one with retr-train index"),
+                                        f"--index {tmp / 'no.index'} does not exist (expected a gallery index "
+                                        "folder)"),
         "--index without meta.json": (["--index", tmp / "empty"],
                                       f"{tmp / 'empty'} is not a gallery index (no meta.json); build one with "
                                       "retr-train index"),
-        "--manifest that does not exist": (["--manifest", tmp / "no.jsonl"], f"--manifest {tmp / 'no.jsonl'} is "
-                                                                              "not a file"),
-        "--features that does not exist": (["--features", tmp / "no.h5"], f"--features {tmp / 'no.h5'} is not a "
-                                                                          "file"),
+        "--manifest that does not exist": (["--manifest", tmp / "no.jsonl"], f"--manifest {tmp / 'no.jsonl'} does "
+                                                                              "not exist"),
+        "--features that does not exist": (["--features", tmp / "no.h5"], f"--features {tmp / 'no.h5'} does not "
+                                                                          "exist"),
     }
 
 

@@ -179,7 +179,7 @@ WORD_VECTORS = {"not-a-number.txt": (b"the 0.1 0.2 abc 0.4\n", "its first line i
                 "text.zip": (b"the 0.1 0.2\n", "is named .zip but is not a zip archive"),
                 "no-words-of-the-vocabulary.txt": (f"zzzq{EIGHT}\n".encode(), "covers none of the"),
                 "folder": (None, "is a folder, not a GloVe-format"),
-                "absent.txt": (None, "word-vector file")}
+                "absent.txt": (None, "vectors/absent.txt does not exist (expected a GloVe-format")}
 
 
 @pytest.mark.parametrize("name", list(WORD_VECTORS))
@@ -197,3 +197,26 @@ def test_a_wrong_word_vectors_file_is_one_line_before_any_work(files, run_cli, n
                                            good["manifest"], "--out", out, *TINY, "--word-vectors", vectors)
     assert_one_error_line(code, stdout, stderr)
     assert message in stderr and not out.exists()
+
+
+SETTINGS_FILES = {"bad.yaml": ("lr: [1, 2\nepochs: 3\n", "bad.yaml line 2, column 7: not YAML (expected ',' or ']', "
+                                                         "but got ':')"),
+                  "bad.json": ('{"lr": 1e-4,\n "epochs": }\n', "bad.json line 2, column 12: not JSON (Expecting "
+                                                                "value); settings files are JSON, or YAML named "
+                                                                ".yaml/.yml"),
+                  "list.yaml": ("- lr\n- epochs\n", "list.yaml holds list, not a mapping of settings"),
+                  "empty.json": ("", "empty.json line 1, column 1: not JSON (Expecting value)")}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS_FILES))
+def test_a_settings_file_that_does_not_parse_is_one_line_with_its_line_and_column(files, run_cli, name):
+    """A parser's traceback was 73 lines: now the file, the line and column, and what the parser expected."""
+    _paths, good = files
+    content, message = SETTINGS_FILES[name]
+    path = good["root"] / "settings" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(content)
+    out = good["root"] / "settings-run" / name
+    code, stdout, stderr = run_cli.as_user("train", "vsepp", "--config", path, "--out", out)
+    assert_one_error_line(code, stdout, stderr)
+    assert stderr.startswith(f"error: --config {path.parent}/") and message in stderr and not out.exists()

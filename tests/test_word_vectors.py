@@ -267,3 +267,17 @@ def test_a_named_vectors_set_stays_a_name_in_the_stored_paths(tmp_path):
     stored = absolute_paths(cfg)
     assert stored.inputs["concept_vectors"] == "glove" and Path(stored.inputs["trees"]).is_absolute()
     assert set(paths_from_run(stored, tmp_path / "run")["inputs"]) == {"trees"}
+
+
+def test_a_vectors_folder_that_takes_no_files_still_gives_the_rows(tmp_path):
+    """A shared, read-only folder of vectors (here a cache folder below a file): the rows are read, not cached."""
+    from retr.store.word_vectors import resolve_vectors, vocabulary_vectors
+
+    text = tmp_path / "vectors.txt"
+    text.write_text("the 0.5 0.25\ncat 0.125 1.0\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for _ in range(2):
+        matrix, found = vocabulary_vectors(resolve_vectors(str(text)), ["the", "dog"], cache_dir=blocker / "cache")
+        assert found.tolist() == [True, False] and matrix[0].tolist() == [0.5, 0.25]
+    assert blocker.read_text() == ""

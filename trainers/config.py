@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from retr.common.errors import UserError
 from retr.store.vocab import DEFAULT_THRESHOLD
 
 
@@ -204,18 +205,33 @@ def make_config(cls: type, values: dict | None = None, **more: Any):
 
 def read_settings_file(path: str | Path) -> dict:
     """Settings from a JSON or YAML file: a flat ``{setting: value}`` mapping, or a run's ``config.json``
-    (its ``model_args`` are flattened in; sizes that follow from the data are dropped by the caller)."""
+    (its ``model_args`` are flattened in; sizes that follow from the data are dropped by the caller). A file that
+    is absent, a folder, not UTF-8 text or does not parse is a :class:`UserError` in one line starting with the
+    path (a parse error: its line and column)."""
+    from retr.common.textfiles import read_utf8
+
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"settings file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() in (".yaml", ".yml"):
+    yaml_file = path.suffix.lower() in (".yaml", ".yml")
+    text = read_utf8(path, f"a settings file ({'YAML' if yaml_file else 'JSON'})")
+    if yaml_file:
         import yaml
-        data = yaml.safe_load(text) or {}
+
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"{path}{where}: not YAML ({problem})") from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path} line {exc.lineno}, column {exc.colno}: not JSON ({exc.msg}); settings files "
+                            "are JSON, or YAML named .yaml/.yml") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a mapping of settings")
+        raise UserError(f"{path} holds {type(data).__name__ if data is not None else 'nothing'}, not a mapping of "
+                        "settings (setting: value)")
     if isinstance(data.get("model_args"), dict):
         flat = {k: v for k, v in data.items() if k != "model_args"}
         flat.update(data["model_args"])

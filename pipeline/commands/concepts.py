@@ -7,16 +7,16 @@ from pathlib import Path
 import click
 import numpy as np
 
-from retr.common.cli import quiet_option, splits_option
+from retr.common.cli import InputPath, OutputPath, quiet_option, splits_option
 from retr.common.errors import UserError
 from retr.pipeline.concepts import DEFAULT_ADJECTIVES, DEFAULT_NOUNS, DEFAULT_VERBS, build_concepts_file
 
 
 @click.command("build-concepts")
-@click.option("--manifest", "manifest", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--manifest", "manifest", required=True, type=InputPath("file", "a JSON Lines manifest", path_type=Path),
               help="The dataset's manifest.jsonl (labels are written for every caption of every split).")
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="concepts.h5 to write.")
-@click.option("--conllu", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--out", required=True, type=OutputPath("file", path_type=Path), help="concepts.h5 to write.")
+@click.option("--conllu", type=InputPath("file", "a CoNLL-U file", path_type=Path), default=None,
               help="CoNLL-U of every caption (# sent_id = <image id>#<k>): lemmas and POS. "
                    "Required unless --select frequency.")
 @click.option("--nouns", type=click.IntRange(min=0), default=DEFAULT_NOUNS, show_default=True)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import click
 
-from retr.common.cli import LazyChoice, error_message, quiet_option
+from retr.common.cli import InputPath, LazyChoice, OutputPath, error_message, quiet_option
 from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, ParameterError, RetrError, UserError
 from retr.manifests.schema import read_manifest
@@ -39,9 +39,9 @@ BUTD_OPTIONS = [
     click.option("--max-boxes", type=int, default=None, help="butd-regions: MAX_BOXES (default 36)."),
     click.option("--conf-threshold", type=float, default=None,
                  help="butd-regions: max_conf threshold of the box selection (default 0.2)."),
-    click.option("--object-vocab", type=click.Path(dir_okay=False), default=None,
+    click.option("--object-vocab", type=InputPath("file", "a vocabulary file, one name a line"), default=None,
                  help="butd-regions: objects_vocab.txt (1600 lines), recorded in the feature set."),
-    click.option("--attr-vocab", type=click.Path(dir_okay=False), default=None,
+    click.option("--attr-vocab", type=InputPath("file", "a vocabulary file, one name a line"), default=None,
                  help="butd-regions: attributes_vocab.txt (400 lines), recorded in the feature set."),
     click.option("--detector-batch", type=click.IntRange(min=1), default=None,
                  help="butd-regions: images per detector forward, padded to the largest (default 4 on CUDA, 1 on "
@@ -89,7 +89,7 @@ def extract_features(*args: Any, **kwargs: Any):
 
 
 def _run_options(f):
-    """Options shared by both commands: weights, batching, device, precision."""
+    """Options shared by both commands: weights, batching, device, precision (each adds its own --image-root)."""
     options = [
         click.option("--weights", default=None,
                      help="imagenet | a torchvision weight name (e.g. IMAGENET1K_V2) | random | PATH to a state "
@@ -121,8 +121,6 @@ def _run_options(f):
         click.option("--num-shards", type=int, default=None,
                      help="Split the manifest into this many shards (contiguous rows). Under torchrun: the world "
                           "size unless given."),
-        click.option("--image-root", type=click.Path(file_okay=False, path_type=Path), default=None,
-                     help="Folder the manifest's image paths are relative to."),
         click.option("--allow-outside-root", is_flag=True,
                      help="Read manifest paths that leave the image root (absolute, or '..' above it); by "
                           "default they are recorded in errors, unread."),
@@ -160,11 +158,11 @@ def _builder_options(weights: str | None, device: str, half: bool, decode: str =
 
 
 @click.command("extract")
-@click.option("--manifest", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.option("--manifest", type=InputPath("file", "a JSON Lines manifest", path_type=Path), required=True,
               help="The dataset manifest (JSON Lines).")
 @click.option("--extractor", "name", type=RegisteredExtractors(lambda: available_extractors()), required=True,
               help="The registered extractor to run.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+@click.option("--out", type=OutputPath("folder", path_type=Path), required=True,
               help="Features folder: writes OUT/NAME/shard-*.h5 and the index OUT/NAME.h5.")
 @click.option("--shard-index", type=int, default=None, help="Run only this shard (with --num-shards).")
 @click.option("--image-size", type=int, default=None,
@@ -176,6 +174,8 @@ def _builder_options(weights: str | None, device: str, half: bool, decode: str =
               help="Rotate images by their EXIF orientation tag (off by default, like the published features).")
 @butd_options
 @_run_options
+@click.option("--image-root", type=InputPath("folder", "a folder of images", path_type=Path), default=None,
+              help="Folder the manifest's image paths are relative to (default: the manifest's folder).")
 def extract_command(manifest: Path, name: str, out: Path, shard_index: int | None, image_size: int | None,
                     grid_size: int | None, exif_orientation: bool, weights: str | None, batch_size: int,
                     workers: int, device: str, half: bool, decode: str, autocast: str, channels_last: bool,
@@ -206,12 +206,14 @@ def extract_command(manifest: Path, name: str, out: Path, shard_index: int | Non
 
 @click.command("extract-preset")
 @click.argument("dataset")
-@click.option("--manifest", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--manifest", type=InputPath("file", "a JSON Lines manifest", path_type=Path), default=None,
               help="Use this manifest instead of the preset's.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--out", type=OutputPath("folder", path_type=Path), default=None,
               help="Use this features folder instead of the preset's.")
 @click.option("--only", "only", multiple=True, help="Run only this extractor (repeatable).")
 @_run_options
+@click.option("--image-root", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Use this image folder instead of the preset's (made when the preset's images are fetched).")
 def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None, only: tuple[str, ...],
                            weights: str | None, batch_size: int, workers: int, device: str, half: bool,
                            decode: str, autocast: str, channels_last: bool, tf32: bool, dtype: str,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from retr.common.cli import quiet_option
+from retr.common.cli import InputPath, OutputPath, quiet_option
 from retr.common.downloads import set_mirror, set_offline
 from retr.common.errors import ParameterError
 from retr.parsers.backends import fetch_parser_models
@@ -55,7 +55,7 @@ class NamesInHelp(click.Command):
 
 @click.command("fetch-weights", cls=NamesInHelp)
 @click.argument("names", nargs=-1)
-@click.option("--stanza-dir", type=click.Path(path_type=Path), default=None,
+@click.option("--stanza-dir", type=OutputPath("folder", path_type=Path), default=None,
               help="Where stanza's models go (default $STANZA_RESOURCES_DIR, else stanza's own folder).")
 @network_options
 @quiet_option
@@ -73,8 +73,6 @@ def fetch_weights_command(names: tuple[str, ...], stanza_dir: Path | None, offli
       retr-pipeline fetch-weights butd resnet152 --mirror http://mirror.example.org/retr
       retr-pipeline fetch-weights --offline      # exit 0 only when everything is in place
     """
-    if stanza_dir is not None and stanza_dir.exists() and not stanza_dir.is_dir():
-        raise ParameterError(f"stanza_dir {stanza_dir} is a file, not a folder", "stanza_dir")
     apply_network_options(offline, mirror)
     items = weights_items(names or ("all",), stanza_dir)
     for item, path, downloaded in ensure_weights(items, quiet=quiet, mirror=mirror):
@@ -85,10 +83,11 @@ def fetch_weights_command(names: tuple[str, ...], stanza_dir: Path | None, offli
 
 @click.command("fetch-data")
 @click.argument("dataset", type=click.Choice(["coco", "f30k"]))
-@click.option("--root", type=click.Path(path_type=Path), default=None,
+@click.option("--root", type=OutputPath("folder", path_type=Path), default=None,
               help="Dataset folder: ROOT/images, ROOT/dataset_*.json, ROOT/manifest.jsonl, ROOT/downloads. "
                    "Default: the preset's locations ($RETR_DATA/DATASET, RETR_<NAME>_* overrides).")
-@click.option("--images-zip", "images_archive", type=click.Path(path_type=Path), default=None,
+@click.option("--images-zip", "images_archive", default=None,
+              type=InputPath("file", "a .zip, .tar or .tar.gz archive", path_type=Path),
               help="f30k: the images archive you were sent (.zip, .tar or .tar.gz); Flickr30K's images are gated.")
 @click.option("--keep-archives", is_flag=True,
               help="Keep the image archives after unpacking (default: delete each once its images are in place).")
@@ -150,7 +149,7 @@ def fetch_word_vectors_command(names: tuple[str, ...], offline: bool, mirror: st
 # ------------------------------------------------------------------------------------------------ parser models
 
 @click.command("fetch-parser-models")
-@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("model_dir", type=OutputPath("folder"))
 @click.option("--no-constituency", "no_constituency", is_flag=True, help="skip the constituency model.")
 def fetch_parser_models_command(model_dir, no_constituency):
     """Download stanza's English models into MODEL_DIR (run on a machine with internet access).

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from retr.common.cli import quiet_option, splits_option
+from retr.common.cli import InputPath, OutputPath, quiet_option, splits_option
 from retr.common.progress import progress
 from retr.pipeline.importers import SCAN_SPLITS, ImportSummary, import_npz, import_scan, import_tsv
 from retr.store.features import FEATURE_DTYPES
@@ -16,6 +16,8 @@ _prefix = click.option("--id-prefix", default="", help="Prepended to every image
                                                        "Karpathy manifest).")
 _max_boxes = click.option("--max-boxes", type=int, default=None,
                           help="Boxes per row K (default: the largest count in the input).")
+#: SCAN's folder of {split}_ims.npy and {split}_caps.txt
+_SCAN_DATA = InputPath("folder", "SCAN's data folder", path_type=Path)
 _name = click.option("--name", default="regions", show_default=True, help="Writes OUT/NAME.h5.")
 
 
@@ -23,7 +25,7 @@ def _file_import_options(f):
     """The options import-tsv and import-npz share: the output folder and name, K, the id prefix, the dtype."""
     for option in (quiet_option, _dtype, _prefix, _max_boxes, _name):      # applied bottom-up, as a decorator stack
         f = option(f)
-    return click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder.")(f)
+    return click.option("--out", type=OutputPath("folder", path_type=Path), required=True, help="Output folder.")(f)
 
 
 def _bar(quiet: bool):
@@ -39,11 +41,12 @@ def _report(summary: ImportSummary) -> None:
 
 
 @click.command("import-scan")
-@click.argument("data_dir_arg", metavar="DATA_DIR", required=False, type=click.Path(path_type=Path))
-@click.option("--data-dir", type=click.Path(path_type=Path), default=None,
+@click.argument("data_dir_arg", metavar="DATA_DIR", required=False, type=_SCAN_DATA)
+@click.option("--data-dir", type=_SCAN_DATA, default=None,
               help="The same as DATA_DIR (the older spelling): SCAN's folder with {split}_ims.npy and "
                    "{split}_caps.txt, e.g. data/f30k_precomp.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Writes OUT/manifest.jsonl and OUT/regions.h5.")
+@click.option("--out", type=OutputPath("folder", path_type=Path), required=True,
+              help="Writes OUT/manifest.jsonl and OUT/regions.h5.")
 @splits_option("--split", "--splits", "splits", help=f"SCAN splits ({', '.join(SCAN_SPLITS)}); default: all present, "
                                                       "testall instead of test when both exist.")
 @_prefix
@@ -69,7 +72,7 @@ def import_scan_command(data_dir_arg: Path | None, data_dir: Path | None, out: P
 
 
 @click.command("import-tsv")
-@click.argument("tsv", type=click.Path(path_type=Path))
+@click.argument("tsv", type=InputPath("file", "a TSV file", path_type=Path))
 @_file_import_options
 def import_tsv_command(tsv: Path, out: Path, name: str, max_boxes: int | None, id_prefix: str, dtype: str,
                        quiet: bool) -> None:
@@ -84,7 +87,7 @@ def import_tsv_command(tsv: Path, out: Path, name: str, max_boxes: int | None, i
 
 
 @click.command("import-npz")
-@click.argument("folder", type=click.Path(path_type=Path))
+@click.argument("folder", type=InputPath("folder", "a folder of .npz files", path_type=Path))
 @_file_import_options
 def import_npz_command(folder: Path, out: Path, name: str, max_boxes: int | None, id_prefix: str, dtype: str,
                        quiet: bool) -> None:

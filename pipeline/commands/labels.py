@@ -6,15 +6,20 @@ from pathlib import Path
 
 import click
 
+from retr.common.cli import InputPath, OutputPath
+
 from retr.common.errors import UserError
 from retr.manifests.dataset_labels import (F30K_NOT_LABELS, F30K_READING_DESCRIPTIONS, F30K_READINGS, LabelJoin,
                                            coco_instance_labels, f30k_entity_labels, read_coco_instances)
 from retr.manifests.schema import manifest_sha256, read_manifest
 from retr.store.labels import write_label_file
 
-_manifest_option = click.option("--manifest", type=click.Path(dir_okay=False, path_type=Path), required=True,
+_manifest_option = click.option("--manifest", type=InputPath("file", "a JSON Lines manifest", path_type=Path),
+                                required=True,
                                 help="The dataset manifest whose images get labels (JSON Lines).")
-_out_option = click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+#: a COCO instances_*.json file
+_INSTANCES = InputPath("file", "a COCO instance annotation JSON file", resource=True, path_type=Path)
+_out_option = click.option("--out", type=OutputPath("file", path_type=Path), required=True,
                            help="Label file to write: .json (one object) or .jsonl (one image per line).")
 
 
@@ -46,10 +51,10 @@ def _write(out: Path, manifest: Path, total: int, result: LabelJoin, attrs: dict
 
 
 @labels_group.command("coco")
-@click.option("--instances", type=click.Path(dir_okay=False, path_type=Path), multiple=True, required=True,
+@click.option("--instances", type=_INSTANCES, multiple=True, required=True,
               help="COCO instance annotation files (instances_train2014.json …): --instances A B, or "
                    "--instances A --instances B.")
-@click.argument("more_instances", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("more_instances", nargs=-1, type=_INSTANCES)
 @_manifest_option
 @_out_option
 def coco_command(instances: tuple[Path, ...], more_instances: tuple[Path, ...], manifest: Path, out: Path) -> None:
@@ -80,9 +85,11 @@ def coco_command(instances: tuple[Path, ...], more_instances: tuple[Path, ...], 
 
 
 @labels_group.command("f30k-entities")
-@click.option("--sentences", type=click.Path(file_okay=False, path_type=Path), required=True,
+@click.option("--sentences", required=True,
+              type=InputPath("folder", "the Sentences folder", resource=True, path_type=Path),
               help="Flickr30K Entities' Sentences folder (one <image id>.txt per image).")
-@click.option("--annotations", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--annotations", default=None,
+              type=InputPath("folder", "the Annotations folder", resource=True, path_type=Path),
               help="Flickr30K Entities' Annotations folder: count only entities that have a bounding box "
                    "(recommended: the paper's labels come 'from the bounding box annotation').")
 @click.option("--f30k-labels", "reading", type=click.Choice(F30K_READINGS), default=F30K_READINGS[0],

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from retr.common.cli import InputPath, OutputPath
+
 from retr.common.errors import UserError
 from retr.manifests.karpathy import read_karpathy
 from retr.manifests.presets import PRESET_NAMES, get_preset
@@ -31,8 +33,8 @@ def _split_summary(records) -> str:
 
 
 @manifest_group.command("karpathy")
-@click.argument("karpathy_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.argument("karpathy_file", type=InputPath("file", "a Karpathy split JSON file", path_type=Path))
+@click.option("--out", type=OutputPath("file", path_type=Path), required=True,
               help="Manifest to write (JSON Lines).")
 @click.option("--max-captions", type=int, default=5, show_default=True,
               help="Keep the first N captions of each image (0 keeps all).")
@@ -51,8 +53,8 @@ def karpathy_command(karpathy_file: Path, out: Path, max_captions: int) -> None:
 
 
 @manifest_group.command("check")
-@click.argument("manifest", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--image-root", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.argument("manifest", type=InputPath("file", "a JSON Lines manifest", path_type=Path))
+@click.option("--image-root", type=InputPath("folder", "a folder of images", path_type=Path), default=None,
               help="Also check that every image file exists under this folder.")
 @click.option("--allow-outside-root", is_flag=True,
               help="Accept image paths that leave the image root (absolute, or '..' above it).")

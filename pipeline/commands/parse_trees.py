@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 from nltk.tree import TreePrettyPrinter
 
-from retr.common.cli import quiet_option
+from retr.common.cli import InputPath, OutputPath, quiet_option
 from retr.common.errors import UserError
 from retr.parsers.backends import CaptionItem, ConlluBackend, ParserBackend, StanzaBackend
 from retr.parsers.dictionaries import DEFAULT_NUM_ENTITIES, DEFAULT_NUM_RELATIONS, Dictionaries, load_dictionaries
@@ -38,9 +38,9 @@ def _parser_options(f):
     f = click.option("--device", default="auto", show_default=True, help="stanza: auto, cpu, cuda or cuda:N.")(f)
     f = click.option("--match", type=click.Choice(["auto", "key", "order"]), default="auto", show_default=True,
                      help="CoNLL-U: match sentences to captions by '# sent_id' (key) or by order.")(f)
-    f = click.option("--stanza-dir", type=click.Path(file_okay=False),
+    f = click.option("--stanza-dir", type=InputPath("folder", "a stanza model folder", resource=True),
                      help="stanza model folder (default: $STANZA_RESOURCES_DIR, else stanza's own).")(f)
-    f = click.option("--conllu", type=click.Path(dir_okay=False),
+    f = click.option("--conllu", type=InputPath("file", "a CoNLL-U file"),
                      help="parses made elsewhere (CoNLL-U, '# sent_id = <image id>#<caption index>'); needs no "
                           "extra, unlike stanza (the pipeline extra).")(f)
     f = click.option("--verb-prep", type=click.Choice(VERB_PREP_STYLES), default="placeholder",
@@ -50,10 +50,10 @@ def _parser_options(f):
 
 
 @click.command("parse-trees")
-@click.option("--manifest", required=True, type=click.Path(dir_okay=False), help="manifest.jsonl")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="trees.h5 to write")
+@click.option("--manifest", required=True, type=InputPath("file", "a JSON Lines manifest"), help="manifest.jsonl")
+@click.option("--out", required=True, type=OutputPath("file"), help="trees.h5 to write")
 @_parser_options
-@click.option("--dictionaries", type=click.Path(dir_okay=False),
+@click.option("--dictionaries", type=InputPath("file", "a trees.h5 or JSON file"),
               help="reuse the dictionaries of this trees.h5 (or JSON) instead of building them.")
 @click.option("--num-entities", default=DEFAULT_NUM_ENTITIES, show_default=True,
               help="entity dictionary size, null and unknown included.")
@@ -99,7 +99,7 @@ def parse_trees_command(manifest, out, verb_prep, conllu, stanza_dir, match, dev
 @click.argument("text", required=False)
 @_parser_options
 @click.option("--key", help="CoNLL-U: take the sentence with this sent_id instead of matching TEXT.")
-@click.option("--dictionaries", type=click.Path(dir_okay=False),
+@click.option("--dictionaries", type=InputPath("file", "a trees.h5 or JSON file"),
               help="also show the ids in these dictionaries (a trees.h5 or JSON).")
 def show_tree_command(text, verb_prep, conllu, stanza_dir, match, device, no_constituency, scheme, key,
                       dictionaries):

@@ -7,7 +7,10 @@ import json
 
 import click
 
-from retr.store.features import index_shard_folder
+from retr.common.cli import InputPath
+from retr.common.paths import check_output_file
+
+from retr.store.features import index_path_for, index_shard_folder
 from retr.pipeline.verify import summarize_feature_set, verify_report
 
 
@@ -58,7 +61,7 @@ def verify_command(paths: tuple[Path, ...], sample: int | None, no_checksum: boo
 
 
 @click.command("inspect")
-@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("paths", nargs=-1, required=True, type=InputPath("file", "a feature-set .h5 file", path_type=Path))
 def inspect_command(paths: tuple[Path, ...]) -> None:
     """Summarise feature sets: kind, extractor, weights, N, K×D, dtype, size on disk, errors.
 
@@ -72,7 +75,7 @@ def inspect_command(paths: tuple[Path, ...]) -> None:
 
 
 @click.command("index")
-@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("folder", type=InputPath("folder", "a folder of shards, DIR/NAME/shard-*.h5", path_type=Path))
 def index_command(folder: Path) -> None:
     """Join the shards in FOLDER (DIR/NAME/shard-*.h5) into the index DIR/NAME.h5.
 
@@ -83,5 +86,6 @@ def index_command(folder: Path) -> None:
     Example:
       retr-pipeline index data/coco/features/resnet152-grid
     """
+    check_output_file(index_path_for(folder), "the index")
     path = index_shard_folder(folder)
     click.echo(f"wrote {path}")

@@ -5,8 +5,10 @@ import json
 
 import click
 
-from retr.common.cli import quiet_option
+from retr.common.cli import OutputPath, quiet_option
+from retr.trainers.commands.options import FEATURES, MANIFEST, RUN, no_verify_option
 from retr.common.errors import UserError
+from retr.common.paths import write_problem
 from retr.trainers.evaluation.metrics import PROTOCOLS, TIE_RULES
 from retr.trainers.evaluation.runs import evaluate_runs, record_result, table_rows, write_sims
 from retr.trainers.evaluation.similarity import DEFAULT_PRECISION, PRECISIONS
@@ -37,13 +39,13 @@ def echo_numbers(result: dict, what: str) -> None:
 
 
 @click.command("eval")
-@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.argument("runs", nargs=-1, required=True, type=RUN)
 @click.option("--protocol", type=click.Choice(PROTOCOLS), required=True,
               help="f30k-1k / coco-5k: the split as given; coco-1k: five equal folds in file order, averaged; "
                    "coco-1k-first: the first fold alone (SEAM's Table 3).")
 @click.option("--split", default="test", show_default=True)
-@click.option("--features", type=click.Path(dir_okay=False), default=None, help="Override the run's feature set.")
-@click.option("--manifest", type=click.Path(dir_okay=False), default=None, help="Override the run's manifest.")
+@click.option("--features", type=FEATURES, default=None, help="Override the run's feature set.")
+@click.option("--manifest", type=MANIFEST, default=None, help="Override the run's manifest.")
 @click.option("--checkpoint", "which", default="best", show_default=True, help="best, last, or a file in the run.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=DEFAULT_PRECISION, show_default=True,
               help="refined: float32 scoring, then float64 for every pair whose rank rounding could change "
@@ -55,7 +57,7 @@ def echo_numbers(result: dict, what: str) -> None:
                    "but no longer the CPU's numbers (recorded in the result). Default: exact float32.")
 @click.option("--preload/--no-preload", default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number.")
-@click.option("--save-sims", type=click.Path(dir_okay=False), default=None,
+@click.option("--save-sims", type=OutputPath("file"), default=None,
               help="Write the images × captions similarities (float64 .npy, manifest order) and FILE.ids.json "
                    "(the image ids of the rows, the caption keys of the columns).")
 @click.option("--ties", type=click.Choice(TIE_RULES), default="pessimistic", show_default=True,
@@ -67,9 +69,10 @@ def echo_numbers(result: dict, what: str) -> None:
 @click.option("--trust-checkpoint", is_flag=True,
               help="Read checkpoints that hold Python objects besides tensors (they can run code: only for files "
                    "you trust).")
+@no_verify_option
 @quiet_option
 def eval_command(runs, protocol, split, features, manifest, which, precision, device, tf32, preload, as_json,
-                 save_sims, ties, allow_size_mismatch, trust_checkpoint, quiet) -> None:
+                 save_sims, ties, allow_size_mismatch, trust_checkpoint, no_verify, quiet) -> None:
     """Evaluate one run, or an ensemble of runs (their similarity matrices averaged).
 
     The result is also stored in each run's eval.json (not in an export's). A run may be an export
@@ -80,7 +83,18 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
       retr-train eval runs/scan-f30k --protocol f30k-1k
       retr-train eval runs/scan-coco-t2i runs/scan-coco-i2t --protocol coco-1k --json
     """
+    from retr.trainers.training.preflight import check_run_features
+
     runs = [str(ckpt.local_run(run)) for run in runs]     # an hf-hub: name fetched (or found in the cache) once
+    recorded = [run for run in runs if not ckpt.is_export(run)]   # an export is shared as made: nothing goes in
+    for run in list(recorded):
+        problem = write_problem(run)
+        if problem is not None:                           # said before the work, which goes on
+            click.echo(f"note: cannot write in {run} ({problem}): the result is not recorded in its "
+                       f"{ckpt.EVAL}", err=True)
+            recorded.remove(run)
+    if not no_verify:
+        check_run_features(runs, features, quiet)
     result, sims = evaluate_runs(list(runs), protocol, split, features, manifest, device, precision, which,
                                  preload, quiet, trust_checkpoint=trust_checkpoint,
                                  allow_size_mismatch=allow_size_mismatch, ties=ties, tf32=tf32)
@@ -88,9 +102,8 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
         raise UserError("--save-sims: a two-step run has no single similarity matrix (one per direction)")
     if save_sims:
         write_sims(save_sims, sims, result, manifest or ckpt.read_config(runs[0]).get("manifest"), split)
-    for run in runs:
-        if not ckpt.is_export(run):                          # an export is shared as made: nothing is written in it
-            record_result(run, result)
+    for run in recorded:
+        record_result(run, result)
     if as_json:
         click.echo(json.dumps(result))
         return
@@ -112,7 +125,7 @@ TABLE_FORMATS = {"text": "simple", "markdown": "github", "latex": "latex_booktab
 
 
 @click.command("table")
-@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.argument("runs", nargs=-1, required=True, type=RUN)
 @click.option("--format", "fmt", type=click.Choice(list(TABLE_FORMATS)), default="text", show_default=True,
               help="text: aligned columns; markdown: a GitHub table; latex: a booktabs tabular; csv: full precision.")
 def table_command(runs, fmt) -> None:

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import click
 
-from retr.common.cli import quiet_option
+from retr.common.cli import OutputPath, quiet_option
+from retr.trainers.commands.options import RUN
 
 
 @click.command("export")
-@click.argument("run", type=click.Path(file_okay=False))
-@click.option("--out", required=True, type=click.Path(), help="A new (or empty) folder for the export.")
+@click.argument("run", type=RUN)
+@click.option("--out", required=True, type=OutputPath("folder"), help="A new (or empty) folder for the export.")
 @click.option("--checkpoint", default="best", show_default=True, help="best, last, or a file in the run.")
 @click.option("--trust-checkpoint", is_flag=True,
               help="Read a checkpoint that holds Python objects besides tensors (only for files you trust).")

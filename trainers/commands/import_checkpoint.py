@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import click
 
+from retr.common.cli import InputPath, OutputPath
+
+from retr.common.paths import check_folder_holds_only
+from retr.trainers.runs.checkpoint import holds_run
 from retr.trainers.runs.official_checkpoints import (import_scan_checkpoint, import_vse_infinity_checkpoint,
                                                      import_vsepp_checkpoint)
 
@@ -11,9 +15,11 @@ from retr.trainers.runs.official_checkpoints import (import_scan_checkpoint, imp
 def _import_options(f):
     """The options both importers take: the vocabulary, the run to create, the trust opt-in."""
     for option in reversed([
-            click.option("--vocab", "vocab_path", required=True, type=click.Path(dir_okay=False),
+            click.option("--vocab", "vocab_path", required=True, type=InputPath("file", "a vocabulary JSON file"),
                          help="The {name}_vocab.json the model was trained with."),
-            click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory to create."),
+            click.option("--out", required=True, type=OutputPath("folder"), help="Run directory to create."),
+            click.option("--allow-nonempty-out", is_flag=True,
+                         help="Write the run into a non-empty --out that holds no run (refused otherwise)."),
             click.option("--trust-checkpoint", is_flag=True,
                          help="Read a checkpoint that holds Python objects besides tensors and the official "
                               "argparse Namespace (they can run code: only for files you trust).")]):
@@ -21,10 +27,17 @@ def _import_options(f):
     return f
 
 
+def _check_out(out, allow_nonempty_out: bool) -> None:
+    """A non-empty --out that holds no run is refused unless --allow-nonempty-out (a run already there: the
+    importer's own line)."""
+    if not allow_nonempty_out:
+        check_folder_holds_only(out, "--out", "a run", holds_run)
+
+
 @click.command("import-scan-checkpoint")
-@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.argument("checkpoint", type=InputPath("file", "a checkpoint file"))
 @_import_options
-def import_scan_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
+def import_scan_command(checkpoint, vocab_path, out, allow_nonempty_out, trust_checkpoint) -> None:
     """Turn an official SCAN checkpoint into a run that `retr-train eval` can evaluate.
 
     The file is read without running code (tensors and the official argparse Namespace only).
@@ -36,14 +49,15 @@ def import_scan_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
       retr-train eval runs/scan-official-coco --protocol coco-1k --features data/coco/features/butd-regions.h5 \\
           --manifest data/coco/manifest.jsonl
     """
+    _check_out(out, allow_nonempty_out)
     import_scan_checkpoint(checkpoint, vocab_path, out, trust_checkpoint)
     click.echo(f"imported {checkpoint} → {out}")
 
 
 @click.command("import-vsepp-checkpoint")
-@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.argument("checkpoint", type=InputPath("file", "a checkpoint file"))
 @_import_options
-def import_vsepp_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
+def import_vsepp_command(checkpoint, vocab_path, out, allow_nonempty_out, trust_checkpoint) -> None:
     """Turn an official VSE++ checkpoint (fartashf/vsepp, *_precomp model) into a run `retr-train eval` evaluates.
 
     A command of its own (not an option of import-scan-checkpoint): the two files look alike but hold other
@@ -56,14 +70,15 @@ def import_vsepp_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
       retr-train eval runs/vsepp-official-coco --protocol coco-1k --features data/coco/features/resnet-precomp.h5 \\
           --manifest data/coco/manifest.jsonl
     """
+    _check_out(out, allow_nonempty_out)
     import_vsepp_checkpoint(checkpoint, vocab_path, out, trust_checkpoint)
     click.echo(f"imported {checkpoint} → {out}")
 
 
 @click.command("import-vse-infinity-checkpoint")
-@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.argument("checkpoint", type=InputPath("file", "a checkpoint file"))
 @_import_options
-def import_vse_infinity_command(checkpoint, vocab_path, out, trust_checkpoint) -> None:
+def import_vse_infinity_command(checkpoint, vocab_path, out, allow_nonempty_out, trust_checkpoint) -> None:
     """Turn the authors' VSE∞ checkpoint (woodfrog/vse_infty, bigru branch: BUTD regions + BiGRU text, GPO on
     both sides) into a run that `retr-train eval` can evaluate. The BERT (master branch) and backbone models are
     refused in one line: retr cannot express them.
@@ -77,5 +92,6 @@ def import_vse_infinity_command(checkpoint, vocab_path, out, trust_checkpoint) -
       retr-train eval runs/vse-infinity-official-f30k --protocol f30k-1k \\
           --features data/f30k/features/butd-regions.h5 --manifest data/f30k/manifest.jsonl
     """
+    _check_out(out, allow_nonempty_out)
     import_vse_infinity_checkpoint(checkpoint, vocab_path, out, trust_checkpoint)
     click.echo(f"imported {checkpoint} → {out}")

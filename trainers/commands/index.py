@@ -5,22 +5,24 @@ from pathlib import Path
 
 import click
 
-from retr.common.cli import quiet_option
+from retr.common.cli import InputPath, OutputPath, quiet_option
+from retr.trainers.commands.options import FEATURES, IMAGE_ROOT, MANIFEST, RUN
 from retr.common.errors import UserError
 
 
 @click.command("index")
-@click.argument("run", type=click.Path(file_okay=False))
-@click.option("--images", type=click.Path(file_okay=False), help="A folder of images (searched recursively); "
+@click.argument("run", type=RUN)
+@click.option("--images", type=InputPath("folder", "a folder of images"),
+              help="A folder of images (searched recursively); "
               "an image's id is its path inside the folder.")
-@click.option("--manifest", type=click.Path(dir_okay=False), help="A manifest of images instead (ids as listed).")
-@click.option("--image-root", type=click.Path(file_okay=False),
+@click.option("--manifest", type=MANIFEST, help="A manifest of images instead (ids as listed).")
+@click.option("--image-root", type=IMAGE_ROOT,
               help="Folder the manifest's paths are relative to (default: the manifest's folder).")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="The index folder (made or grown).")
+@click.option("--out", required=True, type=OutputPath("folder"), help="The index folder (made or grown).")
 @click.option("--checkpoint", default="best", show_default=True, help="best, last, or a file in the run.")
-@click.option("--features", type=click.Path(dir_okay=False),
+@click.option("--features", type=FEATURES,
               help="The run's feature set, if moved (its attributes say how images are embedded).")
-@click.option("--extractor-weights", type=click.Path(dir_okay=False),
+@click.option("--extractor-weights", type=InputPath("file", "a weights file"),
               help="The extractor's weights file, where the feature set records one by hash.")
 @click.option("--shard-size", default=256, show_default=True, help="Images per index shard (the unit of resume).")
 @click.option("--batch-size", default=8, show_default=True, help="Images per network call.")

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import click
 
+from retr.common.cli import InputPath, OutputPath
+from retr.trainers.runs.checkpoint import METRICS
+
 from retr.trainers.reporting.plot import plot_runs
 
 
 @click.command("plot")
-@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False))
-@click.option("--out", default="curves.png", show_default=True, type=click.Path(dir_okay=False),
+@click.argument("runs", nargs=-1, required=True, type=InputPath("folder", "a training run's folder", holds=METRICS))
+@click.option("--out", default="curves.png", show_default=True, type=OutputPath("file"),
               help="The PNG to write.")
 def plot_command(runs, out) -> None:
     """Draw the training loss and the validation R@1 and rSum of one or several runs into a PNG (the report's

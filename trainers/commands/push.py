@@ -8,10 +8,11 @@ from pathlib import Path
 import click
 
 from retr.common.cli import quiet_option
+from retr.trainers.commands.options import RUN
 
 
 @click.command("push")
-@click.argument("run", type=click.Path(file_okay=False))
+@click.argument("run", type=RUN)
 @click.option("--repo", required=True, help="The Hub model repository, ORG/NAME (created if absent).")
 @click.option("--private", is_flag=True, help="Create the repository private.")
 @click.option("--checkpoint", default="best", show_default=True, help="A run's checkpoint to export: best, last, …")

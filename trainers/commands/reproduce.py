@@ -7,7 +7,9 @@ from pathlib import Path
 
 import click
 
-from retr.common.cli import quiet_option
+from retr.common.cli import InputPath, OutputPath, quiet_option
+from retr.store.word_vectors import GLOVE_SETS
+from retr.trainers.commands.options import FEATURES, MANIFEST, no_verify_option
 from retr.trainers.reproduction.recipes import NOT_EXPRESSED, get_recipe, list_recipes
 from retr.trainers.reproduction.reproduce import (_fmt, _published, format_report, markdown_table, parse_overrides,
                                                   provenance_json, reproduce)
@@ -15,16 +17,18 @@ from retr.trainers.reproduction.reproduce import (_fmt, _published, format_repor
 
 @click.command("reproduce")
 @click.argument("recipe")
-@click.option("--features", required=True, type=click.Path(dir_okay=False),
+@click.option("--features", required=True, type=FEATURES,
               help="The recipe's feature set (retr-train recipes names it).")
-@click.option("--manifest", required=True, type=click.Path(dir_okay=False))
-@click.option("--out", required=True, type=click.Path(file_okay=False),
+@click.option("--manifest", required=True, type=MANIFEST)
+@click.option("--out", required=True, type=OutputPath("folder"),
               help="Folder of the members' runs (shared between recipes) and the report.")
-@click.option("--trees", type=click.Path(dir_okay=False), default=None, help="SMFEA recipes: trees.h5.")
-@click.option("--concepts", type=click.Path(dir_okay=False), default=None, help="SMFEA recipes: concepts.h5.")
-@click.option("--concept-vectors", type=click.Path(dir_okay=False), default=None,
+@click.option("--trees", type=InputPath("file", "a trees.h5 file"), default=None, help="SMFEA recipes: trees.h5.")
+@click.option("--concepts", type=InputPath("file", "a concepts.h5 file"), default=None,
+              help="SMFEA recipes: concepts.h5.")
+@click.option("--concept-vectors", default=None,
+              type=InputPath("file", "a word-vector file", takes=GLOVE_SETS.__contains__),
               help="SMFEA recipes: GloVe-format concept vectors.")
-@click.option("--labels", type=click.Path(dir_okay=False), default=None, help="JGCAR recipes: image labels.")
+@click.option("--labels", type=InputPath("file", "a label file"), default=None, help="JGCAR recipes: image labels.")
 @click.option("--epochs", type=int, default=None, help="Override every member's epochs (not a reproduction).")
 @click.option("--batch-size", type=int, default=None, help="Override every member's batch size.")
 @click.option("--train-split", "train_splits", multiple=True, help="Override the training splits.")
@@ -38,10 +42,11 @@ from retr.trainers.reproduction.reproduce import (_fmt, _published, format_repor
 @click.option("--device", default="auto", show_default=True)
 @click.option("--allow-size-mismatch", is_flag=True,
               help="Evaluate a split whose size is not the protocol's (e.g. the synthetic data); recorded.")
+@no_verify_option
 @quiet_option
 def reproduce_command(recipe, features, manifest, out, trees, concepts, concept_vectors, labels, epochs, batch_size,
                       train_splits, val_images, settings, retrain, split, device, allow_size_mismatch,
-                      quiet) -> None:
+                      no_verify, quiet) -> None:
     """Train every member of RECIPE, evaluate it, and print measured beside published numbers.
 
     Finished members are reused and interrupted ones resumed, so running the command again continues where
@@ -63,7 +68,8 @@ def reproduce_command(recipe, features, manifest, out, trees, concepts, concept_
             overrides[key] = value
     data = {"features": features, "manifest": manifest, "trees": trees, "concepts": concepts,
             "concept_vectors": concept_vectors, "labels": labels}
-    report = reproduce(chosen, data, Path(out), overrides, split, device, allow_size_mismatch, quiet, tuple(retrain))
+    report = reproduce(chosen, data, Path(out), overrides, split, device, allow_size_mismatch, quiet, tuple(retrain),
+                       verify=not no_verify)
     for line in format_report(report):
         click.echo(line)
     click.echo(f"report written to {Path(out) / f'reproduce-{chosen.name}.json'}")

@@ -5,22 +5,23 @@ import json
 
 import click
 
-from retr.common.cli import quiet_option
+from retr.common.cli import InputPath, quiet_option
+from retr.trainers.commands.options import FEATURES, MANIFEST, RUN
 from retr.common.errors import UserError
 
 
 @click.command("search")
-@click.argument("run", type=click.Path(file_okay=False))
+@click.argument("run", type=RUN)
 @click.option("--query", "queries", multiple=True, help="A sentence: find the images it describes (repeatable).")
 @click.option("--image", "images", multiple=True,
               help="An image id of the split or index, an image file or a folder: find its captions (repeatable).")
 @click.option("--top", default=10, show_default=True, help="Results per query.")
 @click.option("--split", default="test", show_default=True, help="The gallery: this split of the run's data.")
-@click.option("--index", type=click.Path(file_okay=False),
+@click.option("--index", type=InputPath("folder", "a gallery index folder"),
               help="Search images in this gallery index (retr-train index) instead of the split.")
-@click.option("--images", "gallery", type=click.Path(file_okay=False),
+@click.option("--images", "gallery", type=InputPath("folder", "a folder of images"),
               help="Search images in this folder (indexed into RUN/search-cache/ once, grown on later runs).")
-@click.option("--extractor-weights", type=click.Path(dir_okay=False),
+@click.option("--extractor-weights", type=InputPath("file", "a weights file"),
               help="The extractor's weights file, where the feature set records one by hash (image files).")
 @click.option("--vector-index", type=click.Choice(["exact", "ivf", "hnsw"]), default="exact", show_default=True,
               help="The image gallery's inner-product index (ivf/hnsw: approximate, faiss): models scored by one, "
@@ -29,8 +30,8 @@ from retr.common.errors import UserError
               help="Two-stage search for models whose score is no inner product (SCAN, SEAM): score only the N "
                    "best items by cheap vectors (docs/search.md has each model's recall); at least --top are "
                    "scored. Default: every item.")
-@click.option("--features", type=click.Path(dir_okay=False), help="Override the run's feature set.")
-@click.option("--manifest", type=click.Path(dir_okay=False), help="Override the run's manifest.")
+@click.option("--features", type=FEATURES, help="Override the run's feature set.")
+@click.option("--manifest", type=MANIFEST, help="Override the run's manifest.")
 @click.option("--checkpoint", default="best", show_default=True, help="best, last, or a file in the run.")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--no-cache", is_flag=True, help="Encode the gallery anew instead of using RUN/search-cache/.")

@@ -7,19 +7,21 @@ import sys
 
 import click
 
-from retr.common.cli import quiet_option
+from retr.common.cli import InputPath, quiet_option
+from retr.trainers.commands.options import FEATURES, IMAGE_ROOT, MANIFEST, RUN
 
 
 @click.command("serve")
-@click.argument("run", type=click.Path(file_okay=False))
-@click.option("--index", type=click.Path(file_okay=False), help="A gallery index (retr-train index) instead of the split.")
+@click.argument("run", type=RUN)
+@click.option("--index", type=InputPath("folder", "a gallery index folder"),
+              help="A gallery index (retr-train index) instead of the split.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on: loopback, this machine only; 0.0.0.0 exposes the page to your network.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port.")
 @click.option("--split", default="test", show_default=True, help="The gallery: this split of the run's data.")
-@click.option("--features", type=click.Path(dir_okay=False), help="Override the run's feature set.")
-@click.option("--manifest", type=click.Path(dir_okay=False), help="Override the run's manifest.")
-@click.option("--image-root", type=click.Path(file_okay=False),
+@click.option("--features", type=FEATURES, help="Override the run's feature set.")
+@click.option("--manifest", type=MANIFEST, help="Override the run's manifest.")
+@click.option("--image-root", type=IMAGE_ROOT,
               help="Folder the manifest's image paths are relative to (default: the manifest's folder).")
 @click.option("--checkpoint", default="best", show_default=True, help="best, last, or a file in the run.")
 @click.option("--device", default="auto", show_default=True)

@@ -22,9 +22,10 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from retr.common.cli import quiet_option
+from retr.common.cli import InputPath, quiet_option
+from retr.trainers.commands.options import no_verify_option
 from retr.common.errors import UserError
-from retr.trainers.runs.checkpoint import CONFIG
+from retr.trainers.runs.checkpoint import CONFIG, holds_run
 from retr.trainers.config import TrainConfig, choices_of, field_types, setting_fields
 from retr.trainers.models.registry import ModelSpec
 from retr.trainers.training.settings import (evaluate_hint, flag_of, gather_settings, resume_settings,
@@ -113,14 +114,19 @@ def training_command(spec: ModelSpec) -> click.Command:
         params.append(option)
     for name in ("features", "manifest", "out"):
         next(p for p in params if p.name == name).show_default = False
-    params += [click.Option(["--" + i.name.replace("_", "-"), i.name], type=click.Path(dir_okay=False),
+    params += [click.Option(["--" + i.name.replace("_", "-"), i.name],
+                            type=InputPath("file", i.what, takes=set(i.resources).__contains__ if i.resources
+                                           else None),
                             default=None, help=i.help + (" (required)" if i.required else ""))
                for i in spec.inputs]
     params += settings_options(spec.config_class, shown)
     params += [click.Option([flag, shortcut_name(flag)], is_flag=True, default=False, help=help_text)
                for flag, (help_text, _) in spec.shortcuts.items()]
-    params += [click.Option(["--config"], type=click.Path(dir_okay=False), default=None,
+    params += [click.Option(["--config"], type=InputPath("file", "a JSON or YAML settings file"), default=None,
                             help="Settings from a JSON/YAML file or a run's config.json (options override it)."),
+               click.Option(["--allow-nonempty-out"], is_flag=True,
+                            help="Train into a non-empty --out that holds no run (refused otherwise: the run's files "
+                                 "would lie among others)."),
                click.Option(["--resume"], is_flag=True,
                             help="Continue the run in --out from its newest checkpoint, with its own settings "
                                  "(--out is enough; --epochs, --device, --workers … may change, other options "
@@ -128,12 +134,12 @@ def training_command(spec: ModelSpec) -> click.Command:
                click.Option(["--trust-checkpoint"], is_flag=True,
                             help="With --resume: read a checkpoint that holds Python objects besides tensors (they "
                                  "can run code: only for files you trust).")]
-    params.extend(_quiet_params())
+    params.extend(_params_of(no_verify_option, quiet_option))
 
     def callback(**values) -> None:
         from retr.trainers.evaluation.reports import report_after_training
         from retr.trainers.training.loop import train
-        from retr.trainers.training.preflight import check_training
+        from retr.trainers.training.preflight import check_feature_rows, check_training
 
         ctx = click.get_current_context()
         explicit = {name for name in values if ctx.get_parameter_source(name) in _EXPLICIT}
@@ -156,7 +162,12 @@ def training_command(spec: ModelSpec) -> click.Command:
             cfg = resume_settings(spec, values, explicit)
         else:
             cfg, _ = gather_settings(spec, values, explicit)
-        notes = tuple(f"note: {note}" for note in check_training(cfg, resume=values["resume"]))
+        if not values["resume"] and holds_run(cfg.out):
+            raise UserError(f"{cfg.out} already holds a run; pass --resume to continue it or choose another --out")
+        notes = tuple(f"note: {note}" for note in check_training(cfg, resume=values["resume"],
+                                                                  allow_nonempty_out=values["allow_nonempty_out"]))
+        if not values["no_verify"]:
+            check_feature_rows(cfg.features, quiet=values["quiet"])
         if not values["resume"] and "preset" not in explicit and not values.get("config") and cfg.preset:
             notes += (f"note: no --preset given: starting from {cfg.preset}'s published settings "
                       f"(presets: {', '.join(spec.presets)}); options given override them",)
@@ -169,8 +180,11 @@ def training_command(spec: ModelSpec) -> click.Command:
                          short_help=spec.summary.split(". ")[0].rstrip("."))
 
 
-def _quiet_params() -> list[click.Parameter]:
-    """The shared ``--quiet`` and ``-v`` options (:func:`retr.common.cli.quiet_option`) as parameter objects."""
+def _params_of(*decorators) -> list[click.Parameter]:
+    """The options shared decorators add (``--no-verify``; ``--quiet`` and ``-v``: :func:`retr.common.cli.quiet_option`)
+    as parameter objects."""
     def holder() -> None:
         """placeholder"""
-    return click.command()(quiet_option(holder)).params
+    for decorator in reversed(decorators):
+        holder = decorator(holder)
+    return click.command()(holder).params

@@ -603,6 +603,16 @@ def _jgcar_inputs(data, files, config, vocab_size):
     return load_jgcar_inputs(data, files.get("labels"), config.concept_min_captions)
 
 
+def _jgcar_features(model_args, shape: tuple[int, int]) -> str | None:
+    """The per-region bias b_v has one row per map cell: refused for features with another number of positions."""
+    k = shape[0]
+    if model_args.get("position_bias", True) and model_args.get("num_regions", 196) != k:
+        return (f"JGCAR's per-region bias b_v is built for --num-regions {model_args.get('num_regions', 196)}, the "
+                f"features have {k} positions per image; give --num-regions {k}, or --shared-bias (one bias for "
+                f"every position)")
+    return None
+
+
 def _jgcar_upgrade(model_args: dict) -> tuple[dict, dict]:
     """Runs written before the spec registry kept the label file among the model's arguments; runs whose
     ``model_args`` lack ``negative_mining`` were trained before its default became ``similar``."""
@@ -623,5 +633,6 @@ register_model(ModelSpec(
     default_preset="f30k",
     inputs=(InputFile("labels", "Image labels for the intra-modal losses (JSON {id: [labels]} or .jsonl "
                                 "{id, labels}), e.g. COCO instance categories; default: shared caption concepts "
-                                "(see docs/models-jgcar.md)."),),
-    load_inputs=_jgcar_inputs, upgrade_args=_jgcar_upgrade))
+                                "(see docs/models-jgcar.md).", what="a label file (.json or .jsonl)"),),
+    load_inputs=_jgcar_inputs, upgrade_args=_jgcar_upgrade, feature_kinds=("maps",),
+    check_features=_jgcar_features))

@@ -8,7 +8,10 @@ A spec names everything the trainer needs to know about a model and nothing is d
 * ``presets`` — named overrides (``{"f30k": {"epochs": 30, "lambda_softmax": 4.0}, …}``) of the schedule
   (:data:`~retr.trainers.config.SCHEDULE_KEYS`) and of the config's fields, checked at registration;
 * ``inputs`` and ``load_inputs`` — for models that need more than features and captions: the side files
-  (trees, concepts, labels) and the function that reads them into tensors (:class:`ModelInputs`).
+  (trees, concepts, labels) and the function that reads them into tensors (:class:`ModelInputs`);
+* ``feature_kinds`` and ``check_features`` — the feature kinds the model's papers use (training on another is a
+  note, ``reproduce`` refuses it) and, where the model's settings fix the shape it takes, the refusal of a
+  feature set they cannot take, in the options a user can give instead.
 
 ``retr-train MODEL`` is generated from the spec (:mod:`retr.trainers.commands.train`); every module in this
 package is imported on first use, so a new model is one module that calls :func:`register_model`.
@@ -30,11 +33,15 @@ DATA_SIZES = ("vocab_size", "img_dim")
 
 @dataclass(frozen=True)
 class InputFile:
-    """A side file a model reads through its spec's ``load_inputs`` (an option ``--NAME`` of its command)."""
+    """A side file a model reads through its spec's ``load_inputs`` (an option ``--NAME`` of its command).
+    ``what``: the file in words (``a trees.h5 file``: a wrong path's one line says it); ``resources``: names the
+    option takes besides a file (resources fetched on first use, e.g. ``glove``)."""
 
     name: str
     help: str
     required: bool = False
+    what: str = "a file"
+    resources: tuple[str, ...] = ()
 
 
 @dataclass
@@ -63,7 +70,9 @@ class ModelSpec:
     flags that set several settings (``{"--no-kl": ("help", {"kl_weight": 0.0})}``). ``upgrade_args`` turns
     ``model_args`` of runs written before a change into today's ``(model_args, inputs)``. ``after_training``
     names the reports made once a run is trained (:data:`retr.trainers.evaluation.reports.AFTER_TRAINING`),
-    e.g. SMFEA's ``tree_accuracy``.
+    e.g. SMFEA's ``tree_accuracy``. ``feature_kinds``: the kinds of feature set (``grid``, ``maps``, ``tencrop``,
+    ``regions``, ``clip``) its papers trained on, empty for any. ``check_features(model_args, (K, D)) -> str | None``:
+    why the model built with ``model_args`` cannot take ``[K, D]`` features, in the command's options (None: it can).
     """
 
     name: str
@@ -79,6 +88,8 @@ class ModelSpec:
     shortcuts: Mapping[str, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)
     upgrade_args: Callable[[dict], tuple[dict, dict]] | None = None
     after_training: tuple[str, ...] = ()
+    feature_kinds: tuple[str, ...] = ()
+    check_features: Callable[[Mapping[str, Any], tuple[int, int]], str | None] | None = None
 
     def __post_init__(self) -> None:
         known = {f.name for f in dataclasses.fields(self.config_class)}
@@ -94,6 +105,11 @@ class ModelSpec:
             raise ValueError(f"model {self.name} needs at least one example command (shown in --help)")
         if self.default_preset is not None and self.default_preset not in self.presets:
             raise ValueError(f"default preset {self.default_preset!r} of {self.name} is not among its presets")
+        from retr.store.features import KINDS
+
+        unknown_kinds = sorted(set(self.feature_kinds) - set(KINDS))
+        if unknown_kinds:
+            raise ValueError(f"feature kind(s) {', '.join(unknown_kinds)} of {self.name} are not among {KINDS}")
 
     def preset_for(self, name: str | None, explicit: Mapping[str, Any] | None = None) -> str | None:
         """The name of the preset that applies: ``name`` (None: the default preset), refined by ``explicit``

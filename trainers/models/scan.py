@@ -189,4 +189,4 @@ register_model(ModelSpec(
     summary="Train SCAN (stacked cross attention) on region features.",
     examples=("retr-train scan --features data/f30k/features/butd-regions.h5 --manifest data/f30k/manifest.jsonl "
               "--preset f30k --direction i2t --agg avg --out runs/scan-f30k-i2t-avg",),
-    presets=_scan_presets(), default_preset="f30k", preset_name=_scan_preset_name))
+    presets=_scan_presets(), default_preset="f30k", preset_name=_scan_preset_name, feature_kinds=("regions",)))

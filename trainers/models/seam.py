@@ -316,4 +316,4 @@ register_model(ModelSpec(
     examples=("retr-train seam --features data/coco/features/tencrop-vgg19.h5 --manifest data/coco/manifest.jsonl "
               "--preset coco --text-encoder c --out runs/seam-c-coco",
               "retr-train eval runs/seam-c-coco --protocol coco-1k"),
-    presets={"coco": SEAM_PRESET, "f30k": SEAM_PRESET}, default_preset="coco"))
+    presets={"coco": SEAM_PRESET, "f30k": SEAM_PRESET}, default_preset="coco", feature_kinds=("tencrop",)))

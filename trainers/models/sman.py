@@ -420,4 +420,5 @@ register_model(ModelSpec(
               "--preset f30k --out runs/sman-f30k",
               "retr-train sman --features data/f30k/features/resnet152-grid.h5 --manifest data/f30k/manifest.jsonl "
               "--preset f30k --alpha 1 --intra-pair-weight 0 --out runs/sman-f30k-sim-inter"),
-    presets={"f30k": SMAN_PRESET, "coco": SMAN_PRESET}, default_preset="f30k", upgrade_args=_sman_upgrade))
+    presets={"f30k": SMAN_PRESET, "coco": SMAN_PRESET}, default_preset="f30k", upgrade_args=_sman_upgrade,
+    feature_kinds=("grid",)))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from retr.store.word_vectors import GLOVE_SETS
 from retr.trainers.config import (dropout_setting, embed_size_setting, freeze_word_vectors_setting, margin_setting,
                                   setting, size_setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
@@ -414,6 +415,16 @@ def _smfea_inputs(data, files, config, vocab_size):
     return load_smfea_inputs(data, files, config, vocab_size)
 
 
+def _smfea_features(model_args, shape: tuple[int, int]) -> str | None:
+    """Batch norm over the region positions has one channel per position: refused for another number of them."""
+    k = shape[0]
+    if model_args.get("instance_bn", "regions") == "regions" and model_args.get("num_regions", 36) != k:
+        return (f"the instance attention's batch norm over region positions is built for --num-regions "
+                f"{model_args.get('num_regions', 36)}, the features have {k} positions per image; give --num-regions "
+                f"{k}, or --instance-bn features (normalised over the features instead)")
+    return None
+
+
 def _smfea_upgrade(model_args: dict) -> tuple[dict, dict]:
     """Runs written before the spec registry kept the side files among the model's arguments."""
     inputs = {k: model_args.pop(k, None) for k in ("trees", "concepts")}
@@ -437,12 +448,16 @@ register_model(ModelSpec(
               "retr-train eval runs/smfea-f30k --protocol f30k-1k"),
     presets={"f30k": {**SMFEA_SCHEDULE, "label_ratio": 0.35}, "coco": {**SMFEA_SCHEDULE, "label_ratio": 0.4}},
     default_preset="f30k",
-    inputs=(InputFile("trees", "trees.h5 from retr-pipeline parse-trees (required unless --no-trees)."),
-            InputFile("concepts", "concepts.h5 from retr-pipeline build-concepts.", required=True),
+    inputs=(InputFile("trees", "trees.h5 from retr-pipeline parse-trees (required unless --no-trees).",
+                      what="a trees.h5 file"),
+            InputFile("concepts", "concepts.h5 from retr-pipeline build-concepts.", required=True,
+                      what="a concepts.h5 file"),
             InputFile("concept_vectors", "Concept word vectors, kept fixed as CVSE: glove (GloVe 840B.300d, "
                                          "downloaded on first use), glove-6b, or a GloVe-format .txt/.zip file; "
-                                         "default: vectors learned from U(±0.1).")),
+                                         "default: vectors learned from U(±0.1).", resources=tuple(GLOVE_SETS),
+                      what=f"a GloVe-format .txt or .zip file, or {' / '.join(GLOVE_SETS)}")),
     load_inputs=_smfea_inputs,
     shortcuts={"--no-kl": ("Ablation 'w/o D_KL' (Table 5): --kl-weight 0.", {"kl_weight": 0.0}),
                "--no-node-ce": ("Ablation 'w/o L_CE' (Table 5): --ce-weight 0.", {"ce_weight": 0.0})},
-    upgrade_args=_smfea_upgrade, after_training=("tree_accuracy",)))
+    upgrade_args=_smfea_upgrade, after_training=("tree_accuracy",), feature_kinds=("regions",),
+    check_features=_smfea_features))

@@ -222,4 +222,5 @@ register_model(ModelSpec(
     summary="Train VSE∞ (GPO pooling on both sides, BiGRU captions) on region or grid features.",
     examples=("retr-train vse-infinity --features data/coco/features/butd-regions.h5 "
               "--manifest data/coco/manifest.jsonl --preset coco --out runs/vse-infinity-coco",),
-    presets={"f30k": VSE_INFINITY_PRESET, "coco": VSE_INFINITY_PRESET}, default_preset="f30k"))
+    presets={"f30k": VSE_INFINITY_PRESET, "coco": VSE_INFINITY_PRESET}, default_preset="f30k",
+    feature_kinds=("regions", "grid")))

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
+import stat
 from pathlib import Path
 
 from retr.common.errors import UserError
@@ -63,6 +65,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, which: str = "bes
         safetensors.torch.save_model(model, str(staging / ckpt.WEIGHTS),
                                      metadata={"format": "pt", "retr_model": config["model"]})
         vocab.save(staging / ckpt.VOCAB)
+        # safetensors writes its file 0600; give it the mode the process gives new files (the others' here)
+        os.chmod(staging / ckpt.WEIGHTS, stat.S_IMODE((staging / ckpt.VOCAB).stat().st_mode))
         exported = export_config(run, config, source, staging)
         ckpt.write_json(staging / ckpt.CONFIG, exported)
         (staging / CARD).write_text(model_card(run, exported), encoding="utf-8")
@@ -89,8 +93,11 @@ def export_config(run: Path, config: dict, source: Path, folder: Path) -> dict:
 
 
 def feature_provenance(config: dict) -> dict:
-    """What the weights expect of a feature set: ``[K, D]`` and the extraction attributes the run's feature set
-    records (:data:`PROVENANCE_ATTRS`), read from it where it is still on disk (else ``D`` alone)."""
+    """What the weights expect of a feature set: ``[K, D]``, the extraction attributes the run's feature set
+    records (:data:`PROVENANCE_ATTRS`) and the ``retr-pipeline extract`` arguments that make it again
+    (``extract_arguments``: :func:`~retr.extractors.recorded.extract_arguments`; absent for imported features), read
+    from it where it is still on disk (else ``D`` alone)."""
+    from retr.extractors.recorded import extract_arguments
     from retr.store.features import FeatureSet
 
     provenance: dict = {"dim": config["model_args"].get("img_dim")}
@@ -99,6 +106,10 @@ def feature_provenance(config: dict) -> dict:
         features = FeatureSet(path)
         provenance["shape"] = [int(n) for n in features.feature_shape]
         provenance.update({k: _plain(features.attrs[k]) for k in PROVENANCE_ATTRS if k in features.attrs})
+        try:
+            provenance["extract_arguments"] = extract_arguments(features)
+        except UserError:                     # imported, or made before its options were recorded
+            pass
     return provenance
 
 
@@ -136,10 +147,21 @@ def model_card(run: Path, exported: dict) -> str:
     lines += ["", "## Features it needs", "",
               f"Image features of shape [K, D] = {features.get('shape') or ['K', features.get('dim')]}"
               + (f", made by retr's `{extractor}` extractor" if extractor else "") + ":", ""]
-    lines += [f"- {k}: `{v}`" for k, v in features.items() if k not in ("dim", "shape")] or ["- (not recorded)"]
-    if extractor:
-        lines += ["", "```bash", f"retr-pipeline extract --manifest data/manifest.jsonl --extractor {extractor} "
-                  "--out data/features", "```"]
+    lines += [f"- {k}: `{v}`" for k, v in features.items() if k not in ("dim", "shape", "extract_arguments")] \
+        or ["- (not recorded)"]
+    if features.get("extract_arguments"):
+        command = ["retr-pipeline", "extract", "--manifest", "data/manifest.jsonl", "--image-root", "data",
+                   *features["extract_arguments"], "--out", "data/features"]
+        lines += ["", "Made again, with the settings the feature set records:", "", "```bash",
+                  " ".join(shlex.quote(part) for part in command), "```"]
+        weights = features.get("weights", "")
+        if "sha256:" in str(weights):
+            lines += ["", f"`--weights` is the file whose sha256 is `{str(weights).rsplit('sha256:', 1)[1][:16]}…`."]
+    elif extractor:
+        lines += ["", "The feature set records no more of how it was made (imported, or made by an older retr); "
+                  "give the options it was made with:", "", "```bash",
+                  f"retr-pipeline extract --manifest data/manifest.jsonl --extractor {extractor} --out data/features",
+                  "```"]
     lines += ["", "## How to load it", "", "```python", "import retr", "",
               f'model, vocab, config = retr.load_model("{name}")        # this folder',
               f'search = retr.Retriever.from_run("{name}", features="data/features/{extractor or "FEATURES"}.h5",',

@@ -25,7 +25,8 @@ from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.config import RESUME_APPLIES, TrainConfig, setting_fields
 from retr.trainers.data.pairing import check_manifest_pairing
 from retr.trainers.evaluation.metrics import check_evaluation_split
-from retr.trainers.training.preflight import check_output_folder, check_training
+from retr.common.paths import check_output_folder
+from retr.trainers.training.preflight import check_feature_rows, check_training
 from retr.trainers.reproduction.recipes import (FeatureProvenance, Member, Published, Recipe, accepts, list_recipes,
                                                said)
 
@@ -303,7 +304,7 @@ def compare(kind: str, label: str, result: dict, row: Published | None) -> dict:
 
 def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], split: str = "test",
               device: str = "auto", allow_size_mismatch: bool = False, quiet: bool = False,
-              retrain: tuple[str, ...] = ()) -> dict:
+              retrain: tuple[str, ...] = (), verify: bool = True) -> dict:
     """Train every member, evaluate singles and the ensemble, compare with the published numbers, and say
     whether this was a reproduction (``reproduction``) and, if not, every reason why (``reasons``).
 
@@ -311,9 +312,11 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
     recipe's; otherwise nothing is trained and one line names each difference, unless ``retrain`` names the
     member (its run is then moved aside, see :func:`set_aside`).
 
-    Every check runs before the first member trains: ``out``, the evaluation split (present, every image with
-    features, the protocol's size unless ``allow_size_mismatch``), features against the manifest, and each
-    member's training checks (:func:`preflight_members`); the zero-shot recipes' CLIP inputs likewise."""
+    Every check runs before the first member trains: ``out``, the feature set's kind (the one its members' papers
+    used: :func:`check_member_kinds`), the evaluation split (present, every image with features, the protocol's
+    size unless ``allow_size_mismatch``), features against the manifest, and each member's training checks
+    (:func:`preflight_members`); the zero-shot recipes' CLIP inputs likewise; then, unless ``verify`` is false,
+    every row of the feature set against its stored checksum."""
     from retr.manifests.schema import manifest_sha256
     from retr.trainers.evaluation.runs import evaluate_runs
 
@@ -326,6 +329,7 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
     if (out / f"reproduce-{recipe.name}.json").is_dir():
         raise UserError(f"{out / f'reproduce-{recipe.name}.json'} is a folder: the report cannot be written there")
     features = _check_data(data)
+    check_member_kinds(recipe, features)
     manifest_digest = manifest_sha256(data["manifest"])
     reasons = [*recipe.unmet, *override_reasons(recipe, overrides)]
     reasons += feature_reasons(recipe.features, features, manifest_digest)
@@ -345,6 +349,8 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
     if recipe.zero_shot is not None:
         from retr.trainers.evaluation.clip_zero_shot import check_clip_inputs
         notes += check_clip_inputs(features, data["manifest"], recipe.protocol, split, None, allow_size_mismatch)
+    if verify:
+        check_feature_rows(data["features"], "--features", quiet)
     for note in dict.fromkeys(notes):
         logger.warning(f"note: {note}")
     out.mkdir(parents=True, exist_ok=True)
@@ -386,6 +392,20 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
               "evaluated": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     ckpt.write_json(out / f"reproduce-{recipe.name}.json", report)
     return report
+
+
+def check_member_kinds(recipe: Recipe, features) -> None:
+    """Refuse a feature set of a kind the members' papers did not use (their specs' ``feature_kinds``): training
+    on it may run, but it is no reproduction of the paper's row."""
+    from retr.trainers.models import get_spec
+
+    for member in recipe.members:
+        kinds = get_spec(member.model).feature_kinds
+        if kinds and features.kind not in kinds:
+            raise UserError(f"{recipe.name}: {member.model}'s paper used {' or '.join(kinds)} features (the "
+                            f"recipe's: {recipe.features.extractor}), --features {features.path} holds "
+                            f"{features.kind} features; no reproduction trains on them (retr-train {member.model} "
+                            "does, with a note)")
 
 
 def preflight_members(planned: list[PlannedMember], features, retrain: tuple[str, ...] = ()) -> list[str]:

@@ -36,11 +36,21 @@ def write_json(path: str | os.PathLike, data) -> Path:
 def read_config(run: str | os.PathLike) -> dict:
     """The run's ``config.json``, upgraded to today's form (:func:`upgrade_config`), with its data paths
     resolved (:func:`resolve_paths`)."""
-    path = local_run(run) / CONFIG
+    folder = local_run(run)
+    path = folder / CONFIG
     if not path.is_file():
-        raise UserError(f"{run} is not a run directory (no {CONFIG})")
+        what = ("does not exist" if not folder.exists() else "is a file, not a run folder" if not folder.is_dir()
+                else f"is not a run folder (it holds no {CONFIG})")
+        raise UserError(f"{run} {what}")
     run = path.parent
-    return resolve_paths(run, upgrade_config(json.loads(path.read_text(encoding="utf-8"))))
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{path} is not a run's settings (not JSON: {str(exc).splitlines()[0]})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model"), str):
+        raise UserError(f"{path} is not a retr run's settings (it names no model): is {run} a run folder, or "
+                        "another tool's?")
+    return resolve_paths(run, upgrade_config(config))
 
 
 def absolute_paths(cfg):
@@ -119,6 +129,21 @@ def list_checkpoints(run: str | os.PathLike) -> list[tuple[int, Path]]:
     run = Path(run)
     found = [(int(m.group(1)), p) for p in run.glob("checkpoint-*.pt") if (m := _CHECKPOINT.match(p.name))]
     return sorted(found)
+
+
+def holds_run(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a run (its ``config.json``, ``metrics.jsonl`` or an epoch checkpoint)."""
+    folder = Path(folder)
+    return (folder / CONFIG).exists() or (folder / METRICS).exists() or bool(list_checkpoints(folder))
+
+
+def is_run_file(name: str) -> bool:
+    """Whether a file or folder named ``name`` is one a run writes into its folder (a run stopped before its
+    ``config.json`` leaves some of them)."""
+    from retr.common.atomic import PARTIAL_SUFFIX
+
+    return (name in (CONFIG, VOCAB, BEST, METRICS, EVAL, LOCK, EMA, "tensorboard", "wandb")
+            or bool(_CHECKPOINT.match(name)) or name.endswith(PARTIAL_SUFFIX))
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:

@@ -53,7 +53,8 @@ def local_run(run: str | os.PathLike) -> Path:
     except errors.LocalEntryNotFoundError:
         raise MissingResourceError(f"model {repo}" + (f"@{revision}" if revision else ""), hub_cache(),
                                    f"run the command on a connected machine (retr downloads {str(run)!r} into the "
-                                   f"Hugging Face cache), or `hf download {repo}`") from None
+                                   f"Hugging Face cache), or `hf download {repo}"
+                                   + (f" --revision {revision}" if revision else "") + "`") from None
     except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.GatedRepoError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"{run}: no such model on the Hub, or not readable with your token ({reason})") from None

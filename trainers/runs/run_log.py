@@ -35,7 +35,9 @@ def read_metrics(run: str | Path) -> list[dict]:
     """Every record of ``RUN/metrics.jsonl``, each with its ``type`` and a 1-based ``epoch``."""
     path = Path(run) / METRICS
     if not path.is_file():
-        raise UserError(f"{run} has no {METRICS} (not a training run?)")
+        what = ("does not exist" if not Path(run).exists() else "is a file, not a run folder"
+                if not Path(run).is_dir() else f"holds no {METRICS}, so it is not a training run's folder")
+        raise UserError(f"{run} {what}")
     records = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:

@@ -8,21 +8,21 @@ its stored row back.
 from __future__ import annotations
 
 import io
-import json
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
 import numpy as np
 import torch
 
 from retr.common.errors import MissingResourceError, UserError
 from retr.common.hashing import sha256_file
-from retr.extractors.base import available_extractors, build_extractor, declared_options
+from retr.extractors.base import build_extractor, declared_options
 from retr.extractors.batches import extracted_batches
-from retr.store.features import ATTRS_BEFORE_RECORDED, FeatureSet
+from retr.extractors.recorded import extraction_options
+from retr.store.features import FeatureSet
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -31,9 +31,6 @@ if TYPE_CHECKING:
 ImageInput = Union[str, os.PathLike, bytes, "Image.Image"]
 #: file suffixes a folder of images is read for
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-#: builder options that say how to run, not what comes out (set from the device or the recorded weights)
-RUNTIME_OPTIONS = {"device", "weights", "half", "decode", "autocast", "channels_last", "detector_batch", "tf32",
-                   "object_vocab", "attr_vocab", "allow_partial", "trust_checkpoint"}
 
 
 @dataclass
@@ -70,38 +67,6 @@ def no_images_error(folder: str | os.PathLike, listing: FolderListing) -> UserEr
 def image_files(folder: str | os.PathLike) -> list[tuple[str, Path]]:
     """``[(id, path)]`` of every image file under ``folder`` (:func:`list_folder`'s images)."""
     return list_folder(folder).images
-
-
-def _plain(value: Any) -> Any:
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def extraction_options(feature_set: FeatureSet) -> tuple[str, dict[str, Any]]:
-    """``(extractor name, builder options)`` that re-create ``feature_set``'s extraction (weights excluded).
-
-    One-line :class:`UserError` for imported features (no extractor known) and for a set that does not record
-    an option that shapes the features (made before it was recorded).
-    """
-    attrs = feature_set.attrs
-    name = attrs.get("extractor")
-    if "source" in attrs or name not in available_extractors():
-        made = f"imported ({attrs['source']})" if "source" in attrs else f"made by {name!r}, not a retr extractor"
-        raise UserError(f"{feature_set.path}: the features were {made}, so no extractor is known to embed a new "
-                        f"image as its rows were; search images by id, or re-extract with retr-pipeline extract")
-    settings = attrs.get("detector_settings", {})
-    recorded = {**ATTRS_BEFORE_RECORDED, **(json.loads(settings) if isinstance(settings, str) else settings),
-                **attrs}
-    wanted = declared_options(name) - RUNTIME_OPTIONS
-    missing = sorted(wanted - set(recorded))
-    if missing:
-        raise UserError(f"{feature_set.path} does not record {', '.join(missing)} (made by an older retr), so a "
-                        f"new image cannot be embedded as its rows were; re-extract it with retr-pipeline extract")
-    options = {key: _plain(recorded[key]) for key in wanted}
-    options["half"] = bool(recorded.get("half_precision", recorded.get("half", False)))
-    for key in ("autocast", "channels_last", "decode", "detector_batch", "tf32"):
-        if key in declared_options(name) and key in recorded:
-            options[key] = _plain(recorded[key])
-    return name, options
 
 
 def resolve_weights(feature_set: FeatureSet, given: str | None = None) -> str:

@@ -7,8 +7,9 @@
     r.image_to_texts(["coco_391895"], k=10)
 
 **The gallery** (the split's images and captions) is encoded once and cached in the run directory,
-``RUN/search-cache/<split>-<key>.pt``, where the key hashes the checkpoint file, the feature set's identity (ids
-digest, shape, dtype, extraction attributes) and the manifest: a new checkpoint or other data encode anew. The
+``RUN/search-cache/<split>-<key>.pt`` (an export's, and a run folder's that takes no files, in
+``$RETR_CACHE/search/``: :func:`search_caches`), where the key hashes the checkpoint file, the feature set's identity
+(ids digest, shape, dtype, extraction attributes) and the manifest: a new checkpoint or other data encode anew. The
 cache holds tensors only (read with ``weights_only``) and is written through a temporary name.
 
 **Scores are eval's.** Every returned score is the one ``retr-train eval`` gives that pair:
@@ -52,8 +53,10 @@ import numpy as np
 import torch
 
 from retr.common.atomic import atomic_file
+from retr.common.cache import cache_folder
 from retr.common.devices import resolve_device
 from retr.common.errors import UserError
+from retr.common.paths import write_problem
 from retr.common.hashing import sha256_file
 from retr.store.vocab import Vocabulary, tokenize
 from retr.trainers.runs import checkpoint as ckpt
@@ -136,11 +139,20 @@ class SearchResult:
                 "hits": [{k: v for k, v in vars(h).items() if v is not None} for h in self.hits]}
 
 
-def search_caches(run: Path) -> Path:
-    """Where a search keeps its caches: ``RUN/search-cache/``, or for an export in the Hugging Face cache (which
-    nothing may change) a folder of this process, removed when it ends."""
-    if not in_hub_cache(run):
+def search_caches(run: Path, checkpoint_sha256: str) -> Path:
+    """Where a search keeps its caches: ``RUN/search-cache/`` of a run whose folder takes files; for an export
+    (shared as made: nothing is written into one, local or in the Hugging Face cache) or a run folder that takes no
+    files, ``$RETR_CACHE/search/<checkpoint sha256>/`` (:mod:`retr.common.cache`); where that takes none either, a
+    folder of this process, removed when it ends."""
+    if not ckpt.is_export(run) and not in_hub_cache(run) and write_problem(run) is None:
         return run / CACHE_DIR
+    folder = cache_folder("search") / checkpoint_sha256[:32]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if write_problem(folder) is None:
+            return folder
+    except OSError:
+        pass
     folder = Path(tempfile.mkdtemp(prefix="retr-search-cache-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
@@ -258,7 +270,7 @@ class Retriever:
         key = hashlib.sha256(json.dumps({
             "checkpoint": checkpoint_sha256, "split": split,
             "data": data_identity(feature_set, opened.manifest_path)}, sort_keys=True).encode()).hexdigest()[:20]
-        caches = search_caches(run)
+        caches = search_caches(run, checkpoint_sha256)
         path = caches / f"{split}-{key}.pt"
         gallery = _read_cache(path, dev) if cache else None
         if gallery is None:

@@ -62,7 +62,7 @@ def check_sources(run, split: str = "test", features: str | None = None, manifes
     from retr.manifests.schema import outside_root_reason, read_manifest, resolve_image_root
     from retr.trainers.runs import checkpoint as ckpt
 
-    config = ckpt.read_config(run)              # "RUN is not a run directory (no config.json)"
+    config = ckpt.read_config(run)              # "RUN is not a run folder (it holds no config.json)"
     given = {"features": features, "manifest": manifest}
     for name, path in given.items():
         if path is not None and not Path(path).is_file():

@@ -2,16 +2,21 @@
 ``eval-clip`` share (one function per concern), so a wrong input is one line before the first training step or
 caption encoding, never after minutes of it.
 
-* :func:`check_output_folder` — the folder a command writes into can be made and written;
-* :func:`check_training` — one run's data, pairing of features and manifest
+* :func:`~retr.common.paths.check_output_folder` — the folder a command writes into can be made and written;
+* :func:`check_training` — the run's folder (new, empty, or a run to resume; a non-empty folder that holds no run
+  only with ``allow_nonempty_out``), one run's data, its feature kind against the model's paper
+  (:func:`check_feature_kind`), pairing of features and manifest
   (:func:`~retr.trainers.data.pairing.check_manifest_pairing`), splits, side files and word vectors
   (:func:`~retr.trainers.models.side_inputs.check_side_inputs`) and the ``--log`` targets (the settings'
   bounds are :class:`~retr.trainers.config.TrainConfig`'s own, checked when it is made);
 * :func:`~retr.trainers.evaluation.metrics.check_evaluation_split` (beside the protocols) — the split a protocol
-  evaluates: present, every image with features, and the protocol's size (unless a mismatch is allowed).
+  evaluates: present, every image with features, and the protocol's size (unless a mismatch is allowed);
+* :func:`check_feature_rows` — every row of a feature set against its stored checksum, once per state of its files
+  (:func:`~retr.store.integrity.verify_rows`).
 
 Each raises :class:`~retr.common.errors.UserError` (one line) and returns the notes to print (``note: …``
-lines, without the prefix) when something differs without being wrong. None of them writes anything.
+lines, without the prefix) when something differs without being wrong. None of them writes anything, but for the
+files :func:`check_feature_rows` found sound, remembered in the user's cache (``$RETR_CACHE/verified/``).
 """
 from __future__ import annotations
 
@@ -21,28 +26,66 @@ from pathlib import Path
 import numpy as np
 
 from retr.common.errors import UserError
+from retr.common.paths import check_folder_holds_only, check_input, check_output_folder
 from retr.manifests.schema import ManifestRecord, read_manifest
 from retr.store.features import FeatureSet
+from retr.store.word_vectors import GLOVE_SETS, RANDOM
 from retr.trainers.config import TrainConfig
 from retr.trainers.data.splits import check_feature_contract
 from retr.trainers.data.pairing import check_manifest_pairing
 
 
-def check_output_folder(out: str | os.PathLike, flag: str = "--out") -> None:
-    """Refuse an output folder that is a file, lies below a file, or cannot be created or written (its nearest
-    existing folder is not writable)."""
-    folder = Path(out)
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"{flag} {folder} is a file, not a folder")
-    existing = folder
-    while not existing.exists():
-        if existing.parent == existing:
-            break
-        existing = existing.parent
-    if existing.exists() and not existing.is_dir():
-        raise UserError(f"{flag} {folder}: {existing} is a file, so the folder cannot be made")
-    if existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {folder}: {existing} is not writable")
+def check_run_folder(out: str | os.PathLike, resume: bool = False, allow_nonempty_out: bool = False) -> None:
+    """The folder a training run writes: one it can make and write (:func:`check_output_folder`), and for a new run
+    not a non-empty folder of other files unless ``allow_nonempty_out`` (a run's own files do not count: those of a
+    start that stopped before its settings, or of a run ``reproduce --retrain`` moves aside; a run already there is
+    refused by ``retr-train MODEL`` unless ``--resume``)."""
+    from retr.trainers.runs.checkpoint import is_run_file
+
+    check_output_folder(out, "--out")
+    if resume:
+        return
+    if not allow_nonempty_out:
+        check_folder_holds_only(out, "--out", "a run",
+                                lambda folder: all(is_run_file(p.name) for p in folder.iterdir()))
+
+
+def check_feature_kind(spec, features: FeatureSet, model_args: dict, name: str = "--features") -> list[str]:
+    """The feature set against what ``spec``'s model is built for: refused in one line where the model's settings
+    cannot take its ``[K, D]`` (``spec.check_features``, worded in the options to give), a note where its kind is
+    not one the model's paper used (``spec.feature_kinds``). Returns the notes."""
+    shape = tuple(int(n) for n in features.feature_shape)
+    if spec.check_features is not None:
+        refusal = spec.check_features(model_args, shape)
+        if refusal:
+            raise UserError(f"{spec.name} on {name} {features.path} ({features.kind}, {shape[0]}×{shape[1]} per "
+                            f"image): {refusal}")
+    if spec.feature_kinds and features.kind not in spec.feature_kinds:
+        return [f"{name} {features.path} holds {features.kind} features ({shape[0]}×{shape[1]} per image); "
+                f"{spec.name}'s paper used {' or '.join(spec.feature_kinds)} features, so this run is not its "
+                f"paper's setting"]
+    return []
+
+
+def check_feature_rows(path: str | os.PathLike, name: str = "--features", quiet: bool = False) -> None:
+    """Every row of the feature set at ``path`` finite and equal to the checksum stored when it was written (once
+    per state of its files: :func:`~retr.store.integrity.verify_rows`); one line naming ``name`` otherwise."""
+    from retr.store.integrity import verify_rows
+
+    verify_rows(path, name, quiet=quiet)
+
+
+def check_run_features(runs: list[str], features: str | None = None, quiet: bool = False) -> None:
+    """:func:`check_feature_rows` of the set each run is evaluated on: ``features`` when given, else each run's
+    own (a run whose set is not on disk is left to the evaluation's own one-line error)."""
+    from retr.trainers.runs.checkpoint import read_config
+
+    if features:
+        check_feature_rows(features, "--features", quiet)
+        return
+    for path in dict.fromkeys(read_config(run).get("features") for run in runs):
+        if path and Path(path).is_file():
+            check_feature_rows(path, "the runs' feature set" if len(runs) > 1 else "the run's feature set", quiet)
 
 
 def _split_records(manifest: str, splits: list[str], features: FeatureSet) -> list[ManifestRecord]:
@@ -58,28 +101,35 @@ def _split_records(manifest: str, splits: list[str], features: FeatureSet) -> li
     return kept
 
 
-def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet | None = None) -> list[str]:
+def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet | None = None,
+                   allow_nonempty_out: bool = False) -> list[str]:
     """Everything a training run of ``cfg`` (a new run, or with ``resume`` one that continues) would refuse,
-    checked without training: the output folder, the manifest and feature set (contract and pairing), the
-    vocabulary's captions (or the ``vocab`` file), the training and validation splits, the model's side files
-    and word vectors, and the ``log`` targets. ``features``: the set already opened, if it is. Returns the
-    notes."""
+    checked without training: the output folder (:func:`check_run_folder`), the manifest and feature set
+    (contract, the model's feature kind and shape, pairing), the vocabulary's captions (or the ``vocab`` file), the
+    training and validation splits, the model's side files and word vectors, and the ``log`` targets.
+    ``features``: the set already opened, if it is. Returns the notes."""
     from retr.trainers.models import get_spec
     from retr.trainers.runs.run_log import summary_writer
     from retr.trainers.data.splits import SplitData
     from retr.trainers.models.side_inputs import caption_keys, check_side_inputs
 
-    check_output_folder(cfg.out)
+    check_run_folder(cfg.out, resume, allow_nonempty_out)
     summary_writer(tuple(cfg.log))
-    if not Path(cfg.manifest).is_file():
-        raise UserError(f"manifest {cfg.manifest} {'is a folder' if Path(cfg.manifest).is_dir() else 'does not exist'}"
-                        " (expected a JSON Lines file)")
-    features = features if features is not None else FeatureSet(cfg.features)
+    check_input(cfg.manifest, "--manifest", "file", "a JSON Lines manifest")
+    if features is None:
+        check_input(cfg.features, "--features", "file", "a feature-set .h5 file")
+        features = FeatureSet(cfg.features)
     check_feature_contract(features, cfg.model_args.get("img_dim") if resume else None)
-    notes = check_manifest_pairing(features, cfg.manifest)
+    spec = get_spec(cfg.model)
+    vectors = cfg.model_args.get("word_vectors")
+    if vectors and vectors != RANDOM and vectors not in GLOVE_SETS:
+        check_input(vectors, "--word-vectors", "file", f"a GloVe-format .txt or .zip file, or {' / '.join(GLOVE_SETS)}")
+    notes = check_feature_kind(spec, features, cfg.model_args)
+    notes += check_manifest_pairing(features, cfg.manifest)
     if not resume and cfg.vocab:
         from retr.store.vocab import Vocabulary
 
+        check_input(cfg.vocab, "--vocab", "file", "a vocabulary JSON file")
         Vocabulary.load(cfg.vocab)
     if not resume and not cfg.vocab:
         splits = list(cfg.vocab_splits or cfg.train_splits)
@@ -88,7 +138,6 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
                             "(--vocab-split / --train-split)")
     train = _split_records(cfg.manifest, list(cfg.train_splits), features)
     _split_records(cfg.manifest, [cfg.val_split], features)
-    spec = get_spec(cfg.model)
     data = SplitData([r.id for r in train], [c for r in train for c in r.captions],
                      np.repeat(np.arange(len(train)), [len(r.captions) for r in train]), [])
     check_side_inputs(spec, dict(cfg.inputs), cfg.model_args, data.image_ids,

@@ -59,8 +59,10 @@ def gather_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> tuple[
     if values.get("config"):
         try:
             from_file = read_settings_file(values["config"])
-        except (OSError, ValueError) as exc:
-            raise UserError(f"--config: {exc}") from None
+        except UserError as exc:                       # each message starts with the file's path
+            raise UserError(f"--config {exc}") from None
+        except OSError as exc:
+            raise UserError(f"--config {values['config']}: {exc.strerror or exc}") from None
         if from_file.get("model", spec.name) != spec.name:
             raise UserError(f"--config {values['config']} is a {from_file['model']} run, not {spec.name}")
         file_inputs = from_file.get("inputs") or {}
