@@ -39,6 +39,12 @@ RECALL_KS = (1, 5, 10)
 #: every number of the result, named as ``compute_all_metrics`` names them, in the order they are printed
 METRIC_NAMES = ("eccv_map_at_r", "eccv_rprecision", "eccv_r1", "cxc_r1", "cxc_r5", "cxc_r10",
                 "coco_1k_r1", "coco_1k_r5", "coco_1k_r10", "coco_5k_r1", "coco_5k_r5", "coco_5k_r10")
+#: how tables head each number
+METRIC_LABELS = {"eccv_map_at_r": "ECCV mAP@R", "eccv_rprecision": "ECCV R-P", "eccv_r1": "ECCV R@1",
+                 "cxc_r1": "CxC R@1", "cxc_r5": "CxC R@5", "cxc_r10": "CxC R@10",
+                 **{f"coco_{n}_r{k}": f"{n.upper()} R@{k}" for n in ("1k", "5k") for k in RECALL_KS}}
+#: the numbers ``retr-train table --extended`` (and the report's and a model card's table) shows, each both ways
+TABLE_METRICS = METRIC_NAMES[:6]
 #: the protocols whose split is the COCO 5K test set (the extended metrics always score all of it)
 EXTENDED_PROTOCOLS = ("coco-5k", "coco-1k", "coco-1k-first")
 #: the command that gives an existing manifest its COCO caption ids

@@ -86,7 +86,7 @@ class TopOfLists:
         for start in range(0, num_queries, block):
             part = read_rows(start, min(start + block, num_queries))
             part.partition(cut, axis=1)                   # in place: the reader's scratch copy
-            threshold = part[:, cut]
+            threshold = part[:, cut].copy()            # part is the reader's buffer, reused
             # part[:, cut:] holds the top depth (each ≥ threshold), part[:, :cut] the rest (each ≤ threshold):
             # items of the rest equal to the threshold tie with the last kept one, and are kept too
             ties = np.count_nonzero(part[:, :cut] == threshold[:, None], axis=1)
