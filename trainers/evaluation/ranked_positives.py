@@ -158,7 +158,7 @@ def positive_positions(top: TopOfLists, queries: np.ndarray, items: np.ndarray, 
             place = np.empty(top.gallery, dtype=np.int64)
             place[order] = np.arange(top.gallery)
             places[q] = np.where(valid[q], place[np.maximum(items[q], 0)], NOT_RANKED)
-    return np.where(in_top, places, NOT_RANKED)
+    return np.where(in_top & (places < top.depth), places, NOT_RANKED)
 
 
 def recall_at(places: np.ndarray, k: int) -> float:
