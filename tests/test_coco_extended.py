@@ -249,8 +249,9 @@ def test_ids_that_are_not_the_coco_5k_test_set_are_refused_in_one_line(annotatio
 
 def test_a_missing_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "eccv_caption", None)          # what find_spec sees when it is not installed
-    with pytest.raises(MissingExtraError, match=r"^eccv-caption is not installed \(needed by --extended .*\): pip "
-                                                r"install 'retr\[eccv\]' \(or make setup\)$"):
+    with pytest.raises(MissingExtraError, match=r"^eccv-caption is not installed \(needed by --extended: the ECCV "
+                                                r"Caption and CxC annotations\): pip install 'retr\[eccv\]' \(or "
+                                                r"make setup\)$"):
         ce.load_annotations()
 
 

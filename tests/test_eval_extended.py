@@ -178,8 +178,8 @@ def test_wrong_inputs_of_the_extended_evaluation_are_one_line_each_and_write_not
     monkeypatch.setitem(sys.modules, "eccv_caption", None)
     code, stdout, stderr = _eval(run_cli, run, manifest, features, "--protocol", "coco-5k", "--extended")
     assert_one_error_line(code, stdout, stderr)
-    assert stderr == ("error: eccv-caption is not installed (needed by --extended (the ECCV Caption and CxC "
-                      "annotations)): pip install 'retr[eccv]' (or make setup)\n")
+    assert stderr == ("error: eccv-caption is not installed (needed by --extended: the ECCV Caption and CxC "
+                      "annotations): pip install 'retr[eccv]' (or make setup)\n")
     _nothing_written(run, before)
 
 

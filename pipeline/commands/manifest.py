@@ -148,7 +148,8 @@ def preset_command(name: str) -> None:
     preset = get_preset(name)
     click.echo(f"{preset.name}: {preset.description}")
     for label, value in (("images", preset.images), ("manifest", preset.manifest),
-                         ("karpathy", preset.karpathy), ("features", preset.features)):
+                         ("karpathy", preset.karpathy), ("features", preset.features),
+                         *([("annotations", preset.annotations)] if preset.annotations else [])):
         state = "" if value is None else ("  (present)" if value.exists() else "  (missing)")
-        click.echo(f"  {label:<9} {value}{state}")
-    click.echo(f"  protocols {', '.join(preset.test_protocols)}")
+        click.echo(f"  {label:<11} {value}{state}")
+    click.echo(f"  {'protocols':<11} {', '.join(preset.test_protocols)}")

@@ -49,7 +49,7 @@ TABLE_METRICS = METRIC_NAMES[:6]
 EXTENDED_PROTOCOLS = ("coco-5k", "coco-1k", "coco-1k-first")
 #: the command that gives an existing manifest its COCO caption ids
 ADD_IDS_COMMAND = "retr-pipeline manifest coco-caption-ids"
-WHAT = "--extended (the ECCV Caption and CxC annotations)"
+WHAT = "--extended: the ECCV Caption and CxC annotations"
 
 _COCO_ID = re.compile(r"(?:coco_|COCO_(?:train|val|test)\d{4}_)?0*(\d+)")
 
