@@ -104,6 +104,13 @@ def test_eval_extended_reports_every_number_in_json_eval_json_sims_table_and_car
     assert saved["extended"] == extended
     assert [r["protocol"] for r in saved["results"]] == ["coco-1k", "coco-5k", "coco-1k-first"]
     assert {k: saved["results"][1][k] for k in ("i2t", "t2i", "rsum")} == {k: result[k] for k in ("i2t", "t2i", "rsum")}
+    # a matrix without an ids file (another code base's): rows and columns are the manifest's split, in file order
+    bare = tmp_path / "bare.npy"
+    bare.write_bytes(sims.read_bytes())
+    code, stdout, stderr = run_cli.as_user("train", "eval-sims", bare, "--manifest", manifest, "--protocol", "coco-5k",
+                                           "--extended", "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["extended"] == extended and json.loads(stdout)["ids"] == f"split test of {manifest}"
     # the table: the recalls, a note naming --extended, and the extended numbers with --extended
     code, stdout, _ = run_cli.as_user("train", "table", run)
     assert code == 0 and stdout.splitlines()[-1] == ("ECCV Caption and CxC numbers of --extended results: "
@@ -114,6 +121,16 @@ def test_eval_extended_reports_every_number_in_json_eval_json_sims_table_and_car
                                      for d in ("i2t", "t2i")]
     assert [float(x) for x in row.split(",")[7:]] == [extended[n][d] for n in coco_extended.TABLE_METRICS
                                                       for d in ("i2t", "t2i")]
+    # the report: its numbers with --extended (from the saved matrix), and the stored results' second table
+    code, stdout, stderr = run_cli.as_user("train", "show", run, "--protocol", "coco-5k", "--extended", "--sims", sims,
+                                           "--features", features, "--manifest", manifest, "--samples", "1",
+                                           "--attention", "0", "--device", "cpu", "--out", tmp_path / "report",
+                                           "--quiet")
+    assert code == 0, stderr
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "COCO 5K test, every true match counted" in page and "ECCV mAP@R" in page
+    assert f"<td>{extended['eccv_map_at_r']['i2t']:.1f}</td>" in page
+    assert "ECCV Caption and CxC (eval --extended): every true match counted" in page and "i2t ECCV mAP@R" in page
     # an export's card
     code, _, stderr = run_cli.as_user("train", "export", run, "--out", tmp_path / "export")
     assert code == 0, stderr
@@ -174,6 +191,16 @@ def test_wrong_inputs_of_the_extended_evaluation_are_one_line_each_and_write_not
         assert_one_error_line(code, stdout, stderr)
         assert expected in stderr, (what, stderr)
         _nothing_written(run, before, sims, Path(f"{sims}.ids.json"))
+    # a two-step run alone (JGCAR re-ranks a shortlist per direction): refused from its settings, before its
+    # checkpoint is read (this one has none)
+    two_step = tmp_path / "jgcar"
+    two_step.mkdir()
+    (two_step / "config.json").write_text(json.dumps({"model": "jgcar", "model_args": {"shortlist": 100},
+                                                      "manifest": str(manifest), "features": str(features)}))
+    code, stdout, stderr = _eval(run_cli, two_step, manifest, features, "--protocol", "coco-5k", "--extended")
+    assert_one_error_line(code, stdout, stderr)
+    assert "error: --extended ranks one similarity matrix; a two-step run re-ranks a shortlist" in stderr
+    assert sorted(p.name for p in two_step.iterdir()) == ["config.json"]
     # the package missing: one line naming the extra, before any run is opened
     monkeypatch.setitem(sys.modules, "eccv_caption", None)
     code, stdout, stderr = _eval(run_cli, run, manifest, features, "--protocol", "coco-5k", "--extended")

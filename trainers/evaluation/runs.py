@@ -40,13 +40,23 @@ def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features:
 
 
 def extended_inputs(runs: list[str], protocol: str, split: str, manifest: str | None):
-    """``(annotations, ids)`` for ``--extended``, every check done (one line each): a COCO protocol, the eccv-caption
-    package and its files, the manifest's caption ids, and the split being the COCO 5K test set."""
+    """``(annotations, ids)`` for ``--extended``, every check done (one line each): a COCO protocol, one matrix (not
+    a two-step run alone), the eccv-caption package and its files, the manifest's caption ids, and the split being
+    the COCO 5K test set."""
     from retr.manifests.schema import read_manifest
 
+    from retr.trainers.models import get_spec
+
     coco_extended.check_protocol(protocol)
+    configs = [ckpt.read_config(run) for run in runs]
+    if len(runs) == 1:
+        spec = get_spec(configs[0]["model"])
+        settings = spec.make_config({k: v for k, v in configs[0]["model_args"].items() if k in spec.setting_names})
+        if getattr(settings, "shortlist", 0):
+            raise UserError("--extended ranks one similarity matrix; a two-step run re-ranks a shortlist per "
+                            "direction (evaluate it in an ensemble, or without --extended)")
     annotations = coco_extended.load_annotations()
-    manifest = manifest or ckpt.read_config(runs[0]).get("manifest")
+    manifest = manifest or configs[0].get("manifest")
     if not manifest:
         raise UserError(f"{runs[0]} does not record its manifest (an export or an imported run); pass --manifest")
     ids = coco_extended.ids_from_records(read_manifest(manifest, splits=[split]), manifest, split)
@@ -75,9 +85,6 @@ def _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, wh
         image_features = ImageFeatures(feature_set, data.image_ids, preload)
         if model.shortlist and len(runs) == 1:   # two-step models (MatchingModel.shortlist > 0), see two_step.py
             from retr.trainers.evaluation.two_step import two_step_protocol
-            if coco is not None:
-                raise UserError("--extended ranks one similarity matrix; a two-step run re-ranks a shortlist per "
-                                "direction (evaluate it in an ensemble, or without --extended)")
             if ties != "pessimistic":
                 raise UserError("--ties official applies to one-step scoring; a two-step run ranks its shortlists")
             result = two_step_protocol(model, data, image_features, protocol, dev, model.shortlist, precision,
