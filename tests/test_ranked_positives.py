@@ -54,8 +54,9 @@ def test_places_and_metrics_equal_brute_force_and_the_packages_loops(ties):
         scores, items, counts, truth = _case(rng)
         depth = int(max(counts.max(), 3))
         top = TopOfLists.of(QueryRows(scores), len(scores), scores.shape[1], depth)
-        places = positive_positions(top, np.arange(len(scores)), items, np.take_along_axis(scores, np.maximum(items, 0), 1),
-                                    ties, lambda q: np.argsort(scores[q])[::-1])
+        positive_scores = np.take_along_axis(scores, np.maximum(items, 0), 1)
+        places = positive_positions(top, np.arange(len(scores)), items, positive_scores, ties,
+                                    lambda q: np.argsort(scores[q])[::-1])
         lists = _lists(scores, items, ties)
         for q, order in enumerate(lists):
             where = {int(c): n for n, c in enumerate(order)}

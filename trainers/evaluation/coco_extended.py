@@ -127,8 +127,8 @@ def _read_annotations(folder: str) -> Annotations:
     for (family, direction), query_set in sets.items():
         keys = images if direction == "i2t" else test_captions
         if not set(query_set.queries.tolist()) <= keys:
-            raise _reinstall(data / f"{FILES[family]}_{'image_to_caption' if direction == 'i2t' else 'caption_to_image'}"
-                                    ".json", "has queries outside the COCO 5K test set")
+            name = f"{FILES[family]}_{'image_to_caption' if direction == 'i2t' else 'caption_to_image'}.json"
+            raise _reinstall(data / name, "has queries outside the COCO 5K test set")
     try:
         version = metadata.version(PACKAGE)
     except metadata.PackageNotFoundError:
