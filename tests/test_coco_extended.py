@@ -129,6 +129,14 @@ def package_numbers(metrics, annotations, ids, sims, ties) -> dict:
     return {name: {d: 100 * float(raw[name][d]) for d in ("i2t", "t2i")} for name in ce.METRIC_NAMES}
 
 
+def _uniform(rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """A 5,000 × 25,000 float64 matrix of uniform scores in [0, scale), made in place (1 GB, not 2)."""
+    sims = np.empty((5000, 25000))
+    rng.random(out=sims)
+    sims *= scale
+    return sims
+
+
 def _true_pairs(annotations, ids) -> tuple[np.ndarray, np.ndarray]:
     return ids.caption_image, np.arange(len(ids.caption_ids))
 
@@ -153,7 +161,7 @@ def test_perfect_random_and_near_perfect_matrices_score_as_the_authors_evaluator
     ids = _ids(annotations)
     rows, cols = _true_pairs(annotations, ids)
     # perfect retrieval: COCO's own pairs above everything
-    sims = 0.5 * rng.random((5000, 25000))
+    sims = _uniform(rng, 0.5)
     sims[rows, cols] += 1.0
     ours = ce.extended_metrics(sims, ids, annotations, "pessimistic")
     _assert_equal(ours, package_numbers(metrics, annotations, ids, sims, "official"))      # no tie: either rule
@@ -167,11 +175,11 @@ def test_perfect_random_and_near_perfect_matrices_score_as_the_authors_evaluator
     _assert_equal(better, package_numbers(metrics, annotations, ids, sims, "official"))
     assert better["eccv_map_at_r"]["i2t"] > ours["eccv_map_at_r"]["i2t"]
     assert better["coco_5k_r1"]["i2t"] < 100.0           # now above COCO's own captions
-    del sims
+    del sims                                             # one 1 GB matrix at a time
     # random, rows and columns in another order than Karpathy's: matched by ids, not by place
     image_order, caption_order = rng.permutation(5000), rng.permutation(25000)
     shuffled = _ids(annotations, image_order, caption_order)
-    sims = rng.random((5000, 25000))
+    sims = _uniform(rng)
     ours = ce.extended_metrics(sims, shuffled, annotations, "official")
     _assert_equal(ours, package_numbers(metrics, annotations, shuffled, sims, "official"))
 
@@ -183,7 +191,7 @@ def test_exact_ties_follow_the_tie_rule_as_the_package_ranks_such_lists(annotati
     rng = np.random.default_rng(1)
     ids = _ids(annotations)
     rows, cols = _true_pairs(annotations, ids)
-    sims = 0.5 * rng.random((5000, 25000))
+    sims = _uniform(rng, 0.5)
     sims[rows, cols] += 1.0
     r, c = _extended_pairs(annotations, ids, "eccv")
     sims[r, c] += 1.0 + 0.1 * rng.random(len(r))
@@ -208,7 +216,7 @@ def test_coco_numbers_equal_retrs_own_protocols_on_a_karpathy_ordered_matrix(ann
 
     rng = np.random.default_rng(2)
     ids = _ids(annotations)
-    sims = rng.random((5000, 25000))
+    sims = _uniform(rng)
     sims[ids.caption_image, np.arange(25000)] += 0.8
     ours = ce.extended_metrics(sims, ids, annotations, "pessimistic")
     data = SplitData([f"coco_{i}" for i in ids.image_ids], ids.caption_keys, ids.caption_image, [])
