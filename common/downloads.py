@@ -85,6 +85,12 @@ SOURCES: dict[str, Source] = {s.key: s for s in (
            size=6_645_013_297, sha256="fe9be816052049c34717e077d9e34aa60814a55679f804cd043e3cbee3b9fde0",
            unpacked_bytes=6_700_000_000, files=40_504,
            origin="cocodataset.org; size and sha256 from TensorFlow Datasets' checksum list"),
+    Source("coco-annotations", "COCO 2014 train/val annotations (captions_*2014.json: the caption ids; instances)",
+           "http://images.cocodataset.org/annotations/annotations_trainval2014.zip", "annotations_trainval2014.zip",
+           size=252_872_794, sha256="031296bbc80c45a1d1f76bf9a90ead27e94e99ec629208449507a4917a3bf009",
+           unpacked_bytes=100_000_000,
+           origin="cocodataset.org; size and sha256 from TensorFlow Datasets' checksum list (only the two caption "
+                  "files are unpacked)"),
     Source("karpathy-splits", "Karpathy's splits (dataset_coco.json, dataset_flickr30k.json, dataset_flickr8k.json)",
            "https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip", "caption_datasets.zip",
            size=36_745_453, sha256="4cfd70132527b80933105e5829dc9034eaab9573482e2e680abbab6130244817",

@@ -9,7 +9,9 @@ used, through :func:`require`, never at a module's top.
 * ``search`` — faiss-cpu (faiss's exact index in search; without it, blockwise matrix products);
 * ``serve`` — flask and waitress (``retr-train serve``, the search page);
 * ``hub`` — huggingface_hub (models named ``hf-hub:ORG/NAME``, ``retr-train push``; timm brings it too);
-* ``tensorboard`` — tensorboard (``--log tensorboard``).
+* ``tensorboard`` — tensorboard (``--log tensorboard``);
+* ``eccv`` — eccv-caption (``retr-train eval --extended``: the ECCV Caption and CxC annotations it ships are read
+  from its folder, :func:`locate`, never imported or copied).
 
 Which extractor needs which extra is said once, in its spec (``ExtractorSpec.extra`` and ``requires``,
 :mod:`retr.extractors.spec`): the extractors' registry checks it before building one, so the line names the extractor.
@@ -25,13 +27,16 @@ one line naming the extra::
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from pathlib import Path
 from types import ModuleType
 
 from retr.common.errors import RetrError
 
 #: top-level import name → the pip package that provides it (where the two differ). ``huggingface_hub`` comes
 #: with timm (and stanza), so the ``pipeline`` extra installs it; ``safetensors`` is a base dependency (exports).
-DISTRIBUTIONS: dict[str, str] = {"cv2": "opencv-python-headless", "faiss": "faiss-cpu", "open_clip": "open_clip_torch"}
+DISTRIBUTIONS: dict[str, str] = {"cv2": "opencv-python-headless", "faiss": "faiss-cpu", "open_clip": "open_clip_torch",
+                                 "eccv_caption": "eccv-caption"}
 
 
 class MissingExtraError(RetrError):
@@ -54,6 +59,19 @@ def require(module: str, extra: str, what: str) -> ModuleType:
     except ImportError as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise MissingExtraError(_message(f"{module} cannot be imported ({reason})", extra, what)) from exc
+
+
+def locate(module: str, extra: str, what: str) -> Path:
+    """The folder of the installed package ``module``, found without importing it (for the data files a package
+    ships), or :class:`MissingExtraError` naming ``extra`` when it is not installed."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        problem = f"{DISTRIBUTIONS.get(module, module)} is not installed"
+        raise MissingExtraError(_message(problem, extra, what))
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _message(problem: str, extra: str, what: str) -> str:

@@ -1,4 +1,5 @@
-"""Fetching a dataset on a connected machine: images, Karpathy's splits, then the manifest (``fetch-data``).
+"""Fetching a dataset on a connected machine: images, Karpathy's splits, COCO's caption files, then the manifest
+(``fetch-data``).
 
 Steps, disk check, archives and Flickr30K's archive on request: docs/extraction.md ("Downloads: from nothing to
 features"); every URL, size and checksum is in :data:`retr.common.downloads.SOURCES`."""
@@ -13,6 +14,7 @@ from pathlib import Path, PurePosixPath
 from retr.common.downloads import (SOURCES, Source, ensure_free_space, fetch_source, is_offline, is_unpacked,
                                    mark_unpacked, partial_path, unpack_tar, unpack_zip, writer_lock)
 from retr.common.errors import MissingResourceError, ParameterError, UserError
+from retr.manifests.coco_captions import CAPTION_FILES, join_caption_ids, read_coco_captions
 from retr.manifests.karpathy import read_karpathy
 from retr.manifests.presets import get_preset
 from retr.manifests.schema import SPLITS, write_manifest
@@ -38,6 +40,7 @@ class DataLayout:
     manifest: Path
     downloads: Path
     root: Path | None = None
+    annotations: Path | None = None      #: COCO's caption files (the manifest's caption ids); None: f30k
 
     def command(self) -> str:
         """The fetch-data command that fills this layout (for messages)."""
@@ -55,9 +58,10 @@ def data_layout(name: str, root: str | os.PathLike | None = None) -> DataLayout:
         if root.exists() and not root.is_dir():
             raise ParameterError(f"root {root} is a file, not a folder", "root")
         return DataLayout(name, root / "images", root / DATASETS[name]["split_file"], root / "manifest.jsonl",
-                          root / "downloads", root)
+                          root / "downloads", root, root / "annotations" if name == "coco" else None)
     preset = get_preset(name)
-    return DataLayout(name, preset.images, preset.karpathy, preset.manifest, preset.downloads)
+    return DataLayout(name, preset.images, preset.karpathy, preset.manifest, preset.downloads,
+                      annotations=preset.annotations)
 
 
 @dataclass
@@ -66,13 +70,15 @@ class FetchSummary:
     images: int = 0
     splits: dict[str, int] = field(default_factory=dict)
     captions: int = 0
+    caption_ids: int | None = None    # captions given their COCO caption id (None: not a COCO manifest)
     unpacked: int = 0                 # files this run unpacked
     steps: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         counts = ", ".join(f"{split} {n}" for split, n in self.splits.items())
-        return (f"wrote {self.layout.manifest}: {self.images} images ({counts}), {self.captions} captions; images "
-                f"under {self.layout.images}")
+        ids = "" if self.caption_ids is None else f" ({self.caption_ids} with their COCO caption ids)"
+        return (f"wrote {self.layout.manifest}: {self.images} images ({counts}), {self.captions} captions{ids}; "
+                f"images under {self.layout.images}")
 
 
 def _remaining_download(source: Source, folder: Path) -> int:
@@ -95,6 +101,9 @@ def plan_disk(layout: DataLayout, keep_archives: bool) -> int:
     if not layout.karpathy.is_file():
         source = SOURCES["karpathy-splits"]
         splits = _remaining_download(source, layout.downloads) + source.unpacked_bytes
+    if layout.annotations is not None and not caption_files_present(layout):
+        source = SOURCES["coco-annotations"]
+        splits += _remaining_download(source, layout.downloads) + source.unpacked_bytes
     archives = sum(downloads) if keep_archives else max(downloads, default=0)
     needed = unpack + archives + splits
     return needed + MARGIN_BYTES if needed else 0
@@ -115,6 +124,33 @@ def fetch_split_file(layout: DataLayout, mirror: str | None = None, quiet: bool 
     if not layout.karpathy.is_file():
         raise UserError(f"{archive} holds no {member} (is it Karpathy's caption_datasets.zip?)")
     return layout.karpathy
+
+
+def caption_files_present(layout: DataLayout) -> bool:
+    """Whether COCO's two caption files are in ``layout.annotations``."""
+    return layout.annotations is not None and all((layout.annotations / n).is_file() for n in CAPTION_FILES)
+
+
+def fetch_caption_files(layout: DataLayout, mirror: str | None = None, keep_archives: bool = False,
+                        quiet: bool = False) -> Path:
+    """COCO's caption files (``captions_train2014.json``, ``captions_val2014.json``) in ``layout.annotations``:
+    ``annotations_trainval2014.zip`` downloaded, those two members unpacked (CRC-checked), the archive deleted
+    unless ``keep_archives``."""
+    if caption_files_present(layout):
+        return layout.annotations
+    source = SOURCES["coco-annotations"]
+    archive = fetch_source(source, layout.downloads, mirror=mirror, quiet=quiet,
+                           what=f"COCO's caption files (in {source.filename})",
+                           how=f"run {layout.command()} on a connected machine (RETR_OFFLINE is set, so retr does "
+                               f"not download here), or put {' and '.join(CAPTION_FILES)} in {layout.annotations}")
+    unpack_zip(archive, layout.annotations, quiet=True,
+               target=lambda p: PurePosixPath(p.name) if p.name in CAPTION_FILES else None)
+    if not caption_files_present(layout):
+        raise UserError(f"{archive} holds no {' and '.join(CAPTION_FILES)} (is it COCO's "
+                        "annotations_trainval2014.zip?)")
+    if not keep_archives:
+        archive.unlink(missing_ok=True)
+    return layout.annotations
 
 
 def _coco_archive(layout: DataLayout, key: str, mirror: str | None, keep_archives: bool, quiet: bool) -> int:
@@ -208,6 +244,8 @@ def _fetch(layout: DataLayout, images_archive: str | os.PathLike | None, mirror:
         if needed:
             ensure_free_space(layout.images.parent, needed, f"fetching {name}")
     fetch_split_file(layout, mirror, quiet)
+    if layout.annotations is not None:
+        fetch_caption_files(layout, mirror, keep_archives, quiet)
     if name == "coco":
         for key in DATASETS["coco"]["archives"]:
             summary.unpacked += _coco_archive(layout, key, mirror, keep_archives, quiet)
@@ -226,6 +264,12 @@ def _fetch(layout: DataLayout, images_archive: str | os.PathLike | None, mirror:
         raise UserError(f"{len(missing)} of the {len(records)} images in {layout.karpathy.name} are missing under "
                         f"{layout.images} (e.g. {missing[0].path}); remove the .unpacked stamps there and run "
                         f"{layout.command()} again")
+    if layout.annotations is not None:
+        join = join_caption_ids(records, read_coco_captions([layout.annotations]))
+        records = join.records
+        summary.caption_ids = join.matched
+        if join.matched < join.captions:
+            logger.warning(f"warning: {join.summary()}")
     write_manifest(layout.manifest, records)
     counts = Counter(r.split for r in records)
     summary.images = len(records)

@@ -45,7 +45,8 @@ NUMERICAL = ("test_golden_scan", "test_golden_vsepp", "test_golden_seam", "test_
 #: `make test`'s workers (one file at a time each, pytest-xdist --dist loadfile) do not end with one of them
 #: running alone. The order among the others, and among these, stays pytest-randomly's.
 LONG_FILES = ("test_training_loop.py", "test_extract.py", "test_butd_batched.py", "test_training_resume.py",
-              "test_golden_butd.py")       # test_training_loop: inductor's C++ compiles, ~45 s with a cold cache
+              "test_golden_butd.py",       # test_training_loop: inductor's C++ compiles, ~45 s with a cold cache
+              "test_coco_extended.py", "test_eval_extended.py")   # 5,000 × 25,000 matrices, ~40 s of a core each
 
 
 def pytest_collection_modifyitems(config, items):

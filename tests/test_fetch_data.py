@@ -1,6 +1,6 @@
 """``retr-pipeline fetch-data`` and ``extract-preset`` from nothing, on a tiny fake COCO (and Flickr30K) served
-by a local HTTP server through ``--mirror``: archives of a few JPEGs and a tiny Karpathy split file, entered in
-the sources table with their own sizes and sha256s."""
+by a local HTTP server through ``--mirror``: archives of a few JPEGs, a tiny Karpathy split file and COCO caption
+files, entered in the sources table with their own sizes and sha256s."""
 from __future__ import annotations
 
 import hashlib
@@ -48,6 +48,22 @@ def _karpathy_zip() -> bytes:
                  "dataset_flickr8k.json": b'{"dataset": "flickr8k", "images": []}'})
 
 
+def _caption_files(texts=lambda i, k: f"picture {i} caption {k}") -> dict[str, bytes]:
+    """COCO's caption files for the fake images: caption k of image i is annotation 1000·i + k, its text
+    ``texts(i, k)`` (listed in reverse, as COCO's files do not follow Karpathy's order)."""
+    files = {}
+    for folder, ids in COCO.items():
+        body = {"images": [{"id": i, "file_name": f"COCO_{folder}_{i:012d}.jpg"} for i in ids],
+                "annotations": [{"image_id": i, "id": 1000 * i + k, "caption": texts(i, k)}
+                                for i in reversed(ids) for k in range(5)]}
+        files[f"annotations/captions_{folder}.json"] = json.dumps(body).encode()
+    return files
+
+
+def _annotations_zip(texts=lambda i, k: f"picture {i} caption {k}") -> bytes:
+    return _zip({**_caption_files(texts), "annotations/instances_val2014.json": b"{}"})
+
+
 def _coco_zip(folder: str) -> bytes:
     return _zip({f"{folder}/": b"", **{f"{folder}/COCO_{folder}_{i:012d}.jpg": _jpeg(i) for i in COCO[folder]}})
 
@@ -60,9 +76,9 @@ def mirror(monkeypatch):
     monkeypatch.delenv("RETR_MIRROR")
     monkeypatch.setattr(downloads, "DEFAULT_RETRY_WAIT", 0.0)
     files = {"caption_datasets.zip": _karpathy_zip(), "train2014.zip": _coco_zip("train2014"),
-             "val2014.zip": _coco_zip("val2014")}
+             "val2014.zip": _coco_zip("val2014"), "annotations_trainval2014.zip": _annotations_zip()}
     for key, name in (("karpathy-splits", "caption_datasets.zip"), ("coco-train2014", "train2014.zip"),
-                      ("coco-val2014", "val2014.zip")):
+                      ("coco-val2014", "val2014.zip"), ("coco-annotations", "annotations_trainval2014.zip")):
         serve(monkeypatch, key, files[name])
     with LocalServer() as server:
         server.files.update({f"/{name}": body for name, body in files.items()})
@@ -80,10 +96,14 @@ def test_fetch_data_coco_through_a_mirror_builds_the_manifest(mirror, tmp_path, 
     code, stdout, stderr = run_cli.as_user("pipeline", "fetch-data", "coco", "--root", root, "--mirror", mirror.url,
                                            "--quiet")
     assert (code, stderr) == (0, ""), stderr
-    assert stdout == (f"wrote {root / 'manifest.jsonl'}: 6 images (train 2, restval 1, val 1, test 2), 30 captions; "
-                      f"images under {root / 'images'}\n")
+    assert stdout == (f"wrote {root / 'manifest.jsonl'}: 6 images (train 2, restval 1, val 1, test 2), 30 captions "
+                      f"(30 with their COCO caption ids); images under {root / 'images'}\n")
     rows = [json.loads(line) for line in (root / "manifest.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"coco_{i}" for ids in COCO.values() for i in ids]
+    assert all(r["caption_ids"] == [1000 * int(r["id"][5:]) + k for k in range(5)] for r in rows)
+    # only the two caption files are unpacked, and the annotations archive goes as the image archives do
+    assert sorted(p.name for p in (root / "annotations").iterdir()) == ["captions_train2014.json",
+                                                                         "captions_val2014.json"]
     assert rows[0]["path"] == "train2014/COCO_train2014_000000000009.jpg" and rows[0]["split"] == "train"
     assert all((root / "images" / r["path"]).read_bytes()[:2] == b"\xff\xd8" for r in rows)
     # image archives go once unpacked (the stamps say so); the small splits archive stays
@@ -96,10 +116,33 @@ def test_fetch_data_coco_through_a_mirror_builds_the_manifest(mirror, tmp_path, 
     code, stdout2, _ = run_cli.as_user("pipeline", "fetch-data", "coco", "--root", root, "--mirror", mirror.url,
                                        "--quiet")
     assert code == 0 and stdout2 == stdout and len(mirror.requests) == before
-    # and the manifest is the one `manifest karpathy` writes from the same split file
+    # and the manifest is the one `manifest karpathy` writes from the same split file and caption files
     code, _, _ = run_cli.as_user("pipeline", "manifest", "karpathy", root / "dataset_coco.json", "--out",
-                                 tmp_path / "k.jsonl")
+                                 tmp_path / "k.jsonl", "--coco-captions", root / "annotations")
     assert code == 0 and (tmp_path / "k.jsonl").read_text() == (root / "manifest.jsonl").read_text()
+
+
+def test_captions_that_match_no_annotation_are_counted_and_named_never_guessed(mirror, tmp_path, run_cli,
+                                                                              monkeypatch):
+    """COCO's texts may differ from Karpathy's in whitespace only (matched) or not at all; one that differs
+    otherwise keeps no id and is named in one warning line."""
+    def texts(i, k):
+        if (i, k) == (73, 2):
+            return "a different caption"
+        return f"  picture {i}\n caption {k} " if i == 9 else f"picture {i} caption {k}"
+
+    body = _annotations_zip(texts)
+    mirror.files["/annotations_trainval2014.zip"] = body
+    serve(monkeypatch, "coco-annotations", body)
+    root = tmp_path / "coco"
+    code, stdout, stderr = run_cli.as_user("pipeline", "fetch-data", "coco", "--root", root, "--mirror", mirror.url,
+                                           "--quiet")
+    assert code == 0 and "30 captions (29 with their COCO caption ids)" in stdout
+    assert stderr == ("warning: COCO caption ids for 29 of 30 captions; 1 captions match no annotation of their "
+                      "image, left without an id: coco_73#2 'picture 73 caption 2'\n")
+    rows = {json.loads(line)["id"]: json.loads(line) for line in (root / "manifest.jsonl").read_text().splitlines()}
+    assert rows["coco_73"]["caption_ids"] == [73000, 73001, None, 73003, 73004]
+    assert rows["coco_9"]["caption_ids"] == [9000 + k for k in range(5)]
 
 
 def test_an_interrupted_archive_resumes_on_the_next_run(mirror, tmp_path, run_cli, monkeypatch):

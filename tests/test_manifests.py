@@ -39,12 +39,54 @@ def test_round_trip_keeps_order_and_extra_fields(tmp_path):
     (dict(GOOD, id="a#1"), "line 2: id 'a#1' contains '#'"),
     ("{not json", "line 2: not valid JSON"),
     ("[1, 2]", "line 2: expected a JSON object"),
+    (dict(GOOD, caption_ids=[1]), "line 2: 'caption_ids' must be a list of 2 ids, one per caption (id 'coco_1')"),
+    (dict(GOOD, caption_ids=7), "line 2: 'caption_ids' must be a list of 2 ids"),
+    (dict(GOOD, caption_ids=[1, -2]), "line 2: caption id 1 of id 'coco_1' is -2, not a non-negative integer or null"),
+    (dict(GOOD, caption_ids=[True, 2]), "caption id 0 of id 'coco_1' is True"),
+    (dict(GOOD, caption_ids=["5", 2]), "caption id 0 of id 'coco_1' is '5'"),
+    (dict(GOOD, id="second", caption_ids=[3, 9]), "line 2: caption id 3 of id 'second' is already a caption id on "
+                                                  "line 1"),
 ])
 def test_validation_errors_name_the_line(tmp_path, bad, message):
-    path = write_lines(tmp_path / "m.jsonl", [dict(GOOD, id="first"), bad])
+    path = write_lines(tmp_path / "m.jsonl", [dict(GOOD, id="first", caption_ids=[3, 4]), bad])
     with pytest.raises(ManifestError) as info:
         read_manifest(path)
     assert message in str(info.value) and str(path) in str(info.value)
+
+
+def test_caption_ids_round_trip_last_on_their_line_and_out_of_the_digest(tmp_path):
+    """Caption ids (null where unknown) are read and written back, last on the line; the manifest's digest, which
+    every feature set, parse and run records, is the one of the same manifest without them."""
+    import dataclasses
+    import hashlib
+
+    from retr.manifests.schema import manifest_sha256, rewrite_caption_ids
+
+    records = [ManifestRecord("coco_1", "a.jpg", "test", ("a dog", "a cat"), {"scene": 1}),
+               ManifestRecord("coco_2", "b.jpg", "train", ("a bird",))]
+    write_manifest(tmp_path / "plain.jsonl", records)
+    with_ids = [dataclasses.replace(records[0], caption_ids=(770337, None)), records[1]]
+    write_manifest(tmp_path / "ids.jsonl", with_ids)
+    assert read_manifest(tmp_path / "ids.jsonl") == with_ids
+    assert read_manifest(tmp_path / "ids.jsonl")[0].extra == {"scene": 1}
+    assert (tmp_path / "ids.jsonl").read_text().splitlines()[0].endswith(', "scene": 1, "caption_ids": [770337, null]}')
+    plain = hashlib.sha256((tmp_path / "plain.jsonl").read_bytes()).hexdigest()
+    assert manifest_sha256(tmp_path / "plain.jsonl") == manifest_sha256(tmp_path / "ids.jsonl") == plain
+    # rewriting ids keeps every other byte (a CRLF file, a line not named, trailing blanks) and the digest
+    body = b'{"id": "x", "path": "x.jpg", "split": "test", "captions": ["c", "d"]}\r\n\r\n' \
+           b'{"id": "y", "path": "y.jpg", "split": "test", "captions": ["e"]}  \r\n'
+    (tmp_path / "crlf.jsonl").write_bytes(body)
+    digest = manifest_sha256(tmp_path / "crlf.jsonl")
+    assert rewrite_caption_ids(tmp_path / "crlf.jsonl", {"x": [5, 6]}, tmp_path / "out.jsonl") == 1
+    assert (tmp_path / "out.jsonl").read_bytes() == body.replace(b'["c", "d"]}', b'["c", "d"], "caption_ids": [5, 6]}')
+    assert manifest_sha256(tmp_path / "out.jsonl") == digest
+    assert rewrite_caption_ids(tmp_path / "out.jsonl", {"x": [7, None], "y": [8]}) == 2     # in place, replaced
+    assert [r.caption_ids for r in read_manifest(tmp_path / "out.jsonl")] == [(7, None), (8,)]
+    assert manifest_sha256(tmp_path / "out.jsonl") == digest
+    with pytest.raises(ManifestError, match="1 caption ids for the 2 captions of 'x'"):
+        rewrite_caption_ids(tmp_path / "out.jsonl", {"x": [1]})
+    with pytest.raises(ManifestError, match="has no image 'z'"):
+        rewrite_caption_ids(tmp_path / "out.jsonl", {"z": [1]})
 
 
 def test_duplicate_ids(tmp_path):

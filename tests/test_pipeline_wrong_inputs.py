@@ -54,7 +54,12 @@ def files(tmp_path_factory):
     shards = root / "shards_garbage" / "grid"
     shards.mkdir(parents=True)
     (shards / shard_name(0, 1)).write_text("not HDF5\n")
-    good.update(scan_garbage=scan, scan_latin1=scan_latin1, npz_garbage=npz, shards_garbage=shards)
+    captions = root / "captions_garbage"          # COCO's caption files by name: HDF5 and Latin-1 text
+    captions.mkdir()
+    (captions / "captions_train2014.json").write_bytes(hdf5.read_bytes())
+    (captions / "captions_val2014.json").write_bytes(paths["latin1"].read_bytes())
+    good.update(scan_garbage=scan, scan_latin1=scan_latin1, npz_garbage=npz, shards_garbage=shards,
+                captions_garbage=captions)
     return paths, good
 
 
@@ -68,6 +73,10 @@ def _slots(good=None):
     return {
         "manifest karpathy FILE": (lambda x: ["manifest", "karpathy", x, "--out", out / "m.jsonl"], None),
         "manifest check MANIFEST": (lambda x: ["manifest", "check", x], "jsonl"),
+        "manifest coco-caption-ids MANIFEST": (lambda x: ["manifest", "coco-caption-ids", x, "--annotations",
+                                                          good["root"]], "jsonl"),
+        "manifest coco-caption-ids --annotations": (lambda x: ["manifest", "coco-caption-ids", m, "--annotations",
+                                                               x, "--out", out / "ids.jsonl"], None),
         "labels coco --instances": (lambda x: ["labels", "coco", "--instances", x, "--manifest", m,
                                                "--out", out / "l.json"], None),
         "labels coco --manifest": (lambda x: ["labels", "coco", "--instances", m, "--manifest", x,
@@ -116,7 +125,8 @@ def _slots(good=None):
 CASES = [(slot, kind) for slot, (_argv, expected) in _slots().items() for kind in KINDS if kind != expected]
 #: Folders whose contents are of the wrong kind, for the slots that take a folder.
 FOLDER_CASES = [("index FOLDER", "shards_garbage"), ("import-scan --data-dir", "scan_garbage"),
-                ("import-scan --data-dir", "scan_latin1"), ("import-npz FOLDER", "npz_garbage")]
+                ("import-scan --data-dir", "scan_latin1"), ("import-npz FOLDER", "npz_garbage"),
+                ("manifest coco-caption-ids --annotations", "captions_garbage")]
 
 
 def assert_one_error_line(code: int, stdout: str, stderr: str) -> None:

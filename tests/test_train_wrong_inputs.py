@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -30,13 +31,14 @@ def files(synthetic_data, synthetic_run, tmp_path_factory):
     first = manifest.read_text().splitlines()[0]
     paths["latin1"].write_bytes(first.encode() + b"\n" + first.replace("synth_", "other_").encode()
                                 .replace(b'captions": ["', b'captions": ["caf\xe9 ') + b"\n")
-    good = {"manifest": manifest, "features": features, "run": run, "root": root}
+    good = {"manifest": manifest, "features": features, "run": run, "root": root, "sims": root / "sims.npy"}
+    np.save(good["sims"], np.zeros((3, 15)))                # a matrix with no ids file beside it
     return paths, good
 
 
 def _slots(good=None):
     """``name → (function of the wrong input → argv, the kind the slot expects)``."""
-    good = good or {k: Path(k) for k in ("manifest", "features", "run", "root")}
+    good = good or {k: Path(k) for k in ("manifest", "features", "run", "root", "sims")}
     m, f, run, out = good["manifest"], good["features"], good["run"], good["root"] / "out"
     train = lambda model, **inputs: [model, "--features", inputs.pop("features", f), "--manifest",   # noqa: E731
                                      inputs.pop("manifest", m), "--out", inputs.pop("out", out / model), *TINY,
@@ -60,6 +62,9 @@ def _slots(good=None):
         "eval --manifest": (lambda x: ["eval", run, "--manifest", x, "--protocol", "f30k-1k",
                                        "--allow-size-mismatch", "--quiet"], "jsonl"),
         "table RUNS": (lambda x: ["table", x], "folder"),
+        "eval-sims FILE.npy": (lambda x: ["eval-sims", x], None),
+        "eval-sims --ids": (lambda x: ["eval-sims", good["sims"], "--ids", x], None),
+        "eval-sims --manifest": (lambda x: ["eval-sims", good["sims"], "--manifest", x, "--extended"], "jsonl"),
         "export RUN": (lambda x: ["export", x, "--out", out / "export"], "folder"),
         "push RUN": (lambda x: ["push", x, "--repo", "my-lab/model"], "folder"),
         "search RUN": (lambda x: ["search", x, "--query", "a cat"], "folder"),

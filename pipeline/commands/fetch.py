@@ -98,8 +98,9 @@ def fetch_data_command(dataset: str, root: Path | None, images_archive: Path | N
     """Download a dataset's images and Karpathy's splits, unpack them, and write the manifest.
 
     coco: COCO 2014 train+val images (20.2 GB of zips; about 34 GB of free disk at the peak, 41 GB with
-    --keep-archives) and Karpathy's splits (36.7 MB). f30k: the images archive you were sent (--images-zip;
-    request it at https://shannon.cs.illinois.edu/DenotationGraph/) and the splits. Transfers resume where they
+    --keep-archives), Karpathy's splits (36.7 MB) and COCO's caption files (from annotations_trainval2014.zip,
+    252.9 MB: each caption's COCO caption id, which retr-train eval --extended needs). f30k: the images archive
+    you were sent (--images-zip; request it at https://shannon.cs.illinois.edu/DenotationGraph/) and the splits. Transfers resume where they
     stopped (run the command again); sizes and published sha256s are checked, every archive member's CRC-32
     when unpacking; a failed check removes the file and says so. Then the manifest is built from the split
     file, as `retr-pipeline manifest karpathy` does, and `make extract DATASET=coco` can run.

@@ -1,4 +1,5 @@
-"""``retr-pipeline manifest …``: build manifests from Karpathy split files and check existing ones."""
+"""``retr-pipeline manifest …``: build manifests from Karpathy split files, give COCO manifests their caption ids,
+and check existing ones."""
 from __future__ import annotations
 
 from collections import Counter
@@ -11,7 +12,7 @@ from retr.common.cli import InputPath, OutputPath
 from retr.common.errors import UserError
 from retr.manifests.karpathy import read_karpathy
 from retr.manifests.presets import PRESET_NAMES, get_preset
-from retr.manifests.schema import SPLITS, outside_root_reason, read_manifest, write_manifest
+from retr.manifests.schema import SPLITS, outside_root_reason, read_manifest, rewrite_caption_ids, write_manifest
 
 
 @click.group("manifest")
@@ -21,6 +22,7 @@ def manifest_group() -> None:
     \b
     Example:
       retr-pipeline manifest karpathy data/coco/dataset_coco.json --out data/coco/manifest.jsonl
+      retr-pipeline manifest coco-caption-ids data/coco/manifest.jsonl --annotations data/coco/annotations
       retr-pipeline manifest check data/coco/manifest.jsonl
     """
 
@@ -38,18 +40,61 @@ def _split_summary(records) -> str:
               help="Manifest to write (JSON Lines).")
 @click.option("--max-captions", type=int, default=5, show_default=True,
               help="Keep the first N captions of each image (0 keeps all).")
-def karpathy_command(karpathy_file: Path, out: Path, max_captions: int) -> None:
+@click.option("--coco-captions", "coco_captions", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="COCO: give each caption its COCO caption id from captions_train2014.json and "
+                   "captions_val2014.json (the files, their folder, or annotations_trainval2014.zip).")
+def karpathy_command(karpathy_file: Path, out: Path, max_captions: int, coco_captions: tuple[Path, ...]) -> None:
     """Convert a Karpathy split file (dataset_coco.json, dataset_flickr30k.json) into a manifest.
 
-    COCO's restval stays its own split; images keep file order (the 1K test folds depend on it).
+    COCO's restval stays its own split; images keep file order (the 1K test folds depend on it). With
+    --coco-captions each caption also gets its COCO caption id (retr-train eval --extended needs them).
 
     \b
     Example:
       retr-pipeline manifest karpathy dataset_flickr30k.json --out data/f30k/manifest.jsonl
+      retr-pipeline manifest karpathy dataset_coco.json --coco-captions annotations_trainval2014.zip \\
+          --out data/coco/manifest.jsonl
     """
     records = read_karpathy(karpathy_file, max_captions=max_captions or None)
+    line = None
+    if coco_captions:
+        from retr.manifests.coco_captions import join_caption_ids, read_coco_captions
+
+        join = join_caption_ids(records, read_coco_captions(coco_captions))
+        records, line = join.records, join.summary()
     write_manifest(out, records)
-    click.echo(f"wrote {out}: {_split_summary(records)}")
+    click.echo(f"wrote {out}: {_split_summary(records)}" + (f"; {line}" if line else ""))
+
+
+@manifest_group.command("coco-caption-ids")
+@click.argument("manifest", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--annotations", multiple=True, required=True, type=click.Path(path_type=Path),
+              help="COCO's caption files captions_train2014.json and captions_val2014.json: the files, the folder "
+                   "holding them (fetch-data coco puts them in DATA/annotations), or annotations_trainval2014.zip.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the manifest here (default: rewrite MANIFEST in place).")
+def coco_caption_ids_command(manifest: Path, annotations: tuple[Path, ...], out: Path | None) -> None:
+    """Give an existing COCO manifest its captions' COCO caption (annotation) ids.
+
+    Each caption is matched to an annotation of its image (by file name, else by its coco_<id>) with the same text
+    (whitespace runs made single spaces); a caption that matches none keeps no id, and the line printed counts and
+    names such captions. Only the caption ids change: every other byte of the manifest stays, and features,
+    parses and runs made from it still match it (its digest leaves the caption ids out). retr-train eval
+    --extended (ECCV Caption, CxC) needs the test split's ids.
+
+    \b
+    Example:
+      retr-pipeline manifest coco-caption-ids data/coco/manifest.jsonl --annotations data/coco/annotations
+      retr-pipeline manifest coco-caption-ids manifest.jsonl --annotations annotations_trainval2014.zip
+    """
+    from retr.manifests.coco_captions import join_caption_ids, read_coco_captions
+
+    records = read_manifest(manifest)
+    if not records:
+        raise UserError(f"{manifest} holds no images (a manifest has one JSON object per line)")
+    join = join_caption_ids(records, read_coco_captions(annotations))
+    rewrite_caption_ids(manifest, {r.id: r.caption_ids for r in join.records}, out)
+    click.echo(f"wrote {out or manifest}: {join.summary()}")
 
 
 @manifest_group.command("check")
@@ -105,7 +150,8 @@ def preset_command(name: str) -> None:
     preset = get_preset(name)
     click.echo(f"{preset.name}: {preset.description}")
     for label, value in (("images", preset.images), ("manifest", preset.manifest),
-                         ("karpathy", preset.karpathy), ("features", preset.features)):
+                         ("karpathy", preset.karpathy), ("features", preset.features),
+                         *([("annotations", preset.annotations)] if preset.annotations else [])):
         state = "" if value is None else ("  (present)" if value.exists() else "  (missing)")
-        click.echo(f"  {label:<9} {value}{state}")
-    click.echo(f"  protocols {', '.join(preset.test_protocols)}")
+        click.echo(f"  {label:<11} {value}{state}")
+    click.echo(f"  {'protocols':<11} {', '.join(preset.test_protocols)}")

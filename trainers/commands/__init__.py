@@ -27,6 +27,7 @@ def cli() -> None:
 def _register() -> None:
     """One training command per registered model (generated from its spec), then the tools."""
     from retr.trainers.commands.eval_clip import eval_clip_command
+    from retr.trainers.commands.eval_sims import eval_sims_command
     from retr.trainers.commands.evaluate import eval_command, table_command
     from retr.trainers.commands.export import export_command
     from retr.trainers.commands.push import push_command
@@ -43,8 +44,8 @@ def _register() -> None:
 
     for name in list_models():
         cli.add_command(training_command(get_spec(name)))
-    for command in (eval_command, eval_clip_command, table_command, import_scan_command, import_vsepp_command,
-                    import_vse_infinity_command,
+    for command in (eval_command, eval_clip_command, eval_sims_command, table_command, import_scan_command,
+                    import_vsepp_command, import_vse_infinity_command,
                     reproduce_command, recipes_command, search_command, index_command, serve_command, plot_command,
                     show_command, export_command, push_command):
         cli.add_command(command)

@@ -10,7 +10,7 @@ from retr.trainers.commands.options import FEATURES, MANIFEST, RUN, no_verify_op
 from retr.common.errors import UserError
 from retr.common.paths import write_problem
 from retr.trainers.evaluation.metrics import PROTOCOLS, TIE_RULES
-from retr.trainers.evaluation.runs import evaluate_runs, record_result, table_rows, write_sims
+from retr.trainers.evaluation.runs import evaluate_runs, has_extended, record_result, table_rows, write_sims
 from retr.trainers.evaluation.similarity import DEFAULT_PRECISION, PRECISIONS
 from retr.trainers.runs import checkpoint as ckpt
 
@@ -36,6 +36,18 @@ def echo_numbers(result: dict, what: str) -> None:
     click.echo(_line("image→text (i2t)", result["i2t"]))
     click.echo(_line("text→image (t2i)", result["t2i"]))
     click.echo(f"rsum: {result['rsum']:.1f}  (ties: {result.get('ties', 'pessimistic')})")
+
+
+def echo_extended(extended: dict, annotations: str, ties: str) -> None:
+    """The extended numbers (``result["extended"]``) as one table: a row per direction, a column per number."""
+    from tabulate import tabulate
+
+    from retr.trainers.evaluation.coco_extended import METRIC_LABELS, METRIC_NAMES
+
+    click.echo(f"COCO 5K test, every true match counted (ECCV Caption, CxC; {annotations}; ties: {ties}):")
+    rows = [[side, *(extended[name][side] for name in METRIC_NAMES)] for side in ("i2t", "t2i")]
+    click.echo(tabulate(rows, headers=["", *(METRIC_LABELS[name] for name in METRIC_NAMES)], tablefmt="simple",
+                        floatfmt=".1f"))
 
 
 @click.command("eval")
@@ -66,13 +78,17 @@ def echo_numbers(result: dict, what: str) -> None:
 @click.option("--allow-size-mismatch", is_flag=True,
               help="Evaluate a split whose size is not the protocol's (1,000 Flickr30K / 5,000 COCO test images), "
                    "e.g. the synthetic data; recorded in the result.")
+@click.option("--extended", is_flag=True,
+              help="COCO protocols: also ECCV Caption (mAP@R, R-Precision, R@1) and CxC (R@1/5/10), which count "
+                   "every human-verified match, and COCO 5K and 1K as eccv_caption computes them, from the same "
+                   "matrix (needs the eccv extra and the manifest's COCO caption ids; docs/evaluation.md).")
 @click.option("--trust-checkpoint", is_flag=True,
               help="Read checkpoints that hold Python objects besides tensors (they can run code: only for files "
                    "you trust).")
 @no_verify_option
 @quiet_option
 def eval_command(runs, protocol, split, features, manifest, which, precision, device, tf32, preload, as_json,
-                 save_sims, ties, allow_size_mismatch, trust_checkpoint, no_verify, quiet) -> None:
+                 save_sims, ties, allow_size_mismatch, extended, trust_checkpoint, no_verify, quiet) -> None:
     """Evaluate one run, or an ensemble of runs (their similarity matrices averaged).
 
     The result is also stored in each run's eval.json (not in an export's). A run may be an export
@@ -82,6 +98,7 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
     Example:
       retr-train eval runs/scan-f30k --protocol f30k-1k
       retr-train eval runs/scan-coco-t2i runs/scan-coco-i2t --protocol coco-1k --json
+      retr-train eval runs/vse-infinity-coco --protocol coco-5k --extended
     """
     from retr.trainers.training.preflight import check_run_features
 
@@ -97,7 +114,7 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
         check_run_features(runs, features, quiet)
     result, sims = evaluate_runs(list(runs), protocol, split, features, manifest, device, precision, which,
                                  preload, quiet, trust_checkpoint=trust_checkpoint,
-                                 allow_size_mismatch=allow_size_mismatch, ties=ties, tf32=tf32)
+                                 allow_size_mismatch=allow_size_mismatch, ties=ties, tf32=tf32, extended=extended)
     if save_sims and sims is None:
         raise UserError("--save-sims: a two-step run has no single similarity matrix (one per direction)")
     if save_sims:
@@ -109,6 +126,8 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
         return
     kind = f"ensemble of {len(runs)} runs (averaged similarities)" if len(runs) > 1 else "single model"
     echo_numbers(result, f"{kind}: {', '.join(runs)}")
+    if "extended" in result:
+        echo_extended(result["extended"], result["extended_annotations"], result["ties"])
     if "refinement" in result:
         r = result["refinement"]
         click.echo(f"precision refined: {r['rescored_pairs']} pairs ({100 * r['rescored_fraction']:.2f}%) rescored "
@@ -128,7 +147,10 @@ TABLE_FORMATS = {"text": "simple", "markdown": "github", "latex": "latex_booktab
 @click.argument("runs", nargs=-1, required=True, type=RUN)
 @click.option("--format", "fmt", type=click.Choice(list(TABLE_FORMATS)), default="text", show_default=True,
               help="text: aligned columns; markdown: a GitHub table; latex: a booktabs tabular; csv: full precision.")
-def table_command(runs, fmt) -> None:
+@click.option("--extended", is_flag=True,
+              help="The results evaluated with eval --extended, with their ECCV Caption (mAP@R, R-Precision, R@1) "
+                   "and CxC (R@1/5/10) numbers both ways instead of the recalls.")
+def table_command(runs, fmt, extended) -> None:
     """Print one table of every result stored in the runs' eval.json: which run (name, model, preset, seed),
     which protocol and split, single or ensemble, R@1/5/10 both ways and rSum.
 
@@ -136,10 +158,13 @@ def table_command(runs, fmt) -> None:
     Example:
       retr-train table runs/scan-f30k runs/vsepp-f30k
       retr-train table runs/vsepp-s* --format markdown
+      retr-train table runs/*-coco --extended --format latex
     """
     from tabulate import tabulate
 
-    header, rows, notes = table_rows(runs)
+    header, rows, notes = table_rows(runs, extended=extended)
+    if not extended and fmt != "csv" and has_extended(runs):
+        notes.append("ECCV Caption and CxC numbers of --extended results: retr-train table --extended")
     if fmt == "csv":                  # data only: a size-mismatched protocol keeps its mark, the notes are not rows
         import csv
         import io

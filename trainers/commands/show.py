@@ -31,6 +31,8 @@ from retr.trainers.reporting.report import write_report
 @click.option("--device", default="auto", show_default=True)
 @click.option("--allow-size-mismatch", is_flag=True,
               help="Accept a split whose size is not the protocol's (e.g. the synthetic data); said in the report.")
+@click.option("--extended", is_flag=True,
+              help="COCO protocols: also the ECCV Caption and CxC numbers of the matrix (as eval --extended).")
 @click.option("--trust-checkpoint", is_flag=True,
               help="Read checkpoints that hold Python objects besides tensors (only for files you trust).")
 @click.option("--allow-nonempty-out", is_flag=True,
@@ -38,7 +40,8 @@ from retr.trainers.reporting.report import write_report
 @no_verify_option
 @quiet_option
 def show_command(runs, protocol, out, split, samples, top, seed, attention, image_root, features, manifest, sims,
-                 which, device, allow_size_mismatch, trust_checkpoint, allow_nonempty_out, no_verify, quiet) -> None:
+                 which, device, allow_size_mismatch, extended, trust_checkpoint, allow_nonempty_out, no_verify,
+                 quiet) -> None:
     """Write a static HTML report of a run (or an ensemble): summary and numbers, training curves, sampled and
     worst queries both ways with their top results, and each model's attention maps.
 
@@ -59,5 +62,5 @@ def show_command(runs, protocol, out, split, samples, top, seed, attention, imag
         check_run_features([str(local_run(run)) for run in runs], features, quiet)
     index = write_report(list(runs), protocol, out, split, samples, top, seed, attention, image_root, features,
                          manifest, which, device, sims=sims, allow_size_mismatch=allow_size_mismatch,
-                         trust_checkpoint=trust_checkpoint, quiet=quiet)
+                         trust_checkpoint=trust_checkpoint, quiet=quiet, extended=extended)
     click.echo(f"report written to {index}")

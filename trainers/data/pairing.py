@@ -9,7 +9,7 @@ import os
 
 from retr.common.errors import UserError
 from retr.common.progress import progress
-from retr.common.hashing import sha256_file
+from retr.manifests.schema import manifest_sha256
 from retr.store.features import FeatureSet
 
 #: folders searched for the manifest a feature set was made from, as levels above the feature file: its own
@@ -56,7 +56,7 @@ def find_source_manifest(features_path: str | os.PathLike, manifest: str | os.Pa
             if len(seen) > SOURCE_MANIFEST_CANDIDATES:
                 return None
             try:
-                if sha256_file(path) == recorded_sha256:
+                if manifest_sha256(path) == recorded_sha256:
                     return str(path)
             except OSError:
                 continue
@@ -91,7 +91,7 @@ def check_manifest_pairing(features: FeatureSet, manifest: str | os.PathLike) ->
     recorded = features.attrs.get("manifest_sha256")
     if not _is_sha256(recorded):
         return []
-    given = sha256_file(manifest)
+    given = manifest_sha256(manifest)
     if given == recorded:
         return []
     records = [r for r in read_manifest(manifest) if r.id in features]

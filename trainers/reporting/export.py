@@ -124,20 +124,28 @@ def model_card(run: Path, exported: dict) -> str:
     weights need, how to load them, and the model's settings."""
     from tabulate import tabulate
 
-    from retr.trainers.evaluation.runs import table_rows
+    from retr.trainers.evaluation.runs import has_extended, table_rows
     from retr.trainers.models import get_spec
 
     name, model = exported["export"]["run"], exported["model"]
     spec = get_spec(model)
     features = exported["export"]["features"]
+    extended = (run / ckpt.EVAL).is_file() and has_extended([str(run)])
     header = ["---", "library_name: retr", "tags:", "- image-text-retrieval", "- cross-modal-retrieval",
-              f"- {model}", "metrics:", "- recall", "---", ""]
+              f"- {model}", "metrics:", "- recall", *(["- map@r", "- r-precision"] if extended else []), "---", ""]
     lines = [f"# {name}", "", f"An image–text matching model, `{model}`, trained with retr (`retr-train {model}`: "
              f"{spec.summary.split('.')[0].strip()}).", ""]
     lines += ["## Evaluation", ""]
     if (run / ckpt.EVAL).is_file():
         head, rows, notes = table_rows([str(run)])
         lines += [tabulate(rows, headers=head, tablefmt="github", floatfmt=".1f"), "", *notes]
+        if extended:
+            head, rows, notes = table_rows([str(run)], extended=True)
+            lines += ["", "### Every true match counted: ECCV Caption and CxC", "",
+                      "The COCO 5K test set scored with the human-verified extra positives of ECCV Caption (mAP@R, "
+                      "R-Precision, R@1) and CxC (R@1/5/10), as `eccv_caption` computes them (`retr-train eval "
+                      "--extended`), percent:", "", tabulate(rows, headers=head, tablefmt="github", floatfmt=".1f"),
+                      "", *notes]
     else:
         lines.append(f"Not evaluated when exported (`retr-train eval {name} --protocol …` stores its numbers).")
     verdict = _reproduction_verdict(run)

@@ -480,8 +480,11 @@ def render(template: str, **values):
 
 
 def _metrics_table(result: dict):
-    """The protocol's numbers of ``result`` (eval's dict) as a table (Markup)."""
-    return render("metrics.html.j2", result=result)
+    """The protocol's numbers of ``result`` (eval's dict) as a table (Markup), and its ECCV Caption and CxC
+    numbers when it has them (``--extended``)."""
+    from retr.trainers.evaluation.coco_extended import METRIC_LABELS, METRIC_NAMES
+
+    return render("metrics.html.j2", result=result, extended_names=METRIC_NAMES, extended_labels=METRIC_LABELS)
 
 
 def _stored_results(runs: Sequence[str]):
@@ -489,11 +492,18 @@ def _stored_results(runs: Sequence[str]):
     shows it too)."""
     from retr.trainers.evaluation.runs import table_rows
 
+    from retr.trainers.evaluation.runs import has_extended
+
     with_eval = [r for r in runs if (Path(r) / ckpt.EVAL).is_file()]
     if not with_eval:
-        return render("stored.html.j2", header=None, rows=[], notes=[])
+        return render("stored.html.j2", header=None, rows=[], notes=[], title=None)
     header, rows, notes = table_rows(with_eval)
-    return render("stored.html.j2", header=header, rows=rows, notes=notes)
+    tables = render("stored.html.j2", header=header, rows=rows, notes=notes, title=None)
+    if has_extended(with_eval):
+        header, rows, notes = table_rows(with_eval, extended=True)
+        tables += render("stored.html.j2", header=header, rows=rows, notes=notes,
+                         title="ECCV Caption and CxC (eval --extended): every true match counted")
+    return tables
 
 
 def _best_epoch(records: list[dict]) -> str:
@@ -615,12 +625,14 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
                  top: int = 5, seed: int = 0, attention: int = 2, image_root: str | None = None,
                  features: str | None = None, manifest: str | None = None, which: str = "best",
                  device: str = "auto", precision: str = "refined", sims: str | None = None,
-                 allow_size_mismatch: bool = False, trust_checkpoint: bool = False, quiet: bool = False) -> Path:
+                 allow_size_mismatch: bool = False, trust_checkpoint: bool = False, quiet: bool = False,
+                 extended: bool = False) -> Path:
     """Write the report of ``runs`` (one run, or an ensemble) into the folder ``out``; returns ``out/index.html``.
-    Sections and options: module docstring."""
+    Sections and options: module docstring; ``extended``: ECCV Caption and CxC numbers beside the protocol's
+    (:mod:`~retr.trainers.evaluation.coco_extended`)."""
     from retr.common.devices import resolve_device
     from retr.manifests.schema import read_manifest, resolve_image_root
-    from retr.trainers.evaluation.runs import evaluate_runs
+    from retr.trainers.evaluation.runs import add_extended, evaluate_runs, extended_inputs
     from retr.trainers.evaluation.metrics import protocol_metrics
 
     for name, value, least in (("samples", samples, 0), ("top", top, 1), ("attention", attention, 0)):
@@ -631,6 +643,7 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
     draw.pyplot()   # the report extra (drawings and templates), before the evaluation
     _environment()
     runs = [str(r) for r in runs]
+    coco = extended_inputs(runs, protocol, split, manifest) if extended else None
     t0 = time.perf_counter()
     dev = resolve_device(device)
     members = _load_members(runs, split, which, dev, trust_checkpoint, features, manifest)
@@ -648,11 +661,13 @@ def write_report(runs: Sequence[str], protocol: str, out: str | Path, split: str
         matrix = _load_sims(sims, runs, split, data.image_ids, caption_keys)
         result = protocol_metrics(matrix, data, protocol, allow_size_mismatch)
         result.update(protocol=protocol, split=split, source=str(sims))
+        if coco is not None:
+            add_extended(result, matrix, *coco, result["ties"])
         i2t_sims = t2i_sims = matrix
     else:
         result, matrix = evaluate_runs(runs, protocol, split, features, manifest, device, precision, which,
                                        quiet=quiet, trust_checkpoint=trust_checkpoint,
-                                       allow_size_mismatch=allow_size_mismatch)
+                                       allow_size_mismatch=allow_size_mismatch, extended=extended)
         if two_step:
             i2t_sims, t2i_sims = _two_step_matrices(members[0], data, parts, dev, precision)
         else:

@@ -15,6 +15,7 @@ import numpy as np
 
 from retr.common.errors import UserError
 from retr.common.hashing import sha256_file
+from retr.manifests.schema import manifest_sha256
 from retr.store.features import FeatureSet
 from retr.trainers.config import RESUME_APPLIES, TrainConfig
 from retr.trainers.models import get_spec
@@ -32,7 +33,7 @@ def data_identity(features: FeatureSet, manifest: str, inputs: dict | None = Non
                 "features_dtype": str(features.dtype),
                 "features_attrs": json.loads(json.dumps(attrs, default=str)),
                 "features_rows_crc_sha256": _rows_digest(features),
-                "manifest_sha256": sha256_file(manifest)}
+                "manifest_sha256": manifest_sha256(manifest)}
     if inputs:
         # a missing side file is left to the model's reader, whose error says what the file is and how to get it
         identity["inputs_sha256"] = {name: sha256_file(path) if os.path.isfile(path) else None
