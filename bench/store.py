@@ -3,8 +3,11 @@
 Writes a sharded grid feature set (index + shards) to a temporary folder, then reads random batches of rows
 (the access pattern of a shuffled training loader) three ways, in one run:
 
-* ``reader``    — :class:`retr.store.features.FeatureSet` on the index (virtual datasets; sorted reads);
-* ``reader-shard`` — the same reader on a single shard file (no virtual-dataset layer);
+* ``reader-index`` — :class:`retr.store.features.FeatureSet` on the index: positional reads at each row's offset in
+  the shards (``retr.store.row_reader``, ``how`` in the line says which path read);
+* ``reader-shard`` — the same reader on a single shard file;
+* ``h5py-slices-index`` — h5py's slice reads of each contiguous run of the sorted rows through the index's virtual
+  datasets (the reader before the positional one, and still the path for compressed sets);
 * ``baseline``  — the same rows gathered from an in-memory numpy array (the upper bound: no I/O at all);
 * ``h5py-fancy-index`` — h5py's own point-list selection on the index (what a naive reader does; the reader
   reads sorted contiguous runs as slices instead).
@@ -83,13 +86,27 @@ def main() -> None:
         via_shard = measure(shard.read_rows, shard_batches, bytes_per_row)
         with h5py.File(index, "r") as f:
             dataset = f["features"]
+
+            def slices(rows):
+                wanted = np.unique(rows)
+                block = np.empty((wanted.size, *dataset.shape[1:]), dtype=dataset.dtype)
+                at = 0
+                for run in np.split(wanted, np.flatnonzero(np.diff(wanted) != 1) + 1):
+                    dataset.read_direct(block, np.s_[int(run[0]):int(run[-1]) + 1], np.s_[at:at + run.size])
+                    at += run.size
+                return block
+
+            h5py_slices = measure(slices, batches, bytes_per_row)
             fancy = measure(lambda rows: dataset[np.sort(rows)], batches[: max(2, args.batches // 10)],
                             bytes_per_row)
         common = {"bench": "store", "rows": args.rows, "batch": args.batch, "shape": [49, 2048],
                   "dtype": "float16", "shards": args.shards}
         for name, result in (("baseline-numpy", baseline), ("reader-index", via_index),
-                             ("reader-shard", via_shard), ("h5py-fancy-index", fancy)):
+                             ("reader-shard", via_shard), ("h5py-slices-index", h5py_slices),
+                             ("h5py-fancy-index", fancy)):
             line = dict(common, method=name, **result)
+            if name.startswith("reader"):
+                line["how"] = (fs if name == "reader-index" else shard).how_read()[0]
             if name != "baseline-numpy":
                 line["fraction_of_baseline"] = round(result["samples_per_s"] / baseline["samples_per_s"], 4)
             print(json.dumps(line), flush=True)
