@@ -139,6 +139,9 @@ def test_preloading_reads_in_slices_with_a_progress_bar(synthetic, monkeypatch, 
         held = feats._memory if preload == "host" else feats._on_device[0].numpy()
         assert held.tobytes() == expected.tobytes()
     assert "load features" in capsys.readouterr().err
+    slices.clear()                   # a device other than the CPU gets each slice through one staging slice
+    feats._preload(torch.empty((len(ids), *feats.feature_shape), dtype=torch.float16, device="meta"), quiet=True)
+    assert slices == [10, 10, 10, 7]
     ImageFeatures(fs, ids, "host", quiet=True)
     assert "load features" not in capsys.readouterr().err
 
