@@ -21,25 +21,22 @@ read-per-batch run and its ``--preload`` baseline from the same run.
     .venv/bin/python bench/train_memory.py [--rows 15000] [--val-images 100] [--captions 1] [--shards 4]
         [--batch-size 128] [--workdir DIR] [--keep]
 
-Measured (2 shared CPU cores, 24 GB RAM, torch CPU) with the defaults, ``.venv/bin/python bench/train_memory.py``,
-when the default run read sets over a fixed 2 GiB per batch with h5py and preloading copied the rows twice
-(both changed since: batches are read at each row's offset, ``retr.store.row_reader``, and preloading fills one
-array slice by slice): 15,000 rows in 4 shards, 2.214 GB on disk; training split 14,900 images = 2.046 GiB of
-float16; written in 44 s; whole benchmark 4 min 13 s.
+Measured (2 CPU cores shared with other jobs, 24 GB RAM, torch CPU) with the defaults,
+``.venv/bin/python bench/train_memory.py``: 15,000 rows in 4 shards, 2.214 GB on disk; training split 14,900
+images = 2.046 GiB of float16; written in 58 s.
 
     mode                     trainer says     peak RSS    above import floor   wall
-    read-per-batch (off)     read per batch     922 MB        219 MB            110 s
-    baseline (--preload)     preloaded         4824 MB       4121 MB             93 s
-    import floor             —                  703 MB          —                 2 s
-    ratio 0.191 (0.053 above the floor)
+    read-per-batch (off)     read per batch    1163 MB        305 MB            142 s
+    baseline (--preload)     preloaded         3209 MB       2351 MB            136 s
+    import floor             —                  858 MB          —                 4 s
+    ratio 0.362 (0.130 above the floor)
 
-The preloaded run peaks at about twice the training features (4121 MB over the floor for 2095 MB of
-features): ``ImageFeatures`` preloads a subset of the set's rows with ``FeatureSet.read_rows``, which fills a
-sorted block and returns ``block[inverse]`` — a second full copy, alive together with the first. Preloading
-every row of a set (``read_all``) peaks at ~1× (checked on a 2,100-row set: 601 MB vs 333 MB of growth for
-281 / 295 MB of features). The read-per-batch run holds ~220 MB beyond the imports: the model, a batch (128
-rows: 19 MB float16, 38 MB float32, a few copies of each) and the per-shard HDF5 chunk caches (1 MiB each by
-default; a chunk is one row, 147 KB), not the feature set.
+The preloaded run holds 1.12× the training features above the floor (2351 MB for 2095 MB): ``ImageFeatures``
+fills one array in 64 MiB slices. (Before, it read a subset of a set's rows as a sorted block and returned
+``block[inverse]``, a second full copy alive with the first: 4121 MB above a 703 MB floor in the same benchmark.)
+The read-per-batch run holds ~300 MB beyond the imports: the model and its optimiser state, a batch (128 rows:
+19 MB float16, 38 MB float32, a few copies of each), not the feature set — the rows are read with positional
+reads into the batch (``retr.store.row_reader``), so the file's pages stay in the page cache, outside RSS.
 """
 from __future__ import annotations
 
@@ -124,7 +121,8 @@ def train(retr_train: str, folder: Path, features: Path, manifest: Path, name: s
                "--word-dim", "64", "--val-images", str(args.val_images), "--train-split", "train", "--device", "cpu",
                "--quiet", *extra]
     result = run_child(command, folder / f"{name}.log")
-    first = next((line for line in result.pop("output").splitlines() if line.startswith("training ")), "")
+    first = next((line for line in result.pop("output").splitlines()
+                  if line.startswith("training ") and " images / " in line), "")     # the start line
     says = "read per batch" if "(read per batch)" in first else "preloaded" if "(preloaded)" in first else "?"
     return {"trainer_says": says, **result, "command": " ".join(["retr-train", *command[1:]])}
 
