@@ -161,3 +161,36 @@ def test_batches_read_per_batch_in_two_workers_equal_those_held_in_memory(synthe
     for batch, captions in zip(batches, sampler):
         reference = CaptionBatches(data, held, as_stored=True)[captions]
         assert torch.equal(batch["features"], reference["features"]) and torch.equal(batch["mask"], reference["mask"])
+
+
+# ------------------------------------------------------------------------------------------------ host memory
+
+def test_host_memory_is_memavailable_capped_by_the_control_groups_room(tmp_path, monkeypatch):
+    from retr.common import memory
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684084 kB\nMemFree:        15946428 kB\nMemAvailable:   22409220 kB\n")
+    assert memory._meminfo_available(meminfo) == 22409220 * 1024
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir()
+    v1.mkdir()
+    assert memory._cgroup_room(v2, v1) is None                               # no controller to read
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "memory.current").write_text("1000\n")
+    assert memory._cgroup_room(v2, v1) is None                               # no limit
+    (v2 / "memory.max").write_text(f"{8 * GIB}\n")
+    (v2 / "memory.current").write_text(f"{6 * GIB}\n")
+    (v2 / "memory.stat").write_text(f"anon {4 * GIB}\nfile {2 * GIB}\ninactive_file {GIB}\nactive_file {GIB}\n")
+    assert memory._cgroup_room(v2, v1) == 3 * GIB                            # 8 − 6 + the inactive file pages
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")      # v1's "no limit"
+    (v1 / "memory.usage_in_bytes").write_text("7302737920\n")
+    assert memory._cgroup_room(tmp_path / "none", v1) is None
+    (v1 / "memory.limit_in_bytes").write_text(f"{4 * GIB}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{GIB}\n")
+    assert memory._cgroup_room(tmp_path / "none", v1) == 3 * GIB            # no memory.stat: nothing added
+    (v1 / "memory.usage_in_bytes").write_text(f"{5 * GIB}\n")
+    assert memory._cgroup_room(tmp_path / "none", v1) == 0                   # over its limit: nothing left
+    monkeypatch.setattr(memory, "_meminfo_available", lambda: 20 * GIB)
+    monkeypatch.setattr(memory, "_cgroup_room", lambda: 3 * GIB)
+    assert memory.host_memory_available() == 3 * GIB                        # a job's limit under what is free
+    monkeypatch.setattr(memory, "_cgroup_room", lambda: None)
+    assert memory.host_memory_available() == 20 * GIB
