@@ -44,13 +44,15 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" i
 class RowLayout:
     """Where each row of one dataset lies: ``files`` (absolute paths), ``file_of_row`` ``[N]`` int32 (index into
     ``files``), ``offset_of_row`` ``[N]`` int64 (byte offset in that file); every row is ``row_bytes`` bytes of
-    ``dtype`` in C order, shaped ``row_shape``."""
+    ``dtype`` in C order, shaped ``row_shape``. ``stamps``: each file's (device, inode, size, modification time)
+    when the offsets were found: a file replaced or rewritten since is refused, not read at stale offsets."""
 
     files: tuple[str, ...]
     file_of_row: np.ndarray
     offset_of_row: np.ndarray
     row_shape: tuple[int, ...]
     dtype: np.dtype
+    stamps: tuple[tuple[int, int, int, int], ...] = ()
 
     @property
     def row_bytes(self) -> int:
@@ -83,7 +85,7 @@ def _layout(dataset: h5py.Dataset, path: Path) -> RowLayout:
     if plist.get_layout() == h5py.h5d.VIRTUAL:
         return _virtual_layout(dataset, path, dtype, rows, row_shape)
     offsets = _stored_offsets(dataset, path, dtype)
-    return RowLayout((str(path),), np.zeros(rows, dtype=np.int32), offsets, row_shape, dtype)
+    return RowLayout((str(path),), np.zeros(rows, dtype=np.int32), offsets, row_shape, dtype, (_stamp(path),))
 
 
 def _plain_dtype(dataset: h5py.Dataset) -> np.dtype:
@@ -209,7 +211,15 @@ def _virtual_layout(dataset: h5py.Dataset, path: Path, dtype: np.dtype, rows: in
         offset_of_row[first:stop] = offsets[source_first:source_stop]
     if (file_of_row < 0).any():
         raise NotReadableDirectly(f"{dataset.name} has rows no source maps (they read as the fill value)")
-    return RowLayout(tuple(files), file_of_row, offset_of_row, row_shape, dtype)
+    return RowLayout(tuple(files), file_of_row, offset_of_row, row_shape, dtype, tuple(map(_stamp, files)))
+
+
+def _stamp(path: str | os.PathLike) -> tuple[int, int, int, int]:
+    return _stamp_of(os.stat(path))
+
+
+def _stamp_of(stat: os.stat_result) -> tuple[int, int, int, int]:
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _check_against_h5py(dataset: h5py.Dataset, layout: RowLayout) -> None:
@@ -306,7 +316,12 @@ class RowReader:
             self._fds, self._pid = {}, os.getpid()         # descriptors of the parent stay the parent's
         fd = self._fds.get(file_index)
         if fd is None:
-            fd = self._fds[file_index] = os.open(self.layout.files[file_index], os.O_RDONLY)
+            path = self.layout.files[file_index]
+            fd = os.open(path, os.O_RDONLY)
+            if self.layout.stamps and _stamp_of(os.fstat(fd)) != self.layout.stamps[file_index]:
+                os.close(fd)
+                raise UserError(f"{path} was replaced or changed after the feature set was opened; open it again")
+            self._fds[file_index] = fd
         return fd
 
     def close(self) -> None:

@@ -146,6 +146,7 @@ def test_a_file_shortened_under_the_reader_is_a_one_line_error(tmp_path):
     write_set(tmp_path / "s.h5", rows=40)
     fs = FeatureSet(tmp_path / "s.h5")
     assert fs.how_read()[0] == "pread"
+    fs.read_rows([0])                                      # the file is open: shortening it is seen on reading
     with h5py.File(tmp_path / "s.h5", "r") as f:
         end = f["features"].id.get_offset() + 20 * int(np.prod(SHAPE)) * 2
     os.truncate(tmp_path / "s.h5", end)
@@ -232,3 +233,14 @@ def test_the_reader_pickles_without_its_descriptors_and_reads_in_workers(tmp_pat
         loader = torch.utils.data.DataLoader(RowPairs(fs), batch_size=None, num_workers=2, multiprocessing_context=context)
         got = torch.stack(list(loader)).numpy()
         assert got[:, 0].tobytes() == expected.tobytes() and got[:, 1].tobytes() == expected[::-1].tobytes()
+
+
+def test_a_file_replaced_after_its_offsets_were_found_is_refused(tmp_path):
+    write_set(tmp_path / "s.h5", rows=40)
+    fs = FeatureSet(tmp_path / "s.h5")
+    assert fs.how_read()[0] == "pread"                     # offsets found; no descriptor open in this copy:
+    clone = pickle.loads(pickle.dumps(fs))                 # a worker opens the file on its first read
+    write_set(tmp_path / "t.h5", rows=40, seed=1, chunks=(1, *SHAPE))    # same rows, other places in the file
+    os.replace(tmp_path / "t.h5", tmp_path / "s.h5")
+    with pytest.raises(UserError, match="replaced or changed after the feature set was opened"):
+        clone.read_rows([3])
