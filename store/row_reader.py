@@ -37,7 +37,7 @@ import numpy as np
 from retr.common.errors import UserError
 
 #: the most buffers one ``preadv`` takes (``IOV_MAX``; POSIX guarantees 16, Linux and the BSDs take 1024)
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
+_IOV_MAX = max(16, os.sysconf("SC_IOV_MAX")) if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 16
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,8 @@ def test_auto_reads_the_memory_free_and_says_in_one_line_where_the_features_are(
     _, path = synthetic
     fs = FeatureSet(path)
     ids = list(fs.ids)
-    size = f"{ImageFeatures(fs, ids, 'off').nbytes / MIB:.1f} MiB"
+    size = splits.size_text(ImageFeatures(fs, ids, "off").nbytes)
+    assert [splits.size_text(n) for n in (4.3 * GIB, 12.5 * MIB, 40 << 10)] == ["4.3 GiB", "12.5 MiB", "40.0 KiB"]
     held = ImageFeatures(fs, ids, "auto")                   # a small set: always held
     assert (held.where, held.reader) == ("host", "host")
     assert held.decision == f"features: {size}, held in host memory (under 256.0 MiB: always held)"

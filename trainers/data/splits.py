@@ -92,8 +92,11 @@ PRELOAD_SLICE_BYTES = 64 << 20
 
 
 def size_text(nbytes: float) -> str:
-    """``4.3 GiB``, or ``12.5 MiB`` under a GiB."""
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    """``4.3 GiB``, ``12.5 MiB`` under a GiB, ``40.0 KiB`` under a MiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def place_features(nbytes: int, host_available: int | None, device: str = "cpu",
