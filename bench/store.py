@@ -84,8 +84,8 @@ def measure_cold(read, batches: list[np.ndarray], bytes_per_row: int, files) -> 
         read(rows)
     elapsed = time.perf_counter() - start
     samples = sum(len(b) for b in batches)
-    return {"samples_per_s": round(samples / elapsed, 1), "mb_per_s": round(samples * bytes_per_row / elapsed / 2**20, 1),
-            "seconds": round(elapsed, 3), "samples": samples}
+    return {"samples_per_s": round(samples / elapsed, 1), "seconds": round(elapsed, 3), "samples": samples,
+            "mb_per_s": round(samples * bytes_per_row / elapsed / 2**20, 1)}
 
 
 def main() -> None:

@@ -255,7 +255,8 @@ class RowReader:
         layout = self.layout
         row_bytes = layout.row_bytes
         if not out.flags.c_contiguous or out.dtype != layout.dtype or out.shape != (len(rows), *layout.row_shape):
-            raise ValueError(f"out must be a C-contiguous {layout.dtype} array of shape {(len(rows), *layout.row_shape)}")
+            raise ValueError(f"out must be a C-contiguous {layout.dtype} array of shape "
+                             f"{(len(rows), *layout.row_shape)}")
         if not len(rows) or not row_bytes:
             return
         files, offsets = layout.file_of_row[rows], layout.offset_of_row[rows]

@@ -230,7 +230,8 @@ def test_the_reader_pickles_without_its_descriptors_and_reads_in_workers(tmp_pat
     assert all(reader is None or not reader._fds for reader, _ in clone._direct.values())
     assert clone.read_rows([4, 1]).tobytes() == expected[[4, 1]].tobytes()
     for context in ("fork", "spawn"):
-        loader = torch.utils.data.DataLoader(RowPairs(fs), batch_size=None, num_workers=2, multiprocessing_context=context)
+        loader = torch.utils.data.DataLoader(RowPairs(fs), batch_size=None, num_workers=2,
+                                             multiprocessing_context=context)
         got = torch.stack(list(loader)).numpy()
         assert got[:, 0].tobytes() == expected.tobytes() and got[:, 1].tobytes() == expected[::-1].tobytes()
 
