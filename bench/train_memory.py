@@ -4,7 +4,8 @@ Where host memory is short, ``--preload auto`` reads each batch's rows from the 
 (``retr.trainers.data.splits.place_features``). This benchmark shows what that buys: it writes a synthetic
 ``regions`` feature set (36×2048 float16, random finite values, ``num_boxes`` 10..36) through the real store
 writer (``ShardWriter`` shards + ``write_index``, in chunks, so the benchmark itself stays small), with a manifest
-whose training split alone is over 2 GiB, then runs one epoch of ``retr-train vsepp`` on it in fresh processes, one at a time:
+whose training split alone is over 2 GiB, then runs one epoch of ``retr-train vsepp`` on it in fresh processes,
+one at a time:
 
 * ``read-per-batch`` — the command with ``--preload off`` (what ``auto`` does when memory is short);
 * ``baseline``       — the same command with ``--preload`` (every training row held in memory);
