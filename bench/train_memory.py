@@ -1,13 +1,13 @@
-"""Peak memory (RSS) of one training epoch on a feature set larger than the trainer's preload threshold.
+"""Peak memory (RSS) of one training epoch with the features read per batch, against the same epoch with them held.
 
-The trainer holds a split's features in memory only when they take less than
-``retr.trainers.data.splits.DEFAULT_PRELOAD_LIMIT`` (2 GiB of float16); above that it reads each batch's rows from
-HDF5. This benchmark shows what that buys: it writes a synthetic ``regions`` feature set (36×2048 float16,
-random finite values, ``num_boxes`` 10..36) through the real store writer (``ShardWriter`` shards +
-``write_index``, in chunks, so the benchmark itself stays small), with a manifest whose training split alone is
-over the threshold, then runs one epoch of ``retr-train vsepp`` on it in fresh processes, one at a time:
+Where host memory is short, ``--preload auto`` reads each batch's rows from the file
+(``retr.trainers.data.splits.place_features``). This benchmark shows what that buys: it writes a synthetic
+``regions`` feature set (36×2048 float16, random finite values, ``num_boxes`` 10..36) through the real store
+writer (``ShardWriter`` shards + ``write_index``, in chunks, so the benchmark itself stays small), with a manifest
+whose training split alone is over 2 GiB, then runs one epoch of ``retr-train vsepp`` on it in fresh processes,
+one at a time:
 
-* ``read-per-batch`` — the command as a user runs it (no ``--preload`` flag: the set is over the threshold);
+* ``read-per-batch`` — the command with ``--preload off`` (what ``auto`` does when memory is short);
 * ``baseline``       — the same command with ``--preload`` (every training row held in memory);
 * ``import_floor``   — a process that only imports the trainer (torch, retr) and exits: the fixed cost both
   runs pay, so ``ratio_above_floor`` compares what the two runs hold beyond it.
@@ -22,23 +22,22 @@ read-per-batch run and its ``--preload`` baseline from the same run.
     .venv/bin/python bench/train_memory.py [--rows 15000] [--val-images 100] [--captions 1] [--shards 4]
         [--batch-size 128] [--workdir DIR] [--keep]
 
-Measured (2 shared CPU cores, 24 GB RAM, torch CPU) with the defaults, ``.venv/bin/python bench/train_memory.py``:
-15,000 rows in 4 shards, 2.214 GB on disk; training split 14,900 images = 2.046 GiB of float16 (threshold
-2 GiB); written in 44 s; whole benchmark 4 min 13 s.
+Measured (2 CPU cores shared with other jobs, 24 GB RAM, torch CPU) with the defaults,
+``.venv/bin/python bench/train_memory.py``: 15,000 rows in 4 shards, 2.214 GB on disk; training split 14,900
+images = 2.046 GiB of float16; written in 58 s.
 
     mode                     trainer says     peak RSS    above import floor   wall
-    read-per-batch (default) read per batch     922 MB        219 MB            110 s
-    baseline (--preload)     preloaded         4824 MB       4121 MB             93 s
-    import floor             —                  703 MB          —                 2 s
-    ratio 0.191 (0.053 above the floor)
+    read-per-batch (off)     read per batch    1163 MB        305 MB            142 s
+    baseline (--preload)     preloaded         3209 MB       2351 MB            136 s
+    import floor             —                  858 MB          —                 4 s
+    ratio 0.362 (0.130 above the floor)
 
-The preloaded run peaks at about twice the training features (4121 MB over the floor for 2095 MB of
-features): ``ImageFeatures`` preloads a subset of the set's rows with ``FeatureSet.read_rows``, which fills a
-sorted block and returns ``block[inverse]`` — a second full copy, alive together with the first. Preloading
-every row of a set (``read_all``) peaks at ~1× (checked on a 2,100-row set: 601 MB vs 333 MB of growth for
-281 / 295 MB of features). The read-per-batch run holds ~220 MB beyond the imports: the model, a batch (128
-rows: 19 MB float16, 38 MB float32, a few copies of each) and the per-shard HDF5 chunk caches (1 MiB each by
-default; a chunk is one row, 147 KB), not the feature set.
+The preloaded run holds 1.12× the training features above the floor (2351 MB for 2095 MB): ``ImageFeatures``
+fills one array in 64 MiB slices. (Before, it read a subset of a set's rows as a sorted block and returned
+``block[inverse]``, a second full copy alive with the first: 4121 MB above a 703 MB floor in the same benchmark.)
+The read-per-batch run holds ~300 MB beyond the imports: the model and its optimiser state, a batch (128 rows:
+19 MB float16, 38 MB float32, a few copies of each), not the feature set — the rows are read with positional
+reads into the batch (``retr.store.row_reader``), so the file's pages stay in the page cache, outside RSS.
 """
 from __future__ import annotations
 
@@ -55,7 +54,6 @@ from pathlib import Path
 import numpy as np
 
 from retr.store.features import ShardWriter, shard_name, write_index
-from retr.trainers.data.splits import DEFAULT_PRELOAD_LIMIT
 
 K, D = 36, 2048
 COLOURS = ("red", "green", "blue", "yellow", "purple", "orange")
@@ -124,7 +122,8 @@ def train(retr_train: str, folder: Path, features: Path, manifest: Path, name: s
                "--word-dim", "64", "--val-images", str(args.val_images), "--train-split", "train", "--device", "cpu",
                "--quiet", *extra]
     result = run_child(command, folder / f"{name}.log")
-    first = next((line for line in result.pop("output").splitlines() if line.startswith("training ")), "")
+    first = next((line for line in result.pop("output").splitlines()
+                  if line.startswith("training ") and " images / " in line), "")     # the start line
     says = "read per batch" if "(read per batch)" in first else "preloaded" if "(preloaded)" in first else "?"
     return {"trainer_says": says, **result, "command": " ".join(["retr-train", *command[1:]])}
 
@@ -148,9 +147,6 @@ def main() -> None:
     if not retr_train:
         raise SystemExit("retr-train not found (install retr into this environment)")
     train_bytes = (args.rows - args.val_images) * K * D * 2
-    if train_bytes <= DEFAULT_PRELOAD_LIMIT:
-        print(f"warning: the training features take {train_bytes / 2**30:.2f} GiB, not over the preload threshold "
-              f"({DEFAULT_PRELOAD_LIMIT / 2**30:.0f} GiB): the default run preloads too", file=sys.stderr)
 
     folder = Path(args.workdir or tempfile.mkdtemp(prefix="retr-train-memory-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -169,13 +165,12 @@ def main() -> None:
                           "train_captions": (args.rows - args.val_images) * args.captions,
                           "val_images": args.val_images,
                           "train_features_gib": round(train_bytes / 2**30, 3),
-                          "preload_limit_gib": round(DEFAULT_PRELOAD_LIMIT / 2**30, 3),
                           "write_s": round(written, 1)}), flush=True)
 
         floor = run_child([sys.executable, "-c", "import torch, retr.trainers.commands, retr.trainers.training.loop"],
                           folder / "import_floor.log")
         floor.pop("output")
-        per_batch = train(retr_train, folder, features, manifest, "read-per-batch", [], args)
+        per_batch = train(retr_train, folder, features, manifest, "read-per-batch", ["--preload", "off"], args)
         preload = train(retr_train, folder, features, manifest, "preload", ["--preload"], args)
         floor_mb = floor["peak_rss_mb"]
         print(json.dumps({"bench": "train_memory", "mode": "read-per-batch", **per_batch,

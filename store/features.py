@@ -17,6 +17,7 @@ import numpy as np
 from retr.common.atomic import PARTIAL_SUFFIX, atomic_hdf5, partial_path
 from retr.common.errors import UserError
 from retr.common.version import __version__
+from retr.store.row_reader import RowReader, row_layout
 
 FORMAT_VERSION = 1
 KINDS = ("grid", "maps", "tencrop", "regions", "clip")   # clip: row 0 the image embedding, then patches
@@ -345,6 +346,7 @@ class FeatureSet:
         self._row_of = {image_id: row for row, image_id in enumerate(self.ids)}
         self._file: h5py.File | None = None
         self._pid: int | None = None
+        self._direct: dict[str, tuple[RowReader | None, str]] = {}   # dataset name → (its reader or None, why)
 
     def _check_shards(self) -> None:
         shards = self.attrs.get("shards")
@@ -381,41 +383,71 @@ class FeatureSet:
             self._pid = os.getpid()
         return self._file
 
-    def read_rows(self, rows: Sequence[int] | np.ndarray, name: str = "features") -> np.ndarray:
-        """Rows ``[B, …]`` of dataset ``name`` in the order given (read in sorted order underneath)."""
+    def how_read(self, name: str = "features") -> tuple[str, str]:
+        """How :meth:`read_rows` reads dataset ``name``, and why: ``("pread", …)`` — positional reads at each row's
+        byte offset (:mod:`retr.store.row_reader`), for uncompressed rows in whole-row chunks or one block, through
+        an index's virtual datasets too — or ``("h5py", the reason)``, e.g. a compressed set. Decided on the first
+        call for each dataset (the offsets found then travel with the set to DataLoader workers)."""
+        if name not in self._direct:
+            if name not in self.datasets:
+                raise KeyError(f"{self.path} has no dataset {name!r}")
+            layout, why = row_layout(self._handle()[name], self.path)
+            self._direct[name] = (RowReader(layout) if layout is not None else None, why)
+        reader, why = self._direct[name]
+        return ("pread" if reader is not None else "h5py"), why
+
+    def read_rows(self, rows: Sequence[int] | np.ndarray, name: str = "features",
+                  out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``[B, …]`` of dataset ``name`` in the order given (any order, repeats allowed), read in file order
+        underneath (:meth:`how_read`); into ``out`` (``[B, …]``, C-contiguous, the dataset's dtype) when given."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        shape, dtype = self.datasets[name]
+        if out is None:
+            out = np.empty((rows.size, *shape), dtype=dtype)
+        elif out.shape != (rows.size, *shape) or out.dtype != dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous {dtype} array of shape {(rows.size, *shape)}")
         if rows.size == 0:
-            shape, dtype = self.datasets[name]
-            return np.empty((0, *shape), dtype=dtype)
+            return out
         if rows.min() < 0 or rows.max() >= len(self):
             raise IndexError(f"row out of range 0..{len(self) - 1}")
+        self.how_read(name)
+        reader = self._direct[name][0]
+        if reader is not None:
+            reader.read(rows, out)
+            return out
         unique, inverse = np.unique(rows, return_inverse=True)
+        in_order = unique.size == rows.size and np.array_equal(unique, rows)
         dataset = self._handle()[name]
         # h5py's fancy (point-list) selection is ~80x slower than slice reads for one-sample chunks
-        # (bench/store.py), so sorted rows are read as contiguous runs of slices.
-        block = np.empty((unique.size, *dataset.shape[1:]), dtype=dataset.dtype)
+        # (bench/store.py), so sorted rows are read as contiguous runs of slices, straight into the block:
+        # `block[...] = dataset[...]` would first build a temporary of the run, doubling the peak memory of a
+        # long run (preloading a split reads it as one run)
+        block = out if in_order else np.empty((unique.size, *shape), dtype=dtype)
         breaks = np.flatnonzero(np.diff(unique) != 1) + 1
         for run in np.split(np.arange(unique.size), breaks):
             first, last = int(unique[run[0]]), int(unique[run[-1]])
-            # straight into the block: `block[...] = dataset[...]` would first build a temporary of the run,
-            # doubling the peak memory of a long run (preloading a split reads it as one run)
             dataset.read_direct(block, np.s_[first:last + 1], np.s_[int(run[0]):int(run[-1]) + 1])
-        if unique.size == rows.size and np.array_equal(unique, rows):
-            return block            # already in order: no second copy (preloading a split reads ~all rows at once)
-        return block[inverse]
+        if not in_order:
+            out[...] = block[inverse]
+        return out
 
     def read_ids(self, ids: Iterable[str], name: str = "features") -> np.ndarray:
         """Rows ``[B, …]`` of dataset ``name`` for ``ids``."""
         return self.read_rows(self.rows_of(ids), name)
 
     def read_all(self, name: str = "features") -> np.ndarray:
-        """The whole dataset ``[N, …]`` in memory (for preloading small sets)."""
+        """The whole dataset ``[N, …]`` in memory."""
+        if self.how_read(name)[0] == "pread":
+            return self.read_rows(np.arange(len(self)), name)
         return self._handle()[name][...]
 
     def close(self) -> None:
         if self._file is not None and self._pid == os.getpid():
             self._file.close()
         self._file = None
+        for reader, _ in self._direct.values():
+            if reader is not None:
+                reader.close()
 
     def __getstate__(self):
         state = dict(self.__dict__)

@@ -376,7 +376,7 @@ def test_listed_pairs_are_scored_in_chunks_the_memory_budget_holds(monkeypatch):
                 np.testing.assert_allclose(chunked, unchunked, rtol=1e-15, atol=0)
 
 
-def test_the_pair_budget_is_a_share_of_the_memory_available_now(monkeypatch, tmp_path):
+def test_the_pair_budget_is_a_share_of_the_memory_available_now(monkeypatch):
     import retr.common.memory as memory
     import retr.trainers.evaluation.similarity as similarity
 
@@ -391,10 +391,12 @@ def test_the_pair_budget_is_a_share_of_the_memory_available_now(monkeypatch, tmp
     scorer, data = _scan_scorer()
     scorer.pairs(np.array([0, 1]), np.array([0, 3]), "aligned")
     assert seen == [torch.device("cpu")]                   # read when the pairs are scored
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   12345678 kB\n")
-    assert memory.available_host_bytes(str(meminfo)) == 12345678 * 1024
-    assert memory.available_host_bytes(str(tmp_path / "absent")) > 0                 # sysconf's free pages
+    monkeypatch.setattr(memory, "host_memory_available", lambda: 3 * gib)
+    assert memory.available_bytes(torch.device("cpu")) == 3 * gib           # the host's, as preloading reads it
+    monkeypatch.setattr(memory, "host_memory_available", lambda: None)
+    assert memory.available_bytes(torch.device("cpu")) == 0                 # unknown …
+    monkeypatch.setattr(similarity, "available_bytes", memory.available_bytes)
+    assert similarity.pair_memory_budget(torch.device("cpu")) == similarity.PAIR_MEMORY_MIN   # … the floor
 
 
 def test_refinement_searches_the_matrix_a_block_of_rows_at_a_time(monkeypatch):

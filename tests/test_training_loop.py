@@ -67,13 +67,16 @@ def test_features_held_on_the_device_give_the_same_batches_as_host_memory_and_th
     assert torch.equal(batch["mask"], reference["mask"])
 
 
-def test_old_preload_values_still_mean_what_they_did(synthetic):
+def test_old_preload_values_still_mean_what_they_did(synthetic, monkeypatch):
     _, path = synthetic
     fs = FeatureSet(path)
     ids = list(fs.ids)
     assert ImageFeatures(fs, ids, True).where == "host" and ImageFeatures(fs, ids, False).where == "file"
     assert ImageFeatures(fs, ids, None).where == "host"                     # small: auto preloads
-    assert ImageFeatures(fs, ids, "auto", preload_limit_bytes=1).where == "file"
+    import retr.trainers.data.splits as data_module
+    monkeypatch.setattr(data_module, "ALWAYS_HELD_BYTES", 0)
+    monkeypatch.setattr(data_module, "host_memory_available", lambda: 0)
+    assert ImageFeatures(fs, ids, "auto").where == "file"                   # no memory free: auto reads the file
     with pytest.raises(ValueError, match="preload must be one of"):
         ImageFeatures(fs, ids, "vram")
     from retr.trainers.config import TrainConfig
@@ -87,7 +90,7 @@ def test_features_that_do_not_fit_on_the_gpu_stay_in_host_memory(synthetic, monk
     assert not fits_on_device(45 * gib, cuda, (60 * gib, 80 * gib))       # would leave 15 GiB < 25 % of 80
     assert fits_on_device(10 ** 15, CPU)
     import retr.trainers.data.splits as data_module
-    monkeypatch.setattr(data_module, "fits_on_device", lambda nbytes, device: False)
+    monkeypatch.setattr(data_module, "fits_on_device", lambda nbytes, device, free_and_total=None: False)
     _, path = synthetic
     fs = FeatureSet(path)
     feats = ImageFeatures(fs, list(fs.ids), "gpu", device=CPU)
@@ -306,6 +309,8 @@ def test_gpu_options_from_the_command_line_train_the_same_run(synthetic, run_cli
     assert json.loads((tmp_path / "bare" / ckpt.CONFIG).read_text())["preload"] == "host"
     result = run_cli("train", *common, "--out", str(tmp_path / "older"), "--no-preload", "--epochs", "1")
     assert "(read per batch)" in result.output             # the older spelling still works, hidden from --help
+    assert "training features: " in result.output and "read from the file per batch with pread (as asked)" in (
+        result.output)                                     # one line: where the features are, and why
     assert json.loads((tmp_path / "older" / ckpt.CONFIG).read_text())["preload"] == "off"
     config = json.loads((fast / ckpt.CONFIG).read_text())
     assert (config["preload"], config["optimizer_impl"], config["compile"]) == ("gpu", "foreach", "off")

@@ -82,8 +82,10 @@ class TrainConfig:
                            resume_applies=True, at_least=0)
     preload: Literal["auto", "host", "gpu", "off"] = setting(
         "auto", "Where the features are held: host (memory; --preload alone), gpu (on the training device, batches "
-        "gathered there; falls back to host when they do not fit), off (read per batch); auto: when they take < 2 GiB, "
-        "gpu on CUDA (host elsewhere).", flag_value="host", resume_applies=True, aliases={"--no-preload": "off"})
+        "gathered there; falls back to host when they do not fit), off (read from the file per batch); auto: from "
+        "the memory free at start, gpu on CUDA while 25 % of the device stays free, else host while max(4 GiB, 25 %) "
+        "of the available host memory stays free (sets < 256 MiB always), else off; the log says which and why.",
+        flag_value="host", resume_applies=True, aliases={"--no-preload": "off"})
     amp: Literal["off", "fp16", "bf16"] = setting(
         "off", "Mixed precision: bf16 autocast (CPU and CUDA), fp16 autocast with a gradient scaler (CUDA only); "
         "--amp alone is fp16.", flag_value="fp16")

@@ -13,12 +13,13 @@ import numpy as np
 import torch
 
 from retr.common.errors import UserError
+from retr.common.memory import host_memory_available
+from retr.common.progress import progress
 from retr.manifests.schema import ManifestRecord, read_manifest
 from retr.store.features import FeatureSet
 from retr.store.vocab import PAD_ID, TokenizedCaptions, TokenLists, Vocabulary, concat_ranges
 from retr.trainers.config import preload_choice
 
-DEFAULT_PRELOAD_LIMIT = 2 << 30   # bytes of float16 features kept in memory without being asked
 
 
 @dataclass
@@ -127,18 +128,87 @@ def load_split(manifest: str | os.PathLike, splits: Sequence[str], vocab: Vocabu
     return ManifestCaptions.read(manifest, splits, quiet=True).split(splits, vocab, features, missing)
 
 
+#: sets this small are held in memory (on the GPU where they fit) whatever memory is free: reading them per batch
+#: would save next to nothing
+ALWAYS_HELD_BYTES = 256 << 20
+#: host memory ``auto`` leaves free after holding the features: the larger of 4 GiB and a quarter of what is
+#: available, for the model, its activations and optimiser state, validation, evaluation's blocks and the rest of
+#: the machine (a d = 1024 SCAN trains at batch 128 on a CPU in about 2 GiB)
+HOST_KEEP_FREE_BYTES = 4 << 30
+HOST_KEEP_FREE_SHARE = 0.25
+#: share of a GPU's total memory left free for the model, activations and evaluation after holding the features
+DEVICE_HEADROOM = 0.25
+#: rows are preloaded in slices of about this many bytes (one read each where rows lie in file order; the bar moves)
+PRELOAD_SLICE_BYTES = 64 << 20
+
+
+def size_text(nbytes: float) -> str:
+    """``4.3 GiB``, ``12.5 MiB`` under a GiB, ``40.0 KiB`` under a MiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def place_features(nbytes: int, host_available: int | None, device: str = "cpu",
+                   device_memory: tuple[int, int] | None = None, processes: int = 1) -> tuple[str, str]:
+    """Where ``preload="auto"`` holds ``nbytes`` of features, and why: ``("gpu" | "host" | "file", reason)``.
+
+    ``host_available``: bytes of host memory free (:func:`retr.common.memory.host_memory_available`; ``None``
+    unknown), shared by ``processes`` training processes on this host (each holds its own copy);
+    ``device``: the training device's name; ``device_memory``: its ``(free, total)`` bytes on CUDA.
+
+    * on the GPU when the device is CUDA and holding them leaves :data:`DEVICE_HEADROOM` of its memory free;
+    * else in host memory when they take at most :data:`ALWAYS_HELD_BYTES`, or when holding them leaves the larger
+      of :data:`HOST_KEEP_FREE_BYTES` and :data:`HOST_KEEP_FREE_SHARE` of the available memory free;
+    * else read from the file per batch."""
+    gpu_why = ""
+    if device_memory is not None and device.startswith("cuda"):
+        free, total = device_memory
+        keep = DEVICE_HEADROOM * total
+        if nbytes <= free - keep:
+            return "gpu", (f"{device} has {size_text(free)} free: {size_text(free - nbytes)} stay free, over the "
+                           f"{size_text(keep)} auto keeps")
+        gpu_why = f"; {device} has {size_text(free)} free, too little to keep {size_text(keep)} free"
+    if nbytes <= ALWAYS_HELD_BYTES:
+        return "host", f"under {size_text(ALWAYS_HELD_BYTES)}: always held{gpu_why}"
+    if host_available is None:
+        return "file", f"the free host memory is unknown{gpu_why}"
+    share = host_available // max(1, processes)
+    of = f"{size_text(share)} available" + (f" to each of {processes} processes" if processes > 1 else "")
+    keep = max(HOST_KEEP_FREE_BYTES, HOST_KEEP_FREE_SHARE * share)
+    if nbytes <= share - keep:
+        return "host", f"{of}: {size_text(share - nbytes)} stay free, over the {size_text(keep)} auto keeps{gpu_why}"
+    left = max(0, share - nbytes)
+    return "file", (f"holding them would leave {size_text(left)} of the {of}, under the {size_text(keep)} auto "
+                    f"keeps free{gpu_why}")
+
+
+def processes_on_this_host() -> int:
+    """Training processes started together on this host (``torchrun`` sets ``LOCAL_WORLD_SIZE``), 1 otherwise."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 class ImageFeatures:
-    """Feature rows ``[N, K, D]`` of a list of image ids, preloaded or read per batch.
+    """Feature rows ``[N, K, D]`` of a list of image ids, held on the GPU, in host memory, or read per batch.
 
     ``preload``: ``host``, ``gpu`` (one device tensor; what does not fit stays in host memory, with :attr:`note`),
-    ``off`` or ``auto`` (docs/trainer.md, "Training options in detail"); :attr:`where`: ``host``, ``gpu`` or ``file``.
+    ``off`` or ``auto`` (:func:`place_features` decides from the memory free now); :attr:`where`: ``gpu``,
+    ``host`` or ``file``; :attr:`reader`: what gives a batch its rows — ``gpu``, ``host``, or the file's reader
+    (``pread``, or ``h5py`` for a compressed set: :meth:`FeatureSet.how_read`); :attr:`decision`: one line saying
+    where they are and why (``features: 4.3 GiB, held in host memory (…)``). Preloading reads the rows in slices
+    of :data:`PRELOAD_SLICE_BYTES`, with a progress bar for sets over :data:`ALWAYS_HELD_BYTES` (not with
+    ``quiet``); rows held on the GPU go there slice by slice, never all in host memory at once.
     """
 
     _memory: np.ndarray | None = None                                  # rows in host memory
     _on_device: tuple[torch.Tensor, torch.Tensor] | None = None        # features [N, K, D], num_boxes [N] on the device
 
     def __init__(self, feature_set: FeatureSet, image_ids: Sequence[str], preload: str | bool | None = "auto",
-                 preload_limit_bytes: int = DEFAULT_PRELOAD_LIMIT, device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, quiet: bool = False):
         preload = preload_choice(preload)
         self.feature_set = feature_set
         self.rows = feature_set.rows_of(image_ids)
@@ -148,16 +218,27 @@ class ImageFeatures:
         self.nbytes = int(len(self.rows) * k * d * itemsize)
         self.note: str | None = None
         device = torch.device(device) if device is not None else torch.device("cpu")
-        if preload == "gpu" and not fits_on_device(self.nbytes, device):
-            self.note = (f"the features ({self.nbytes / 2**30:.1f} GiB) do not fit in {device}'s free memory; "
-                         "holding them in host memory (batches are copied from pinned memory)")
-            preload = "host"
+        device_memory = torch.cuda.mem_get_info(device) if device.type == "cuda" else None
         if preload == "auto":
-            small = self.nbytes <= preload_limit_bytes
-            preload = "off" if not small else "gpu" if device.type == "cuda" and fits_on_device(
-                self.nbytes, device) else "host"
-        self.where = {"host": "host", "gpu": "gpu", "off": "file"}[preload]
-        self.preloaded = self.where != "file"
+            where, why = place_features(self.nbytes, host_memory_available(), str(device), device_memory,
+                                        processes_on_this_host())
+        elif preload == "gpu" and not fits_on_device(self.nbytes, device, device_memory):
+            where = "host"
+            free = f" ({size_text(device_memory[0])} free)" if device_memory is not None else ""
+            why = (f"asked for {device}, where they would leave less than {DEVICE_HEADROOM:.0%} of its memory free"
+                   f"{free}")
+            self.note = (f"the features ({size_text(self.nbytes)}) do not fit in {device}'s free memory; "
+                         "holding them in host memory (batches are copied from pinned memory)")
+        else:
+            where, why = {"host": "host", "gpu": "gpu", "off": "file"}[preload], "as asked"
+        self.where = where
+        self.preloaded = where != "file"
+        self.reader = where if self.preloaded else feature_set.how_read("features")[0]
+        held = {"gpu": f"held on {device}", "host": "held in host memory",
+                "file": f"read from the file per batch with {self.reader}"}[where]
+        self.decision = f"features: {size_text(self.nbytes)}, {held} ({why})"
+        if self.reader == "h5py":
+            self.decision += f"; h5py reads them: {feature_set.how_read('features')[1]}"
         if "num_boxes" in feature_set.datasets:
             num_boxes = feature_set.read_rows(self.rows, "num_boxes").astype(np.int64).reshape(-1)
             if (num_boxes < 1).any() or (num_boxes > k).any():
@@ -169,14 +250,32 @@ class ImageFeatures:
         self.num_boxes = num_boxes
         self._memory = None
         self._on_device = None
-        if self.preloaded:
-            if len(self.rows) == len(feature_set) and np.array_equal(self.rows, np.arange(len(feature_set))):
-                self._memory = feature_set.read_all()
-            else:
-                self._memory = feature_set.read_rows(self.rows)
-        if self.where == "gpu":
-            self._on_device = (torch.from_numpy(self._memory).to(device), torch.from_numpy(num_boxes).to(device))
-            self._memory = None
+        if where == "gpu":
+            held_rows = torch.empty((len(self.rows), k, d), device=device,
+                                    dtype=torch.from_numpy(np.empty(0, dtype=feature_set.dtype)).dtype)
+            self._preload(held_rows, quiet)
+            self._on_device = (held_rows, torch.from_numpy(num_boxes).to(device))
+        elif where == "host":
+            self._memory = np.empty((len(self.rows), k, d), dtype=feature_set.dtype)
+            self._preload(self._memory, quiet)
+
+    def _preload(self, target: np.ndarray | torch.Tensor, quiet: bool) -> None:
+        """Every row into ``target`` (``[N, K, D]``, host array or device tensor), a slice at a time."""
+        fs, count = self.feature_set, len(self.rows)
+        step = max(1, PRELOAD_SLICE_BYTES // max(1, self.nbytes // max(1, count)))
+        on_host = isinstance(target, np.ndarray) or target.device.type == "cpu"
+        host = target if isinstance(target, np.ndarray) else target.numpy() if on_host else None
+        staging = None if on_host else np.empty((min(step, count), *self.feature_shape), dtype=fs.dtype)
+        with progress(total=count, desc="load features", unit="img",
+                      quiet=quiet or self.nbytes <= ALWAYS_HELD_BYTES) as bar:
+            for start in range(0, count, step):
+                stop = min(count, start + step)
+                if host is not None:
+                    fs.read_rows(self.rows[start:stop], out=host[start:stop])
+                else:
+                    part = fs.read_rows(self.rows[start:stop], out=staging[:stop - start])
+                    target[start:stop].copy_(torch.from_numpy(part))
+                bar.update(stop - start)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -198,10 +297,6 @@ class ImageFeatures:
         features = torch.from_numpy(np.ascontiguousarray(block))
         mask = torch.arange(k).view(1, -1) < torch.from_numpy(self.num_boxes[images]).view(-1, 1)
         return (features if as_stored else features.float()), mask
-
-
-#: share of a GPU's total memory left free for the model, activations and evaluation after holding the features
-DEVICE_HEADROOM = 0.25
 
 
 def fits_on_device(nbytes: int, device: torch.device, free_and_total: tuple[int, int] | None = None) -> bool:

@@ -30,6 +30,8 @@ PAIR_STRATEGIES = ("auto", "image", "block", "aligned")
 PAIR_MEMORY_SHARE = 0.25
 #: … and on a CPU at most this many bytes: a larger chunk is no faster there, only a larger peak
 CPU_PAIR_MEMORY_MAX = 512 << 20
+#: … and at least this many: calls of a pair or two would cost more in overhead than they save
+PAIR_MEMORY_MIN = 16 << 20
 
 
 
@@ -59,9 +61,10 @@ def caption_sources(tokens: Sequence[Sequence[int]]) -> np.ndarray:
 
 def pair_memory_budget(device: torch.device) -> int:
     """Bytes one call scoring listed pairs may take on ``device``: :data:`PAIR_MEMORY_SHARE` of the memory
-    available now (:func:`~retr.common.memory.available_bytes`), at most :data:`CPU_PAIR_MEMORY_MAX` on a CPU."""
+    available now (:func:`~retr.common.memory.available_bytes`), at most :data:`CPU_PAIR_MEMORY_MAX` on a CPU, at
+    least :data:`PAIR_MEMORY_MIN` (where the system does not say what is free, or almost nothing is)."""
     budget = int(PAIR_MEMORY_SHARE * available_bytes(device))
-    return budget if device.type == "cuda" else min(budget, CPU_PAIR_MEMORY_MAX)
+    return max(PAIR_MEMORY_MIN, budget if device.type == "cuda" else min(budget, CPU_PAIR_MEMORY_MAX))
 
 
 def row_bytes(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype], dtype: torch.dtype) -> int:

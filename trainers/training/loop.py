@@ -300,6 +300,9 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
             f"({FEATURES_HELD[train_feats.where]}), device {device}, optimizer {'+'.join(optimizer_impls)}"
             f"{f', compiled ({cfg.compile})' if cfg.compile != 'off' and model.compiled_functions else ''}, "
             f"epochs {run.start_epoch + 1}..{cfg.epochs}")
+        logger.info(f"training {train_feats.decision}")      # where the features are held, and why
+        if val_feats.where != train_feats.where:
+            logger.info(f"validation {val_feats.decision}")
     return run
 
 
