@@ -1,6 +1,8 @@
-"""How much host memory a process can still take: the kernel's estimate, capped by its control group's limit."""
+"""Memory: how much host memory a process can still take (the kernel's estimate, capped by its control group's
+limit), how much is free where a device computes, and handing freed memory back to the system."""
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -74,3 +76,16 @@ def available_bytes(device) -> int:
 
         return int(torch.cuda.mem_get_info(device)[0])
     return host_memory_available() or 0
+
+
+def release_free_memory() -> None:
+    """Hand the memory the process has freed but still holds back to the system, where the C library allows it
+    (glibc's ``malloc_trim``: free pages inside the heap too, not only at its end). After a phase that made and
+    dropped many mid-sized tensors (encoding a split: each block's activations), the kept results lie between the
+    freed ones, and the process's resident size stays that much higher (COCO 5K's encoding: ~0.6 GB) until then."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):       # not glibc (macOS, musl): nothing to do
+        return
+    trim(0)

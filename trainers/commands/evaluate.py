@@ -67,7 +67,9 @@ def echo_extended(extended: dict, annotations: str, ties: str) -> None:
 @click.option("--tf32", is_flag=True,
               help="On CUDA, let cuDNN (the GRU/LSTM encoders, convolutions) and matrix products use TF32: faster, "
                    "but no longer the CPU's numbers (recorded in the result). Default: exact float32.")
-@click.option("--preload/--no-preload", default=None)
+@click.option("--preload/--no-preload", default=None,
+              help="Hold the split's features in memory while encoding (default: each image is read from the file "
+                   "once, as it is encoded).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number.")
 @click.option("--save-sims", type=OutputPath("file"), default=None,
               help="Write the images × captions similarities (float64 .npy, manifest order) and FILE.ids.json "

@@ -82,7 +82,8 @@ def _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, wh
         if reference is not None and key != reference:
             raise UserError(f"{run} sees other images/captions than {runs[0]}; an ensemble needs the same split")
         reference = key
-        image_features = ImageFeatures(feature_set, data.image_ids, preload)
+        # each image is read once (encoded once): held in memory, the set would only add itself to the peak
+        image_features = ImageFeatures(feature_set, data.image_ids, "off" if preload is None else preload)
         if model.shortlist and len(runs) == 1:   # two-step models (MatchingModel.shortlist > 0), see two_step.py
             from retr.trainers.evaluation.two_step import two_step_protocol
             if ties != "pessimistic":

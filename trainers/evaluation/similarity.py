@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from retr.common.errors import UserError
-from retr.common.memory import available_bytes
+from retr.common.memory import available_bytes, release_free_memory
 from retr.common.progress import progress
 from retr.trainers.data.splits import ImageFeatures, SplitData, pad_tokens
 from retr.trainers.models.base import Embeddings, MatchingModel, cast_embeddings, slice_embeddings
@@ -29,7 +29,7 @@ PAIR_STRATEGIES = ("auto", "image", "block", "aligned")
 #: the memory available where they are scored (host RAM on a CPU, the GPU's free memory on CUDA) …
 PAIR_MEMORY_SHARE = 0.25
 #: … and on a CPU at most this many bytes: a larger chunk is no faster there, only a larger peak
-CPU_PAIR_MEMORY_MAX = 512 << 20
+CPU_PAIR_MEMORY_MAX = 256 << 20
 #: … and at least this many: calls of a pair or two would cost more in overhead than they save
 PAIR_MEMORY_MIN = 16 << 20
 
@@ -201,6 +201,7 @@ class SplitEmbeddings:
                   else caption_sources(data.tokens))
         images, caption_blocks = encode_split(model, data, features, torch.device(device), batch_size, quiet,
                                               captions=np.flatnonzero(source == np.arange(len(source))))
+        release_free_memory()         # the encoders' activations, freed between the kept blocks
         return cls(images, caption_blocks, source)
 
 

@@ -217,8 +217,9 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
     del captions
     if cfg.val_images and val_data.num_images > cfg.val_images:
         val_data = val_data.subset_images(0, cfg.val_images)
-    train_feats = ImageFeatures(features, train_data.image_ids, cfg.preload, device=device)
-    val_feats = ImageFeatures(features, val_data.image_ids, cfg.preload, device=device)
+    train_feats = ImageFeatures(features, train_data.image_ids, cfg.preload, device=device,
+                                quiet=quiet or not info.is_main)
+    val_feats = ImageFeatures(features, val_data.image_ids, cfg.preload, device=device, quiet=quiet or not info.is_main)
     workers = cfg.workers
     if info.is_main:
         for note in dict.fromkeys(f.note for f in (train_feats, val_feats) if f.note):
