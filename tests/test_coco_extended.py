@@ -287,3 +287,18 @@ def test_a_missing_or_partial_annotation_file_is_one_line(annotations, tmp_path,
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     with pytest.raises(UserError, match=expected):
         ce.load_annotations()
+
+
+def test_the_positive_pairs_are_every_familys_in_both_directions(annotations):
+    """What refined precision rescores for --extended: each family's i2t and t2i positives as matrix pairs, in a
+    shuffled order of rows and columns too."""
+    rng = np.random.default_rng(11)
+    ids = _ids(annotations, rng.permutation(ce.TEST_IMAGES), rng.permutation(ce.TEST_CAPTIONS))
+    expected = set()
+    for family in ("coco", "cxc", "eccv"):
+        i2t, t2i = _positives(annotations, ids, family)
+        expected |= {(r, c) for r, cols in i2t.items() for c in cols}
+        expected |= {(r, c) for c, rows in t2i.items() for r in rows}
+    rows, cols = ce.positive_pairs(ids, annotations)
+    assert set(zip(rows.tolist(), cols.tolist())) == expected and len(rows) == len(expected)
+    assert {(int(r), c) for c, r in enumerate(ids.caption_image)} <= expected     # COCO's own pairs among them

@@ -417,3 +417,44 @@ def test_refinement_searches_the_matrix_a_block_of_rows_at_a_time(monkeypatch):
     for got, want in zip(_ranks(refined, data.caption_image), _ranks(wide, data.caption_image)):
         np.testing.assert_array_equal(got, want)
     assert stats["rescored_pairs"] >= 32 * 32
+
+
+def test_positive_scores_find_every_pair_near_a_positive_of_its_row_or_column():
+    from retr.trainers.evaluation.similarity import PositiveScores
+
+    rng = np.random.default_rng(6)
+    sims = np.round(rng.random((70, 90)) * 3 - 1, 3)          # values on a 0.001 grid in [-1, 2]: many near ones
+    rows, cols = rng.integers(0, 70, 150), rng.integers(0, 90, 150)
+    margin = 0.0015
+    near = PositiveScores(sims, rows, cols, margin).near(sims[10:50], 10, margin)
+    want = np.zeros((40, 90), dtype=bool)
+    for r, c in zip(rows, cols):
+        if 10 <= r < 50:
+            want[r - 10] |= np.abs(sims[r] - sims[r, c]) <= margin                   # near a positive of its row
+        want[:, c] |= np.abs(sims[10:50, c] - sims[r, c]) <= margin              # near a positive of its column
+    np.testing.assert_array_equal(near, want)
+
+
+def test_refined_places_of_extra_positives_are_float64s():
+    """Positives beyond the true pairs (ECCV Caption's, CxC's): every one's place in its row and in its column
+    is the float64 matrix's once they are given to the refinement; the true pairs alone may leave one off."""
+    n, m = 60, 300
+    owner = np.arange(m) // 5
+    table = _near_tied_table(n, m, seed=7)
+    rng = np.random.default_rng(8)
+    extra_rows, extra_cols = rng.integers(0, n, 400), rng.integers(0, m, 400)
+    error = 4e-6 * rng.standard_normal((n, m))
+    error[:32, :32] *= 1e-3
+    scorer = _table_scorer(table, error)
+
+    def places(sims):
+        return ([(sims[r] >= sims[r, c]).sum() for r, c in zip(extra_rows, extra_cols)],
+                [(sims[:, c] >= sims[r, c]).sum() for r, c in zip(extra_rows, extra_cols)])
+
+    assert places(combined_matrix([scorer], "refined", owner)) != places(table)       # the true pairs are not enough
+    stats = {}
+    refined = combined_matrix([scorer], "refined", owner, stats=stats, positives=(extra_rows, extra_cols))
+    assert places(refined) == places(table)
+    for got, want in zip(_ranks(refined, owner), _ranks(table, owner)):
+        np.testing.assert_array_equal(got, want)
+    assert stats["rescored_pairs"] < n * m / 3

@@ -309,6 +309,24 @@ def extended_metrics(sims: np.ndarray, ids: MatrixIds, annotations: Annotations,
     return out
 
 
+def positive_pairs(ids: MatrixIds, annotations: Annotations) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows [P], columns [P])``: every pair of the matrix ``ids`` names that one of the annotations' families
+    counts as a positive, in either direction (a query's positives: an image's captions, a caption's images).
+    ``refined`` precision rescores them, and every pair whose score is near one of theirs, in float64."""
+    row_of, col_of = _lookup(ids.image_ids), _lookup(ids.caption_ids)
+    rows, cols = [], []
+    for (_, direction), query_set in annotations.sets.items():
+        query_index, item_index = (row_of, col_of) if direction == "i2t" else (col_of, row_of)
+        queries = np.repeat(query_index(query_set.queries)[:, None], query_set.positives.shape[1], axis=1)
+        items = item_index(query_set.positives)
+        keep = (items >= 0) & (queries >= 0)
+        query, item = queries[keep], items[keep]
+        rows.append(query if direction == "i2t" else item)
+        cols.append(item if direction == "i2t" else query)
+    keys = np.unique(np.concatenate(rows) * len(ids.caption_ids) + np.concatenate(cols))
+    return keys // len(ids.caption_ids), keys % len(ids.caption_ids)
+
+
 @dataclass(frozen=True)
 class _View:
     """One direction of the matrix: queries as rows (``read_rows``), ``order_of`` a query's official order, and

@@ -103,12 +103,16 @@ def _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, wh
                        "direction": config["model_args"].get("direction"), "features": str(feats_path),
                        "checkpoint": ckpt.resolve_checkpoint(run, which).name})
     stats: dict = {}
-    sims = combined_matrix(scorers, precision, data.caption_image, quiet=quiet, stats=stats)
-    result = protocol_metrics(sims, data, protocol, allow_size_mismatch, ties)
+    positives = None
     if coco is not None:
         annotations, ids = coco
         if data.image_ids != ids.image_keys or data.num_captions != len(ids.caption_ids):
             raise UserError(f"the evaluated {split} split is not the manifest's any more ({ids.source})")
+        # refined: the extended positives' places are float64's too, not only the pairs COCO's ranks depend on
+        positives = coco_extended.positive_pairs(ids, annotations)
+    sims = combined_matrix(scorers, precision, data.caption_image, quiet=quiet, stats=stats, positives=positives)
+    result = protocol_metrics(sims, data, protocol, allow_size_mismatch, ties)
+    if coco is not None:
         add_extended(result, sims, annotations, ids, ties)
     result.update(protocol=protocol, split=split, ensemble=len(runs) > 1, runs=[str(r) for r in runs],
                   models=models, precision=precision, **({"refinement": stats} if stats else {}),

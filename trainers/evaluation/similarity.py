@@ -486,11 +486,15 @@ def rank_deciding_pairs(sims: np.ndarray, caption_image: np.ndarray, margin: flo
                 ((block - best_t[start:stop, None]).abs() <= margin)
             near[start - first:stop - first] = close.cpu().numpy()
         return near
-    for start in range(first, last, 1024):       # 1,024 rows at a time: no [N, M] float temporaries
-        stop = min(start + 1024, last)
-        block = sims[start:stop]
-        near[start - first:stop - first] = (np.abs(block - true[None, :]) <= margin) | \
-            (np.abs(block - best[start:stop, None]) <= margin)
+    # 256 rows at a time into one reused buffer: no [N, M] float temporaries (COCO 5K's would be 1 GB each)
+    distance = np.empty((min(256, max(1, last - first)), sims.shape[1]), dtype=np.float64)
+    for start in range(first, last, 256):
+        stop = min(start + 256, last)
+        block, out, here = sims[start:stop], near[start - first:stop - first], distance[:stop - start]
+        np.abs(np.subtract(block, true[None, :], out=here), out=here)
+        np.less_equal(here, margin, out=out)
+        np.abs(np.subtract(block, best[start:stop, None], out=here), out=here)
+        out |= here <= margin
     return near
 
 
@@ -512,15 +516,57 @@ def with_shared_captions(rows: np.ndarray, cols: np.ndarray, source: np.ndarray)
 REFINE_ROWS = 1024
 
 
+class PositiveScores:
+    """The exact scores of a matrix's positive pairs, sorted by query: a row's (an image's captions) and a
+    column's (a caption's images), for :meth:`near` to find every pair within a margin of one of them.
+
+    A score is keyed ``query · W + score``, with ``W`` wider than the matrix's range of scores plus twice the
+    margin, so one sorted array and ``searchsorted`` find each pair's nearest positive of its own query (a key's
+    rounding, at most 2⁻⁵³ · W · queries — ~10⁻¹¹ for COCO's 25,000 captions — is far under any margin the
+    refinement sets)."""
+
+    #: rows of a block compared at a time (each comparison makes a few float64 arrays of this many rows)
+    ROWS = 64
+
+    def __init__(self, sims: np.ndarray, rows: np.ndarray, cols: np.ndarray, margin: float):
+        low, high = float(sims.min(initial=0.0)), float(sims.max(initial=0.0))
+        self.offset, self.width = low, high - low + 4 * margin + 1.0
+        scores = sims[rows, cols] - low
+        self.by_row = np.sort(rows * self.width + scores)
+        self.by_col = np.sort(cols * self.width + scores)
+
+    @staticmethod
+    def _within(keys: np.ndarray, sorted_keys: np.ndarray, margin: float) -> np.ndarray:
+        at = np.searchsorted(sorted_keys, keys)
+        above = sorted_keys[np.minimum(at, len(sorted_keys) - 1)]
+        below = sorted_keys[np.maximum(at - 1, 0)]
+        return (np.abs(above - keys) <= margin) | (np.abs(keys - below) <= margin)
+
+    def near(self, block: np.ndarray, first_row: int, margin: float) -> np.ndarray:
+        """``[R, M]`` bool: the pairs of ``block`` (rows ``first_row …`` of the matrix) within ``margin`` of a
+        positive's score of their row or of their column."""
+        near = np.empty(block.shape, dtype=bool)
+        cols = np.arange(block.shape[1], dtype=np.float64)[None, :] * self.width
+        for start in range(0, block.shape[0], self.ROWS):
+            values = block[start:start + self.ROWS] - self.offset
+            rows = np.arange(first_row + start, first_row + start + len(values), dtype=np.float64)[:, None]
+            near[start:start + self.ROWS] = (self._within(rows * self.width + values, self.by_row, margin)
+                                             | self._within(cols + values, self.by_col, margin))
+        return near
+
+
 def refine(sims: np.ndarray, caption_image: np.ndarray,
            rescore: Callable[[np.ndarray, np.ndarray], np.ndarray], source: np.ndarray | None = None,
-           device: torch.device | str | None = None) -> dict:
+           device: torch.device | str | None = None,
+           positives: tuple[np.ndarray, np.ndarray] | None = None) -> dict:
     """Rescore the rank-deciding pairs of a float32 matrix in place; returns the statistics.
 
     ``rescore(image_rows [P], captions [P])`` → float64 ``[P]``; ``source`` ``[M]`` (:func:`caption_sources`):
-    identical captions are rescored together and stay tied. The pairs rescored are kept as sorted keys
-    (``row · M + column``), and the matrix is searched :data:`REFINE_ROWS` rows at a time, so what this adds to the
-    matrix's own memory grows with the pairs rescored, not with the matrix."""
+    identical captions are rescored together and stay tied. ``positives`` (rows, columns): more pairs whose every
+    place in their row's and their column's ranking counts (ECCV Caption's and CxC's positives, and so COCO's own
+    pairs with them): they are rescored first, and so is every pair near one of their scores. The pairs rescored
+    are kept as sorted keys (``row · M + column``), and the matrix is searched :data:`REFINE_ROWS` rows at a time,
+    so what this adds to the matrix's own memory grows with the pairs rescored, not with the matrix."""
     num_images, num_captions = sims.shape
     caption_image = np.asarray(caption_image, dtype=np.int64)
     exact = np.zeros(0, dtype=np.int64)          # sorted keys of the pairs rescored so far
@@ -544,7 +590,10 @@ def refine(sims: np.ndarray, caption_image: np.ndarray,
     probe = np.ix_(np.arange(min(PROBE, num_images)), np.arange(min(PROBE, num_captions)))
     rows, cols = (np.broadcast_to(a, (len(probe[0]), probe[1].shape[1])).ravel() for a in probe)
     true_cols = np.arange(num_captions)
-    keys = np.unique(np.concatenate([rows * num_captions + cols, caption_image * num_captions + true_cols]))
+    keys = [rows * num_captions + cols, caption_image * num_captions + true_cols]
+    if positives is not None:
+        keys.append(keys_of(positives, num_captions))
+    keys = np.unique(np.concatenate(keys))
     rescore_pairs(keys // num_captions, keys % num_captions)
     scale = float(np.max(np.abs(sims), initial=0.0))
     margin = SAFETY * max(worst, 2.0 ** -23 * scale, np.finfo(np.float64).tiny)
@@ -552,9 +601,16 @@ def refine(sims: np.ndarray, caption_image: np.ndarray,
     while True:
         rounds += 1
         found = []
+        counted = None
+        if positives is not None:                         # every positive's exact score, each round's margin
+            every = np.concatenate([keys_of(positives, num_captions), caption_image * num_captions + true_cols])
+            counted = PositiveScores(sims, every // num_captions, every % num_captions, margin)
         for start in range(0, num_images, REFINE_ROWS):
-            block_rows, block_cols = np.nonzero(rank_deciding_pairs(sims, caption_image, margin, device,
-                                                                    slice(start, start + REFINE_ROWS)))
+            window = slice(start, start + REFINE_ROWS)
+            near = rank_deciding_pairs(sims, caption_image, margin, device, window)
+            if counted is not None:
+                near |= counted.near(sims[window], start, margin)
+            block_rows, block_cols = np.nonzero(near)
             found.append((block_rows + start) * num_captions + block_cols)
         keys = np.setdiff1d(np.concatenate(found), exact, assume_unique=True)
         rescore_pairs(keys // num_captions, keys % num_captions)
@@ -568,14 +624,20 @@ def refine(sims: np.ndarray, caption_image: np.ndarray,
             "rescored_fraction": float(len(exact) / sims.size) if sims.size else 0.0}
 
 
+def keys_of(pairs: tuple[np.ndarray, np.ndarray], num_captions: int) -> np.ndarray:
+    """``row · M + column`` of each pair ``(rows [P], columns [P])``."""
+    return np.asarray(pairs[0], dtype=np.int64) * num_captions + np.asarray(pairs[1], dtype=np.int64)
+
+
 def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISION,
                     caption_image: np.ndarray | None = None, image_block: int | None = None,
                     pair_budget: int | None = None, quiet: bool = True, stats: dict | None = None,
-                    pair_strategy: str = "auto") -> np.ndarray:
+                    pair_strategy: str = "auto",
+                    positives: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """The mean ``[N_img, M]`` float64 of the scorers' matrices at ``precision``.
 
-    ``caption_image`` ``[M]`` (caption → image row) marks the true pairs for ``refined``; None block sizes: chosen
-    for the device."""
+    ``caption_image`` ``[M]`` (caption → image row) marks the true pairs for ``refined``, ``positives`` (rows,
+    columns) more pairs whose every place counts (:func:`refine`); None block sizes: chosen for the device."""
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}")
     dtype = torch.float64 if precision == "float64" else torch.float32
@@ -593,7 +655,7 @@ def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISIO
         # captions identical for every member share a column
         source = caption_sources(np.stack([s.embeddings.sources for s in scorers], axis=1).tolist())
         device = scorers[0].device
-        result = refine(sims, caption_image, rescore, source, device if device.type == "cuda" else None)
+        result = refine(sims, caption_image, rescore, source, device if device.type == "cuda" else None, positives)
         if stats is not None:
             stats.update(result)
     return sims
