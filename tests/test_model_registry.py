@@ -193,6 +193,31 @@ def test_blocks_pairs_and_float64_agree(name):
 ALIGNED = ("scan", "sman", "seam", "vsepp", "vse-infinity", "smfea")
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_a_model_that_scores_without_parameters_scores_in_float64_as_its_float64_copy(name):
+    """``score_uses_parameters = False`` lets the evaluator score float64 with the model itself: its scores and
+    listed pairs in float64 must then equal a float64 copy's, to the bit (and its parameters must be unused)."""
+    import copy
+
+    model = tiny_model(name).eval()
+    if model.score_uses_parameters:
+        return
+    features, mask = image_batch(4)
+    tokens, lengths = caption_batch(6)
+    with torch.no_grad():
+        images, captions = model.encode_images(features, mask), model.encode_captions(tokens, lengths)
+        wide = copy.deepcopy(model).double()
+        for p in wide.parameters():
+            p.data.fill_(float("nan"))          # a parameter used would show in every score
+        img_idx, cap_idx = torch.tensor([0, 3, 1, 1, 2]), torch.tensor([5, 0, 2, 4, 1])
+        for scorer in (model, wide):
+            got = scorer.score(images, captions, dtype=torch.float64)
+            pairs = scorer.pair_score(images, captions, img_idx, cap_idx, dtype=torch.float64)
+            assert got.dtype == torch.float64 and torch.isfinite(got).all() and torch.isfinite(pairs).all()
+        assert torch.equal(model.score(images, captions, dtype=torch.float64),
+                           wide.score(images, captions, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("name", ["throwaway-mean", *ALIGNED])
 def test_pair_score_equals_score_on_the_listed_pairs(name):
     """The base ``pair_score`` (the throwaway model keeps it) and the aligned ones: pairs in any order, repeated,

@@ -51,6 +51,10 @@ class MatchingModel(nn.Module):
     #: holds at once at most — its gathers and the intermediates of their size: the evaluator sizes its calls to
     #: its memory budget by it (retr.trainers.evaluation.similarity.Scorer.pair_step)
     pair_score_copies: float = 2.0
+    #: False when :meth:`score` and :meth:`pair_score` compute from the embeddings alone (no parameter): the
+    #: evaluator then scores in float64 with the model itself, not a float64 copy of it (SCAN's at d = 1024 is
+    #: 130 MB), for the same numbers
+    score_uses_parameters: bool = True
     #: True when :meth:`global_score` is a pair-independent first stage that :meth:`pair_score` re-ranks
     has_global_stage: bool = False
 
@@ -200,6 +204,7 @@ class InnerProductModel(MatchingModel):
     #: the embeddings entry holding each side's vector
     vector_key = "vector"
     pair_score_is_aligned = True
+    score_uses_parameters = False
     #: pairs one step of :meth:`pair_score` gathers (two ``[pairs, d]`` tensors)
     pair_chunk = 1 << 15
     #: nothing for ``--compile``: the training score is one matrix product, which a compiled graph can only

@@ -83,6 +83,8 @@ class SCAN(MatchingModel):
 
     #: :meth:`pair_score` costs what the listed pairs cost (aligned pairs), so the evaluator rescores in few calls
     pair_score_is_aligned = True
+    #: cross attention over the encoders' outputs: no parameter takes part in a score
+    score_uses_parameters = False
 
     def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor, cap_idx: torch.Tensor,
                    dtype: torch.dtype | None = None, **_block_sizes) -> torch.Tensor:

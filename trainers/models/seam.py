@@ -238,6 +238,8 @@ class SEAM(MatchingModel):
         return cat_parts(rows)
 
     pair_score_is_aligned = True
+    #: the order violation of the encoders' vectors: no parameter takes part in a score
+    score_uses_parameters = False
 
     def pair_score(self, images: Embeddings, captions: Embeddings, img_idx: torch.Tensor, cap_idx: torch.Tensor,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
