@@ -120,7 +120,7 @@ def _name(param: click.Parameter | None) -> str:
 class InputPath(click.ParamType):
     """A path a command reads, checked when the command line is parsed (:func:`retr.common.paths.check_input`):
     ``--features X does not exist``, ``… is a folder, not a feature set (.h5 file)`` — one ``error:`` line,
-    before any work. ``kind``: ``file`` or ``folder``; ``what``: what the path should be, in words; ``takes``:
+    before any work. ``kind``: ``file``, ``folder`` or ``any`` (either); ``what``: what the path should be, in words; ``takes``:
     values taken as they are (``hf-hub:ORG/NAME`` where a run goes); ``holds``: a file a folder must hold (a run's
     ``config.json``); ``resource``: a download the user makes (annotations, models), so an absent path is left to
     the command's own line saying what is missing, where it looked and how to get it; ``path_type``: the value's
@@ -130,7 +130,7 @@ class InputPath(click.ParamType):
                  holds: str | None = None, resource: bool = False, path_type: type = str):
         self.kind, self.what, self.takes, self.holds, self.path_type = kind, what, takes, holds, path_type
         self.resource = resource
-        self.name = "folder" if kind == "folder" else "file"
+        self.name = {"folder": "folder", "any": "path"}.get(kind, "file")
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and self.takes is not None and self.takes(value):

@@ -39,14 +39,16 @@ def kind_of(path: str | os.PathLike) -> str:
 
 def check_input(path: str | os.PathLike, name: str, kind: str = "file", what: str | None = None,
                 holds: str | None = None) -> Path:
-    """``path`` when it exists and is a ``kind`` (``file`` or ``folder``); else one line: ``NAME P does not
-    exist``, ``NAME P is a folder, not WHAT`` or ``NAME P is a file, not WHAT`` (``what``: e.g. ``a feature set
-    (.h5 file)``; default ``a file`` / ``a folder``). ``holds``: a file name a folder must hold (a run's
-    ``config.json``): ``NAME P holds no config.json, so it is not WHAT``."""
-    if kind not in ("file", "folder"):
-        raise ValueError(f"kind must be 'file' or 'folder', not {kind!r}")
+    """``path`` when it exists and is a ``kind`` (``file``, ``folder``, or ``any``: either); else one line: ``NAME P
+    does not exist``, ``NAME P is a folder, not WHAT`` or ``NAME P is a file, not WHAT`` (``what``: e.g. ``a
+    feature set (.h5 file)``; default ``a file`` / ``a folder``). ``holds``: a file name a folder must hold (a
+    run's ``config.json``): ``NAME P holds no config.json, so it is not WHAT``."""
+    if kind not in ("file", "folder", "any"):
+        raise ValueError(f"kind must be 'file', 'folder' or 'any', not {kind!r}")
     path = Path(path)
     found = kind_of(path)
+    if kind == "any" and found != "absent":
+        kind = found
     what = what or f"a {kind}"
     if found == "absent":
         if path.is_symlink():

@@ -40,7 +40,8 @@ def _split_summary(records) -> str:
               help="Manifest to write (JSON Lines).")
 @click.option("--max-captions", type=int, default=5, show_default=True,
               help="Keep the first N captions of each image (0 keeps all).")
-@click.option("--coco-captions", "coco_captions", multiple=True, type=click.Path(exists=True, path_type=Path),
+@click.option("--coco-captions", "coco_captions", multiple=True,
+              type=InputPath("any", "COCO's caption files", resource=True, path_type=Path),
               help="COCO: give each caption its COCO caption id from captions_train2014.json and "
                    "captions_val2014.json (the files, their folder, or annotations_trainval2014.zip).")
 def karpathy_command(karpathy_file: Path, out: Path, max_captions: int, coco_captions: tuple[Path, ...]) -> None:
@@ -55,23 +56,27 @@ def karpathy_command(karpathy_file: Path, out: Path, max_captions: int, coco_cap
       retr-pipeline manifest karpathy dataset_coco.json --coco-captions annotations_trainval2014.zip \\
           --out data/coco/manifest.jsonl
     """
-    records = read_karpathy(karpathy_file, max_captions=max_captions or None)
-    line = None
-    if coco_captions:
+    coco = None
+    if coco_captions:                                     # an absent download is said before any work
         from retr.manifests.coco_captions import join_caption_ids, read_coco_captions
 
-        join = join_caption_ids(records, read_coco_captions(coco_captions))
+        coco = read_coco_captions(coco_captions)
+    records = read_karpathy(karpathy_file, max_captions=max_captions or None)
+    line = None
+    if coco is not None:
+        join = join_caption_ids(records, coco)
         records, line = join.records, join.summary()
     write_manifest(out, records)
     click.echo(f"wrote {out}: {_split_summary(records)}" + (f"; {line}" if line else ""))
 
 
 @manifest_group.command("coco-caption-ids")
-@click.argument("manifest", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--annotations", multiple=True, required=True, type=click.Path(path_type=Path),
+@click.argument("manifest", type=InputPath("file", "a JSON Lines manifest", path_type=Path))
+@click.option("--annotations", multiple=True, required=True,
+              type=InputPath("any", "COCO's caption files", resource=True, path_type=Path),
               help="COCO's caption files captions_train2014.json and captions_val2014.json: the files, the folder "
                    "holding them (fetch-data coco puts them in DATA/annotations), or annotations_trainval2014.zip.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--out", type=OutputPath("file", path_type=Path), default=None,
               help="Write the manifest here (default: rewrite MANIFEST in place).")
 def coco_caption_ids_command(manifest: Path, annotations: tuple[Path, ...], out: Path | None) -> None:
     """Give an existing COCO manifest its captions' COCO caption (annotation) ids.

@@ -5,16 +5,18 @@ import json
 
 import click
 
+from retr.common.cli import InputPath
 from retr.trainers.commands.evaluate import echo_extended, echo_numbers
+from retr.trainers.commands.options import MANIFEST
 from retr.trainers.evaluation.metrics import PROTOCOLS, TIE_RULES
 from retr.trainers.evaluation.saved_sims import choose_protocols, evaluate_saved, read_saved_sims
 
 
 @click.command("eval-sims")
-@click.argument("sims", metavar="FILE.npy", type=click.Path(dir_okay=False))
-@click.option("--ids", type=click.Path(dir_okay=False), default=None,
+@click.argument("sims", metavar="FILE.npy", type=InputPath("file", "a saved similarity matrix (.npy file)"))
+@click.option("--ids", type=InputPath("file", "an ids file (.json)"), default=None,
               help="The ids of the rows and columns (default FILE.npy.ids.json, as eval --save-sims writes it).")
-@click.option("--manifest", type=click.Path(dir_okay=False), default=None,
+@click.option("--manifest", type=MANIFEST, default=None,
               help="Take the columns' COCO caption ids from this manifest; without an ids file, the rows and columns "
                    "are its --split in file order.")
 @click.option("--split", default="test", show_default=True)
