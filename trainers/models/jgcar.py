@@ -540,13 +540,6 @@ class JGCAR(MatchingModel):
         raise NotImplementedError("JGCAR's objective needs the embeddings: call forward() or joint_loss()")
 
 
-
-
-def coattention_parameter_names(model: nn.Module) -> list[str]:
-    """Names of the co-attention parameters (trained with RMSprop; the encoders with SGD, §3.1)."""
-    return [name for name, _ in model.named_parameters() if name.startswith("coattn.")]
-
-
 def split_parameters(model: "JGCAR") -> Mapping[str, list[nn.Parameter]]:
     """``{"global": encoder parameters (SGD), "coattention": co-attention parameters (RMSprop)}``."""
     groups: dict[str, list[nn.Parameter]] = {"global": [], "coattention": []}
