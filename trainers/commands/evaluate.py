@@ -13,6 +13,8 @@ from retr.trainers.evaluation.metrics import PROTOCOLS, TIE_RULES
 from retr.trainers.evaluation.runs import evaluate_runs, has_extended, record_result, table_rows, write_sims
 from retr.trainers.evaluation.similarity import DEFAULT_PRECISION, PRECISIONS
 from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.runs.hub import local_run
+from retr.trainers.runs.layout import EVAL
 
 
 def _line(side: str, m: dict) -> str:
@@ -104,13 +106,13 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
     """
     from retr.trainers.training.preflight import check_run_features
 
-    runs = [str(ckpt.local_run(run)) for run in runs]     # an hf-hub: name fetched (or found in the cache) once
+    runs = [str(local_run(run)) for run in runs]     # an hf-hub: name fetched (or found in the cache) once
     recorded = [run for run in runs if not ckpt.is_export(run)]   # an export is shared as made: nothing goes in
     for run in list(recorded):
         problem = write_problem(run)
         if problem is not None:                           # said before the work, which goes on
             click.echo(f"note: cannot write in {run} ({problem}): the result is not recorded in its "
-                       f"{ckpt.EVAL}", err=True)
+                       f"{EVAL}", err=True)
             recorded.remove(run)
     if not no_verify:
         check_run_features(runs, features, quiet)

@@ -45,7 +45,7 @@ def index_command(run, images, manifest, image_root, out, checkpoint, features, 
     """
     from retr.trainers.search.images import list_folder, no_images_error
     from retr.trainers.search.index import GalleryIndex
-    from retr.trainers.runs.checkpoint import local_run
+    from retr.trainers.runs.hub import local_run
     from retr.trainers.search.retrieval import Retriever, run_index_identity
 
     if (images is None) == (manifest is None):

@@ -47,7 +47,7 @@ def serve_command(run, index, host, port, split, features, manifest, image_root,
     """
     from retr.common.devices import exact_float32
     from retr.trainers.search.retrieval import Retriever
-    from retr.trainers.runs.checkpoint import local_run
+    from retr.trainers.runs.hub import local_run
     from retr.trainers.search.serve_app import SearchPage, check_sources, create_app, listen, server_modules
 
     # every check that can fail runs before the model is loaded: the serve extra, the files, then the address

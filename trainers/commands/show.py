@@ -53,7 +53,7 @@ def show_command(runs, protocol, out, split, samples, top, seed, attention, imag
       retr-train show runs/scan-t2i runs/scan-i2t --protocol coco-1k --samples 10 --out report/ens
     """
     from retr.common.paths import check_folder_holds_only
-    from retr.trainers.runs.checkpoint import local_run
+    from retr.trainers.runs.hub import local_run
     from retr.trainers.training.preflight import check_run_features
 
     if not allow_nonempty_out:

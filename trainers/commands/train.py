@@ -25,9 +25,10 @@ from click.core import ParameterSource
 from retr.common.cli import InputPath, quiet_option
 from retr.trainers.commands.options import no_verify_option
 from retr.common.errors import UserError
-from retr.trainers.runs.checkpoint import CONFIG, holds_run
+from retr.trainers.runs.checkpoint import holds_run
 from retr.trainers.config import TrainConfig, choices_of, field_types, setting_fields
 from retr.trainers.models.registry import ModelSpec
+from retr.trainers.runs.layout import CONFIG
 from retr.trainers.training.settings import (evaluate_hint, flag_of, gather_settings, resume_settings,
                                              shortcut_name)
 

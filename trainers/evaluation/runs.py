@@ -15,6 +15,7 @@ from retr.trainers.evaluation.similarity import DEFAULT_PRECISION, Scorer, Split
 from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.data.splits import ImageFeatures
 from retr.trainers.runs.split import open_run_split
+from retr.trainers.runs.layout import EVAL
 
 
 def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features: str | None = None,
@@ -137,7 +138,7 @@ def write_sims(path: str, sims: np.ndarray, result: dict, manifest: str, split: 
 
 
 def record_result(run: str, result: dict) -> None:
-    path = Path(run) / ckpt.EVAL
+    path = Path(run) / EVAL
     existing = json.loads(path.read_text()) if path.is_file() else {"results": []}
     keep = [r for r in existing.get("results", []) if (r["protocol"], r["split"], r["runs"])
             != (result["protocol"], result["split"], result["runs"])]
@@ -163,9 +164,9 @@ def table_rows(runs, extended: bool = False) -> tuple[list[str], list[list], lis
     rows, seen = [], set()
     mismatched: dict[str, list[str]] = {}
     for run in runs:
-        path = Path(run) / ckpt.EVAL
+        path = Path(run) / EVAL
         if not path.is_file():
-            raise UserError(f"{run} has no {ckpt.EVAL}; run `retr-train eval {run} --protocol …` first")
+            raise UserError(f"{run} has no {EVAL}; run `retr-train eval {run} --protocol …` first")
         for r in json.loads(path.read_text()).get("results", []):
             key = (r["protocol"], r["split"], tuple(r["runs"]))
             if key in seen or (extended and "extended" not in r):
@@ -188,7 +189,7 @@ def table_rows(runs, extended: bool = False) -> tuple[list[str], list[list], lis
                          protocol, r["split"], f"ensemble of {len(r['runs'])}" if r["ensemble"] else "single",
                          *numbers])
     if extended and not rows:
-        raise UserError(f"no result stored in the {ckpt.EVAL} of {', '.join(map(str, runs))} has ECCV Caption and "
+        raise UserError(f"no result stored in the {EVAL} of {', '.join(map(str, runs))} has ECCV Caption and "
                         "CxC numbers; run `retr-train eval RUN --protocol coco-5k --extended` first")
     header = ["run", "model", "preset", "seed", "protocol", "split", "kind"]
     header += ([f"{d} {coco_extended.METRIC_LABELS[name]}" for name, d in EXTENDED_COLUMNS] if extended else
@@ -200,7 +201,7 @@ def table_rows(runs, extended: bool = False) -> tuple[list[str], list[list], lis
 def has_extended(runs) -> bool:
     """Whether a result stored in the runs' ``eval.json`` has ECCV Caption and CxC numbers."""
     for run in runs:
-        path = Path(run) / ckpt.EVAL
+        path = Path(run) / EVAL
         if path.is_file() and any("extended" in r for r in json.loads(path.read_text()).get("results", [])):
             return True
     return False

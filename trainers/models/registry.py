@@ -22,6 +22,7 @@ import dataclasses
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from retr.common.errors import UserError
@@ -163,13 +164,14 @@ def unregister_model(name: str) -> None:
 
 
 def _load_all() -> None:
-    """Import every module of :mod:`retr.trainers.models`, so each registers its spec."""
+    """Import every module of this package (found in its folder, so the package itself is not imported from
+    here), so each registers its spec."""
     global _LOADED
     if _LOADED:
         return
-    package = importlib.import_module("retr.trainers.models")
-    for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{module.name}")
+    package = __name__.rpartition(".")[0]
+    for module in pkgutil.iter_modules([str(Path(__file__).resolve().parent)]):
+        importlib.import_module(f"{package}.{module.name}")
     _LOADED = True
 
 

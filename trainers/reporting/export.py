@@ -20,6 +20,7 @@ from retr.common.errors import UserError
 from retr.common.hashing import sha256_file
 from retr.common.version import __version__
 from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.runs.layout import CONFIG, EVAL, VOCAB, WEIGHTS
 
 #: the version of the export layout ``config.json`` records (``export.format_version``)
 FORMAT_VERSION = 1
@@ -62,13 +63,13 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, which: str = "bes
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        safetensors.torch.save_model(model, str(staging / ckpt.WEIGHTS),
+        safetensors.torch.save_model(model, str(staging / WEIGHTS),
                                      metadata={"format": "pt", "retr_model": config["model"]})
-        vocab.save(staging / ckpt.VOCAB)
+        vocab.save(staging / VOCAB)
         # safetensors writes its file 0600; give it the mode the process gives new files (the others' here)
-        os.chmod(staging / ckpt.WEIGHTS, stat.S_IMODE((staging / ckpt.VOCAB).stat().st_mode))
+        os.chmod(staging / WEIGHTS, stat.S_IMODE((staging / VOCAB).stat().st_mode))
         exported = export_config(run, config, source, staging)
-        ckpt.write_json(staging / ckpt.CONFIG, exported)
+        ckpt.write_json(staging / CONFIG, exported)
         (staging / CARD).write_text(model_card(run, exported), encoding="utf-8")
         if out.is_dir():
             out.rmdir()                               # empty: checked above
@@ -87,8 +88,8 @@ def export_config(run: Path, config: dict, source: Path, folder: Path) -> dict:
     kept.update(features="", manifest="", inputs={})
     kept["export"] = {"format_version": FORMAT_VERSION, "retr_version": __version__, "run": run.resolve().name,
                       "checkpoint": source.name, "checkpoint_sha256": sha256_file(source),
-                      "weights_sha256": sha256_file(folder / ckpt.WEIGHTS),
-                      "vocab_sha256": sha256_file(folder / ckpt.VOCAB), "features": feature_provenance(config)}
+                      "weights_sha256": sha256_file(folder / WEIGHTS),
+                      "vocab_sha256": sha256_file(folder / VOCAB), "features": feature_provenance(config)}
     return kept
 
 
@@ -130,13 +131,13 @@ def model_card(run: Path, exported: dict) -> str:
     name, model = exported["export"]["run"], exported["model"]
     spec = get_spec(model)
     features = exported["export"]["features"]
-    extended = (run / ckpt.EVAL).is_file() and has_extended([str(run)])
+    extended = (run / EVAL).is_file() and has_extended([str(run)])
     header = ["---", "library_name: retr", "tags:", "- image-text-retrieval", "- cross-modal-retrieval",
               f"- {model}", "metrics:", "- recall", *(["- map@r", "- r-precision"] if extended else []), "---", ""]
     lines = [f"# {name}", "", f"An image–text matching model, `{model}`, trained with retr (`retr-train {model}`: "
              f"{spec.summary.split('.')[0].strip()}).", ""]
     lines += ["## Evaluation", ""]
-    if (run / ckpt.EVAL).is_file():
+    if (run / EVAL).is_file():
         head, rows, notes = table_rows([str(run)])
         lines += [tabulate(rows, headers=head, tablefmt="github", floatfmt=".1f"), "", *notes]
         if extended:

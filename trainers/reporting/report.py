@@ -50,6 +50,7 @@ from retr.common.version import __version__
 from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.reporting import draw as draw
 from retr.trainers.evaluation.metrics import PROTOCOLS, coco_folds, i2t_ranks, t2i_ranks
+from retr.trainers.runs.layout import EVAL
 
 logger = logging.getLogger(__name__)
 
@@ -494,7 +495,7 @@ def _stored_results(runs: Sequence[str]):
 
     from retr.trainers.evaluation.runs import has_extended
 
-    with_eval = [r for r in runs if (Path(r) / ckpt.EVAL).is_file()]
+    with_eval = [r for r in runs if (Path(r) / EVAL).is_file()]
     if not with_eval:
         return render("stored.html.j2", header=None, rows=[], notes=[], title=None)
     header, rows, notes = table_rows(with_eval)

@@ -29,6 +29,7 @@ from retr.common.paths import check_output_folder
 from retr.trainers.training.preflight import check_feature_rows, check_training
 from retr.trainers.reproduction.recipes import (FeatureProvenance, Member, Published, Recipe, accepts, list_recipes,
                                                said)
+from retr.trainers.runs.layout import CONFIG
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def plan_member(member: Member, out: Path, data: dict, overrides: dict[str, Any]
         if data.get(side.name):
             values[side.name] = data[side.name]
     cfg, _ = gather_settings(spec, values, set(values) - {"config"})
-    if not (run / ckpt.CONFIG).is_file():
+    if not (run / CONFIG).is_file():
         return PlannedMember(member, cfg, run, "new", [])
     saved = ckpt.read_config(run)
     if saved.get("model") != cfg.model:
@@ -162,7 +163,7 @@ def train_member(planned: PlannedMember, quiet: bool) -> Path:
     if not will_train(planned):
         logger.info(f"{planned.member.run}: finished, skipped (same settings and data)")
         return run
-    resume = (run / ckpt.CONFIG).is_file()
+    resume = (run / CONFIG).is_file()
     logger.info(f"{planned.member.run}: {'resuming' if state != 'new' else 'training'} ({cfg.model}, preset {cfg.preset})")
     train(cfg, resume=resume, quiet=quiet)
     spec = get_spec(cfg.model)
@@ -416,7 +417,7 @@ def preflight_members(planned: list[PlannedMember], features, retrain: tuple[str
     for p in planned:
         if p.member.run not in retrain and not will_train(p):
             continue
-        resume = p.member.run not in retrain and (p.run / ckpt.CONFIG).is_file()
+        resume = p.member.run not in retrain and (p.run / CONFIG).is_file()
         notes += check_training(p.cfg, resume=resume, features=features)
     return notes
 

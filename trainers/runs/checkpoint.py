@@ -17,12 +17,8 @@ import torch
 from retr.common.atomic import atomic_file, atomic_text
 from retr.common.errors import UserError
 from retr.store.vocab import Vocabulary
-
-CONFIG, VOCAB, BEST, METRICS, EVAL = "config.json", "vocab.json", "best.pt", "metrics.jsonl", "eval.json"
-#: an exported model's weights (``retr-train export``): its folder holds them, ``config.json`` and ``vocab.json``
-WEIGHTS = "model.safetensors"
-LOCK = "run.lock"
-EMA = "ema.pt"
+from retr.trainers.runs.hub import local_run
+from retr.trainers.runs.layout import BEST, CONFIG, EMA, EVAL, LOCK, METRICS, VOCAB, WEIGHTS
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
 
 
@@ -197,13 +193,6 @@ def prune_checkpoints(run: str | os.PathLike, keep: int) -> None:
     """Delete all but the newest ``keep`` epoch checkpoints (``best.pt`` is separate)."""
     for _, path in list_checkpoints(run)[:-keep] if keep > 0 else []:
         path.unlink(missing_ok=True)
-
-
-def local_run(run: str | os.PathLike) -> Path:
-    """``run``'s folder on this machine (an ``hf-hub:`` name's snapshot: :func:`retr.trainers.runs.hub.local_run`)."""
-    from retr.trainers.runs.hub import local_run as resolve
-
-    return resolve(run)
 
 
 def is_export(run: str | os.PathLike) -> bool:

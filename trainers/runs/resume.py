@@ -20,6 +20,7 @@ from retr.store.features import FeatureSet
 from retr.trainers.config import RESUME_APPLIES, TrainConfig
 from retr.trainers.models import get_spec
 from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.runs.layout import CONFIG
 
 
 def data_identity(features: FeatureSet, manifest: str, inputs: dict | None = None) -> dict:
@@ -113,7 +114,7 @@ def data_differences(folder: Path, identity: dict) -> list[Difference]:
     """What in ``identity`` (:func:`~retr.trainers.runs.resume.data_identity` of the data given now) differs from
     the data the run in ``folder`` was trained on, values shortened to 16 characters (runs from before identities
     were recorded: nothing)."""
-    config_path = folder / ckpt.CONFIG
+    config_path = folder / CONFIG
     recorded = json.loads(config_path.read_text(encoding="utf-8")).get("data_identity") if config_path.is_file() \
         else None
     if not recorded:

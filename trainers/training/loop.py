@@ -64,6 +64,7 @@ from retr.trainers.models.optim import apply_implementation
 from retr.trainers.models.side_inputs import add_word_vectors
 from retr.trainers.evaluation.similarity import similarity_matrix
 from retr.store.vocab import Vocabulary
+from retr.trainers.runs.layout import BEST, CONFIG, EMA, LOCK, METRICS, VOCAB
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +126,11 @@ def run_lock(out: str, info: DistInfo) -> Iterator[None]:
     folder = Path(out)
     created = not folder.exists()
     try:
-        with exclusive_lock(folder / ckpt.LOCK, f"run {folder}",
+        with exclusive_lock(folder / LOCK, f"run {folder}",
                             "wait for it to finish, or choose another --out"):
             yield
     except BaseException:
-        if created and folder.is_dir() and {p.name for p in folder.iterdir()} <= {ckpt.LOCK}:
+        if created and folder.is_dir() and {p.name for p in folder.iterdir()} <= {LOCK}:
             shutil.rmtree(folder, ignore_errors=True)
         raise
 
@@ -279,7 +280,7 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
         _restore(run, state)
         apply_implementation(optimizer, cfg.optimizer_impl, device)     # the checkpoint brought its run's flags
     elif info.is_main:
-        vocab.save(folder / ckpt.VOCAB)
+        vocab.save(folder / VOCAB)
     if info.is_main:
         run.log = RunLog(folder, tuple(cfg.log), purge_step=run.step + 1 if state is not None else None,
                          config=asdict(cfg), wandb_project=cfg.wandb_project, wandb_name=cfg.wandb_name)
@@ -287,7 +288,7 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
         # paths are stored absolute and relative to the run, so the run reads them from anywhere
         # (checkpoint.read_config resolves them)
         cfg = run.cfg = ckpt.absolute_paths(cfg)
-        ckpt.write_json(folder / ckpt.CONFIG, {**asdict(cfg), "paths_from_run": ckpt.paths_from_run(cfg, folder),
+        ckpt.write_json(folder / CONFIG, {**asdict(cfg), "paths_from_run": ckpt.paths_from_run(cfg, folder),
                                                "retr_version": __version__,
                                                "feature_attrs": features.attrs, "vocab_size": len(vocab),
                                                "train_images": train_data.num_images,
@@ -342,14 +343,14 @@ def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo,
     if resume:
         if existing:
             return folder, ckpt.load_checkpoint(existing[-1][1], trust=trust_checkpoint)
-        if not (folder / ckpt.CONFIG).is_file():
+        if not (folder / CONFIG).is_file():
             raise UserError(f"nothing to resume in {folder} (no run there); start without --resume")
         if info.is_main:
             logger.warning(f"note: {folder} stopped before its first checkpoint; starting it again from the beginning")
-            for name in (ckpt.METRICS, ckpt.BEST):
+            for name in (METRICS, BEST):
                 (folder / name).unlink(missing_ok=True)
         return folder, None
-    if existing or (folder / ckpt.METRICS).exists() or (folder / ckpt.CONFIG).exists():
+    if existing or (folder / METRICS).exists() or (folder / CONFIG).exists():
         raise UserError(f"{folder} already holds a run; pass --resume to continue it or choose another --out")
     if info.is_main:
         folder.mkdir(parents=True, exist_ok=True)
@@ -382,7 +383,7 @@ def truncate_metrics(folder: Path, state: dict, continuing: bool = True) -> None
     line. Kept: the lines up to the first one past the checkpoint's step and epoch (the file is append-only, so
     everything after that is from the lost stretch), less the end-of-training ``val_at_chance`` event when the
     run is ``continuing`` past that end. Rewritten atomically."""
-    path = folder / ckpt.METRICS
+    path = folder / METRICS
     if not path.is_file():
         return
     text = path.read_text(encoding="utf-8", errors="replace")
@@ -555,9 +556,9 @@ def save_epoch(run: Run, epoch: int, is_best: bool, losses: list[float], val: di
              **({"ema": run.ema.state_dict()} if run.ema is not None else {})}
     # best.pt before the epoch checkpoint: a run killed between the two redoes the epoch and rewrites both
     if is_best:
-        ckpt.save_checkpoint(run.folder / ckpt.BEST, state)
+        ckpt.save_checkpoint(run.folder / BEST, state)
     if run.ema is not None:         # the averaged weights as a checkpoint of their own (eval --checkpoint ema.pt)
-        ckpt.save_checkpoint(run.folder / ckpt.EMA, {**state, "model": run.ema.module.state_dict()})
+        ckpt.save_checkpoint(run.folder / EMA, {**state, "model": run.ema.module.state_dict()})
     path = ckpt.save_checkpoint(ckpt.checkpoint_path(run.folder, epoch), state)
     ckpt.prune_checkpoints(run.folder, run.cfg.keep_checkpoints)
     logger.info(f"epoch {epoch + 1}/{run.cfg.epochs}: loss {np.mean(losses):.4f}, val rsum {val['rsum']:.1f} "

@@ -10,6 +10,7 @@ from typing import Any
 from retr.common.errors import UserError, with_flags
 from retr.trainers.config import TrainConfig, read_settings_file, setting_fields
 from retr.trainers.models.registry import DATA_SIZES, ModelSpec
+from retr.trainers.runs.layout import CONFIG
 
 
 #: keys of a run's config.json that are records of the run, not settings
@@ -111,7 +112,7 @@ def resume_settings(spec: ModelSpec, values: dict, explicit: set[str]) -> TrainC
         raise UserError("--resume continues from the run's own config.json; leave out --config")
     from retr.trainers.runs import checkpoint as ckpt
 
-    if not (Path(out) / ckpt.CONFIG).is_file():
+    if not (Path(out) / CONFIG).is_file():
         raise UserError(f"nothing to resume in {out} (no run there); start without --resume")
     saved = ckpt.upgrade_config(ckpt.read_config(out))
     if saved.get("model") != spec.name:
