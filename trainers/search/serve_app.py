@@ -33,8 +33,10 @@ from collections import OrderedDict
 from pathlib import Path, PurePosixPath
 
 from retr.common.errors import UserError
-from retr.trainers.search.index import GalleryIndex
 from retr.common.optional import require
+from retr.trainers.reporting.explain import ASSETS, Assets, Explainer, ImageSource, Pair
+from retr.trainers.reporting.html import CSS, Member, member_rows, run_metrics, stored_results
+from retr.trainers.search.index import GalleryIndex
 
 WEB = Path(__file__).with_name("web")
 MAX_K = 100
@@ -128,8 +130,9 @@ def listen(host: str, port: int, threads: int, max_request_body_size: int):
 
 
 class SearchPage:
-    """What the routes need of a run: the retriever, the gallery's image files, the report's summary and
-    explainer (:mod:`retr.trainers.reporting.report`), the drawings' folder.
+    """What the routes need of a run: the retriever, the gallery's image files, the report's summary
+    (:mod:`retr.trainers.reporting.html`) and explainer (:mod:`retr.trainers.reporting.explain`), the drawings'
+    folder.
 
     The gallery is the retriever's: the split's images, found through the manifest under ``image_root`` (default:
     the manifest's folder), or those of the gallery index ``index``, read from the files it recorded when each
@@ -140,7 +143,6 @@ class SearchPage:
                  manifest: str | None = None, image_root: str | None = None, checkpoint: str = "best",
                  top: int = 10, max_upload: int = 10 << 20, index: str | None = None):
         from retr.manifests.schema import read_manifest, resolve_image_root
-        from retr.trainers.reporting import report
         from retr.trainers.runs import checkpoint as ckpt
 
         run = Path(run).resolve()
@@ -160,9 +162,8 @@ class SearchPage:
         # gallery id → the index's recorded file, or the manifest's path under the root
         self.paths = ({i: p.resolve() for i, p in GalleryIndex(index).image_paths().items()} if index
                       else {r.id: r.path for r in self.records})
-        self.member = report.Member(self.name, config, retriever.model, retriever.vocab,
-                                    ckpt.resolve_checkpoint(run, checkpoint), fs, report._read_metrics(self.run),
-                                    data, str(manifest))
+        self.member = Member(self.name, config, retriever.model, retriever.vocab,
+                             ckpt.resolve_checkpoint(run, checkpoint), fs, run_metrics(self.run), data, str(manifest))
         self.image_hw = fs.read_rows(fs.rows_of(data.image_ids), "image_hw") if "image_hw" in fs.datasets else None
         self.keys = [f"{r.id}#{n}" for r in self.records for n in range(len(r.captions))]
         self.lock = threading.Lock()
@@ -175,7 +176,7 @@ class SearchPage:
         if index:
             named[str(index)] = index.name
         self._named = sorted(named.items(), key=lambda item: -len(item[0]))
-        self.summary = self.public(report._member_rows([self.member]) + report._stored_results([self.run]))
+        self.summary = self.public(member_rows([self.member]) + stored_results([self.run]))
 
     def close(self) -> None:
         self._tmp.cleanup()
@@ -236,8 +237,6 @@ class SearchPage:
     def explain(self, image_id: str, caption: str | None, caption_index: int | None) -> str:
         """The report's HTML (and drawings) of ``explain`` for the pair, without the report's heading (the page
         writes its own); kept for the :data:`KEPT` last pairs."""
-        from retr.trainers.reporting import report
-
         if self.check_id(image_id) not in self.split_row or image_id not in self.member.feature_set:
             raise RequestError(f"no attention maps for {image_id!r}: they are drawn for the images of the run's "
                                "feature set")
@@ -254,15 +253,15 @@ class SearchPage:
         with self.lock:
             if tag not in self._explained:
                 fs = self.member.feature_set
-                images = report.ImageSource(self.records, self.split_root, self.image_hw,
-                                            bool(fs.attrs.get("exif_orientation", False)))
-                explainer = report.Explainer(self.member, self.r.data.image_ids, captions, images,
-                                             report.Assets(self.drawings), self.r.device, keys)
-                html = explainer.section([report.Pair(row, 0, "a search result", "the maps of its score")], tag)
+                images = ImageSource(self.records, self.split_root, self.image_hw,
+                                     bool(fs.attrs.get("exif_orientation", False)))
+                explainer = Explainer(self.member, self.r.data.image_ids, captions, images, Assets(self.drawings),
+                                      self.r.device, keys)
+                html = explainer.section([Pair(row, 0, "a search result", "the maps of its score")], tag)
                 self._explained[tag] = self.public(re.sub(r"\A<h3>.*?</h3>\n?", "", html))
                 while len(self._explained) > KEPT:
                     old, _ = self._explained.popitem(last=False)
-                    for file in (self.drawings / report.ASSETS).glob(f"att-{old}-*"):
+                    for file in (self.drawings / ASSETS).glob(f"att-{old}-*"):
                         file.unlink()
             self._explained.move_to_end(tag)
             return self._explained[tag]
@@ -345,8 +344,6 @@ def create_app(page: SearchPage):
 
     @app.get("/report.css")
     def report_css():
-        from retr.trainers.reporting.report import CSS
-
         return flask.Response(CSS, mimetype="text/css")
 
     @app.get("/api/info")
