@@ -296,7 +296,8 @@ def test_the_module_check_sees_loops_through_a_function_and_a_package(tmp_path):
         "trainers/runs/checkpoint.py": "def late():\n    from retr.trainers.runs.hub import local_run\n",
         "trainers/runs/hub.py": "from retr.trainers.runs import checkpoint as ckpt\n",
         "trainers/models/__init__.py": "from retr.trainers.models.registry import get_spec\n",
-        "trainers/models/registry.py": "import importlib\ndef load():\n    importlib.import_module('retr.trainers.models')\n",
+        "trainers/models/registry.py": ("import importlib\n"
+                                        "def load():\n    importlib.import_module('retr.trainers.models')\n"),
         "trainers/models/scan.py": "from retr.trainers.models.registry import get_spec\n",
         "trainers/training/__init__.py": "",
         "trainers/training/loop.py": "from retr.trainers.models import scan\nfrom retr.trainers.runs import hub\n",

@@ -19,7 +19,8 @@ PNG, relative links only: no server, no external URL; the folder can be copied o
    sampled text→image queries, with their true image and, when the model ranked another image first, that one
    too. Each map is drawn by its layout (:func:`~retr.trainers.reporting.explain.map_layout`): over region boxes
    (SCAN, SMFEA), as a heatmap over the grid cells (SMAN, JGCAR), as a word strip (SEAM's hops), as referral trees
-   (SMFEA's node ids beside the parsed tree); anything else as a labelled matrix. A model that implements no ``explain`` gets one line.
+   (SMFEA's node ids beside the parsed tree); anything else as a labelled matrix. A model that implements no
+   ``explain`` gets one line.
 
 Images are read from the manifest's paths under ``image_root`` (default: the manifest's folder); a path that
 leaves the root is not opened. Without image files the report still renders: thumbnails and region boxes are
