@@ -438,8 +438,13 @@ def test_amp_and_accum_from_the_command_line(tmp_path, synthetic):
 
 
 def test_runs_from_before_amp_modes_read_as_fp16_or_off():
-    assert ckpt.upgrade_config({"model": "vsepp", "amp": True, "model_args": {}})["amp"] == "fp16"
-    assert ckpt.upgrade_config({"model": "vsepp", "amp": False, "model_args": {}})["amp"] == "off"
+    from retr.trainers.config import settings_from_stored, upgrade_stored
+    from retr.trainers.models import get_spec
+
+    spec = get_spec("vsepp")
+    assert upgrade_stored(spec, {"model": "vsepp", "amp": True, "model_args": {}})["amp"] == "fp16"
+    assert upgrade_stored(spec, {"model": "vsepp", "amp": False, "model_args": {}})["amp"] == "off"
+    assert settings_from_stored(spec, {"model": "vsepp", "amp": True, "model_args": {}}).amp == "fp16"
 
 
 @pytest.mark.slow

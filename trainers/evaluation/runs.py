@@ -46,18 +46,14 @@ def extended_inputs(runs: list[str], protocol: str, split: str, manifest: str | 
     the COCO 5K test set."""
     from retr.manifests.schema import read_manifest
 
-    from retr.trainers.models import get_spec
-
     coco_extended.check_protocol(protocol)
-    configs = [ckpt.read_config(run) for run in runs]
+    settings = [ckpt.read_settings(run) for run in runs]
     if len(runs) == 1:
-        spec = get_spec(configs[0]["model"])
-        settings = spec.make_config({k: v for k, v in configs[0]["model_args"].items() if k in spec.setting_names})
-        if getattr(settings, "shortlist", 0):
+        if getattr(settings[0].model_config, "shortlist", 0):
             raise UserError("--extended ranks one similarity matrix; a two-step run re-ranks a shortlist per "
                             "direction (evaluate it in an ensemble, or without --extended)")
     annotations = coco_extended.load_annotations()
-    manifest = manifest or configs[0].get("manifest")
+    manifest = manifest or settings[0].manifest
     if not manifest:
         raise UserError(f"{runs[0]} does not record its manifest (an export or an imported run); pass --manifest")
     ids = coco_extended.ids_from_records(read_manifest(manifest, splits=[split]), manifest, split)
@@ -77,7 +73,7 @@ def _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, wh
     reference, models, scorers = None, [], []
     for run in runs:
         opened = open_run_split(run, split, features, manifest, which, dev, trust_checkpoint)
-        model, config, feature_set, data = opened.model, opened.config, opened.features, opened.data
+        model, settings, feature_set, data = opened.model, opened.settings, opened.features, opened.data
         feats_path = opened.features_path
         key = (data.image_ids, data.captions)
         if reference is not None and key != reference:
@@ -93,15 +89,15 @@ def _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, wh
                                        allow_size_mismatch=allow_size_mismatch, quiet=quiet)
             result.update({k: result["two_step"][k] for k in ("i2t", "t2i", "rsum")}, protocol=protocol,
                           split=split, ensemble=False, runs=[str(run)], precision=precision,
-                          models=[{"run": str(run), "model": config["model"], "direction": None,
+                          models=[{"run": str(run), "model": settings.model, "direction": None,
                                    "features": str(feats_path),
                                    "checkpoint": ckpt.resolve_checkpoint(run, which).name}],
                           evaluated=datetime.now(timezone.utc).isoformat(timespec="seconds"))
             return result, None
         scorers.append(Scorer(model, SplitEmbeddings.encode(model, data, image_features, dev, quiet=quiet)))
         del image_features                   # read once: features held in memory are let go before scoring
-        models.append({"run": str(run), "model": config["model"],
-                       "direction": config["model_args"].get("direction"), "features": str(feats_path),
+        models.append({"run": str(run), "model": settings.model,
+                       "direction": getattr(settings.model_config, "direction", None), "features": str(feats_path),
                        "checkpoint": ckpt.resolve_checkpoint(run, which).name})
     stats: dict = {}
     sims = combined_matrix(scorers, precision, data.caption_image, quiet=quiet, stats=stats)

@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from retr.trainers.config import (embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
+from retr.trainers.config import (Settings, embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
                                   size_setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
@@ -53,8 +53,8 @@ class SCAN(MatchingModel):
     softmax, from :func:`~retr.trainers.models.xattn.xattn_block` (docs/trainer.md, "Attention maps")."""
 
     def __init__(self, vocab_size: int, img_dim: int = 2048, config: "SCANConfig | None" = None,
-                 word_vectors_file: str = "", **settings):
-        cfg = self.config = self.settings(SCANConfig, config, settings)
+                 word_vectors_file: str = ""):
+        cfg = self.config = config if config is not None else SCANConfig()
         self.word_vectors_file = word_vectors_file     # the vectors the words started from
         super().__init__(cfg.margin, cfg.max_violation)
         self.direction, self.agg, self.norm = cfg.direction, cfg.agg, cfg.norm
@@ -118,7 +118,7 @@ class SCAN(MatchingModel):
 
 
 @dataclass
-class SCANConfig:
+class SCANConfig(Settings):
     """SCAN's settings; a bare ``SCANConfig()`` is Flickr30K t-i LSE, the default preset ``f30k`` t-i AVG."""
 
     embed_size: int = embed_size_setting(1024)

@@ -50,13 +50,14 @@ def check_run_folder(out: str | os.PathLike, resume: bool = False, allow_nonempt
                                 lambda folder: all(is_run_file(p.name) for p in folder.iterdir()))
 
 
-def check_feature_kind(spec, features: FeatureSet, model_args: dict, name: str = "--features") -> list[str]:
+def check_feature_kind(spec, features: FeatureSet, config, name: str = "--features") -> list[str]:
     """The feature set against what ``spec``'s model is built for: refused in one line where the model's settings
     cannot take its ``[K, D]`` (``spec.check_features``, worded in the options to give), a note where its kind is
-    not one the model's paper used (``spec.feature_kinds``). Returns the notes."""
+    not one the model's paper used (``spec.feature_kinds``); ``config``: the model's settings (its config
+    dataclass). Returns the notes."""
     shape = tuple(int(n) for n in features.feature_shape)
     if spec.check_features is not None:
-        refusal = spec.check_features(model_args, shape)
+        refusal = spec.check_features(config, shape)
         if refusal:
             raise UserError(f"{spec.name} on {name} {features.path} ({features.kind}, {shape[0]}×{shape[1]} per "
                             f"image): {refusal}")
@@ -119,12 +120,12 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
     if features is None:
         check_input(cfg.features, "--features", "file", "a feature-set .h5 file")
         features = FeatureSet(cfg.features)
-    check_feature_contract(features, cfg.model_args.get("img_dim") if resume else None)
+    check_feature_contract(features, cfg.sizes.get("img_dim") if resume else None)
     spec = get_spec(cfg.model)
-    vectors = cfg.model_args.get("word_vectors")
+    vectors = getattr(cfg.model_config, "word_vectors", None)
     if vectors and vectors != RANDOM and vectors not in GLOVE_SETS:
         check_input(vectors, "--word-vectors", "file", f"a GloVe-format .txt or .zip file, or {' / '.join(GLOVE_SETS)}")
-    notes = check_feature_kind(spec, features, cfg.model_args)
+    notes = check_feature_kind(spec, features, cfg.model_config)
     notes += check_manifest_pairing(features, cfg.manifest)
     if not resume and cfg.vocab:
         from retr.store.vocab import Vocabulary
@@ -140,6 +141,6 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
     _split_records(cfg.manifest, [cfg.val_split], features)
     data = SplitData([r.id for r in train], [c for r in train for c in r.captions],
                      np.repeat(np.arange(len(train)), [len(r.captions) for r in train]), [])
-    check_side_inputs(spec, dict(cfg.inputs), cfg.model_args, data.image_ids,
+    check_side_inputs(spec, dict(cfg.inputs), cfg.model_config, data.image_ids,
                       caption_keys(data) if "trees" in dict(cfg.inputs) else [])
     return notes
