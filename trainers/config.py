@@ -21,8 +21,8 @@ written before a change upgraded by their spec's ``upgrade_args`` (:func:`upgrad
 A model setting's route, e.g. SCAN's ``lambda_softmax``: its option (generated from the field by
 :mod:`retr.trainers.commands.train`) → :func:`settings_from_options` here (``SCANConfig`` made and validated, in
 ``TrainConfig.model_config``) → the loop builds the model from that object (:func:`retr.trainers.training.loop.
-build_model`) → the model reads ``self.config.lambda_softmax`` where it uses it (docs/trainer.md, "Adding a
-model").
+build_model`) → the model (``SCAN``: its constructor keeps it, its attention uses it, both in its module;
+docs/trainer.md, "Adding a model").
 
 The functions that need a model's spec take it as an argument (this layer imports no model).
 
