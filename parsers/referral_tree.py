@@ -116,8 +116,8 @@ def nltk_to_slots(tree: nltk.Tree) -> list[str]:
 def _wordnet_lemmatizer():
     """NLTK's WordNet lemmatizer if its data is installed here, else ``None`` (never downloaded)."""
     try:
-        from nltk.corpus import wordnet
-        from nltk.stem import WordNetLemmatizer
+        from nltk.corpus import wordnet  # optional: WordNet's data, where installed
+        from nltk.stem import WordNetLemmatizer  # optional: WordNet's data, where installed
 
         wordnet.ensure_loaded()
         return WordNetLemmatizer()

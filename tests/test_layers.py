@@ -512,3 +512,55 @@ def test_command_layer_checker(tmp_path):
     ]
     assert [src for src, _ in command_layer_violations(folders, skip=frozenset({"trainers"}))
             if src.startswith("retr.trainers")] == []
+
+
+# ------------------------------------------------------------------------------------------------- late imports
+# An import belongs at the top of its module, where a reader sees what the module stands on. Written inside a
+# function only where the top would cost something: an import that takes time the module's common uses never need
+# (`# cost: torch` — e.g. `retr-pipeline --help` loads no torch), or a package retr does not require (`# optional:
+# matplotlib, the report extra`); the import's comment says which.
+
+LATE_REASONS = ("cost", "optional")
+
+
+def late_imports(source: str) -> list[tuple[int, str]]:
+    """``(line, the import's text)`` of every import written inside a function whose comment gives no reason
+    (:data:`LATE_REASONS`: ``# cost: …`` or ``# optional: …`` on one of its lines)."""
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    text = lines[sub.lineno - 1:sub.end_lineno]
+                    comments = [line.split("#", 1)[1].strip() for line in text if "#" in line]
+                    if not any(c.split(":")[0].strip() in LATE_REASONS for c in comments):
+                        found.append((sub.lineno, text[0].strip()))
+    return sorted(set(found))
+
+
+def test_imports_inside_functions_say_why():
+    bad = [f"  {path.relative_to(ROOT)}:{line}: {text}" for folder in package_folders(ROOT).values()
+           for path in sorted(folder.rglob("*.py")) for line, text in late_imports(path.read_text(encoding="utf-8"))]
+    assert not bad, ("imports inside functions with no reason (move them to the top, or say `# cost: …` / "
+                     "`# optional: …`):\n" + "\n".join(bad))
+
+
+def test_the_late_import_check_reads_the_comment():
+    source = ("def a():\n    import torch  # cost: torch\n"
+              "def b():\n    import jinja2  # optional: the report extra\n"
+              "def c():\n    from retr.store import features\n"
+              "def d():\n    from retr.store.features import (FeatureSet,\n"
+              "                                     KINDS)  # cost: h5py\n"
+              "def e():\n    import numpy  # numpy\n")
+    assert late_imports(source) == [(6, "from retr.store import features"), (11, "import numpy  # numpy")]
+
+
+def test_the_pipeline_commands_load_no_torch():
+    """The reason the pipeline's commands give for their late imports: `retr-pipeline --help` stays light."""
+    import subprocess
+    import sys
+
+    code = "import sys; from retr.pipeline.commands import cli; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

@@ -33,7 +33,7 @@ from retr.trainers.evaluation.reports import report_after_training
 from retr.trainers.models.registry import ModelSpec
 from retr.trainers.runs.checkpoint import holds_run, read_settings
 from retr.trainers.runs.layout import CONFIG
-from retr.trainers.training.loop import train
+from retr.trainers.training import loop
 from retr.trainers.training.preflight import check_feature_rows, check_training
 
 _EXPLICIT = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT, ParameterSource.PROMPT)
@@ -172,7 +172,7 @@ def training_command(spec: ModelSpec) -> click.Command:
         if not values["resume"] and "preset" not in explicit and not values.get("config") and cfg.preset:
             notes += (f"note: no --preset given: starting from {cfg.preset}'s published settings "
                       f"(presets: {', '.join(spec.presets)}); options given override them",)
-        train(cfg, resume=values["resume"], quiet=values["quiet"], trust_checkpoint=values["trust_checkpoint"],
+        loop.train(cfg, resume=values["resume"], quiet=values["quiet"], trust_checkpoint=values["trust_checkpoint"],
               notes=notes)
         report_after_training(spec, cfg.out, cfg)
         click.echo(f"run written to {cfg.out} (evaluate: {evaluate_hint(cfg)})")

@@ -16,6 +16,8 @@ from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.data.splits import ImageFeatures
 from retr.trainers.runs.split import open_run_split
 from retr.trainers.runs.layout import EVAL
+from retr.manifests.schema import read_manifest
+from retr.trainers.evaluation.two_step import two_step_protocol
 
 
 def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features: str | None = None,
@@ -44,8 +46,6 @@ def extended_inputs(runs: list[str], protocol: str, split: str, manifest: str | 
     """``(annotations, ids)`` for ``--extended``, every check done (one line each): a COCO protocol, one matrix (not
     a two-step run alone), the eccv-caption package and its files, the manifest's caption ids, and the split being
     the COCO 5K test set."""
-    from retr.manifests.schema import read_manifest
-
     coco_extended.check_protocol(protocol)
     settings = [ckpt.read_settings(run) for run in runs]
     if len(runs) == 1:
@@ -82,7 +82,6 @@ def _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, wh
         # each image is read once (encoded once): held in memory, the set would only add itself to the peak
         image_features = ImageFeatures(feature_set, data.image_ids, "off" if preload is None else preload)
         if model.shortlist and len(runs) == 1:   # two-step models (MatchingModel.shortlist > 0), see two_step.py
-            from retr.trainers.evaluation.two_step import two_step_protocol
             if ties != "pessimistic":
                 raise UserError("--ties official applies to one-step scoring; a two-step run ranks its shortlists")
             result = two_step_protocol(model, data, image_features, protocol, dev, model.shortlist, precision,
@@ -117,8 +116,6 @@ def write_sims(path: str, sims: np.ndarray, result: dict, manifest: str, split: 
     """``path`` (``.npy``): the float64 similarities ``[images, captions]`` in manifest order, and beside it
     ``path.ids.json``: the image ids (rows) and caption keys ``<image id>#<n>`` (columns) they belong to, and the
     columns' COCO caption ids (``caption_ids``, null where the manifest has none) when the manifest has any."""
-    from retr.manifests.schema import read_manifest
-
     records = read_manifest(manifest, splits=[split])
     ids = {"image_ids": [r.id for r in records],
            "caption_keys": [f"{r.id}#{n}" for r in records for n in range(len(r.captions))],

@@ -26,6 +26,7 @@ from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.models.optim import PerGroupOptimizer
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import cat_parts, l2norm, lengths_mask, masked_mean, masked_softmax, run_rnn
+from retr.trainers.models.side_inputs import load_jgcar_inputs
 
 GLOBAL_SIMILARITIES = ("dot", "cosine")
 INTRA_REDUCTIONS = ("mean_positive", "sum")
@@ -592,7 +593,6 @@ JGCAR_SCHEDULE = {"batch_size": 200, "epochs": 128, "early_stop": 5, "lr": 4e-4,
 
 
 def _jgcar_inputs(data, files, config, vocab_size):
-    from retr.trainers.models.side_inputs import load_jgcar_inputs
     return load_jgcar_inputs(data, files.get("labels"), config.concept_min_captions)
 
 

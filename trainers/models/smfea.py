@@ -27,6 +27,7 @@ from retr.trainers.models.concepts import (ConceptAttention, ConceptGCN, consens
 from retr.trainers.models.scan import RegionEncoder
 from retr.trainers.models.text import GRUWordEncoder, install_word_vectors
 from retr.trainers.models.tree_lstm import ENTITY_SLOTS, FORGET_GATES, NUM_NODES, RELATION_SLOTS, StructuredTreeEncoder
+from retr.trainers.models.side_inputs import load_smfea_inputs
 
 TRAIN_TEXT_LABELS = ("image", "caption")
 
@@ -412,7 +413,6 @@ SMFEA_SCHEDULE = {"batch_size": 128, "grad_clip": 2.0, "epochs": 50, "lr": 2e-4,
 
 
 def _smfea_inputs(data, files, config, vocab_size):
-    from retr.trainers.models.side_inputs import load_smfea_inputs
     return load_smfea_inputs(data, files, config, vocab_size)
 
 

@@ -16,11 +16,18 @@ import shutil
 import stat
 from pathlib import Path
 
+from tabulate import tabulate
+import safetensors.torch
+
 from retr.common.errors import UserError
 from retr.common.hashing import sha256_file
 from retr.common.version import __version__
 from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.runs.layout import CONFIG, EVAL, VOCAB, WEIGHTS
+from retr.extractors.recorded import extract_arguments
+from retr.store.features import FeatureSet
+from retr.trainers.evaluation.runs import has_extended, table_rows
+from retr.trainers.models import get_spec
 
 #: the version of the export layout ``config.json`` records (``export.format_version``)
 FORMAT_VERSION = 1
@@ -49,8 +56,6 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, which: str = "bes
     """Write ``run``'s ``which`` checkpoint (``best``, ``last`` or a file of the run) as an export in ``out``
     (written to ``out.partial`` and renamed when complete); returns ``out``. Every check runs before a file is
     written."""
-    import safetensors.torch
-
     run, out = Path(run), check_export_target(out)
     if ckpt.is_export(run):
         raise UserError(f"{run} is an export already; copy the folder to share it")
@@ -98,9 +103,6 @@ def feature_provenance(config: dict) -> dict:
     records (:data:`PROVENANCE_ATTRS`) and the ``retr-pipeline extract`` arguments that make it again
     (``extract_arguments``: :func:`~retr.extractors.recorded.extract_arguments`; absent for imported features), read
     from it where it is still on disk (else ``D`` alone)."""
-    from retr.extractors.recorded import extract_arguments
-    from retr.store.features import FeatureSet
-
     provenance: dict = {"dim": config["model_args"].get("img_dim")}
     path = config.get("features")
     if path and Path(path).is_file():
@@ -123,11 +125,6 @@ def model_card(run: Path, exported: dict) -> str:
     """The export's ``README.md``: a Hub model card (YAML header: library, tags, metrics), then the evaluation
     table of the run's ``eval.json``, the verdict of a ``reproduce`` report that names the run, the features the
     weights need, how to load them, and the model's settings."""
-    from tabulate import tabulate
-
-    from retr.trainers.evaluation.runs import has_extended, table_rows
-    from retr.trainers.models import get_spec
-
     name, model = exported["export"]["run"], exported["model"]
     spec = get_spec(model)
     features = exported["export"]["features"]

@@ -42,7 +42,7 @@ from retr.trainers.reproduction.recipes import (FeatureProvenance, Member, Publi
 from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.runs.layout import CONFIG
 from retr.trainers.runs.resume import data_differences, data_identity
-from retr.trainers.training.loop import train
+from retr.trainers.training import loop
 from retr.trainers.training.preflight import check_feature_rows, check_training
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def train_member(planned: PlannedMember, quiet: bool) -> Path:
         return run
     resume = (run / CONFIG).is_file()
     logger.info(f"{planned.member.run}: {'resuming' if state != 'new' else 'training'} ({cfg.model}, preset {cfg.preset})")
-    train(cfg, resume=resume, quiet=quiet)
+    loop.train(cfg, resume=resume, quiet=quiet)
     spec = get_spec(cfg.model)
     if state != "finished":
         report_after_training(spec, run, cfg)

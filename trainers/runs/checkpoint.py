@@ -16,6 +16,11 @@ import numpy as np
 import safetensors.torch
 import torch
 
+try:
+    from numpy._core.multiarray import _reconstruct      # numpy's array-unpickling function
+except ImportError:                                      # numpy < 2
+    from numpy.core.multiarray import _reconstruct
+
 from retr.common.atomic import PARTIAL_SUFFIX, atomic_file, atomic_text
 from retr.common.errors import UserError
 from retr.store.vocab import Vocabulary
@@ -167,15 +172,6 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
 LEGACY_SAFE_GLOBALS = (np.ndarray, np.dtype, np.dtypes.UInt32DType)
 
 
-def _numpy_reconstruct():
-    """numpy's array-unpickling function (its module moved in numpy 2)."""
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:                      # numpy < 2
-        from numpy.core.multiarray import _reconstruct
-    return _reconstruct
-
-
 def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = False,
                     allow: tuple = ()) -> dict:
     """A checkpoint's contents, read without running code (docs/trainer.md): tensors and plain types, the
@@ -190,10 +186,10 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = F
         except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file for the user
             raise UserError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {exc})") from None
     try:
-        with torch.serialization.safe_globals([*LEGACY_SAFE_GLOBALS, _numpy_reconstruct(), *allow]):
+        with torch.serialization.safe_globals([*LEGACY_SAFE_GLOBALS, _reconstruct, *allow]):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
-        allowed = {f"{g.__module__}.{g.__qualname__}" for g in (*LEGACY_SAFE_GLOBALS, _numpy_reconstruct(), *allow)}
+        allowed = {f"{g.__module__}.{g.__qualname__}" for g in (*LEGACY_SAFE_GLOBALS, _reconstruct, *allow)}
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path) if zipfile.is_zipfile(path) else []
         names = [n for n in names if n not in allowed]
         what = f" ({', '.join(names)})" if names else ""

@@ -32,11 +32,15 @@ import threading
 from collections import OrderedDict
 from pathlib import Path, PurePosixPath
 
+from PIL import Image, UnidentifiedImageError
+
 from retr.common.errors import UserError
 from retr.common.optional import require
 from retr.trainers.reporting.explain import ASSETS, Assets, Explainer, ImageSource, Pair
 from retr.trainers.reporting.html import CSS, Member, member_rows, run_metrics, stored_results
 from retr.trainers.search.index import GalleryIndex
+from retr.manifests.schema import outside_root_reason, read_manifest, resolve_image_root
+from retr.trainers.runs import checkpoint as ckpt
 
 WEB = Path(__file__).with_name("web")
 MAX_K = 100
@@ -61,9 +65,6 @@ def check_sources(run, split: str = "test", features: str | None = None, manifes
     without ``config.json``, a feature set or manifest that is not a file, an index folder without ``meta.json``,
     an ``image_root`` that is not a folder, or (a split's gallery) an image root under which none of
     :data:`CHECKED_IMAGES` images of the split, evenly spaced, has its file."""
-    from retr.manifests.schema import outside_root_reason, read_manifest, resolve_image_root
-    from retr.trainers.runs import checkpoint as ckpt
-
     config = ckpt.read_config(run)              # "RUN is not a run folder (it holds no config.json)"
     given = {"features": features, "manifest": manifest}
     for name, path in given.items():
@@ -142,9 +143,6 @@ class SearchPage:
     def __init__(self, retriever, run, split: str = "test", features: str | None = None,
                  manifest: str | None = None, image_root: str | None = None, checkpoint: str = "best",
                  top: int = 10, max_upload: int = 10 << 20, index: str | None = None):
-        from retr.manifests.schema import read_manifest, resolve_image_root
-        from retr.trainers.runs import checkpoint as ckpt
-
         run = Path(run).resolve()
         self.r, self.run, self.split, self.top, self.max_upload = retriever, str(run), split, top, max_upload
         self.name = run.name                    # how the page names the run
@@ -202,8 +200,6 @@ class SearchPage:
     def image_path(self, image_id: str) -> Path:
         """The file of gallery image ``image_id``, an absolute path (404: not in the gallery, outside the root, no
         file; the response names no path, the server's log does)."""
-        from retr.manifests.schema import outside_root_reason
-
         path = self.paths[self.check_id(image_id)]
         if self.root is None:                   # an index: the file it read, recorded by whoever built it
             if not path.is_file():
@@ -281,8 +277,6 @@ class SearchPage:
 def check_image(name: str, data: bytes) -> None:
     """A one-line :class:`RequestError` unless ``data`` is an image file PIL can open and decode whole (a file
     cut short is refused here, with its name, not by the extractor)."""
-    from PIL import Image, UnidentifiedImageError
-
     name = name or "the upload"
     if not data:
         raise RequestError(f"{name} is empty")
@@ -306,7 +300,7 @@ def server_modules():
 def create_app(page: SearchPage):
     """The Flask app of ``page``."""
     flask, _ = server_modules()
-    from werkzeug.exceptions import HTTPException
+    from werkzeug.exceptions import HTTPException  # optional: werkzeug comes with flask, the serve extra
 
     app = flask.Flask(__name__, static_folder=str(WEB), static_url_path="/static")
     app.config["MAX_CONTENT_LENGTH"] = page.max_upload + (64 << 10)     # room for the form around the file

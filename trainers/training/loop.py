@@ -37,6 +37,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+import platform
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -66,6 +70,7 @@ from retr.trainers.models.side_inputs import add_word_vectors
 from retr.trainers.evaluation.similarity import similarity_matrix
 from retr.store.vocab import Vocabulary
 from retr.trainers.runs.layout import BEST, CONFIG, EMA, LOCK, METRICS, VOCAB
+from retr.trainers.evaluation.two_step import two_step_split
 
 logger = logging.getLogger(__name__)
 
@@ -369,11 +374,6 @@ FEATURES_HELD = {"host": "preloaded", "gpu": "held on the device", "file": "read
 def environment() -> dict:
     """Where and with what a run (re)started: versions (retr, its git commit when run from a checkout, torch,
     CUDA, Python), the host and the command line — recorded in ``config.json`` at every start."""
-    import platform
-    import socket
-    import subprocess
-    import sys
-
     commit = None
     try:
         found = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, text=True,
@@ -587,7 +587,6 @@ def validate(run: Run, quiet: bool = False) -> dict:
     model = run.model
     with stage("validation"):
         if model.shortlist:
-            from retr.trainers.evaluation.two_step import two_step_split
             return two_step_split(model, run.val_data, run.val_feats, run.device, model.shortlist, "mixed",
                                   quiet=quiet)["two_step"]
         sims = similarity_matrix(model, run.val_data, run.val_feats, run.device, precision="refined", quiet=quiet)

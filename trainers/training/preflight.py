@@ -31,8 +31,14 @@ from retr.manifests.schema import ManifestRecord, read_manifest
 from retr.store.features import FeatureSet
 from retr.store.word_vectors import GLOVE_SETS, RANDOM
 from retr.trainers.config import TrainConfig
-from retr.trainers.data.splits import check_feature_contract
+from retr.trainers.data.splits import SplitData, check_feature_contract
 from retr.trainers.data.pairing import check_manifest_pairing
+from retr.store.integrity import verify_rows
+from retr.store.vocab import Vocabulary
+from retr.trainers.models import get_spec
+from retr.trainers.models.side_inputs import caption_keys, check_side_inputs
+from retr.trainers.runs.checkpoint import is_run_file, read_config
+from retr.trainers.runs.run_log import summary_writer
 
 
 def check_run_folder(out: str | os.PathLike, resume: bool = False, allow_nonempty_out: bool = False) -> None:
@@ -40,8 +46,6 @@ def check_run_folder(out: str | os.PathLike, resume: bool = False, allow_nonempt
     not a non-empty folder of other files unless ``allow_nonempty_out`` (a run's own files do not count: those of a
     start that stopped before its settings, or of a run ``reproduce --retrain`` moves aside; a run already there is
     refused by ``retr-train MODEL`` unless ``--resume``)."""
-    from retr.trainers.runs.checkpoint import is_run_file
-
     check_output_folder(out, "--out")
     if resume:
         return
@@ -71,16 +75,12 @@ def check_feature_kind(spec, features: FeatureSet, config, name: str = "--featur
 def check_feature_rows(path: str | os.PathLike, name: str = "--features", quiet: bool = False) -> None:
     """Every row of the feature set at ``path`` finite and equal to the checksum stored when it was written (once
     per state of its files: :func:`~retr.store.integrity.verify_rows`); one line naming ``name`` otherwise."""
-    from retr.store.integrity import verify_rows
-
     verify_rows(path, name, quiet=quiet)
 
 
 def check_run_features(runs: list[str], features: str | None = None, quiet: bool = False) -> None:
     """:func:`check_feature_rows` of the set each run is evaluated on: ``features`` when given, else each run's
     own (a run whose set is not on disk is left to the evaluation's own one-line error)."""
-    from retr.trainers.runs.checkpoint import read_config
-
     if features:
         check_feature_rows(features, "--features", quiet)
         return
@@ -109,11 +109,6 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
     (contract, the model's feature kind and shape, pairing), the vocabulary's captions (or the ``vocab`` file), the
     training and validation splits, the model's side files and word vectors, and the ``log`` targets.
     ``features``: the set already opened, if it is. Returns the notes."""
-    from retr.trainers.models import get_spec
-    from retr.trainers.runs.run_log import summary_writer
-    from retr.trainers.data.splits import SplitData
-    from retr.trainers.models.side_inputs import caption_keys, check_side_inputs
-
     check_run_folder(cfg.out, resume, allow_nonempty_out)
     summary_writer(tuple(cfg.log))
     check_input(cfg.manifest, "--manifest", "file", "a JSON Lines manifest")
@@ -128,8 +123,6 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
     notes = check_feature_kind(spec, features, cfg.model_config)
     notes += check_manifest_pairing(features, cfg.manifest)
     if not resume and cfg.vocab:
-        from retr.store.vocab import Vocabulary
-
         check_input(cfg.vocab, "--vocab", "file", "a vocabulary JSON file")
         Vocabulary.load(cfg.vocab)
     if not resume and not cfg.vocab:
