@@ -102,7 +102,7 @@ class WeightsCatalog:
 
 def weights_catalog() -> WeightsCatalog:
     """The :class:`WeightsCatalog` of the registered extractors (imports them: torch, torchvision)."""
-    from retr.extractors.base import extractor_specs  # cost: torch (fetch-weights' module is loaded by retr-pipeline --help)
+    from retr.extractors.base import extractor_specs  # cost: torch (retr-pipeline --help)
 
     specs = [spec for spec in extractor_specs() if spec.weights is not None]
     table = {key: i for i, key in enumerate(SOURCES)}

@@ -263,7 +263,7 @@ def test_report_without_image_files_draws_blank_canvases_of_the_stored_size(tiny
     srcs = _self_contained(index)
     plain = next(s for s in srcs if s.endswith("-image.jpg"))
     image = np.asarray(Image.open(index.parent / plain)).astype(int)
-    assert image.shape[:2] == (explain.PANEL_SIDE, explain.PANEL_SIDE)           # image_hw is 224 × 224: a square canvas
+    assert image.shape[:2] == (explain.PANEL_SIDE, explain.PANEL_SIDE)     # image_hw is 224 × 224: a square canvas
     assert np.abs(image - np.array(draw.BLANK)).max() <= 3               # JPEG rounding only
     panel = next(s for s in srcs if s.startswith("assets/att-") and not s.endswith("-image.jpg"))
     tinted = np.asarray(Image.open(index.parent / panel)).astype(int)

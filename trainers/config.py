@@ -362,9 +362,9 @@ def preset_values(spec, name: str | None = None, **explicit) -> dict[str, Any]:
 
 def read_settings_file(path: str | Path) -> dict:
     """Settings from a JSON or YAML file: a flat ``{setting: value}`` mapping, or a run's ``config.json``
-    (its ``model_args`` are flattened in; sizes that follow from the data are dropped by :func:`settings_from_options`). A file that
-    is absent, a folder, not UTF-8 text or does not parse is a :class:`UserError` in one line starting with the
-    path (a parse error: its line and column)."""
+    (its ``model_args`` are flattened in; sizes that follow from the data are dropped by
+    :func:`settings_from_options`). A file that is absent, a folder, not UTF-8 text or does not parse is a
+    :class:`UserError` in one line starting with the path (a parse error: its line and column)."""
     path = Path(path)
     yaml_file = path.suffix.lower() in (".yaml", ".yml")
     text = read_utf8(path, f"a settings file ({'YAML' if yaml_file else 'JSON'})")

@@ -1,7 +1,8 @@
 """The training loop shared by every model (plain PyTorch; :func:`train` reads on one screen).
 
-``train`` = :func:`build_run` (run directory, data, model, optimiser), then per epoch :func:`train_one_epoch`,
-:func:`validate`, :func:`save_epoch` and :func:`should_stop`.
+``train`` = :func:`build_run` (the run directory, then :func:`build_data`, :func:`build_model` — from the run's
+settings, ``cfg.model_config`` —, :func:`build_optimiser`, :func:`build_distributed` and :func:`record_start`), then
+per epoch :func:`train_one_epoch`, :func:`validate`, :func:`save_epoch` and :func:`should_stop`.
 
 Per epoch: shuffle captions from ``(seed, epoch)``; for each batch encode → (gather across ranks) → score →
 loss → backward → clip the gradient norm → optimiser step (the model's ``configure_optimizer``, Adam by
