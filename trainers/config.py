@@ -159,7 +159,7 @@ class TrainConfig(Settings):
         # --train-split repeated or comma-separated (as every command's split option)
         self.train_splits = tuple(p.strip() for s in self.train_splits for p in str(s).split(",") if p.strip())
         self.vocab_splits = tuple(p.strip() for s in self.vocab_splits for p in str(s).split(",") if p.strip())
-        self.log = tuple(self.log)                 # config.json holds a list
+        self.log = (self.log,) if isinstance(self.log, str) else tuple(self.log)     # config.json holds a list
         self.preload = preload_choice(self.preload)
         super().__post_init__()
         if self.batch_size % self.accum_steps:
