@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # modules there, so a second run (make test-matrix after make test) collects in 3 s instead of 11 s a process.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup test test-matrix test-gpu demo extract clean-demo help
+.PHONY: setup test test-matrix test-gpu demo extract clean-demo options-page help
 
 help:
 	@echo "make setup                 create .venv and install retr (editable, every extra + test tools: .[dev], pinned torch)"
@@ -20,6 +20,7 @@ help:
 	@echo "make test-gpu              on a CUDA machine: the files whose tests take CUDA paths (record the result in docs/benchmarks.md)"
 	@echo "make demo                  run every stage on the synthetic dataset and print the results table"
 	@echo "make extract DATASET=coco  run every extractor of a dataset preset (coco, f30k, synthetic)"
+	@echo "make options-page          rewrite docs/options.md (every command's options) after changing a command or a setting"
 
 # The stamp is newer than pyproject.toml, setup.py and constraints.txt once installed: a second `make setup` is instant.
 $(STAMP): pyproject.toml setup.py constraints.txt
@@ -29,6 +30,10 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	@touch $(STAMP)
 
 setup: $(STAMP)
+
+# docs/options.md: every command's options with their help, made from the code (tests/test_options_page.py)
+options-page: $(STAMP)
+	$(BIN)/python tools/options_page.py
 
 # pytest-randomly shuffles the order with a seed printed first (-q hides pytest's header): make test SEED=N
 # repeats that order. pytest-xdist spreads the files over one worker per core (a file's tests stay together, so

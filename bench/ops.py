@@ -60,7 +60,7 @@ def _step_ops(model, batch: dict, implementation: str = "", as_on_cuda: bool = F
 
 
 def scoring(n_img: int, n_cap: int, dim: int) -> list[dict]:
-    import retr.trainers.models.xattn as xattn
+    import retr.trainers.models.scan as xattn
     g = torch.Generator().manual_seed(0)
     norm = torch.nn.functional.normalize
     images = norm(torch.randn(n_img, 36, dim, generator=g), dim=-1)

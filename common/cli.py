@@ -217,3 +217,26 @@ def quiet_option(f):
     f = click.option("-v", "--verbose", is_flag=True, expose_value=False, callback=_verbose,
                      help="Also print debug lines (timings).")(f)
     return click.option("--quiet", is_flag=True, help="No progress bar (progress lines, notes and warnings stay).")(f)
+
+
+# ------------------------------------------------------------------------------------------------ options page
+
+def command_help_records(group: click.Group, program: str) -> list[tuple[click.Command, str, str, list]]:
+    """``[(command, command line, usage, [(parameter, option, help)])]`` of every command under ``group``,
+    subcommands included, in the order ``PROGRAM --help`` lists them: each option as its ``--help`` shows it
+    (click's own help records: flags, value, help text with its default), hidden options left out. What
+    docs/options.md is made from (``tools/options_page.py``)."""
+    out = []
+
+    def walk(command: click.Command, path: list[str], parent: click.Context | None) -> None:
+        ctx = click.Context(command, info_name=path[-1], parent=parent, **command.context_settings)
+        if isinstance(command, click.Group):
+            for name in command.list_commands(ctx):
+                walk(command.get_command(ctx, name), [*path, name], ctx)
+            return
+        records = [(param, *record) for param in command.get_params(ctx)
+                   if isinstance(param, click.Option) and (record := param.get_help_record(ctx))]
+        out.append((command, " ".join(path), " ".join([*path, *command.collect_usage_pieces(ctx)]), records))
+
+    walk(group, [program], None)
+    return out

@@ -5,7 +5,7 @@ torch is imported when :func:`resolve_device` is called, not when this module is
 passes a device name along (the stanza backend) does not pay for torch at import time."""
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Iterator
 
 from retr.common.errors import ParameterError
@@ -20,7 +20,7 @@ def resolve_device(name: str | torch.device) -> torch.device:
     Raises :class:`~retr.common.errors.ParameterError` (a ``ValueError`` naming the parameter ``device``) for a name
     that is not a CPU or CUDA device, and for a CUDA device asked for on a machine without CUDA:
     ``device cuda:0 asked for, but CUDA is not available here``."""
-    import torch
+    import torch  # cost: torch (importing this module loads no torch)
 
     if isinstance(name, str) and name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -48,7 +48,7 @@ def exact_float32() -> Iterator[None]:
     sets torch's per-backend precisions (the older ``allow_tf32`` flags, mixed in, make torch refuse to read
     either); inside, reading ``torch.backends.cudnn.allow_tf32`` raises, and on exit each setting gets back the
     value it read as on entry (one that followed its parent's then keeps that value)."""
-    import torch
+    import torch  # cost: torch
 
     backends = torch.backends
     if hasattr(backends.cudnn, "conv"):     # torch >= 2.9: per-backend precisions (mixing in the old flags breaks them)
@@ -72,6 +72,4 @@ def float32_arithmetic(tf32: bool = False):
     """The context that CUDA float32 work runs in: :func:`exact_float32`, unless ``tf32`` (a recorded speed
     option: PyTorch's defaults then, with cuDNN's convolutions and RNNs in TF32). Evaluation uses it, so the
     same run scores the same on a CPU and on a GPU (docs/trainer.md#evaluation)."""
-    from contextlib import nullcontext
-
     return nullcontext() if tf32 else exact_float32()

@@ -24,6 +24,7 @@ from retr.common.atomic import PARTIAL_SUFFIX, partial_path
 from retr.common.progress import progress
 from retr.common.errors import MissingResourceError, UserError
 from retr.common.locks import waiting_lock
+from retr.common.paths import nearest_existing, write_problem
 
 #: set to 1 (or true/yes/on) and retr never opens a network connection
 OFFLINE_ENV = "RETR_OFFLINE"
@@ -241,8 +242,6 @@ def _refuse(partial: Path, message: str) -> UserError:
 
 def _download_folder(folder: Path) -> None:
     """Create ``folder`` (a download's destination), or one :class:`UserError` line saying why it cannot be."""
-    from retr.common.paths import nearest_existing, write_problem
-
     existing = nearest_existing(folder)
     if existing.exists() and not existing.is_dir():
         raise UserError(f"cannot download into {folder}: it, or a folder above it, is a file")

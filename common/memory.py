@@ -23,7 +23,7 @@ def host_memory_available() -> int | None:
         limit = _cgroup_room()
         return available if limit is None else min(available, limit)
     try:
-        import psutil
+        import psutil  # optional: psutil, where installed
     except ImportError:
         psutil = None
     if psutil is not None:
@@ -72,7 +72,7 @@ def available_bytes(device) -> int:
     """Bytes free where ``device`` (a ``torch.device``) computes: a CUDA device's free memory, else
     :func:`host_memory_available` (0 when the system does not say)."""
     if getattr(device, "type", str(device)) == "cuda":
-        import torch                                    # only asked for on a CUDA device
+        import torch                                    # cost: torch, only asked for on a CUDA device
 
         return int(torch.cuda.mem_get_info(device)[0])
     return host_memory_available() or 0

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from retr.extractors.spec import ExtractorSpec
+from retr.common.errors import ParameterError
 
 
 class ImageError(Exception):
@@ -120,7 +121,6 @@ def extractor_specs() -> list[ExtractorSpec]:
 
 def extractor_spec(name: str) -> ExtractorSpec:
     """The spec of extractor ``name``; :class:`~retr.common.errors.ParameterError` lists the known ones."""
-    from retr.common.errors import ParameterError
     names = available_extractors()
     if name not in _SPECS:
         raise ParameterError(f"unknown extractor {name!r} (available: {', '.join(names)})", "name")
@@ -149,7 +149,6 @@ def declared_options(name: str) -> set[str]:
 def build_extractor(name: str, **options: Any) -> Extractor:
     """The extractor ``name`` built with ``options``; :class:`~retr.common.errors.ParameterError` names a bad one,
     :class:`~retr.common.optional.MissingExtraError` a missing extra (before anything is built)."""
-    from retr.common.errors import ParameterError
     spec = extractor_spec(name)
     parameters = inspect.signature(spec.builder).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):

@@ -37,7 +37,7 @@ from retr.common.errors import ParameterError, UserError
 from retr.common.hashing import sha256_file
 from retr.common.optional import require
 from retr.extractors.backbone import BackboneExtractor
-from retr.extractors.base import register_extractor
+from retr.extractors.base import needed_by, register_extractor
 from retr.extractors.images import check_aspect, decode_image, normalize_uint8, to_normalized_tensor
 from retr.extractors.spec import ExtractorSpec, RandomInit, WeightSource
 from retr.extractors.timm_weights import (cached_hub_file, download_hub_file, hf_hub_cache, missing_hub_weights,
@@ -61,7 +61,6 @@ RANDOM = RandomInit("open_clip", {"force_quick_gelu": True})
 
 
 def open_clip():
-    from retr.extractors.base import needed_by
     return require("open_clip", EXTRA, f"{needed_by('open_clip')} and retr-train eval-clip")
 
 

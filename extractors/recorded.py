@@ -70,7 +70,7 @@ def weights_argument(attrs: dict) -> str | None:
         return recorded or None
     file_name = str(attrs.get("weights_file") or recorded.split(" sha256:")[0])
     if attrs.get("extractor") == "butd-regions":
-        from retr.extractors.butd.extractor import DEFAULT_CHECKPOINT
+        from retr.extractors.butd.extractor import DEFAULT_CHECKPOINT  # cost: torchvision
         if file_name == DEFAULT_CHECKPOINT:
             return None
     return file_name

@@ -20,6 +20,7 @@ from retr.common.optional import require
 from retr.extractors.spec import WeightSource
 from retr.extractors.weights import (RANDOM_SEED, LoadedWeights, first_line, load_checked, read_state_dict,
                                      seeded_random_model)
+from retr.extractors.base import extractors_requiring, needed_by
 
 #: The tag ``--weights imagenet`` means (timm's default for ``inception_resnet_v2``).
 TIMM_DEFAULT_TAG = "tf_in1k"
@@ -31,7 +32,6 @@ EXTRA = "pipeline"
 
 def what() -> str:
     """What needs timm, in the one-line error when it is missing: the extractors whose spec requires it."""
-    from retr.extractors.base import extractors_requiring, needed_by
     return f"{needed_by('timm')} and {'its' if len(extractors_requiring('timm')) == 1 else 'their'} weights"
 
 

@@ -17,14 +17,21 @@ from pathlib import Path
 from typing import Callable, Iterable
 from urllib.parse import urlparse
 
+import numpy as np
 import torch
 from torch import nn
 from torchvision import models as tvm
+
+try:
+    from numpy._core.multiarray import _reconstruct, scalar
+except ImportError:  # NumPy < 2
+    from numpy.core.multiarray import _reconstruct, scalar
 
 from retr.common.downloads import SOURCES, download, fetch_source, is_offline, mirror_base
 from retr.common.errors import MissingResourceError, ParameterError, UserError
 from retr.common.hashing import sha256_file
 from retr.extractors.spec import RandomInit, WeightSource
+from retr.extractors.images import IMAGENET_MEAN, IMAGENET_STD
 
 #: The seed of every extractor's ``--weights random`` (recorded as the ``weights_seed`` attribute where recorded).
 RANDOM_SEED = 0
@@ -75,7 +82,6 @@ def build_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] = (),
     if weights == "random":
         model = seeded_random_model(("torchvision", arch, *sorted(builder_options.items())),
                                     lambda: builder(weights=None, **builder_options))
-        from retr.extractors.images import IMAGENET_MEAN, IMAGENET_STD
         loaded = LoadedWeights("random", {"weights_seed": RANDOM_SEED}, IMAGENET_MEAN, IMAGENET_STD)
     elif is_enum_spec(weights) and not Path(weights).exists():
         member = imagenet_weights(arch, weights)
@@ -94,7 +100,6 @@ def build_backbone(arch: str, weights: str, unused_prefixes: Iterable[str] = (),
                                  f"nor an existing state-dict file", "weights")
         model = _skeleton(builder)
         load_checked(model, read_state_dict(path), str(path), arch, tuple(unused_prefixes))
-        from retr.extractors.images import IMAGENET_MEAN, IMAGENET_STD
         loaded = LoadedWeights(f"sha256:{sha256_file(path)}", {"weights_file": path.name}, IMAGENET_MEAN,
                                IMAGENET_STD)
     return model.eval(), loaded
@@ -203,11 +208,6 @@ def numpy_array_globals() -> list:
     """What unpickling NumPy arrays needs (array reconstruction, dtypes, scalars): allowed in a weights-only
     ``torch.load`` of files that hold arrays instead of tensors (detectron2-era checkpoints). Nothing of it runs
     code: it rebuilds arrays from bytes."""
-    import numpy as np
-    try:
-        from numpy._core.multiarray import _reconstruct, scalar
-    except ImportError:  # NumPy < 2
-        from numpy.core.multiarray import _reconstruct, scalar
     return [_reconstruct, scalar, np.ndarray, np.dtype] + [getattr(np.dtypes, n) for n in dir(np.dtypes)
                                                             if n.endswith("DType")]
 

@@ -10,6 +10,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+import tarfile
 
 from retr.common.downloads import (SOURCES, Source, ensure_free_space, fetch_source, is_offline, is_unpacked,
                                    mark_unpacked, partial_path, unpack_tar, unpack_zip, writer_lock)
@@ -202,8 +203,6 @@ def _f30k_images(layout: DataLayout, images_archive: Path | None, quiet: bool) -
 
 def archive_kind(path: str | os.PathLike) -> str:
     """``zip`` or ``tar`` (plain or compressed) by the file's first bytes; a one-line error for anything else."""
-    import tarfile
-
     path = Path(path)
     if not path.is_file():
         raise ParameterError(f"images_archive {path} is not a file (give the Flickr30K images archive you were "

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Iterable, Iterator, Mapping, Sequence
+import hashlib
 
 from retr.common.atomic import atomic_file, atomic_text
 from retr.common.errors import ParameterError, UserError
@@ -186,8 +187,6 @@ def manifest_sha256(path: str | os.PathLike) -> str:
     last on a line, :func:`caption_ids_suffix`): recorded in every feature set, parse and run made from it, so a
     manifest given its caption ids (``retr-pipeline manifest coco-caption-ids``) is still the one they were made
     from. A manifest without caption ids: the SHA-256 of its bytes."""
-    import hashlib
-
     with open(path, "rb") as handle:
         body = handle.read()
     if _CAPTION_IDS_BYTES in body:

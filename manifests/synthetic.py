@@ -42,6 +42,8 @@ DOMINANCE = 0.35    # the off-axis centre offset is at most this fraction of the
 NOISE = 4           # background/object noise amplitude (uniform integers in [-NOISE, NOISE])
 CAPTIONS_PER_IMAGE = 5
 ID_PREFIX = "synth_"
+#: the files :func:`generate_synthetic` writes into its folder (besides ``images/``)
+MANIFEST, CONLLU, SCENES = "manifest.jsonl", "captions.conllu", "scenes.jsonl"
 
 MAX_SCENES = len(SIZES) * len(COLOURS) * len(SHAPES) * (len(SIZES) * (len(COLOURS) - 1) * len(SHAPES)) \
     * len(RELATIONS)
@@ -393,18 +395,6 @@ class SyntheticSummary:
     num_captions: int
     split_counts: dict[str, int] = field(default_factory=dict)
 
-    @property
-    def manifest_path(self) -> Path:
-        return self.out_dir / "manifest.jsonl"
-
-    @property
-    def conllu_path(self) -> Path:
-        return self.out_dir / "captions.conllu"
-
-    @property
-    def scenes_path(self) -> Path:
-        return self.out_dir / "scenes.jsonl"
-
 
 def image_id(index: int) -> str:
     """``synth_00042``."""
@@ -476,10 +466,10 @@ def generate_synthetic(out_dir: str | os.PathLike, num_images: int = 1000, seed:
         if stale.name not in wanted:
             stale.unlink()
 
-    with atomic_text(out_dir / "scenes.jsonl") as handle:
+    with atomic_text(out_dir / SCENES) as handle:
         handle.write("\n".join(scene_lines) + "\n")
-    write_conllu(out_dir / "captions.conllu", sentences)
-    write_manifest(out_dir / "manifest.jsonl", records)  # last: a complete manifest means a complete dataset
+    write_conllu(out_dir / CONLLU, sentences)
+    write_manifest(out_dir / MANIFEST, records)  # last: a complete manifest means a complete dataset
 
     counts = {s: splits.count(s) for s in ("train", "val", "test")}
     return SyntheticSummary(out_dir, num_images, len(sentences), counts)

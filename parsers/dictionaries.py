@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+import h5py
 
 from retr.common.errors import ParameterError, UserError
 from retr.parsers.referral_tree import ENTITY_SLOTS, RELATION_SLOTS, ReferralTree
@@ -117,8 +118,6 @@ def load_dictionaries(path: str | os.PathLike) -> Dictionaries:
     if not path.is_file():
         raise UserError(f"dictionaries file {path} does not exist")
     if path.suffix in (".h5", ".hdf5"):
-        import h5py
-
         try:
             with h5py.File(path, "r") as f:
                 if "entities" not in f.attrs or "relations" not in f.attrs:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import nltk
 
@@ -116,8 +116,8 @@ def nltk_to_slots(tree: nltk.Tree) -> list[str]:
 def _wordnet_lemmatizer():
     """NLTK's WordNet lemmatizer if its data is installed here, else ``None`` (never downloaded)."""
     try:
-        from nltk.corpus import wordnet
-        from nltk.stem import WordNetLemmatizer
+        from nltk.corpus import wordnet  # optional: WordNet's data, where installed
+        from nltk.stem import WordNetLemmatizer  # optional: WordNet's data, where installed
 
         wordnet.ensure_loaded()
         return WordNetLemmatizer()
@@ -387,9 +387,3 @@ class TreeBuilder:
 def build_tree(sentence: ConlluSentence, rules: TreeRules | None = None) -> ReferralTree:
     """The referral tree of one parsed sentence (rules: ``docs/referral-trees.md``, "The rules")."""
     return TreeBuilder(rules).build(sentence)
-
-
-def build_trees(sentences: Iterable[ConlluSentence], rules: TreeRules | None = None) -> list[ReferralTree]:
-    """The referral trees of parsed sentences, in order."""
-    builder = TreeBuilder(rules)
-    return [builder.build(sentence) for sentence in sentences]

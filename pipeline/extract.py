@@ -24,8 +24,8 @@ from retr.extractors.base import Extractor, build_extractor
 from retr.extractors.batches import extract_paths, extracted_batches  # noqa: F401  (extract_paths: bench/gpu.py)
 from retr.manifests.schema import ManifestRecord, manifest_sha256, outside_root_reason, read_manifest
 from retr.pipeline.write_thread import WRITE_QUEUE_DEPTH, BackgroundWriter
-from retr.store.features import (NonFiniteError, ShardWriter, decode_str, index_path_for, is_complete,
-                                 shard_name, shard_status, write_index)
+from retr.store.features import (ATTRS_BEFORE_RECORDED, NonFiniteError, ShardWriter, _attr_value, decode_str,
+                                 index_path_for, is_complete, shard_name, shard_status, write_index)
 
 #: Attributes the shard writer adds that change with the run, not with what the features are; a complete
 #: shard from an earlier run must agree with this run on every other attribute to be reused.
@@ -144,7 +144,6 @@ def _comparable(attrs: dict[str, Any]) -> dict[str, Any]:
 
 def check_existing_shard(path: Path, attrs: dict[str, Any], dtype: str, ids: list[str]) -> None:
     """Refuse to reuse a complete shard made with other settings (attributes, dtype) or for other rows."""
-    from retr.store.features import ATTRS_BEFORE_RECORDED, _attr_value  # the writer's JSON encoding
     with h5py.File(path, "r") as f:
         have = _comparable({k: f.attrs[k] for k in f.attrs})
         shard_ids = [decode_str(v) for v in f["ids"][:]]

@@ -11,6 +11,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
+import pickle
 
 import numpy as np
 
@@ -427,7 +428,7 @@ def _choose_k(largest: int, max_boxes: int | None) -> int:
 # -- MILVLG npz ----------------------------------------------------------------------------------------------
 def _read_npy_member(archive: zipfile.ZipFile, member: str, where: str) -> np.ndarray:
     """An array from an ``.npz`` member; object arrays go through the arrays-only unpickler."""
-    from retr.extractors.butd.checkpoint import _ArrayUnpickler
+    from retr.extractors.butd.checkpoint import _ArrayUnpickler  # cost: torchvision (retr-pipeline --help loads none)
     with archive.open(member) as handle:
         data = io.BytesIO(handle.read())
     version = np.lib.format.read_magic(data)
@@ -435,7 +436,6 @@ def _read_npy_member(archive: zipfile.ZipFile, member: str, where: str) -> np.nd
                    else np.lib.format.read_array_header_2_0)
     _shape, _fortran, dtype = read_header(data)
     if dtype.hasobject:
-        import pickle
         try:
             return _ArrayUnpickler(data, encoding="latin1").load()
         except pickle.UnpicklingError as exc:

@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 from retr.common.downloads import SOURCES, Source, format_bytes, is_offline
 from retr.common.errors import MissingResourceError, ParameterError
 from retr.extractors.spec import ALL, WeightSource
+from retr.parsers.backends import STANZA_LANGUAGE, fetch_parser_models, missing_models_error, stanza_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +45,13 @@ def _extractor_item(weights: WeightSource) -> WeightsItem:
 
 def _stanza(model_dir: Path | None) -> WeightsItem:
     def folder() -> tuple[Path, str]:
-        from retr.parsers.backends import stanza_model_dir
         return stanza_model_dir(model_dir)
 
     def locate() -> Path | None:
-        from retr.parsers.backends import STANZA_LANGUAGE
         path, _ = folder()
         return path if (path / "resources.json").is_file() and (path / STANZA_LANGUAGE).is_dir() else None
 
     def fetch(quiet: bool, mirror: str | None) -> Path:
-        from retr.parsers.backends import fetch_parser_models, missing_models_error
         path, source = folder()
         if is_offline():
             raise missing_models_error(path, source)
@@ -104,7 +102,7 @@ class WeightsCatalog:
 
 def weights_catalog() -> WeightsCatalog:
     """The :class:`WeightsCatalog` of the registered extractors (imports them: torch, torchvision)."""
-    from retr.extractors.base import extractor_specs
+    from retr.extractors.base import extractor_specs  # cost: torch (retr-pipeline --help)
 
     specs = [spec for spec in extractor_specs() if spec.weights is not None]
     table = {key: i for i, key in enumerate(SOURCES)}

@@ -27,8 +27,8 @@ from retr.common.cache import cache_folder
 from retr.common.errors import UserError
 from retr.common.locks import waiting_lock
 from retr.common.progress import progress
-from retr.store.features import CHECKSUM_ALGORITHM, CHECKSUMS, NOT_ROW_DATA, decode_str, non_finite_rows, \
-    row_checksums
+from retr.store.features import (CHECKSUMS, CHECKSUM_ALGORITHM, FeatureSet, NOT_ROW_DATA, decode_str, non_finite_rows,
+                                 row_checksums)
 
 logger = logging.getLogger(__name__)
 
@@ -194,8 +194,6 @@ def verify_rows(path: str | os.PathLike, name: str = "--features", quiet: bool =
     file whose state (:func:`file_state`) was found sound before is skipped; returns the rows read (0: all
     remembered). Concurrent commands read a file once: the first verifies it, the others wait and find it
     remembered."""
-    from retr.store.features import FeatureSet
-
     path = Path(path)
     FeatureSet(path)                        # one line for a file that is no (complete) feature set
     files = row_files(path)

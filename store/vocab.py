@@ -44,7 +44,7 @@ very too also just only then now again still even
 
 @functools.cache
 def _tokenizer():
-    from nltk.tokenize.destructive import NLTKWordTokenizer  # imported on first use: nltk takes ~0.5 s
+    from nltk.tokenize.destructive import NLTKWordTokenizer  # cost: nltk takes ~0.5 s, imported on first use
 
     return NLTKWordTokenizer()
 

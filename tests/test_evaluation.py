@@ -152,7 +152,7 @@ def test_the_hint_after_training_names_the_protocols_the_test_split_fits(tmp_pat
     from retr.manifests.schema import ManifestRecord, write_manifest
     from retr.trainers.config import TrainConfig
     from retr.trainers.evaluation.metrics import protocols_for
-    from retr.trainers.training.settings import evaluate_hint
+    from retr.trainers.commands.train import evaluate_hint
 
     assert protocols_for(5000) == ["coco-1k", "coco-5k", "coco-1k-first"] and protocols_for(1000) == ["f30k-1k"]
     for n, expected in ((1000, ["--protocol f30k-1k"]), (5000, ["--protocol coco-1k", "--protocol coco-5k"]),

@@ -347,7 +347,7 @@ def test_explain_takes_one_pair(name):
 def test_scan_attention_is_scores_own_over_a_chunked_block(monkeypatch):
     """SCAN's ``xattn_block`` keeps every chunk's attention; its scores are ``xattn_scores``' bit for bit, and each
     pair's slice of the block's attention is that pair's ``explain`` (to float32 rounding)."""
-    from retr.trainers.models import xattn
+    from retr.trainers.models import scan as xattn
 
     monkeypatch.setattr(xattn, "CHUNK_ELEMENTS", 50)                     # many image and caption chunks
     for direction in ("t2i", "i2t"):

@@ -31,6 +31,7 @@ import torch
 from golden_support import load_golden
 from retr.pipeline.concepts import concept_graph
 from retr.trainers.models import layers
+from retr.trainers.models import create_model
 from retr.trainers.models.concepts import ConceptGCN
 from retr.trainers.models.smfea import SMFEA
 
@@ -115,7 +116,7 @@ def make_model(golden, eps: float | None = None) -> SMFEA:
     vectors = torch.from_numpy(inputs["concept_vectors"])
     concepts, concept_dim = vectors.shape
     embed = inputs["init.img_enc.fc.weight"].shape[0]
-    model = SMFEA(vocab_size=len(inputs["token_concepts"]), num_entities=2, num_relations=2,
+    model = create_model("smfea", vocab_size=len(inputs["token_concepts"]), num_entities=2, num_relations=2,
                   num_concepts=concepts, img_dim=inputs["init.img_enc.fc.weight"].shape[1], embed_size=embed,
                   word_dim=inputs["init.txt_enc.embed.weight"].shape[1], use_trees=False,
                   beta_d=float(inputs["setting.fuse_weight"]), beta_c=1.0 - float(inputs["setting.fuse_weight"]),

@@ -32,6 +32,7 @@ import torch
 from retr.trainers.data.splits import ImageFeatures, SplitData
 from retr.trainers.evaluation.metrics import i2t_ranks, retrieval_metrics, t2i_ranks
 from retr.trainers.training.loop import train_step
+from retr.trainers.models import create_model
 from retr.trainers.models.seam import SEAM, attention_penalty
 from retr.trainers.evaluation.similarity import SplitEmbeddings, similarity_matrix
 from tests.conftest import in_memory_features
@@ -82,7 +83,7 @@ def authors_state(kind: str, where: str) -> dict[str, torch.Tensor]:
 
 def build(kind: str, where: str = "init") -> SEAM:
     """retr's SEAM with the authors' settings and state, float64."""
-    model = SEAM(vocab_size=SIZE["vocab_size"], img_dim=SIZE["img_dim"], text_encoder=kind,
+    model = create_model("seam", vocab_size=SIZE["vocab_size"], img_dim=SIZE["img_dim"], text_encoder=kind,
                  embed_size=SIZE["embed_size"], word_dim=SIZE["word_dim"], hops=SIZE["att_hops"],
                  attention_hidden=SIZE["att_units"], conv_filters=SIZE["conv_filters"],
                  gru_size=SIZE["embed_size"],            # the public code's GRU is embed_size wide (generator)

@@ -11,8 +11,9 @@ import torch
 
 from retr.store.labels import read_label_file
 from retr.trainers.models.losses import hinge_triplet_loss
+from retr.trainers.config import upgrade_stored
 from retr.trainers.models import create_model, preset
-from retr.trainers.models.jgcar import JGCAR, decorrelation_loss, intra_modal_triplet
+from retr.trainers.models.jgcar import JGCAR, JGCARConfig, decorrelation_loss, intra_modal_triplet
 from retr.trainers.models.side_inputs import caption_concepts, labels_to_multihot
 from retr.trainers.evaluation.two_step import rerank_matrices
 
@@ -54,9 +55,11 @@ def test_registry_and_presets():
 def test_runs_written_before_the_mining_default_keep_dissimilar():
     from retr.trainers.models import get_spec
     spec = get_spec("jgcar")
-    args, inputs = spec.upgrade({"gamma": 10.0, "labels": "l.json"})
+    stored = upgrade_stored(spec, {"model": "jgcar", "model_args": {"gamma": 10.0, "labels": "l.json"}})
+    args, inputs = stored["model_args"], stored["inputs"]
     assert args["negative_mining"] == "dissimilar" and inputs == {"labels": "l.json"} and "labels" not in args
-    assert spec.upgrade({"negative_mining": "similar"})[0]["negative_mining"] == "similar"
+    assert upgrade_stored(spec, {"model": "jgcar", "model_args": {"negative_mining": "similar"}})["model_args"][
+        "negative_mining"] == "similar"
 
 
 def test_default_mining_takes_the_most_similar_negatives():
@@ -378,9 +381,9 @@ def test_jgcar_learns_on_synthetic_maps(tmp_path, caplog):
     features = write_scene_maps(tmp_path / "synth")
     manifest = tmp_path / "synth" / "manifest.jsonl"
     # small sizes for CPU; cosine global scores (an option) start learning sooner than the printed dot product
-    args = dict(embed_size=32, word_dim=32, hidden_size=16, dropout=0.0, num_negatives=6, shortlist=10,
-                global_similarity="cosine", optimizer="adam")
-    cfg = TrainConfig(model="jgcar", model_args=args, features=str(features), manifest=str(manifest),
+    args = JGCARConfig(embed_size=32, word_dim=32, hidden_size=16, dropout=0.0, num_negatives=6, shortlist=10,
+                       global_similarity="cosine", optimizer="adam")
+    cfg = TrainConfig(model="jgcar", model_config=args, features=str(features), manifest=str(manifest),
                       out=str(tmp_path / "run"), epochs=4, batch_size=32, lr=2e-3, lr_update=100, grad_clip=2.0,
                       device="cpu", train_splits=["train"], seed=0)
     with caplog.at_level(logging.INFO, logger="retr"):

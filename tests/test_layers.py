@@ -213,6 +213,102 @@ def test_the_stack_check_sees_a_model_importing_training(tmp_path):
     assert package_cycles(edges) == [["models", "training"]]
 
 
+# ------------------------------------------------------------------------------------------------- module cycles
+# Inside one layer modules may import each other, but not in a loop: a loop (``a`` needs ``b`` needs ``a``) hides
+# which of them holds what, and works only as long as each import happens late enough.
+
+def module_files(folders: dict[str, Path]) -> dict[str, Path]:
+    """``{dotted module name: file}`` of every module of every package folder (a package is its ``__init__.py``)."""
+    return {module_name(package, folder, path): path for package, folder in folders.items()
+            for path in sorted(folder.rglob("*.py"))}
+
+
+def module_edges(folders: dict[str, Path]) -> list[Edge]:
+    """``(module, module it imports)`` between retr modules, wherever the import is written: ``from pkg import
+    name`` is an import of the module ``pkg.name`` when there is one, else of ``pkg`` (its ``__init__.py``)."""
+    modules = module_files(folders)
+    edges = set()
+    for module, path in modules.items():
+        names = imported_names(path.read_text(encoding="utf-8"), module, path.name == "__init__.py")
+        for target in names:
+            if target not in modules or target == module:
+                continue
+            # ``from pkg import sub`` names both pkg and pkg.sub: only the submodule is imported from pkg's names
+            if any(other.startswith(target + ".") and other in modules for other in names) and \
+                    not _imports_package_names(path.read_text(encoding="utf-8"), module, target,
+                                               path.name == "__init__.py", modules):
+                continue
+            edges.add((module, target))
+    return sorted(edges)
+
+
+def _imports_package_names(source: str, module: str, package: str, is_package: bool, modules: dict) -> bool:
+    """Whether ``source`` imports from ``package`` a name that is not one of its submodules (so its
+    ``__init__.py`` runs for that name) or imports ``package`` itself."""
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(alias.name == package for alias in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            base = (".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+                    if node.level else node.module)
+            if base == package and any(f"{base}.{alias.name}" not in modules for alias in node.names):
+                return True
+    return False
+
+
+def module_cycles(edges: list[Edge]) -> list[list[str]]:
+    """Groups of modules that import each other, directly or through others (strongly connected, size ≥ 2)."""
+    graph: dict[str, set[str]] = {}
+    for src, dst in edges:
+        graph.setdefault(src, set()).add(dst)
+        graph.setdefault(dst, set())
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    reach = {m: reachable(m) for m in graph}
+    groups = {frozenset(q for q in graph if q == m or (q in reach[m] and m in reach[q])) for m in graph}
+    return sorted(sorted(g) for g in groups if len(g) > 1)
+
+
+def test_no_import_loop_between_modules():
+    """No two modules import each other, directly or through others, inside one layer or anywhere (an import
+    inside a function counts: the loop is there, only hidden until that function runs)."""
+    edges = module_edges(package_folders(ROOT))
+    assert len(edges) > 100, "the scan found almost no imports between modules"
+    cycles = module_cycles(edges)
+    assert not cycles, "modules importing each other (move what both need into a module of its own):\n" + \
+        "\n".join("  " + " ↔ ".join(group) for group in cycles)
+
+
+def test_the_module_check_sees_loops_through_a_function_and_a_package(tmp_path):
+    folders = _tree(tmp_path, {
+        "common/__init__.py": "",
+        "trainers/__init__.py": "",
+        "trainers/runs/__init__.py": "",
+        "trainers/runs/checkpoint.py": "def late():\n    from retr.trainers.runs.hub import local_run\n",
+        "trainers/runs/hub.py": "from retr.trainers.runs import checkpoint as ckpt\n",
+        "trainers/models/__init__.py": "from retr.trainers.models.registry import get_spec\n",
+        "trainers/models/registry.py": ("import importlib\n"
+                                        "def load():\n    importlib.import_module('retr.trainers.models')\n"),
+        "trainers/models/scan.py": "from retr.trainers.models.registry import get_spec\n",
+        "trainers/training/__init__.py": "",
+        "trainers/training/loop.py": "from retr.trainers.models import scan\nfrom retr.trainers.runs import hub\n",
+    })
+    edges = module_edges(folders)
+    assert ("retr.trainers.training.loop", "retr.trainers.models.scan") in edges        # the submodule …
+    assert ("retr.trainers.training.loop", "retr.trainers.models") not in edges        # … not the package's names
+    assert module_cycles(edges) == [["retr.trainers.models", "retr.trainers.models.registry"],
+                                    ["retr.trainers.runs.checkpoint", "retr.trainers.runs.hub"]]
+
+
 # ------------------------------------------------------------------------------------------------- the checker
 
 def _tree(root: Path, files: dict[str, str]) -> dict[str, Path]:
@@ -416,3 +512,55 @@ def test_command_layer_checker(tmp_path):
     ]
     assert [src for src, _ in command_layer_violations(folders, skip=frozenset({"trainers"}))
             if src.startswith("retr.trainers")] == []
+
+
+# ------------------------------------------------------------------------------------------------- late imports
+# An import belongs at the top of its module, where a reader sees what the module stands on. Written inside a
+# function only where the top would cost something: an import that takes time the module's common uses never need
+# (`# cost: torch` — e.g. `retr-pipeline --help` loads no torch), or a package retr does not require (`# optional:
+# matplotlib, the report extra`); the import's comment says which.
+
+LATE_REASONS = ("cost", "optional")
+
+
+def late_imports(source: str) -> list[tuple[int, str]]:
+    """``(line, the import's text)`` of every import written inside a function whose comment gives no reason
+    (:data:`LATE_REASONS`: ``# cost: …`` or ``# optional: …`` on one of its lines)."""
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    text = lines[sub.lineno - 1:sub.end_lineno]
+                    comments = [line.split("#", 1)[1].strip() for line in text if "#" in line]
+                    if not any(c.split(":")[0].strip() in LATE_REASONS for c in comments):
+                        found.append((sub.lineno, text[0].strip()))
+    return sorted(set(found))
+
+
+def test_imports_inside_functions_say_why():
+    bad = [f"  {path.relative_to(ROOT)}:{line}: {text}" for folder in package_folders(ROOT).values()
+           for path in sorted(folder.rglob("*.py")) for line, text in late_imports(path.read_text(encoding="utf-8"))]
+    assert not bad, ("imports inside functions with no reason (move them to the top, or say `# cost: …` / "
+                     "`# optional: …`):\n" + "\n".join(bad))
+
+
+def test_the_late_import_check_reads_the_comment():
+    source = ("def a():\n    import torch  # cost: torch\n"
+              "def b():\n    import jinja2  # optional: the report extra\n"
+              "def c():\n    from retr.store import features\n"
+              "def d():\n    from retr.store.features import (FeatureSet,\n"
+              "                                     KINDS)  # cost: h5py\n"
+              "def e():\n    import numpy  # numpy\n")
+    assert late_imports(source) == [(6, "from retr.store import features"), (11, "import numpy  # numpy")]
+
+
+def test_the_pipeline_commands_load_no_torch():
+    """The reason the pipeline's commands give for their late imports: `retr-pipeline --help` stays light."""
+    import subprocess
+    import sys
+
+    code = "import sys; from retr.pipeline.commands import cli; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

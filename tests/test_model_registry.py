@@ -21,7 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from retr.trainers.config import embed_size_setting, margin_setting, setting, violation_setting, word_dim_setting
+from retr.trainers.config import (Settings, embed_size_setting, flag_of, make_config, margin_setting, setting,
+                                  violation_setting, word_dim_setting)
 from retr.trainers.models import ModelSpec, create_model, get_spec, list_models, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean
@@ -38,7 +39,7 @@ TINY = {"embed_size": 16, "word_dim": 8, "hidden_size": 8, "tree_hidden": 8, "gr
 # ------------------------------------------------------------------------------------- a throwaway model
 
 @dataclass
-class ThrowawayConfig:
+class ThrowawayConfig(Settings):
     """The throwaway model's settings."""
 
     embed_size: int = embed_size_setting(32)
@@ -51,8 +52,8 @@ class ThrowawayConfig:
 class Throwaway(MatchingModel):
     """Mean of the regions → Linear; mean of the word embeddings → Linear; scaled dot product."""
 
-    def __init__(self, vocab_size: int, img_dim: int = 2048, config: ThrowawayConfig | None = None, **settings):
-        cfg = self.config = self.settings(ThrowawayConfig, config, settings)
+    def __init__(self, vocab_size: int, img_dim: int = 2048, config: ThrowawayConfig | None = None):
+        cfg = self.config = config if config is not None else ThrowawayConfig()
         super().__init__(cfg.margin, cfg.max_violation)
         self.img = nn.Linear(img_dim, cfg.embed_size)
         self.embed = nn.Embedding(vocab_size, cfg.word_dim)
@@ -341,7 +342,7 @@ def test_one_training_step_through_the_loop(name, synthetic_side_files):
     vocab = Vocabulary.build((c for r in read_manifest(manifest, splits=["train"]) for c in r.captions), 1)
     fs = FeatureSet(features)
     data, _ = load_split(manifest, ["train"], vocab, fs)
-    config = spec.make_config(tiny_settings(name))
+    config = make_config(spec.config_class, tiny_settings(name))
     wanted = {i.name: files.get(i.name) for i in spec.inputs}
     inputs = spec.load_inputs(data, wanted, config, len(vocab)) if spec.load_inputs else ModelInputs()
     torch.manual_seed(0)
@@ -363,8 +364,8 @@ def test_one_training_step_through_the_loop(name, synthetic_side_files):
 def test_presets_resolve_and_every_setting_has_help(name):
     spec = get_spec(name)
     for preset in spec.presets:
-        spec.make_config({k: v for k, v in spec.resolve_preset(preset).items()
-                          if k in {f.name for f in dataclasses.fields(spec.config_class)}})
+        make_config(spec.config_class, {k: v for k, v in spec.resolve_preset(preset).items()
+                                        if k in {f.name for f in dataclasses.fields(spec.config_class)}})
     for field in dataclasses.fields(spec.config_class):
         assert field.metadata.get("help"), f"{name}.{field.name} has no help"
 
@@ -372,7 +373,6 @@ def test_presets_resolve_and_every_setting_has_help(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_generated_command_lists_every_setting(name):
     from retr.trainers.commands.train import training_command
-    from retr.trainers.training.settings import flag_of
 
     spec = get_spec(name)
     command = training_command(spec)

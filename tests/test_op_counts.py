@@ -69,7 +69,7 @@ def test_scan_scoring_with_a_gpus_block_sizes_takes_under_one_op_a_caption(monke
     region–word product (four float32 temporaries), dispatches fewer operators than there are captions, and none
     reads a value back (on a GPU a mask's value is not read to skip it: no score call waits on the device). The
     scores are those of the CPU's policy: an all-True mask applied changes no value."""
-    import retr.trainers.models.xattn as xattn
+    import retr.trainers.models.scan as xattn
     n_img, n_cap, k, max_len = 400, 2000, 4, 6
     embeddings = _scan_embeddings(n_img, n_cap, k=k, max_len=max_len, dim=8)
     cpu_policy = combined_matrix([Scorer(_scan(direction), embeddings)], "float32")

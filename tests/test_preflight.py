@@ -137,7 +137,7 @@ def test_reproduce_runs_when_every_check_passes(two_sets, run_cli, trainings, tm
     manifest, features, _ = two_sets
     monkeypatch.setattr(module, "train_member", lambda planned, quiet: (trainings.append(planned.member.run),
                                                                         planned.run)[1])
-    monkeypatch.setattr("retr.trainers.evaluation.runs.evaluate_runs",
+    monkeypatch.setattr(module, "evaluate_runs",
                         lambda runs, protocol, **kw: ({side: {k: 0.0 for k in ("r1", "r5", "r10")}
                                                        for side in ("i2t", "t2i")} | {"rsum": 0.0}, None))
     run_cli("train", "reproduce", "scan-f30k-ensemble", "--features", features, "--manifest", manifest, "--out",

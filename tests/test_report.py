@@ -12,6 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
+from retr.trainers.reporting import explain
+from retr.trainers.reporting import html as page_html
 from retr.trainers.reporting import report as rp
 from retr.trainers.reporting import draw as draw
 from retr.trainers.data.splits import SplitData
@@ -85,7 +87,7 @@ def test_grid_heatmap_colours_each_cell_by_its_weight():
 
 def test_word_strip_opacity_is_the_weight_over_the_largest():
     weights = np.array([[0.1, 0.4, 0.2], [0.0, 0.0, 0.0]])
-    html = rp.word_strip(weights, ["hop 0", "hop 1"], ["a", "red", "cat"])
+    html = explain.word_strip(weights, ["hop 0", "hop 1"], ["a", "red", "cat"])
     alphas = [float(a) for a in re.findall(r"rgba\(\d+, \d+, \d+, ([0-9.]+)\)", html)]
     assert alphas == pytest.approx([0.25, 1.0, 0.5, 0.0, 0.0, 0.0])
     assert "title='0.4'" in html and "<th>hop 0</th>" in html
@@ -93,7 +95,7 @@ def test_word_strip_opacity_is_the_weight_over_the_largest():
 
 def test_tree_table_puts_each_slot_in_its_place():
     entities, relations = ["null", "unknown", "man", "horse", "field"], ["null", "unknown", "ride", "in"]
-    html = rp.tree_html("parsed", [2, 0, 0, 2, 3, 3, 4], entities, relations)
+    html = explain.tree_html("parsed", [2, 0, 0, 2, 3, 3, 4], entities, relations)
     cells = re.findall(r"<td colspan='(\d)' class='(ent|rel)'>([^<]*)</td>", html)
     assert cells == [("4", "rel", "ride"), ("2", "rel", "null"), ("2", "rel", "in"), ("1", "ent", "man"),
                      ("1", "ent", "null"), ("1", "ent", "horse"), ("1", "ent", "field")]
@@ -109,13 +111,13 @@ def test_tree_table_puts_each_slot_in_its_place():
 ])
 def test_map_layout(shape, is_float, kind, boxes, layout):
     positions = {"regions": 36, "grid": 49, "maps": 196, "tencrop": 10}[kind]
-    assert rp.map_layout(shape, is_float, (positions, positions), 12, kind, boxes) == layout
+    assert explain.map_layout(shape, is_float, (positions, positions), 12, kind, boxes) == layout
 
 
 def test_region_maps_without_padding_are_boxes():
-    assert rp.map_layout((12, 30), True, (36, 30), 12, "regions", True) == "boxes"    # 30 real of 36 regions
-    assert rp.map_layout((30, 12), True, (36, 30), 12, "regions", True) == "words"    # region → word (SCAN i2t)
-    assert rp.map_layout((12, 29), True, (36, 30), 12, "regions", True) == "matrix"
+    assert explain.map_layout((12, 30), True, (36, 30), 12, "regions", True) == "boxes"    # 30 real of 36 regions
+    assert explain.map_layout((30, 12), True, (36, 30), 12, "regions", True) == "words"    # region → word (SCAN i2t)
+    assert explain.map_layout((12, 29), True, (36, 30), 12, "regions", True) == "matrix"
 
 
 # ---------------------------------------------------------------------------------------- ranks and queries
@@ -261,7 +263,7 @@ def test_report_without_image_files_draws_blank_canvases_of_the_stored_size(tiny
     srcs = _self_contained(index)
     plain = next(s for s in srcs if s.endswith("-image.jpg"))
     image = np.asarray(Image.open(index.parent / plain)).astype(int)
-    assert image.shape[:2] == (rp.PANEL_SIDE, rp.PANEL_SIDE)           # image_hw is 224 × 224: a square canvas
+    assert image.shape[:2] == (explain.PANEL_SIDE, explain.PANEL_SIDE)     # image_hw is 224 × 224: a square canvas
     assert np.abs(image - np.array(draw.BLANK)).max() <= 3               # JPEG rounding only
     panel = next(s for s in srcs if s.startswith("assets/att-") and not s.endswith("-image.jpg"))
     tinted = np.asarray(Image.open(index.parent / panel)).astype(int)
@@ -337,18 +339,18 @@ def test_predicted_trees_are_drawn_beside_the_parsed_one(tmp_path):
                        ["ride"], [], SimpleNamespace(entities=entities, relations=relations), {})
     fs = SimpleNamespace(feature_shape=(36, 8), datasets={}, attrs={"kind": "regions"})
     member = SimpleNamespace(feature_set=fs, config={"inputs": {"trees": str(path)}})
-    explainer = rp.Explainer(member, ["a"], ["a man rides a horse"], None, None, torch.device("cpu"), ["a#0"])
+    explainer = explain.Explainer(member, ["a"], ["a man rides a horse"], None, None, torch.device("cpu"), ["a#0"])
     html = explainer.draw_trees([("image_tree_nodes", np.array([3, 0, 0, 2, 2, 0, 4])),
-                                 ("text_tree_nodes", np.array([2, 0, 0, 2, 3, 3, 4]))], rp.Pair(0, 0, "", ""))
+                                 ("text_tree_nodes", np.array([2, 0, 0, 2, 3, 3, 4]))], explain.Pair(0, 0, "", ""))
     captions = re.findall(r"<caption>([^<]*)</caption>", html)
     assert captions == ["parsed (trees.h5)", "predicted: image_tree_nodes", "predicted: text_tree_nodes"]
     tables = html.split("<table")[1:]
     names = [re.findall(r"class='(?:ent|rel)'>([^<]*)<", t) for t in tables]
     assert names[0] == names[2] == ["ride", "null", "in", "man", "null", "horse", "field"]   # R4 R2 R6 E1 E3 E5 E7
     assert names[1] == ["ride", "null", "null", "horse", "null", "man", "field"]
-    missing = rp.Explainer(SimpleNamespace(feature_set=fs, config={"inputs": {}}), ["a"], ["x"], None, None,
+    missing = explain.Explainer(SimpleNamespace(feature_set=fs, config={"inputs": {}}), ["a"], ["x"], None, None,
                            torch.device("cpu"), ["a#0"])
-    assert "not available" in missing.draw_trees([("nodes", np.arange(7))], rp.Pair(0, 0, "", ""))
+    assert "not available" in missing.draw_trees([("nodes", np.arange(7))], explain.Pair(0, 0, "", ""))
 
 
 def test_stored_results_mark_a_split_of_another_size_than_the_protocol(tmp_path):
@@ -365,7 +367,7 @@ def test_stored_results_mark_a_split_of_another_size_than_the_protocol(tmp_path)
                              "size_mismatch": {"expected": 1000, "images": 16}, **metrics})
     record_result(str(run), {"protocol": "coco-5k", "split": "test", "runs": [str(run)], "models": models,
                              **metrics})
-    page = str(rp._stored_results([str(run)]))
+    page = str(page_html.stored_results([str(run)]))
     cells = re.findall(r"<td>([^<]*)</td>", page)
     assert "f30k-1k*" in cells and "coco-5k" in cells and "coco-5k*" not in cells
     notes = [html.unescape(n) for n in re.findall(r"<p class='note'>([^<]*)</p>", page)]
@@ -381,7 +383,7 @@ EVIL = "<script>alert('x')</script>"
 class _Thumbs:
     """Assets that write nothing: each thumbnail's ``src`` names its image."""
 
-    def thumb(self, images, i, side=rp.THUMB):
+    def thumb(self, images, i, side=explain.THUMB):
         return f"assets/img-{i:05d}-{side}.jpg"
 
 
@@ -402,8 +404,8 @@ def test_templates_escape_captions_ids_and_names():
             block = str(render(q, ids, captions, keys, None, _Thumbs()))
             _no_markup(block)
             assert html.unescape(re.search(r"«([^»]*)»", block).group(1)) == EVIL     # the caption, as text
-    _no_markup(str(rp.word_strip(np.array([[0.5, 1.0]]), [EVIL], ["a", EVIL])))
-    tree = str(rp.tree_html(EVIL, [2, 0, 0, 2, 3, 3, 4], ["null", "unknown", EVIL, "horse", "field"],
+    _no_markup(str(explain.word_strip(np.array([[0.5, 1.0]]), [EVIL], ["a", EVIL])))
+    tree = str(explain.tree_html(EVIL, [2, 0, 0, 2, 3, 3, 4], ["null", "unknown", EVIL, "horse", "field"],
                             ["null", "unknown", "ride"]))
     _no_markup(tree)
     assert html.unescape(re.search(r"<caption>([^<]*)</caption>", tree).group(1)) == EVIL
@@ -439,14 +441,14 @@ def test_show_without_jinja2_stops_in_one_line_naming_the_extra(tiny, monkeypatc
 
     folder, manifest, scan, _ = tiny
     monkeypatch.setitem(sys.modules, "jinja2", None)
-    rp._environment.cache_clear()
+    page_html.environment.cache_clear()
     out = tmp_path / "report"
     try:
         with pytest.raises(SystemExit) as exited:
             run(cli, ["show", str(scan), "--protocol", "f30k-1k", "--allow-size-mismatch", "--quiet", "--out",
                       str(out)])
     finally:
-        rp._environment.cache_clear()                 # the next report builds its environment with jinja2 back
+        page_html.environment.cache_clear()                 # the next report builds its environment with jinja2 back
     assert exited.value.code == 1
     assert capsys.readouterr().err == ("error: jinja2 is not installed (needed by the report's pages): "
                                        "pip install 'retr[report]' (or make setup)\n")

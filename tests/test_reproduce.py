@@ -58,7 +58,7 @@ def test_every_recipe_is_runnable_data(name):
         spec = get_spec(member.model)
         values = {**spec.resolve_preset(member.preset, member.settings), **member.settings}
         names = {f.name for f in dataclasses.fields(spec.config_class)}
-        spec.make_config({k: v for k, v in values.items() if k in names})
+        spec.config_class(**{k: v for k, v in values.items() if k in names})
     if recipe.ensemble:
         assert len({m.run for m in recipe.members}) == len(recipe.members)
 

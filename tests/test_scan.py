@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from retr.trainers.models import create_model
-from retr.trainers.models.xattn import AGGREGATIONS, NORMS, xattn_scores
+from retr.trainers.models.scan import AGGREGATIONS, NORMS, xattn_scores
 
 
 def _normalise_direct(attn: list[list[float]], norm: str) -> list[list[float]]:
@@ -132,7 +132,7 @@ def test_gradients_are_finite_with_padded_regions_and_words(direction):
                                                 ("t2i", "l2norm", "sum"), ("i2t", "clipped", "lse")])
 def test_chunked_in_place_scoring_equals_the_autograd_path(monkeypatch, direction, norm, agg):
     """Without gradients a block is cut into cache-sized chunks and updated in place: same numbers, float32 too."""
-    import retr.trainers.models.xattn as xattn
+    import retr.trainers.models.scan as xattn
     g = torch.Generator().manual_seed(3)
     n_img, n_cap, k, length, d = 37, 23, 5, 6, 16
     regions = torch.nn.functional.normalize(torch.randn(n_img, k, d, generator=g), dim=-1)

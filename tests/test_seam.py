@@ -20,7 +20,7 @@ def tiny(text_encoder="c", **kw) -> SEAM:
     args = dict(vocab_size=VOCAB, img_dim=D_IN, text_encoder=text_encoder, embed_size=16, word_dim=12, hops=3,
                 attention_hidden=8, conv_filters=5, gru_size=10)
     args.update(kw)
-    return SEAM(**args)
+    return create_model("seam", **args)
 
 
 def batch(n_img=3, n_cap=4, seed=1):
@@ -376,8 +376,8 @@ def test_seam_learns_the_synthetic_scenes(tmp_path, kind):
     dataset = tmp_path / "synth"
     generate_synthetic(dataset, num_images=200, seed=0)
     features = write_scene_tencrop_features(dataset, tmp_path)
-    cfg = TrainConfig(model="seam", model_args=dict(text_encoder=kind, embed_size=64, word_dim=32, hops=4,
-                                                     attention_hidden=32, conv_filters=16, gru_size=32),
+    cfg = TrainConfig(model="seam", model_config=SEAMConfig(text_encoder=kind, embed_size=64, word_dim=32, hops=4,
+                                                             attention_hidden=32, conv_filters=16, gru_size=32),
                       features=str(features), manifest=str(dataset / "manifest.jsonl"), out=str(tmp_path / "run"),
                       epochs=4, batch_size=100, lr=1e-3 * 5, lr_update=100, grad_clip=1.0, device="cpu",
                       train_splits=["train"], val_images=20)

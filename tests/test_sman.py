@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from retr.trainers.config import upgrade_stored
 from retr.trainers.models import create_model, preset
-from retr.trainers.models.sman import SMAN
+from retr.trainers.models.sman import SMAN, SMANConfig
 from tests.ddp_simulation import simulated_ddp_grads
 
 VOCAB, D_IN, D, CELLS = 40, 24, 16, 49
@@ -19,7 +20,7 @@ def tiny(**kw) -> SMAN:
     torch.manual_seed(kw.pop("seed", 0))
     args = dict(vocab_size=VOCAB, img_dim=D_IN, embed_size=D, word_dim=D, dropout=0.0)
     args.update(kw)
-    return SMAN(**args).eval()
+    return create_model("sman", **args).eval()
 
 
 def batch(n_img=3, n_cap=4, seed=1):
@@ -249,10 +250,10 @@ def test_adadelta_steps_follow_tensorflows_update(settings):
 def test_runs_written_before_adadelta_eps_keep_pytorchs_epsilon():
     from retr.trainers.models import get_spec
     spec = get_spec("sman")
-    assert spec.upgrade({"alpha": 0.9})[0]["adadelta_eps"] == 1e-6
-    assert spec.upgrade({"adadelta_eps": 1e-8})[0]["adadelta_eps"] == 1e-8
-    old = create_model("sman", vocab_size=VOCAB, img_dim=D_IN, embed_size=D, word_dim=D,
-                       **{k: v for k, v in spec.upgrade({})[0].items()})
+    upgraded = lambda args: upgrade_stored(spec, {"model": "sman", "model_args": args})["model_args"]  # noqa: E731
+    assert upgraded({"alpha": 0.9})["adadelta_eps"] == 1e-6
+    assert upgraded({"adadelta_eps": 1e-8})["adadelta_eps"] == 1e-8
+    old = create_model("sman", vocab_size=VOCAB, img_dim=D_IN, embed_size=D, word_dim=D, **upgraded({}))
     assert old.configure_optimizer(0.05).param_groups[0]["eps"] == 1e-6
     assert tiny().configure_optimizer(0.05).param_groups[0]["eps"] == 1e-8
 
@@ -313,8 +314,8 @@ def test_sman_learns_the_synthetic_scenes(tmp_path):
     features = write_scene_grid_features(dataset, tmp_path)
     # Adam and the sum over negatives: from scratch, on 180 training images, hardest negatives alone collapse
     # to equal scores within the couple of epochs there is time for (VSE++ reports the same for small data).
-    cfg = TrainConfig(model="sman", model_args=dict(embed_size=32, word_dim=32, dropout=0.0, optimizer="adam",
-                                                     max_violation=False),
+    cfg = TrainConfig(model="sman", model_config=SMANConfig(embed_size=32, word_dim=32, dropout=0.0, optimizer="adam",
+                                                             max_violation=False),
                       features=str(features), manifest=str(dataset / "manifest.jsonl"), out=str(tmp_path / "run"),
                       epochs=4, batch_size=50, lr=3e-3, lr_update=100, grad_clip=2.0, device="cpu",
                       train_splits=["train"], val_images=20)

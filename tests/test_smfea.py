@@ -102,7 +102,7 @@ def _model(**kw) -> SMFEA:
     args = dict(vocab_size=30, num_entities=9, num_relations=6, num_concepts=5, img_dim=12, embed_size=16,
                 word_dim=8, tree_hidden=6, num_regions=5)
     args.update(kw)
-    model = SMFEA(**args)
+    model = create_model("smfea", **args)
     token_concepts = torch.full((30,), -1, dtype=torch.long)
     token_concepts[10], token_concepts[11], token_concepts[12] = 0, 3, 3    # two forms of concept 3
     model.set_token_concepts(token_concepts)
@@ -373,8 +373,8 @@ def test_token_concepts_agree_with_concepts_file(tmp_path, synthetic_data):
     inputs = read_training_inputs(data, str(tmp_path / "trees.h5"), str(tmp_path / "concepts.h5"),
                                   vocab_size=len(vocab))
     concepts = ConceptSet(tmp_path / "concepts.h5")
-    model = SMFEA(vocab_size=len(vocab), num_entities=5, num_relations=5, num_concepts=len(concepts), img_dim=16,
-                  embed_size=8, word_dim=4, tree_hidden=4)
+    model = create_model("smfea", vocab_size=len(vocab), num_entities=5, num_relations=5, num_concepts=len(concepts),
+                         img_dim=16, embed_size=8, word_dim=4, tree_hidden=4)
     model.set_token_concepts(inputs.token_concepts)
     from retr.trainers.data.splits import pad_tokens
     tokens, lengths = pad_tokens(data.tokens)

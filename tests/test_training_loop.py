@@ -30,6 +30,7 @@ from retr.trainers.data.splits import CaptionBatches, ImageFeatures, fits_on_dev
 from retr.trainers.training.loop import autocast_dtype, train_step
 from retr.trainers.models.losses import hinge_triplet_loss
 from retr.trainers.models.optim import apply_implementation, resolve_implementation
+from retr.trainers.runs.layout import CONFIG, METRICS
 
 
 CPU = torch.device("cpu")
@@ -306,24 +307,24 @@ def test_gpu_options_from_the_command_line_train_the_same_run(synthetic, run_cli
     assert "--workers is ignored" in result.output
     result = run_cli("train", *common, "--out", str(tmp_path / "bare"), "--preload", "--epochs", "1")
     assert "(preloaded)" in result.output                  # --preload alone: host memory, as before
-    assert json.loads((tmp_path / "bare" / ckpt.CONFIG).read_text())["preload"] == "host"
+    assert json.loads((tmp_path / "bare" / CONFIG).read_text())["preload"] == "host"
     result = run_cli("train", *common, "--out", str(tmp_path / "older"), "--no-preload", "--epochs", "1")
     assert "(read per batch)" in result.output             # the older spelling still works, hidden from --help
     assert "training features: " in result.output and "read from the file per batch with pread (as asked)" in (
         result.output)                                     # one line: where the features are, and why
-    assert json.loads((tmp_path / "older" / ckpt.CONFIG).read_text())["preload"] == "off"
-    config = json.loads((fast / ckpt.CONFIG).read_text())
+    assert json.loads((tmp_path / "older" / CONFIG).read_text())["preload"] == "off"
+    config = json.loads((fast / CONFIG).read_text())
     assert (config["preload"], config["optimizer_impl"], config["compile"]) == ("gpu", "foreach", "off")
 
     def losses(run):
-        return [r["loss"] for r in map(json.loads, (run / ckpt.METRICS).read_text().splitlines())
+        return [r["loss"] for r in map(json.loads, (run / METRICS).read_text().splitlines())
                 if r.get("type") == "step"]
     assert losses(fast) and np.allclose(losses(fast), losses(plain), rtol=1e-5)
     # a resume may move the features and change the update's implementation (resume_applies)
     result = run_cli("train", "vsepp", "--out", str(fast), "--resume", "--epochs", "3", "--preload", "host",
                      "--optimizer-impl", "fused")
     assert "preloaded" in result.output and "optimizer fused" in result.output
-    assert json.loads((fast / ckpt.CONFIG).read_text())["optimizer_impl"] == "fused"
+    assert json.loads((fast / CONFIG).read_text())["optimizer_impl"] == "fused"
     # VSE++ scores a batch with one matrix product: --compile compiles nothing and says so
     result = run_cli("train", *common, "--out", str(tmp_path / "eager"), "--epochs", "1", "--compile")
     assert "nothing to compile, training runs eager" in result.output and "compiled (" not in result.output
@@ -427,18 +428,23 @@ def test_amp_and_accum_from_the_command_line(tmp_path, synthetic):
     result = CliRunner().invoke(cli, ["vsepp", *common, "--out", str(tmp_path / "a"), "--amp", "bf16",
                                       "--accum-steps", "4"])
     assert result.exit_code == 0, result.output
-    config = json.loads((tmp_path / "a" / ckpt.CONFIG).read_text())
+    config = json.loads((tmp_path / "a" / CONFIG).read_text())
     assert config["amp"] == "bf16" and config["accum_steps"] == 4
     result = CliRunner().invoke(cli, ["vsepp", *common, "--out", str(tmp_path / "b"), "--amp"])
     assert result.exit_code == 0 and "--amp fp16 needs CUDA" in result.output
-    assert json.loads((tmp_path / "b" / ckpt.CONFIG).read_text())["amp"] == "fp16"
+    assert json.loads((tmp_path / "b" / CONFIG).read_text())["amp"] == "fp16"
     result = CliRunner().invoke(cli, ["vsepp", *common, "--out", str(tmp_path / "c"), "--accum-steps", "3"])
     assert result.exit_code != 0 and "must divide --batch-size 16" in str(result.exception)
 
 
 def test_runs_from_before_amp_modes_read_as_fp16_or_off():
-    assert ckpt.upgrade_config({"model": "vsepp", "amp": True, "model_args": {}})["amp"] == "fp16"
-    assert ckpt.upgrade_config({"model": "vsepp", "amp": False, "model_args": {}})["amp"] == "off"
+    from retr.trainers.config import settings_from_stored, upgrade_stored
+    from retr.trainers.models import get_spec
+
+    spec = get_spec("vsepp")
+    assert upgrade_stored(spec, {"model": "vsepp", "amp": True, "model_args": {}})["amp"] == "fp16"
+    assert upgrade_stored(spec, {"model": "vsepp", "amp": False, "model_args": {}})["amp"] == "off"
+    assert settings_from_stored(spec, {"model": "vsepp", "amp": True, "model_args": {}}).amp == "fp16"
 
 
 @pytest.mark.slow

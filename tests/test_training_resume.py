@@ -24,6 +24,7 @@ from retr.common.errors import UserError
 from retr.common.locks import exclusive_lock
 from retr.trainers.commands import cli
 from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.runs.layout import BEST, CONFIG, LOCK, METRICS
 from trainer_synthetic import write_uninformative_regions
 
 
@@ -47,7 +48,7 @@ def _train(data, out, epochs, *extra, model="vsepp"):
 
 def _lines(run: Path) -> list[dict]:
     """metrics.jsonl without the wall-clock field (the one thing two identical runs do not share)."""
-    lines = [json.loads(line) for line in (run / ckpt.METRICS).read_text().splitlines()]
+    lines = [json.loads(line) for line in (run / METRICS).read_text().splitlines()]
     return [{k: v for k, v in line.items() if k != "seconds"} for line in lines]
 
 
@@ -72,14 +73,14 @@ def test_a_second_process_on_the_same_out_is_refused_naming_the_holder(data, tmp
     out.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
                                "from retr.common.locks import exclusive_lock\n"
-                               f"with exclusive_lock({str(out / ckpt.LOCK)!r}, 'x'):\n"
+                               f"with exclusive_lock({str(out / LOCK)!r}, 'x'):\n"
                                "    print('locked', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         result = _train(data, out, 1)
         message = _error_line(result)
         assert f"pid {holder.pid} on host" in message and "is in use" in message
-        assert not (out / ckpt.METRICS).exists() and not (out / ckpt.CONFIG).exists()
+        assert not (out / METRICS).exists() and not (out / CONFIG).exists()
     finally:
         holder.kill()
         holder.wait()
@@ -121,21 +122,21 @@ def test_lock_helper_refuses_then_releases(tmp_path):
 def test_resume_without_a_checkpoint_starts_again_and_matches(data, straight, tmp_path):
     out = tmp_path / "run"
     assert _train(data, out, 1).exit_code == 0
-    for path in (*out.glob("checkpoint-*.pt"), out / ckpt.BEST):   # as if killed before the first checkpoint
+    for path in (*out.glob("checkpoint-*.pt"), out / BEST):   # as if killed before the first checkpoint
         path.unlink()
-    with open(out / ckpt.METRICS, "a") as handle:
+    with open(out / METRICS, "a") as handle:
         handle.write('{"epoch": 0, "step": 2, "lo')
     result = CliRunner().invoke(cli, ["vsepp", "--out", str(out), "--resume", "--epochs", "3", "--quiet"])
     assert result.exit_code == 0, result.output
     assert "starting it again from the beginning" in result.output
     assert _lines(out) == _lines(straight)
-    assert json.loads((out / ckpt.CONFIG).read_text())["epochs"] == 3
+    assert json.loads((out / CONFIG).read_text())["epochs"] == 3
 
 
 def test_resume_cuts_the_log_back_to_the_checkpoint(data, straight, tmp_path):
     out = tmp_path / "run"
     assert _train(data, out, 1).exit_code == 0
-    with open(out / ckpt.METRICS, "a") as handle:          # the unfinished epoch 2 of a killed process
+    with open(out / METRICS, "a") as handle:          # the unfinished epoch 2 of a killed process
         handle.write('{"type": "step", "epoch": 2, "step": 16, "loss": 1.0, "lr": 0.0002}\n{"type": "st')
     assert CliRunner().invoke(cli, ["vsepp", "--out", str(out), "--resume", "--epochs", "3"]).exit_code == 0
     assert _lines(out) == _lines(straight)
@@ -168,7 +169,7 @@ def test_resume_refuses_changed_settings_by_name_and_applies_safe_ones(data, tmp
     assert "is a vsepp run" in _error_line(result)
     assert CliRunner().invoke(cli, ["vsepp", "--out", str(out), "--resume", "--epochs", "2", "--lr", "2e-4",
                                     "--quiet"]).exit_code == 0        # the run's own value may be repeated
-    assert json.loads((out / ckpt.CONFIG).read_text())["epochs"] == 2
+    assert json.loads((out / CONFIG).read_text())["epochs"] == 2
     assert len(ckpt.list_checkpoints(out)) == 2
 
 
@@ -217,7 +218,7 @@ def test_kill_at_random_moments_then_resume_gives_the_uninterrupted_run(data, tm
         while line.startswith("note:"):                    # e.g. which preset the run starts from
             line = proc.stderr.readline()
         assert line.startswith("training"), line + proc.stderr.read()   # "training vsepp …": the loop has started
-        while target and proc.poll() is None and _count_lines(out / ckpt.METRICS) < target:
+        while target and proc.poll() is None and _count_lines(out / METRICS) < target:
             time.sleep(0.002)
         assert proc.poll() is None, f"trial {trial}: the run ended before line {target}"
         proc.send_signal(signal.SIGKILL)
@@ -226,7 +227,7 @@ def test_kill_at_random_moments_then_resume_gives_the_uninterrupted_run(data, tm
                                  capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, resumed.stderr
         assert _lines(out) == _lines(straight), f"trial {trial} (killed at line {target})"
-        for name in (ckpt.checkpoint_path(out, 2).name, ckpt.BEST):
+        for name in (ckpt.checkpoint_path(out, 2).name, BEST):
             a, b = ckpt.load_checkpoint(out / name), ckpt.load_checkpoint(straight / name)
             assert _tensors(a["model"]) == _tensors(b["model"]) and a["epoch"] == b["epoch"]
             assert _tensors(a["optimizer"]) == _tensors(b["optimizer"])
@@ -303,7 +304,7 @@ def test_eval_refuses_features_of_another_width_than_the_model(data, straight, t
 
 
 def test_a_run_records_where_and_how_it_started_and_eval_which_checkpoint(data, straight, tmp_path):
-    config = json.loads((straight / ckpt.CONFIG).read_text())
+    config = json.loads((straight / CONFIG).read_text())
     env = config["environment"]
     assert env["torch"] == torch.__version__ and env["host"] and env["python"] and env["retr"]
     assert isinstance(env["command"], list)
@@ -335,7 +336,7 @@ def test_runs_read_their_data_from_anywhere_and_after_moving_with_it(data, tmp_p
     shutil.copytree(folder, project / "data", ignore=shutil.ignore_patterns("*.partial"))
     monkeypatch.chdir(project)
     assert _train(("data", "data/manifest.jsonl", "data/scene-regions.h5"), "runs/a", 1).exit_code == 0
-    config = json.loads((project / "runs/a" / ckpt.CONFIG).read_text())
+    config = json.loads((project / "runs/a" / CONFIG).read_text())
     assert Path(config["features"]).is_absolute()
     assert config["paths_from_run"]["features"] == "../../data/scene-regions.h5"
     monkeypatch.chdir(tmp_path)                                           # elsewhere
@@ -349,7 +350,7 @@ def test_runs_read_their_data_from_anywhere_and_after_moving_with_it(data, tmp_p
     resumed = CliRunner().invoke(cli, ["vsepp", "--out", str(tmp_path / "moved/runs/a"), "--resume", "--epochs", "2",
                                        "--quiet"])
     assert resumed.exit_code == 0, resumed.output
-    assert json.loads((tmp_path / "moved/runs/a" / ckpt.CONFIG).read_text())["features"].startswith(
+    assert json.loads((tmp_path / "moved/runs/a" / CONFIG).read_text())["features"].startswith(
         str(tmp_path / "moved"))
 
 

@@ -214,9 +214,9 @@ def test_sman_and_smfea_start_from_the_rows_absent_words_keep_their_init(tmp_pat
     for freeze in (False, True):
         sman_cfg = SMANConfig(word_vectors=str(path), word_dim=DIM, embed_size=16, freeze_word_vectors=freeze)
         smfea_cfg = SMFEAConfig(word_vectors=str(path), word_dim=DIM, embed_size=16, tree_hidden=4,
-                                freeze_word_vectors=freeze)
+                                freeze_word_vectors=freeze, num_regions=4)
         for model, cfg in ((SMAN(len(vocab), img_dim=16, config=sman_cfg), sman_cfg),
-                           (SMFEA(len(vocab), 5, 5, 3, img_dim=16, config=smfea_cfg, num_regions=4), smfea_cfg)):
+                           (SMFEA(len(vocab), 5, 5, 3, img_dim=16, config=smfea_cfg), smfea_cfg)):
             inputs = add_word_vectors(ModelInputs(), cfg, vocab)
             assert inputs.sizes["word_vectors_file"] == f"vectors.txt sha256:{hashlib.sha256(path.read_bytes()).hexdigest()}"
             before = model.txt_enc.embed.weight.detach().clone()

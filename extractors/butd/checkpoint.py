@@ -18,6 +18,7 @@ from torch import nn
 from retr.common.errors import MissingResourceError, UserError
 from retr.extractors.butd.heads import NUM_ATTRIBUTE_CLASSES, NUM_OBJECT_CLASSES
 from retr.extractors.weights import UrlWeights, load_torch_file
+from retr.extractors.butd.model import BottomUpAttention
 
 #: keys of the MILVLG/detectron2 files that carry nothing this model learns (ignored, reported)
 IGNORED_KEYS = re.compile(r"^(pixel_mean|pixel_std|proposal_generator\.anchor_generator\.cell_anchors\.\d+)$")
@@ -192,8 +193,6 @@ def read_checkpoint(path: str | Path, trust_checkpoint: bool = False, suffix: st
 def check_checkpoint_file(path: str | Path, suffix: str = ".pth") -> LoadReport:
     """Refuse (one-line ``UserError``) a file that does not load into the detector key for key and shape for
     shape — without allocating the detector (the comparison runs against its ``meta`` tensors)."""
-    from retr.extractors.butd.model import BottomUpAttention
-
     with torch.device("meta"):
         own = BottomUpAttention().state_dict()
     _given, report = check_state(own, read_checkpoint(path, suffix=suffix), source=Path(path).name)

@@ -14,6 +14,10 @@ from retr.common.errors import MissingResourceError, ParameterError, RetrError, 
 from retr.manifests.schema import read_manifest
 from retr.pipeline.commands.fetch import apply_network_options, network_options
 from retr.pipeline.weights import ensure_weights, weights_catalog, weights_items
+from retr.common.devices import resolve_device
+from retr.manifests.fetch import fetch_dataset
+from retr.manifests.presets import SYNTHETIC_IMAGES, get_preset
+from retr.manifests.synthetic import generate_synthetic
 
 
 # ------------------------------------------------------------------------------------------------ butd-regions
@@ -65,7 +69,7 @@ def butd_options(f: Callable) -> Callable:
 # not when retr-pipeline starts: every other command starts in a fraction of the time and memory.
 def available_extractors() -> list[str]:
     """The registered extractor names (:func:`retr.extractors.base.available_extractors`)."""
-    from retr.extractors.base import available_extractors as names
+    from retr.extractors.base import available_extractors as names  # cost: torch (retr-pipeline --help loads none)
     return names()
 
 
@@ -84,7 +88,7 @@ class RegisteredExtractors(LazyChoice):
 
 def extract_features(*args: Any, **kwargs: Any):
     """The extraction stage (:func:`retr.pipeline.extract.extract_features`)."""
-    from retr.pipeline.extract import extract_features as run
+    from retr.pipeline.extract import extract_features as run  # cost: torch
     return run(*args, **kwargs)
 
 
@@ -140,8 +144,6 @@ def _builder_options(weights: str | None, device: str, half: bool, decode: str =
                      channels_last: bool = False, **specific: Any) -> dict[str, Any]:
     """Options for the extractor builder: only what the user set, so each builder keeps its own defaults (and an
     extractor without the option — butd-regions has no ``decode`` — is asked for it only when it is given)."""
-    from retr.common.devices import resolve_device
-
     options: dict[str, Any] = {"device": str(resolve_device(device))}     # "auto": cuda when there is one
     if weights is not None:
         options["weights"] = weights
@@ -236,8 +238,6 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
       retr-pipeline extract-preset coco --device cuda
       retr-pipeline extract-preset synthetic --only vgg16-maps
     """
-    from retr.manifests.presets import get_preset
-
     apply_network_options(offline, mirror)
     preset = get_preset(dataset, images=image_root, manifest=manifest, features=out)
     if manifest is None and not preset.manifest.exists():
@@ -259,7 +259,7 @@ def extract_preset_command(dataset: str, manifest: Path | None, out: Path | None
                      if name in by_extractor and w in (None, "imagenet")})
     if needed:   # every missing weight file at once: offline, one line for all of them
         ensure_weights(weights_items(needed), quiet=quiet, mirror=mirror)
-    from retr.extractors.base import declared_options
+    from retr.extractors.base import declared_options  # cost: torch
 
     failed = []
     for name in names:
@@ -303,9 +303,6 @@ def _make_dataset(preset, mirror: str | None, quiet: bool) -> None:
     """The preset's manifest is missing: generate (synthetic) or fetch (coco, f30k) the dataset, or say in one
     line which command does."""
     if preset.generated:
-        from retr.manifests.presets import SYNTHETIC_IMAGES
-        from retr.manifests.synthetic import generate_synthetic
-
         folder = preset.manifest.parent
         if preset.manifest.name != "manifest.jsonl":
             raise UserError(f"manifest {preset.manifest} does not exist; run retr-pipeline synth --out FOLDER and "
@@ -316,7 +313,6 @@ def _make_dataset(preset, mirror: str | None, quiet: bool) -> None:
         return
     if not preset.fetchable:
         raise UserError(f"manifest {preset.manifest} does not exist")
-    from retr.manifests.fetch import fetch_dataset
 
     command = f"retr-pipeline fetch-data {preset.name}" + (" --images-zip FILE" if preset.name == "f30k" else "")
     if is_offline():

@@ -16,6 +16,8 @@ from retr.common.downloads import set_mirror, set_offline
 from retr.common.errors import ParameterError
 from retr.parsers.backends import fetch_parser_models
 from retr.pipeline.weights import ensure_weights, weights_catalog, weights_items
+from retr.manifests.fetch import fetch_dataset
+from retr.store.word_vectors import GLOVE_SETS, resolve_vectors
 
 
 # ------------------------------------------------------------------------------------------------ options
@@ -110,8 +112,6 @@ def fetch_data_command(dataset: str, root: Path | None, images_archive: Path | N
       retr-pipeline fetch-data coco --root data/coco
       retr-pipeline fetch-data f30k --root data/f30k --images-zip ~/flickr30k-images.tar.gz
     """
-    from retr.manifests.fetch import fetch_dataset
-
     apply_network_options(offline, mirror)
     summary = fetch_dataset(dataset, root, images_archive=images_archive, mirror=mirror,
                             keep_archives=keep_archives, quiet=quiet)
@@ -137,8 +137,6 @@ def fetch_word_vectors_command(names: tuple[str, ...], offline: bool, mirror: st
       retr-pipeline fetch-word-vectors glove
       retr-pipeline fetch-word-vectors glove --mirror http://mirror.example.org/retr
     """
-    from retr.store.word_vectors import GLOVE_SETS, resolve_vectors
-
     unknown = [n for n in names if n not in GLOVE_SETS]
     if unknown:
         raise ParameterError(f"unknown word vectors {unknown[0]!r} (known: {', '.join(GLOVE_SETS)})", "names")

@@ -13,6 +13,7 @@ from retr.common.errors import UserError
 from retr.manifests.karpathy import read_karpathy
 from retr.manifests.presets import PRESET_NAMES, get_preset
 from retr.manifests.schema import SPLITS, outside_root_reason, read_manifest, rewrite_caption_ids, write_manifest
+from retr.manifests.coco_captions import join_caption_ids, read_coco_captions
 
 
 @click.group("manifest")
@@ -56,11 +57,7 @@ def karpathy_command(karpathy_file: Path, out: Path, max_captions: int, coco_cap
       retr-pipeline manifest karpathy dataset_coco.json --coco-captions annotations_trainval2014.zip \\
           --out data/coco/manifest.jsonl
     """
-    coco = None
-    if coco_captions:                                     # an absent download is said before any work
-        from retr.manifests.coco_captions import join_caption_ids, read_coco_captions
-
-        coco = read_coco_captions(coco_captions)
+    coco = read_coco_captions(coco_captions) if coco_captions else None    # an absent download: said first
     records = read_karpathy(karpathy_file, max_captions=max_captions or None)
     line = None
     if coco is not None:
@@ -92,8 +89,6 @@ def coco_caption_ids_command(manifest: Path, annotations: tuple[Path, ...], out:
       retr-pipeline manifest coco-caption-ids data/coco/manifest.jsonl --annotations data/coco/annotations
       retr-pipeline manifest coco-caption-ids manifest.jsonl --annotations annotations_trainval2014.zip
     """
-    from retr.manifests.coco_captions import join_caption_ids, read_coco_captions
-
     records = read_manifest(manifest)
     if not records:
         raise UserError(f"{manifest} holds no images (a manifest has one JSON object per line)")

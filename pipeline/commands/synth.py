@@ -8,7 +8,7 @@ import click
 from retr.common.cli import OutputPath, quiet_option
 from retr.common.paths import check_folder_holds_only
 from retr.common.progress import progress
-from retr.manifests.synthetic import MAX_SCENES, generate_synthetic
+from retr.manifests.synthetic import CONLLU, MANIFEST, MAX_SCENES, SCENES, generate_synthetic
 
 
 @click.command("synth")
@@ -35,10 +35,10 @@ def synth_command(out: Path, num_images: int, seed: int, allow_nonempty_out: boo
     """
     if not allow_nonempty_out:
         check_folder_holds_only(out, "--out", "a synthetic dataset", lambda folder: all(
-            (folder / name).is_file() for name in ("manifest.jsonl", "scenes.jsonl")))
+            (folder / name).is_file() for name in (MANIFEST, SCENES)))
     summary = generate_synthetic(
         out, num_images=num_images, seed=seed,
         progress=lambda items: progress(items, total=num_images, desc="synth", unit="img", quiet=quiet))
     counts = ", ".join(f"{split} {n}" for split, n in summary.split_counts.items())
     click.echo(f"wrote {summary.num_images} images ({counts}), {summary.num_captions} captions to {out}: "
-               f"manifest.jsonl, captions.conllu, scenes.jsonl, images/")
+               f"{MANIFEST}, {CONLLU}, {SCENES}, images/")

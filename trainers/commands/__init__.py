@@ -8,6 +8,21 @@ import click
 
 from retr.common.cli import flags_in_errors, log_to_stderr, run
 from retr.common.version import __version__
+from retr.trainers.commands.eval_clip import eval_clip_command
+from retr.trainers.commands.eval_sims import eval_sims_command
+from retr.trainers.commands.evaluate import eval_command, table_command
+from retr.trainers.commands.export import export_command
+from retr.trainers.commands.import_checkpoint import (import_scan_command, import_vse_infinity_command,
+                                                      import_vsepp_command)
+from retr.trainers.commands.index import index_command
+from retr.trainers.commands.plot import plot_command
+from retr.trainers.commands.push import push_command
+from retr.trainers.commands.reproduce import recipes_command, reproduce_command
+from retr.trainers.commands.search import search_command
+from retr.trainers.commands.serve import serve_command
+from retr.trainers.commands.show import show_command
+from retr.trainers.commands.train import training_command
+from retr.trainers.models import get_spec, list_models
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -26,22 +41,6 @@ def cli() -> None:
 
 def _register() -> None:
     """One training command per registered model (generated from its spec), then the tools."""
-    from retr.trainers.commands.eval_clip import eval_clip_command
-    from retr.trainers.commands.eval_sims import eval_sims_command
-    from retr.trainers.commands.evaluate import eval_command, table_command
-    from retr.trainers.commands.export import export_command
-    from retr.trainers.commands.push import push_command
-    from retr.trainers.commands.import_checkpoint import (import_scan_command, import_vse_infinity_command,
-                                                          import_vsepp_command)
-    from retr.trainers.commands.index import index_command
-    from retr.trainers.commands.plot import plot_command
-    from retr.trainers.commands.reproduce import recipes_command, reproduce_command
-    from retr.trainers.commands.search import search_command
-    from retr.trainers.commands.serve import serve_command
-    from retr.trainers.commands.show import show_command
-    from retr.trainers.commands.train import training_command
-    from retr.trainers.models import get_spec, list_models
-
     for name in list_models():
         cli.add_command(training_command(get_spec(name)))
     for command in (eval_command, eval_clip_command, eval_sims_command, table_command, import_scan_command,

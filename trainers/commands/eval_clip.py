@@ -10,6 +10,7 @@ from retr.trainers.commands.options import FEATURES, MANIFEST, no_verify_option
 from retr.trainers.commands.evaluate import echo_numbers
 from retr.trainers.evaluation.clip_zero_shot import DEFAULT_PROMPT, evaluate_clip
 from retr.trainers.evaluation.metrics import PROTOCOLS, TIE_RULES
+from retr.trainers.training.preflight import check_feature_rows
 
 
 @click.command("eval-clip")
@@ -44,8 +45,6 @@ def eval_clip_command(features, manifest, protocol, split, weights, prompt, devi
       retr-train eval-clip --features data/f30k/features/clip-vit-l-14-336.h5 \\
           --manifest data/f30k/manifest.jsonl --protocol f30k-1k
     """
-    from retr.trainers.training.preflight import check_feature_rows
-
     if not no_verify:
         check_feature_rows(features, "--features", quiet)
     result, _ = evaluate_clip(features, manifest, protocol, split, weights, prompt, device, allow_size_mismatch,

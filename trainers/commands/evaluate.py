@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import csv
+import io
 
 import click
+from tabulate import tabulate
 
 from retr.common.cli import OutputPath, quiet_option
 from retr.trainers.commands.options import FEATURES, MANIFEST, RUN, no_verify_option
@@ -13,6 +16,10 @@ from retr.trainers.evaluation.metrics import PROTOCOLS, TIE_RULES
 from retr.trainers.evaluation.runs import evaluate_runs, has_extended, record_result, table_rows, write_sims
 from retr.trainers.evaluation.similarity import DEFAULT_PRECISION, PRECISIONS
 from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.runs.hub import local_run
+from retr.trainers.runs.layout import EVAL
+from retr.trainers.evaluation.coco_extended import METRIC_LABELS, METRIC_NAMES
+from retr.trainers.training.preflight import check_run_features
 
 
 def _line(side: str, m: dict) -> str:
@@ -40,10 +47,6 @@ def echo_numbers(result: dict, what: str) -> None:
 
 def echo_extended(extended: dict, annotations: str, ties: str) -> None:
     """The extended numbers (``result["extended"]``) as one table: a row per direction, a column per number."""
-    from tabulate import tabulate
-
-    from retr.trainers.evaluation.coco_extended import METRIC_LABELS, METRIC_NAMES
-
     click.echo(f"COCO 5K test, every true match counted (ECCV Caption, CxC; {annotations}; ties: {ties}):")
     rows = [[side, *(extended[name][side] for name in METRIC_NAMES)] for side in ("i2t", "t2i")]
     click.echo(tabulate(rows, headers=["", *(METRIC_LABELS[name] for name in METRIC_NAMES)], tablefmt="simple",
@@ -102,15 +105,13 @@ def eval_command(runs, protocol, split, features, manifest, which, precision, de
       retr-train eval runs/scan-coco-t2i runs/scan-coco-i2t --protocol coco-1k --json
       retr-train eval runs/vse-infinity-coco --protocol coco-5k --extended
     """
-    from retr.trainers.training.preflight import check_run_features
-
-    runs = [str(ckpt.local_run(run)) for run in runs]     # an hf-hub: name fetched (or found in the cache) once
+    runs = [str(local_run(run)) for run in runs]     # an hf-hub: name fetched (or found in the cache) once
     recorded = [run for run in runs if not ckpt.is_export(run)]   # an export is shared as made: nothing goes in
     for run in list(recorded):
         problem = write_problem(run)
         if problem is not None:                           # said before the work, which goes on
             click.echo(f"note: cannot write in {run} ({problem}): the result is not recorded in its "
-                       f"{ckpt.EVAL}", err=True)
+                       f"{EVAL}", err=True)
             recorded.remove(run)
     if not no_verify:
         check_run_features(runs, features, quiet)
@@ -162,14 +163,10 @@ def table_command(runs, fmt, extended) -> None:
       retr-train table runs/vsepp-s* --format markdown
       retr-train table runs/*-coco --extended --format latex
     """
-    from tabulate import tabulate
-
     header, rows, notes = table_rows(runs, extended=extended)
     if not extended and fmt != "csv" and has_extended(runs):
         notes.append("ECCV Caption and CxC numbers of --extended results: retr-train table --extended")
     if fmt == "csv":                  # data only: a size-mismatched protocol keeps its mark, the notes are not rows
-        import csv
-        import io
 
         buffer = io.StringIO()
         csv.writer(buffer, lineterminator="\n").writerows([header, *rows])

@@ -5,6 +5,7 @@ import click
 
 from retr.common.cli import OutputPath, quiet_option
 from retr.trainers.commands.options import RUN
+from retr.trainers.reporting.export import export_run
 
 
 @click.command("export")
@@ -26,7 +27,5 @@ def export_command(run, out, checkpoint, trust_checkpoint, quiet) -> None:
       retr-train eval exports/scan-f30k --features data/f30k/features/butd-regions.h5 \\
           --manifest data/f30k/manifest.jsonl --protocol f30k-1k
     """
-    from retr.trainers.reporting.export import export_run
-
     folder = export_run(run, out, checkpoint, trust_checkpoint)
     click.echo(f"exported {run} to {folder}: model.safetensors, config.json, vocab.json, README.md")

@@ -8,6 +8,11 @@ import click
 from retr.common.cli import InputPath, OutputPath, quiet_option
 from retr.trainers.commands.options import FEATURES, IMAGE_ROOT, MANIFEST, RUN
 from retr.common.errors import UserError
+from retr.manifests.schema import outside_root_reason, read_manifest
+from retr.trainers.runs.hub import local_run
+from retr.trainers.search.images import list_folder, no_images_error
+from retr.trainers.search.index import GalleryIndex
+from retr.trainers.search.retrieval import Retriever, run_index_identity
 
 
 @click.command("index")
@@ -43,11 +48,6 @@ def index_command(run, images, manifest, image_root, out, checkpoint, features, 
       retr-train index runs/scan-f30k --images photos/ --out photos.index
       retr-train search runs/scan-f30k --index photos.index --query "a dog on a beach"
     """
-    from retr.trainers.search.images import list_folder, no_images_error
-    from retr.trainers.search.index import GalleryIndex
-    from retr.trainers.runs.checkpoint import local_run
-    from retr.trainers.search.retrieval import Retriever, run_index_identity
-
     if (images is None) == (manifest is None):
         raise UserError("give one of --images DIR or --manifest FILE")
     if image_root and not manifest:
@@ -61,7 +61,6 @@ def index_command(run, images, manifest, image_root, out, checkpoint, features, 
             raise no_images_error(images, listing)
         items, not_images = listing.images, listing.others
     else:
-        from retr.manifests.schema import outside_root_reason, read_manifest
         records = read_manifest(manifest)
         root = Path(image_root) if image_root else Path(manifest).resolve().parent
         outside = [r.id for r in records if outside_root_reason(r.path)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from retr.common.cli import InputPath
-from retr.trainers.runs.checkpoint import CONFIG
 from retr.trainers.runs.hub import is_hub_name
+from retr.trainers.runs.layout import CONFIG
 
 #: a trained run's folder (or an export's), or an export on the Hugging Face Hub named hf-hub:ORG/NAME[@REV]
 RUN = InputPath("folder", "a run folder or an export", takes=is_hub_name, holds=CONFIG)

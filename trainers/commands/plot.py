@@ -4,9 +4,9 @@ from __future__ import annotations
 import click
 
 from retr.common.cli import InputPath, OutputPath
-from retr.trainers.runs.checkpoint import METRICS
 
 from retr.trainers.reporting.plot import plot_runs
+from retr.trainers.runs.layout import METRICS
 
 
 @click.command("plot")

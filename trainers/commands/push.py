@@ -9,6 +9,11 @@ import click
 
 from retr.common.cli import quiet_option
 from retr.trainers.commands.options import RUN
+from retr.common.downloads import is_offline
+from retr.common.errors import UserError
+from retr.trainers.reporting.export import export_run
+from retr.trainers.runs.checkpoint import is_export, read_config
+from retr.trainers.runs.hub import HUB_PREFIX, hub_token, parse_hub_name, push_export
 
 
 @click.command("push")
@@ -30,12 +35,6 @@ def push_command(run, repo, private, checkpoint, trust_checkpoint, quiet) -> Non
       retr-train eval hf-hub:my-lab/scan-f30k --features data/f30k/features/butd-regions.h5 \\
           --manifest data/f30k/manifest.jsonl --protocol f30k-1k
     """
-    from retr.common.downloads import is_offline
-    from retr.common.errors import UserError
-    from retr.trainers.reporting.export import export_run
-    from retr.trainers.runs.checkpoint import is_export, read_config
-    from retr.trainers.runs.hub import hub_token, parse_hub_name, push_export, HUB_PREFIX
-
     parse_hub_name(HUB_PREFIX + repo)
     if is_offline():
         raise UserError(f"pushing to {repo} needs the network (RETR_OFFLINE is set)")

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import click
+from tabulate import tabulate
 
 from retr.common.cli import InputPath, OutputPath, quiet_option
 from retr.store.word_vectors import GLOVE_SETS
@@ -102,7 +103,6 @@ def recipes_command(as_json, markdown) -> None:
                                for r in recipes],
                                "not_expressed": [dataclasses.asdict(n) for n in NOT_EXPRESSED]}, indent=2))
         return
-    from tabulate import tabulate
 
     rows = [[r.name, r.protocol, _fmt(r.published.i2t[0]), _fmt(r.published.t2i[0]), _fmt(r.published.rsum),
              r.features.extractor, r.published.source] for r in recipes]

@@ -8,6 +8,8 @@ import click
 from retr.common.cli import InputPath, quiet_option
 from retr.trainers.commands.options import FEATURES, MANIFEST, RUN
 from retr.common.errors import UserError
+from retr.common.devices import exact_float32
+from retr.trainers.search.retrieval import Retriever, query_error
 
 
 @click.command("search")
@@ -53,9 +55,6 @@ def search_command(run, queries, images, top, split, index, gallery, extractor_w
       retr-train search runs/scan-f30k --image 1000092795 --image photos/dog.jpg --json
       retr-train search runs/scan-f30k --images photos/ --query "a dog on a beach"
     """
-    from retr.common.devices import exact_float32
-    from retr.trainers.search.retrieval import Retriever, query_error
-
     if not queries and not images:
         raise UserError("give --query TEXT or --image ID (or several)")
     if top < 1:

@@ -9,6 +9,10 @@ import click
 
 from retr.common.cli import InputPath, quiet_option
 from retr.trainers.commands.options import FEATURES, IMAGE_ROOT, MANIFEST, RUN
+from retr.common.devices import exact_float32
+from retr.trainers.runs.hub import local_run
+from retr.trainers.search.retrieval import Retriever
+from retr.trainers.search.serve_app import SearchPage, check_sources, create_app, listen, server_modules
 
 
 @click.command("serve")
@@ -45,11 +49,6 @@ def serve_command(run, index, host, port, split, features, manifest, image_root,
       retr-train serve runs/scan-f30k --image-root data/f30k
       retr-train serve runs/scan-f30k --port 8080 --host 0.0.0.0     # reachable from your network
     """
-    from retr.common.devices import exact_float32
-    from retr.trainers.search.retrieval import Retriever
-    from retr.trainers.runs.checkpoint import local_run
-    from retr.trainers.search.serve_app import SearchPage, check_sources, create_app, listen, server_modules
-
     # every check that can fail runs before the model is loaded: the serve extra, the files, then the address
     server_modules()
     run = str(local_run(run))                   # an hf-hub: name: its snapshot (fetched on first use)

@@ -7,6 +7,9 @@ from retr.common.cli import InputPath, OutputPath, quiet_option
 from retr.trainers.commands.options import FEATURES, IMAGE_ROOT, MANIFEST, RUN, no_verify_option
 from retr.trainers.evaluation.metrics import PROTOCOLS
 from retr.trainers.reporting.report import write_report
+from retr.common.paths import check_folder_holds_only
+from retr.trainers.runs.hub import local_run
+from retr.trainers.training.preflight import check_run_features
 
 
 @click.command("show")
@@ -52,10 +55,6 @@ def show_command(runs, protocol, out, split, samples, top, seed, attention, imag
       retr-train show runs/scan-f30k --protocol f30k-1k --image-root data/f30k --out report/scan
       retr-train show runs/scan-t2i runs/scan-i2t --protocol coco-1k --samples 10 --out report/ens
     """
-    from retr.common.paths import check_folder_holds_only
-    from retr.trainers.runs.checkpoint import local_run
-    from retr.trainers.training.preflight import check_run_features
-
     if not allow_nonempty_out:
         check_folder_holds_only(out, "--out", "a report", lambda folder: (folder / "index.html").is_file())
     if not no_verify:

@@ -23,13 +23,18 @@ import click
 from click.core import ParameterSource
 
 from retr.common.cli import InputPath, quiet_option
-from retr.trainers.commands.options import no_verify_option
 from retr.common.errors import UserError
-from retr.trainers.runs.checkpoint import CONFIG, holds_run
-from retr.trainers.config import TrainConfig, choices_of, field_types, setting_fields
+from retr.manifests.schema import read_manifest
+from retr.trainers.commands.options import no_verify_option
+from retr.trainers.config import (TrainConfig, choices_of, field_types, flag_of, setting_fields, settings_for_resume,
+                                  settings_from_options, shortcut_name)
+from retr.trainers.evaluation.metrics import PROTOCOLS, protocols_for
+from retr.trainers.evaluation.reports import report_after_training
 from retr.trainers.models.registry import ModelSpec
-from retr.trainers.training.settings import (evaluate_hint, flag_of, gather_settings, resume_settings,
-                                             shortcut_name)
+from retr.trainers.runs.checkpoint import holds_run, read_settings
+from retr.trainers.runs.layout import CONFIG
+from retr.trainers.training import loop
+from retr.trainers.training.preflight import check_feature_rows, check_training
 
 _EXPLICIT = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT, ParameterSource.PROMPT)
 
@@ -137,10 +142,6 @@ def training_command(spec: ModelSpec) -> click.Command:
     params.extend(_params_of(no_verify_option, quiet_option))
 
     def callback(**values) -> None:
-        from retr.trainers.evaluation.reports import report_after_training
-        from retr.trainers.training.loop import train
-        from retr.trainers.training.preflight import check_feature_rows, check_training
-
         ctx = click.get_current_context()
         explicit = {name for name in values if ctx.get_parameter_source(name) in _EXPLICIT}
         for settings_class in (TrainConfig, spec.config_class):
@@ -154,14 +155,14 @@ def training_command(spec: ModelSpec) -> click.Command:
                                 "--resume (with --features and --manifest)")
             # a requeued job always passes --resume with its whole command: a run killed before it wrote
             # config.json starts now
-            cfg, _ = gather_settings(spec, values, explicit)
+            cfg = settings_from_options(spec, values, explicit)
             click.echo(f"note: nothing to resume in {out} (it stopped before its settings were written); "
                        "starting the run", err=True)
             values["resume"] = False
         elif values["resume"]:
-            cfg = resume_settings(spec, values, explicit)
+            cfg = settings_for_resume(spec, stored_run(spec, values), values, explicit)
         else:
-            cfg, _ = gather_settings(spec, values, explicit)
+            cfg = settings_from_options(spec, values, explicit)
         if not values["resume"] and holds_run(cfg.out):
             raise UserError(f"{cfg.out} already holds a run; pass --resume to continue it or choose another --out")
         notes = tuple(f"note: {note}" for note in check_training(cfg, resume=values["resume"],
@@ -171,13 +172,40 @@ def training_command(spec: ModelSpec) -> click.Command:
         if not values["resume"] and "preset" not in explicit and not values.get("config") and cfg.preset:
             notes += (f"note: no --preset given: starting from {cfg.preset}'s published settings "
                       f"(presets: {', '.join(spec.presets)}); options given override them",)
-        train(cfg, resume=values["resume"], quiet=values["quiet"], trust_checkpoint=values["trust_checkpoint"],
+        loop.train(cfg, resume=values["resume"], quiet=values["quiet"], trust_checkpoint=values["trust_checkpoint"],
               notes=notes)
         report_after_training(spec, cfg.out, cfg)
         click.echo(f"run written to {cfg.out} (evaluate: {evaluate_hint(cfg)})")
 
     return click.Command(spec.name, params=params, callback=callback, help=_help(spec),
                          short_help=spec.summary.split(". ")[0].rstrip("."))
+
+
+def stored_run(spec: ModelSpec, values: dict) -> TrainConfig:
+    """``--resume``: the settings of the run in ``--out`` (its ``config.json``; ``--out`` is all it needs), refused
+    in one line when there is none, when ``--config`` is given too, or when it is another model's."""
+    out = values.get("out")
+    if not out:
+        raise UserError("--resume needs --out (the run to continue)")
+    if values.get("config"):
+        raise UserError("--resume continues from the run's own config.json; leave out --config")
+    if not (Path(out) / CONFIG).is_file():
+        raise UserError(f"nothing to resume in {out} (no run there); start without --resume")
+    stored = read_settings(out)
+    if stored.model != spec.name:
+        raise UserError(f"{out} is a {stored.model} run; continue it with `retr-train {stored.model} --resume --out "
+                        f"{out}`")
+    return stored
+
+
+def evaluate_hint(cfg: TrainConfig) -> str:
+    """The ``retr-train eval`` command for a finished run, with the protocol(s) its test split's size fits."""
+    num_images = len(read_manifest(cfg.manifest, splits=["test"]))
+    fitting = protocols_for(num_images)
+    if fitting:
+        return " or ".join(f"retr-train eval {cfg.out} --protocol {p}" for p in fitting if p != "coco-1k-first")
+    return (f"retr-train eval {cfg.out} --protocol {'|'.join(PROTOCOLS)} --allow-size-mismatch (the test split has "
+            f"{num_images} images, no protocol's size)")
 
 
 def _params_of(*decorators) -> list[click.Parameter]:

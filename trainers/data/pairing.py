@@ -6,10 +6,12 @@ images both name (docs/trainer.md, "Checks before any work")."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
+import filecmp
 
 from retr.common.errors import UserError
 from retr.common.progress import progress
-from retr.manifests.schema import manifest_sha256
+from retr.manifests.schema import manifest_sha256, read_manifest
 from retr.store.features import FeatureSet
 
 #: folders searched for the manifest a feature set was made from, as levels above the feature file: its own
@@ -35,8 +37,6 @@ def find_source_manifest(features_path: str | os.PathLike, manifest: str | os.Pa
     """The manifest file whose SHA-256 is ``recorded_sha256`` (the one a feature set was made from), looked for
     among the ``*.jsonl`` files of the feature file's folder and the :data:`SOURCE_MANIFEST_LEVELS` − 1 folders
     above it, and of ``manifest``'s folder; None when none is."""
-    from pathlib import Path
-
     folders, here = [], Path(features_path).resolve().parent
     for _ in range(SOURCE_MANIFEST_LEVELS):
         folders.append(here)
@@ -65,8 +65,6 @@ def find_source_manifest(features_path: str | os.PathLike, manifest: str | os.Pa
 
 def _different_image(first: str, second: str) -> bool:
     """Whether two image files that both exist hold other bytes (the same file, or equal bytes: False)."""
-    import filecmp
-
     if os.path.samefile(first, second):
         return False
     return not filecmp.cmp(first, second, shallow=False)
@@ -84,10 +82,6 @@ def check_manifest_pairing(features: FeatureSet, manifest: str | os.PathLike) ->
     manifests' images are on disk (paths relative to each manifest's folder), the same size and, for up to
     :data:`COMPARED_IMAGE_FILES` ids, the same bytes. Same images with other captions or splits: one note, and
     the captions of ``manifest`` are used. Not found: one note that the images cannot be compared."""
-    from pathlib import Path
-
-    from retr.manifests.schema import read_manifest
-
     recorded = features.attrs.get("manifest_sha256")
     if not _is_sha256(recorded):
         return []

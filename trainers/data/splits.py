@@ -31,13 +31,6 @@ class SplitData:
     caption_image: np.ndarray          # [M] int64: index into image_ids
     tokens: Sequence[Sequence[int]]    # [M] token ids with <start>/<end> (a TokenLists, or lists)
 
-    @classmethod
-    def from_records(cls, records: Sequence[ManifestRecord], vocab: Vocabulary) -> "SplitData":
-        captions = [c for r in records for c in r.captions]
-        tokens = TokenizedCaptions.of(captions, total=len(captions), quiet=True).encode(vocab)
-        return cls([r.id for r in records], captions,
-                   np.repeat(np.arange(len(records), dtype=np.int64), [len(r.captions) for r in records]), tokens)
-
     @property
     def num_images(self) -> int:
         return len(self.image_ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from retr.trainers.evaluation.metrics import protocol_metrics
 from retr.trainers.data.splits import SplitData
 from retr.trainers.data.pairing import check_manifest_pairing
 from retr.trainers.evaluation.metrics import check_evaluation_split
+from retr.common.hashing import sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ def text_embeddings(model, arch: str, texts: list[str], device: torch.device, ba
                     quiet: bool = True) -> np.ndarray:
     """``[M, D]`` float64, L2-normalised: ``model.encode_text`` of ``texts`` (open_clip's tokenizer for ``arch``),
     each distinct text encoded once."""
-    from retr.extractors.clip import open_clip
+    from retr.extractors.clip import open_clip  # cost: torchvision, which retr-train loads only for CLIP
 
     tokenizer = open_clip().get_tokenizer(arch)
     distinct = list(dict.fromkeys(texts))
@@ -65,10 +67,7 @@ def check_clip_inputs(features: FeatureSet, manifest: str, protocol: str, split:
     (present, every image with features, the protocol's size unless ``allow_size_mismatch``), and ``manifest``
     against the one the features were made from
     (:func:`~retr.trainers.data.pairing.check_manifest_pairing`). Returns the notes."""
-    from pathlib import Path
-
-    from retr.common.hashing import sha256_file
-    from retr.extractors.clip import FAMILY
+    from retr.extractors.clip import FAMILY  # cost: torchvision
 
     attrs = features.attrs
     if attrs.get("kind") != "clip" or attrs.get("clip_model") not in FAMILY.values():
@@ -99,7 +98,7 @@ def evaluate_clip(features: str, manifest: str, protocol: str, split: str = "tes
     """Zero-shot CLIP on ``split`` of ``manifest`` with the image embeddings of ``features``; ``weights``: the
     weights file, when the features were extracted from one. Every input is checked first
     (:func:`check_clip_inputs`). Returns ``(result, sims [N_img, M] float64)``."""
-    from retr.extractors.clip import clip_from_attrs
+    from retr.extractors.clip import clip_from_attrs  # cost: torchvision
 
     feature_set = FeatureSet(features)
     for note in check_clip_inputs(feature_set, manifest, protocol, split, weights, allow_size_mismatch):

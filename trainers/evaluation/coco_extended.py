@@ -19,12 +19,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+from importlib import metadata
 
 import numpy as np
 
 from retr.common.errors import UserError
 from retr.trainers.evaluation.ranked_positives import (QueryRows, TopOfLists, eccv_metrics, positive_positions,
                                                        recall_at)
+from retr.common.optional import locate
 
 #: the pip package that ships the annotations, its import name, and the extra of pyproject.toml that installs it
 PACKAGE, MODULE, EXTRA = "eccv-caption", "eccv_caption", "eccv"
@@ -85,8 +87,6 @@ class Annotations:
 def load_annotations() -> Annotations:
     """The annotations of the installed eccv-caption package; one line when it is missing (naming the extra) or a
     file of it is missing or partial."""
-    from retr.common.optional import locate
-
     folder = locate(MODULE, EXTRA, WHAT)
     return _read_annotations(str(folder / "data"))
 
@@ -98,8 +98,6 @@ def _reinstall(path: Path, problem: str) -> UserError:
 
 @functools.cache
 def _read_annotations(folder: str) -> Annotations:
-    from importlib import metadata
-
     data = Path(folder)
     path = data / TEST_IDS_FILE
     if not path.is_file():

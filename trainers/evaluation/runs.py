@@ -15,6 +15,9 @@ from retr.trainers.evaluation.similarity import DEFAULT_PRECISION, Scorer, Split
 from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.data.splits import ImageFeatures
 from retr.trainers.runs.split import open_run_split
+from retr.trainers.runs.layout import EVAL
+from retr.manifests.schema import read_manifest
+from retr.trainers.evaluation.two_step import two_step_protocol
 
 
 def evaluate_runs(runs: list[str], protocol: str, split: str = "test", features: str | None = None,
@@ -43,20 +46,14 @@ def extended_inputs(runs: list[str], protocol: str, split: str, manifest: str | 
     """``(annotations, ids)`` for ``--extended``, every check done (one line each): a COCO protocol, one matrix (not
     a two-step run alone), the eccv-caption package and its files, the manifest's caption ids, and the split being
     the COCO 5K test set."""
-    from retr.manifests.schema import read_manifest
-
-    from retr.trainers.models import get_spec
-
     coco_extended.check_protocol(protocol)
-    configs = [ckpt.read_config(run) for run in runs]
+    settings = [ckpt.read_settings(run) for run in runs]
     if len(runs) == 1:
-        spec = get_spec(configs[0]["model"])
-        settings = spec.make_config({k: v for k, v in configs[0]["model_args"].items() if k in spec.setting_names})
-        if getattr(settings, "shortlist", 0):
+        if getattr(settings[0].model_config, "shortlist", 0):
             raise UserError("--extended ranks one similarity matrix; a two-step run re-ranks a shortlist per "
                             "direction (evaluate it in an ensemble, or without --extended)")
     annotations = coco_extended.load_annotations()
-    manifest = manifest or configs[0].get("manifest")
+    manifest = manifest or settings[0].manifest
     if not manifest:
         raise UserError(f"{runs[0]} does not record its manifest (an export or an imported run); pass --manifest")
     ids = coco_extended.ids_from_records(read_manifest(manifest, splits=[split]), manifest, split)
@@ -76,7 +73,7 @@ def _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, wh
     reference, models, scorers = None, [], []
     for run in runs:
         opened = open_run_split(run, split, features, manifest, which, dev, trust_checkpoint)
-        model, config, feature_set, data = opened.model, opened.config, opened.features, opened.data
+        model, settings, feature_set, data = opened.model, opened.settings, opened.features, opened.data
         feats_path = opened.features_path
         key = (data.image_ids, data.captions)
         if reference is not None and key != reference:
@@ -85,22 +82,21 @@ def _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, wh
         # each image is read once (encoded once): held in memory, the set would only add itself to the peak
         image_features = ImageFeatures(feature_set, data.image_ids, "off" if preload is None else preload)
         if model.shortlist and len(runs) == 1:   # two-step models (MatchingModel.shortlist > 0), see two_step.py
-            from retr.trainers.evaluation.two_step import two_step_protocol
             if ties != "pessimistic":
                 raise UserError("--ties official applies to one-step scoring; a two-step run ranks its shortlists")
             result = two_step_protocol(model, data, image_features, protocol, dev, model.shortlist, precision,
                                        allow_size_mismatch=allow_size_mismatch, quiet=quiet)
             result.update({k: result["two_step"][k] for k in ("i2t", "t2i", "rsum")}, protocol=protocol,
                           split=split, ensemble=False, runs=[str(run)], precision=precision,
-                          models=[{"run": str(run), "model": config["model"], "direction": None,
+                          models=[{"run": str(run), "model": settings.model, "direction": None,
                                    "features": str(feats_path),
                                    "checkpoint": ckpt.resolve_checkpoint(run, which).name}],
                           evaluated=datetime.now(timezone.utc).isoformat(timespec="seconds"))
             return result, None
         scorers.append(Scorer(model, SplitEmbeddings.encode(model, data, image_features, dev, quiet=quiet)))
         del image_features                   # read once: features held in memory are let go before scoring
-        models.append({"run": str(run), "model": config["model"],
-                       "direction": config["model_args"].get("direction"), "features": str(feats_path),
+        models.append({"run": str(run), "model": settings.model,
+                       "direction": getattr(settings.model_config, "direction", None), "features": str(feats_path),
                        "checkpoint": ckpt.resolve_checkpoint(run, which).name})
     stats: dict = {}
     positives = None
@@ -124,8 +120,6 @@ def write_sims(path: str, sims: np.ndarray, result: dict, manifest: str, split: 
     """``path`` (``.npy``): the float64 similarities ``[images, captions]`` in manifest order, and beside it
     ``path.ids.json``: the image ids (rows) and caption keys ``<image id>#<n>`` (columns) they belong to, and the
     columns' COCO caption ids (``caption_ids``, null where the manifest has none) when the manifest has any."""
-    from retr.manifests.schema import read_manifest
-
     records = read_manifest(manifest, splits=[split])
     ids = {"image_ids": [r.id for r in records],
            "caption_keys": [f"{r.id}#{n}" for r in records for n in range(len(r.captions))],
@@ -141,7 +135,7 @@ def write_sims(path: str, sims: np.ndarray, result: dict, manifest: str, split: 
 
 
 def record_result(run: str, result: dict) -> None:
-    path = Path(run) / ckpt.EVAL
+    path = Path(run) / EVAL
     existing = json.loads(path.read_text()) if path.is_file() else {"results": []}
     keep = [r for r in existing.get("results", []) if (r["protocol"], r["split"], r["runs"])
             != (result["protocol"], result["split"], result["runs"])]
@@ -167,9 +161,9 @@ def table_rows(runs, extended: bool = False) -> tuple[list[str], list[list], lis
     rows, seen = [], set()
     mismatched: dict[str, list[str]] = {}
     for run in runs:
-        path = Path(run) / ckpt.EVAL
+        path = Path(run) / EVAL
         if not path.is_file():
-            raise UserError(f"{run} has no {ckpt.EVAL}; run `retr-train eval {run} --protocol …` first")
+            raise UserError(f"{run} has no {EVAL}; run `retr-train eval {run} --protocol …` first")
         for r in json.loads(path.read_text()).get("results", []):
             key = (r["protocol"], r["split"], tuple(r["runs"]))
             if key in seen or (extended and "extended" not in r):
@@ -192,7 +186,7 @@ def table_rows(runs, extended: bool = False) -> tuple[list[str], list[list], lis
                          protocol, r["split"], f"ensemble of {len(r['runs'])}" if r["ensemble"] else "single",
                          *numbers])
     if extended and not rows:
-        raise UserError(f"no result stored in the {ckpt.EVAL} of {', '.join(map(str, runs))} has ECCV Caption and "
+        raise UserError(f"no result stored in the {EVAL} of {', '.join(map(str, runs))} has ECCV Caption and "
                         "CxC numbers; run `retr-train eval RUN --protocol coco-5k --extended` first")
     header = ["run", "model", "preset", "seed", "protocol", "split", "kind"]
     header += ([f"{d} {coco_extended.METRIC_LABELS[name]}" for name, d in EXTENDED_COLUMNS] if extended else
@@ -204,7 +198,7 @@ def table_rows(runs, extended: bool = False) -> tuple[list[str], list[list], lis
 def has_extended(runs) -> bool:
     """Whether a result stored in the runs' ``eval.json`` has ECCV Caption and CxC numbers."""
     for run in runs:
-        path = Path(run) / ckpt.EVAL
+        path = Path(run) / EVAL
         if path.is_file() and any("extended" in r for r in json.loads(path.read_text()).get("results", [])):
             return True
     return False

@@ -17,6 +17,7 @@ from retr.common.errors import UserError
 from retr.trainers.data.splits import SplitData
 from retr.trainers.evaluation import coco_extended
 from retr.trainers.evaluation.metrics import PROTOCOLS, check_split_size, protocol_metrics, protocols_for
+from retr.manifests.schema import read_manifest
 
 
 @dataclass
@@ -43,8 +44,6 @@ def read_saved_sims(path: str, ids: str | None = None, manifest: str | None = No
     """The matrix ``path`` and its ids: from ``ids`` (default ``path.ids.json``, when there), else from ``split`` of
     ``manifest`` in file order. With both, the caption ids come from the manifest (by caption key). One line for a
     file that is not such a matrix, ids that do not fit it, or no ids at all."""
-    from retr.manifests.schema import read_manifest
-
     path = str(path)
     if not Path(path).is_file():
         raise UserError(f"{path} does not exist (a matrix from `retr-train eval --save-sims FILE`)")

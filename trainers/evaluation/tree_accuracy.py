@@ -8,8 +8,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from retr.common.devices import resolve_device
 from retr.common.errors import UserError
+from retr.store.features import FeatureSet
+from retr.trainers.data.splits import ImageFeatures, load_split, pad_tokens
 from retr.trainers.models.side_inputs import caption_keys, read_tree_nodes
+from retr.trainers.runs import checkpoint as ckpt
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +28,6 @@ def tree_node_accuracy(model, data, features, trees_path: str, device: torch.dev
     Each side: ``all`` (7 slots), ``entities`` (4 leaves), ``relations`` (3 inner nodes). Captions without a
     tree are left out.
     """
-    from retr.trainers.data.splits import pad_tokens
-
     model.eval()
     targets, _, _ = read_tree_nodes(trees_path, caption_keys(data))
     keep = targets[:, 0] != -100
@@ -51,16 +53,13 @@ def tree_node_accuracy(model, data, features, trees_path: str, device: torch.dev
 
 def run_tree_accuracy(run: str | Path, split: str = "test", which: str = "best", device: str = "cpu") -> dict:
     """Tree-node accuracy of a finished SMFEA run on ``split``; also written to ``RUN/tree_accuracy.json``."""
-    from retr.store.features import FeatureSet
-    from retr.trainers.runs import checkpoint as ckpt
-    from retr.trainers.data.splits import ImageFeatures, load_split
-
-    model, vocab, config = ckpt.load_run_model(run, which, device)
-    trees = config.get("inputs", {}).get("trees") if config["model_args"].get("use_trees", True) else None
+    model, vocab, _ = ckpt.load_run_model(run, which, device)
+    settings = ckpt.read_settings(run)
+    trees = settings.inputs.get("trees") if getattr(settings.model_config, "use_trees", True) else None
     if not trees:
         raise UserError(f"{run} was trained without trees; there are no tree nodes to score")
-    feature_set = FeatureSet(config["features"])
-    data, _ = load_split(config["manifest"], [split], vocab, feature_set, missing="error")
+    feature_set = FeatureSet(settings.features)
+    data, _ = load_split(settings.manifest, [split], vocab, feature_set, missing="error")
     result = {"split": split, **tree_node_accuracy(model, data, ImageFeatures(feature_set, data.image_ids),
                                                    trees, device)}
     (Path(run) / "tree_accuracy.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -71,9 +70,7 @@ def report_tree_accuracy(run: str | Path, cfg) -> None:
     """After training (the ``tree_accuracy`` report SMFEA's spec names): the best checkpoint's accuracy on the test split,
     written to ``RUN/tree_accuracy.json`` and logged; a run without trees or a manifest without a test split
     gets a note instead (training itself succeeded)."""
-    from retr.common.devices import resolve_device
-
-    if not cfg.model_args.get("use_trees", True):
+    if not getattr(cfg.model_config, "use_trees", True):
         return
     try:
         result = run_tree_accuracy(run, "test", device=resolve_device(cfg.device))

@@ -84,16 +84,6 @@ class MatchingModel(nn.Module):
             self.batch_ranking = in_batch_ranking(scores, self.margin, hardest, loss, positives)
         return loss
 
-    @staticmethod
-    def settings(config_class: type, config=None, overrides: dict | None = None):
-        """``config`` (default ``config_class()``) with ``overrides`` (config field names; unknown → ``ValueError``)."""
-        from dataclasses import asdict
-
-        from retr.trainers.config import make_config
-
-        base = asdict(config) if config is not None else {}
-        return make_config(config_class, {**base, **(overrides or {})})
-
     #: the methods :meth:`compile_scoring` compiles: what :meth:`forward` scores the training batch with
     compiled_functions: tuple[str, ...] = ("score",)
 

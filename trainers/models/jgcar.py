@@ -20,12 +20,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from retr.common.errors import UserError
-from retr.trainers.config import (dropout_setting, embed_size_setting, margin_setting, setting, size_setting,
+from retr.trainers.config import (Settings, dropout_setting, embed_size_setting, margin_setting, setting, size_setting,
                                   violation_setting, word_dim_setting)
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.models.optim import PerGroupOptimizer
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import cat_parts, l2norm, lengths_mask, masked_mean, masked_softmax, run_rnn
+from retr.trainers.models.side_inputs import load_jgcar_inputs
 
 GLOBAL_SIMILARITIES = ("dot", "cosine")
 INTRA_REDUCTIONS = ("mean_positive", "sum")
@@ -324,8 +325,8 @@ class JGCAR(MatchingModel):
     #: the attention maps :meth:`explain` returns (class docstring)
     explains = ("visual_attention", "textual_attention")
 
-    def __init__(self, vocab_size: int, img_dim: int = 512, config: "JGCARConfig | None" = None, **settings):
-        cfg = self.config = self.settings(JGCARConfig, config, settings)
+    def __init__(self, vocab_size: int, img_dim: int = 512, config: "JGCARConfig | None" = None):
+        cfg = self.config = config if config is not None else JGCARConfig()
         super().__init__(cfg.margin, cfg.max_violation)
         embed_size, word_dim, hidden_size, num_regions = cfg.embed_size, cfg.word_dim, cfg.hidden_size, cfg.num_regions
         max_words, dropout, position_bias = cfg.max_words, cfg.dropout, cfg.position_bias
@@ -540,13 +541,6 @@ class JGCAR(MatchingModel):
         raise NotImplementedError("JGCAR's objective needs the embeddings: call forward() or joint_loss()")
 
 
-
-
-def coattention_parameter_names(model: nn.Module) -> list[str]:
-    """Names of the co-attention parameters (trained with RMSprop; the encoders with SGD, §3.1)."""
-    return [name for name, _ in model.named_parameters() if name.startswith("coattn.")]
-
-
 def split_parameters(model: "JGCAR") -> Mapping[str, list[nn.Parameter]]:
     """``{"global": encoder parameters (SGD), "coattention": co-attention parameters (RMSprop)}``."""
     groups: dict[str, list[nn.Parameter]] = {"global": [], "coattention": []}
@@ -558,7 +552,7 @@ def split_parameters(model: "JGCAR") -> Mapping[str, list[nn.Parameter]]:
 # ------------------------------------------------------------------------------------------------ settings
 
 @dataclass
-class JGCARConfig:
+class JGCARConfig(Settings):
     """JGCAR's settings (defaults: the paper's §3.1; ``docs/models-jgcar.md`` gives every decision)."""
 
     embed_size: int = embed_size_setting(256)
@@ -599,17 +593,15 @@ JGCAR_SCHEDULE = {"batch_size": 200, "epochs": 128, "early_stop": 5, "lr": 4e-4,
 
 
 def _jgcar_inputs(data, files, config, vocab_size):
-    from retr.trainers.models.side_inputs import load_jgcar_inputs
     return load_jgcar_inputs(data, files.get("labels"), config.concept_min_captions)
 
 
-def _jgcar_features(model_args, shape: tuple[int, int]) -> str | None:
+def _jgcar_features(config: "JGCARConfig", shape: tuple[int, int]) -> str | None:
     """The per-region bias b_v has one row per map cell: refused for features with another number of positions."""
     k = shape[0]
-    if model_args.get("position_bias", True) and model_args.get("num_regions", 196) != k:
-        return (f"JGCAR's per-region bias b_v is built for --num-regions {model_args.get('num_regions', 196)}, the "
-                f"features have {k} positions per image; give --num-regions {k}, or --shared-bias (one bias for "
-                f"every position)")
+    if config.position_bias and config.num_regions != k:
+        return (f"JGCAR's per-region bias b_v is built for --num-regions {config.num_regions}, the features have {k} "
+                f"positions per image; give --num-regions {k}, or --shared-bias (one bias for every position)")
     return None
 
 

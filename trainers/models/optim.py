@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from typing import Sequence
+import inspect
 
 import torch
 
@@ -45,8 +46,6 @@ def inner_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optim
 
 def supports_fused(optimizer: torch.optim.Optimizer) -> bool:
     """Whether torch has a fused kernel for this optimiser class (Adam, AdamW, SGD …; not RMSprop, Adadelta)."""
-    import inspect
-
     return "fused" in inspect.signature(type(optimizer).__init__).parameters
 
 

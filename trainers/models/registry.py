@@ -3,8 +3,9 @@
 A spec names everything the trainer needs to know about a model and nothing is defined elsewhere:
 
 * ``model_class`` — the :class:`~retr.trainers.models.base.MatchingModel` subclass; it takes tensors only;
-* ``config_class`` — a dataclass of the model's settings (:func:`retr.trainers.config.setting` fields): the one
-  definition of each setting's name, type, default and help;
+* ``config_class`` — a dataclass of the model's settings (a :class:`~retr.trainers.config.Settings` whose fields
+  are :func:`~retr.trainers.config.setting` s): the one definition of each setting's name, type, default and help;
+  the model is built from it (``model_class(vocab_size, img_dim, …sizes, config=…)``);
 * ``presets`` — named overrides (``{"f30k": {"epochs": 30, "lambda_softmax": 4.0}, …}``) of the schedule
   (:data:`~retr.trainers.config.SCHEDULE_KEYS`) and of the config's fields, checked at registration;
 * ``inputs`` and ``load_inputs`` — for models that need more than features and captions: the side files
@@ -13,22 +14,23 @@ A spec names everything the trainer needs to know about a model and nothing is d
   note, ``reproduce`` refuses it) and, where the model's settings fix the shape it takes, the refusal of a
   feature set they cannot take, in the options a user can give instead.
 
-``retr-train MODEL`` is generated from the spec (:mod:`retr.trainers.commands.train`); every module in this
+``retr-train MODEL`` is generated from the spec (:mod:`retr.trainers.commands.train`); a run's settings are merged
+and read back by :mod:`retr.trainers.config`, which takes the spec for what is the model's. Every module in this
 package is imported on first use, so a new model is one module that calls :func:`register_model`.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import pkgutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from retr.common.errors import UserError
-from retr.trainers.config import SCHEDULE_KEYS, make_config
-
-#: model constructor arguments that follow from the data, not from the user (stored in ``model_args``)
-DATA_SIZES = ("vocab_size", "img_dim")
+from retr.store.features import KINDS
+from retr.trainers.config import SCHEDULE_KEYS, Settings, make_config, preset_values
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,13 @@ class InputFile:
 @dataclass
 class ModelInputs:
     """What ``load_inputs`` returns: ``sizes`` — constructor arguments that follow from the files (e.g.
-    ``num_concepts``; they may also fix a setting, such as SMFEA's ``concept_vectors="fixed"``) — and
-    ``tensors`` — training-time data handed to :meth:`~retr.trainers.models.base.MatchingModel.prepare_training`
-    (e.g. ``{"nodes": [M, 7] long}``)."""
+    ``num_concepts``), ``settings`` — settings the files fix (SMFEA's ``concept_vectors="fixed"`` and its
+    ``concept_word_dim``: the loop applies them to the run's config), ``tensors`` — training-time data handed to
+    :meth:`~retr.trainers.models.base.MatchingModel.prepare_training` (e.g. ``{"nodes": [M, 7] long}``) — and the
+    notes to print."""
 
     sizes: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -67,12 +71,14 @@ class ModelSpec:
     (:class:`~retr.trainers.data.splits.SplitData`), ``files`` ``{input name: path or None}``, ``config`` the model's
     config dataclass, ``vocab_size`` the caption vocabulary's size. ``preset_name(name, explicit) -> name`` lets a model pick a finer preset from explicit
     settings (SCAN: the dataset's preset for the chosen direction and aggregation). ``shortcuts`` are extra
-    flags that set several settings (``{"--no-kl": ("help", {"kl_weight": 0.0})}``). ``upgrade_args`` turns
-    ``model_args`` of runs written before a change into today's ``(model_args, inputs)``. ``after_training``
+    flags that set several settings (``{"--no-kl": ("help", {"kl_weight": 0.0})}``). ``upgrade_args`` turns the
+    stored ``model_args`` of runs written before a change into today's ``(model_args, inputs)`` (called by
+    :func:`retr.trainers.config.upgrade_stored`). ``after_training``
     names the reports made once a run is trained (:data:`retr.trainers.evaluation.reports.AFTER_TRAINING`),
     e.g. SMFEA's ``tree_accuracy``. ``feature_kinds``: the kinds of feature set (``grid``, ``maps``, ``tencrop``,
-    ``regions``, ``clip``) its papers trained on, empty for any. ``check_features(model_args, (K, D)) -> str | None``:
-    why the model built with ``model_args`` cannot take ``[K, D]`` features, in the command's options (None: it can).
+    ``regions``, ``clip``) its papers trained on, empty for any. ``check_features(config, (K, D)) -> str | None``:
+    why the model built with ``config`` (its config dataclass) cannot take ``[K, D]`` features, in the command's
+    options (None: it can).
     """
 
     name: str
@@ -92,6 +98,9 @@ class ModelSpec:
     check_features: Callable[[Mapping[str, Any], tuple[int, int]], str | None] | None = None
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.config_class, type) and issubclass(self.config_class, Settings)):
+            raise ValueError(f"the config class of {self.name} must be a dataclass deriving from "
+                             "retr.trainers.config.Settings (validated when made)")
         known = {f.name for f in dataclasses.fields(self.config_class)}
         for preset, values in self.presets.items():
             unknown = sorted(set(values) - known - set(SCHEDULE_KEYS))
@@ -105,8 +114,6 @@ class ModelSpec:
             raise ValueError(f"model {self.name} needs at least one example command (shown in --help)")
         if self.default_preset is not None and self.default_preset not in self.presets:
             raise ValueError(f"default preset {self.default_preset!r} of {self.name} is not among its presets")
-        from retr.store.features import KINDS
-
         unknown_kinds = sorted(set(self.feature_kinds) - set(KINDS))
         if unknown_kinds:
             raise ValueError(f"feature kind(s) {', '.join(unknown_kinds)} of {self.name} are not among {KINDS}")
@@ -131,17 +138,6 @@ class ModelSpec:
         """The names of the model's settings (its config dataclass's fields)."""
         return {f.name for f in dataclasses.fields(self.config_class)}
 
-    def make_config(self, values: Mapping[str, Any] | None = None):
-        """The config dataclass from ``values`` (unknown names refused by name)."""
-        return make_config(self.config_class, dict(values or {}))
-
-    def upgrade(self, model_args: dict, inputs: dict | None = None) -> tuple[dict, dict]:
-        """``(model_args, inputs)`` of a stored run in today's form."""
-        inputs = dict(inputs or {})
-        if self.upgrade_args is not None:
-            model_args, moved = self.upgrade_args(dict(model_args))
-            inputs = {**moved, **inputs}
-        return dict(model_args), inputs
 
 
 _SPECS: dict[str, ModelSpec] = {}
@@ -163,13 +159,14 @@ def unregister_model(name: str) -> None:
 
 
 def _load_all() -> None:
-    """Import every module of :mod:`retr.trainers.models`, so each registers its spec."""
+    """Import every module of this package (found in its folder, so the package itself is not imported from
+    here), so each registers its spec."""
     global _LOADED
     if _LOADED:
         return
-    package = importlib.import_module("retr.trainers.models")
-    for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{module.name}")
+    package = __name__.rpartition(".")[0]
+    for module in pkgutil.iter_modules([str(Path(__file__).resolve().parent)]):
+        importlib.import_module(f"{package}.{module.name}")
     _LOADED = True
 
 
@@ -190,13 +187,24 @@ def model_class(name: str) -> type:
     return get_spec(name).model_class
 
 
-def create_model(name: str, **kwargs):
-    """Instantiate model ``name``: data sizes (``vocab_size``, ``img_dim``, …) and settings as keywords."""
-    return get_spec(name).model_class(**kwargs)
+def create_model(name: str, config=None, **kwargs):
+    """An untrained model ``name`` (a script's entry point; training builds its model from the run's settings):
+    the data sizes (``vocab_size``, ``img_dim``, …) as keywords, and its settings as ``config`` (its config
+    dataclass) or as keywords (the config made from them, unknown names refused by name)."""
+    spec = get_spec(name)
+    names = {f.name for f in dataclasses.fields(spec.config_class)}
+    unknown = sorted(set(kwargs) - names - set(inspect.signature(spec.model_class.__init__).parameters))
+    if unknown:
+        raise ValueError(f"unknown setting(s) for {spec.config_class.__name__}: {', '.join(unknown)}")
+    settings = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+    if settings:
+        if config is not None:
+            raise ValueError(f"give {name}'s settings as config or as keywords, not both ({', '.join(settings)})")
+        config = make_config(spec.config_class, settings)
+    return spec.model_class(config=config, **kwargs)
 
 
 def preset(name: str, dataset: str | None = None, **explicit) -> dict:
     """The settings preset ``dataset`` of model ``name`` means (None: its default preset), refined by
     ``explicit`` settings: the config's defaults with the preset's overrides (and its schedule) applied."""
-    spec = get_spec(name)
-    return {**dataclasses.asdict(spec.config_class()), **spec.resolve_preset(dataset, explicit)}
+    return preset_values(get_spec(name), dataset, **explicit)

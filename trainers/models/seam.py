@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retr.trainers.config import (embed_size_setting, margin_setting, setting, size_setting, violation_setting,
-                                  word_dim_setting)
+from retr.trainers.config import (Settings, embed_size_setting, margin_setting, setting, size_setting,
+                                  violation_setting, word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import cat_parts, lengths_mask, masked_batch_norm, masked_mean, run_rnn
@@ -162,8 +162,8 @@ class SEAM(MatchingModel):
     :meth:`explain`: the self-attention ``A`` over the caption's real tokens, ``[hops, L]`` per module: ``"hops"``
     (E, G) or ``"bigram_hops"``, ``"trigram_hops"``, ``"word_hops"`` (C); rows sum to 1."""
 
-    def __init__(self, vocab_size: int, img_dim: int = 4096, config: "SEAMConfig | None" = None, **settings):
-        cfg = self.config = self.settings(SEAMConfig, config, settings)
+    def __init__(self, vocab_size: int, img_dim: int = 4096, config: "SEAMConfig | None" = None):
+        cfg = self.config = config if config is not None else SEAMConfig()
         super().__init__(cfg.margin, cfg.max_violation)
         crops, penalty_norm, text_encoder = cfg.crops, cfg.penalty_norm, cfg.text_encoder
         input_l2norm, penalty_weight, order_squared = cfg.input_l2norm, cfg.penalty_weight, cfg.order_squared
@@ -279,7 +279,7 @@ class SEAM(MatchingModel):
 
 
 @dataclass
-class SEAMConfig:
+class SEAMConfig(Settings):
     """SEAM's settings (defaults: the paper's SEAM-C on COCO)."""
 
     embed_size: int = embed_size_setting(1024)

@@ -5,6 +5,7 @@ JGCAR's labels: docs/models-jgcar.md; SMFEA's ``nodes`` [M, 7], ``image_labels``
 ``vectors`` [C, D], ``token_concepts`` [V]: docs/models-smfea.md ("Data flow")."""
 from __future__ import annotations
 
+import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
@@ -15,8 +16,9 @@ import torch
 from retr.common.errors import UserError
 from retr.store.concepts import ConceptSet
 from retr.store.labels import read_label_file
+from retr.store.trees import TreeSet
 from retr.store.vocab import FUNCTION_WORDS, SPECIALS, UNK_ID, tokenize
-from retr.store.word_vectors import RANDOM, resolve_vectors, vocabulary_vectors
+from retr.store.word_vectors import GLOVE_FORMAT, RANDOM, resolve_vectors, vocabulary_vectors
 from retr.trainers.models.registry import ModelInputs
 
 # ------------------------------------------------------------------------------------------------- JGCAR
@@ -130,8 +132,6 @@ def token_concept_map(data, forms: dict[str, int], vocab_size: int) -> torch.Ten
 
 def read_tree_nodes(trees_path: str, keys: list[str]) -> tuple[np.ndarray, int, int]:
     """``[len(keys), 7]`` node ids (−100 rows for captions without a tree) and the dictionary sizes."""
-    from retr.store.trees import TreeSet
-
     trees = TreeSet(trees_path)
     has = np.array([k in trees for k in keys], dtype=bool)
     if not has.any():
@@ -167,8 +167,9 @@ def read_training_inputs(data, trees_path: str | None, concepts_path: str | None
 
 
 def load_smfea_inputs(data, files: dict, config, vocab_size: int) -> ModelInputs:
-    """SMFEA's spec step: sizes for the constructor (dictionary and concept counts, the concept vector size and
-    whether the vectors are fixed) and the training tensors for :meth:`SMFEA.prepare_training`."""
+    """SMFEA's spec step: sizes for the constructor (dictionary and concept counts, the concept vectors' file), the
+    settings fixed vectors fix (``concept_vectors="fixed"``, their size) and the training tensors for
+    :meth:`SMFEA.prepare_training`."""
     trees, concepts, vectors = files.get("trees"), files.get("concepts"), files.get("concept_vectors")
     vectors = None if vectors == "learned" else vectors          # the option's old spelling of "no file"
     if config.use_trees and not trees:
@@ -177,12 +178,12 @@ def load_smfea_inputs(data, files: dict, config, vocab_size: int) -> ModelInputs
                                   vocab_size=vocab_size)
     sizes = {"num_concepts": int(inputs.adjacency.shape[0]), "num_entities": 1, "num_relations": 1}
     if config.use_trees:
-        from retr.store.trees import TreeSet
         tree_set = TreeSet(trees)
         sizes.update(num_entities=len(tree_set.entities), num_relations=len(tree_set.relations))
+    settings = {}
     if vectors:
-        sizes.update(concept_vectors="fixed", concept_word_dim=int(inputs.vectors.shape[1]),
-                     concept_vectors_file=inputs.vectors_file)
+        settings = {"concept_vectors": "fixed", "concept_word_dim": int(inputs.vectors.shape[1])}
+        sizes["concept_vectors_file"] = inputs.vectors_file
     tensors = {"adjacency": inputs.adjacency, "token_concepts": inputs.token_concepts,
                "image_labels": inputs.image_labels}
     if inputs.nodes is not None:
@@ -191,7 +192,7 @@ def load_smfea_inputs(data, files: dict, config, vocab_size: int) -> ModelInputs
         tensors["vectors"] = inputs.vectors
     notes = [f"{len(inputs.missing_vectors)} concept(s) have no vector in {vectors} and start random "
              f"(first: {inputs.missing_vectors[0]})"] if inputs.missing_vectors else []
-    return ModelInputs(sizes=sizes, tensors=tensors, notes=notes)
+    return ModelInputs(sizes=sizes, settings=settings, tensors=tensors, notes=notes)
 
 
 # ------------------------------------------------------------------------------------------------- word vectors
@@ -222,19 +223,19 @@ def add_word_vectors(inputs: ModelInputs, config, vocab, recorded: str = "") -> 
 
 # ------------------------------------------------------------------------------------------------- audit
 
-def check_side_inputs(spec, files: dict, model_args: dict, image_ids: Sequence[str],
-                      caption_keys: Sequence[str]) -> None:
+def check_side_inputs(spec, files: dict, config, image_ids: Sequence[str], caption_keys: Sequence[str]) -> None:
     """Refuse (one line), before anything is trained, the side files and word vectors a run of ``spec`` could
     not read: a required file left out (SMFEA's ``trees`` unless ``use_trees`` is off), a file that is not what
     its option takes, labels without an entry for a training image (``image_ids``), trees with no tree for any
     training caption (``caption_keys``: ``<id>#<k>``), and word or concept vectors that are neither a file nor a
     named set on disk or downloadable (``RETR_OFFLINE``: the one-line missing-resource error). ``files``:
-    ``{input name: path}``; ``model_args``: the run's model settings."""
+    ``{input name: path}``; ``config``: the run's model settings (its config dataclass)."""
     names = {i.name for i in spec.inputs}
     for item in spec.inputs:
         if item.required and not files.get(item.name):
             raise UserError(f"{spec.name} needs --{item.name.replace('_', '-')}")
-    if "trees" in names and model_args.get("use_trees", True) and not files.get("trees"):
+    use_trees = getattr(config, "use_trees", True)
+    if "trees" in names and use_trees and not files.get("trees"):
         raise UserError("--trees is required (or train the 'w/o trees' ablation with --no-trees)")
     for name, path in files.items():
         if not path or name not in names:
@@ -245,9 +246,7 @@ def check_side_inputs(spec, files: dict, model_args: dict, image_ids: Sequence[s
             if missing:
                 raise UserError(f"{len(missing)} training image(s) have no entry in {path} (first: {missing[0]}); "
                                 "give every image a (possibly empty) label list")
-        elif name == "trees" and model_args.get("use_trees", True):
-            from retr.store.trees import TreeSet
-
+        elif name == "trees" and use_trees:
             trees = TreeSet(path)
             if caption_keys and not any(k in trees for k in caption_keys):
                 raise UserError(f"{path} has no tree for any training caption (first key: {caption_keys[0]}); "
@@ -256,22 +255,18 @@ def check_side_inputs(spec, files: dict, model_args: dict, image_ids: Sequence[s
             ConceptSet(path)
         elif name == "concept_vectors" and path != "learned":
             check_vectors_file(resolve_vectors(path))
-    vectors = model_args.get("word_vectors", RANDOM)
+    vectors = getattr(config, "word_vectors", RANDOM)
     if vectors and vectors != RANDOM:
         dim = check_vectors_file(resolve_vectors(vectors))
-        if model_args.get("word_dim") is not None and dim != model_args["word_dim"]:
+        if getattr(config, "word_dim", None) is not None and dim != config.word_dim:
             raise UserError(f"--word-vectors {vectors} holds {dim}-d vectors: give --word-dim {dim} "
-                            f"(not {model_args['word_dim']})")
+                            f"(not {config.word_dim})")
 
 
 def check_vectors_file(source) -> int:
     """The vector size ``D`` of a located vectors file (:class:`~retr.store.word_vectors.VectorsFile`), read from
     its first line, which must be a word and ``D`` numbers (GloVe's text format); one line refuses anything else
     (an empty file, a manifest, HDF5 …) before training. Only the first line is read."""
-    import zipfile
-
-    from retr.store.word_vectors import GLOVE_FORMAT
-
     try:
         if source.member is not None:
             with zipfile.ZipFile(source.path) as archive, archive.open(source.member) as handle:

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retr.trainers.config import (dropout_setting, embed_size_setting, freeze_word_vectors_setting, margin_setting,
-                                  setting, violation_setting, word_dim_setting, word_vectors_setting)
+from retr.trainers.config import (Settings, dropout_setting, embed_size_setting, freeze_word_vectors_setting,
+                                  margin_setting, setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
 from retr.trainers.models.layers import (EPS, cat_parts, cosine, cosine_matrix, lengths_mask, masked_mean,
@@ -94,8 +94,8 @@ class SMAN(MatchingModel):
     compiled_functions = ("level_scores",)     # what forward scores the batch with (--compile)
 
     def __init__(self, vocab_size: int, img_dim: int = 2048, config: "SMANConfig | None" = None,
-                 word_vectors_file: str = "", **settings):
-        cfg = self.config = self.settings(SMANConfig, config, settings)
+                 word_vectors_file: str = ""):
+        cfg = self.config = config if config is not None else SMANConfig()
         self.word_vectors_file = word_vectors_file     # the vectors the words started from
         super().__init__(cfg.margin, cfg.max_violation)
         embed_size, word_dim, alpha, use_location = cfg.embed_size, cfg.word_dim, cfg.alpha, cfg.use_location
@@ -371,7 +371,7 @@ class SMAN(MatchingModel):
 
 
 @dataclass
-class SMANConfig:
+class SMANConfig(Settings):
     """SMAN's settings (defaults: the paper's, §IV-A3; each decision: ``docs/models-seam-sman.md``)."""
 
     embed_size: int = embed_size_setting(512)

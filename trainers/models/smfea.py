@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from retr.store.word_vectors import GLOVE_SETS
-from retr.trainers.config import (dropout_setting, embed_size_setting, freeze_word_vectors_setting, margin_setting,
-                                  setting, size_setting, violation_setting, word_dim_setting, word_vectors_setting)
+from retr.trainers.config import (Settings, dropout_setting, embed_size_setting, freeze_word_vectors_setting,
+                                  margin_setting, setting, size_setting, violation_setting, word_dim_setting,
+                                  word_vectors_setting)
 from retr.trainers.models.registry import InputFile, ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, InnerProductModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_mean, masked_softmax
@@ -26,6 +27,7 @@ from retr.trainers.models.concepts import (ConceptAttention, ConceptGCN, consens
 from retr.trainers.models.scan import RegionEncoder
 from retr.trainers.models.text import GRUWordEncoder, install_word_vectors
 from retr.trainers.models.tree_lstm import ENTITY_SLOTS, FORGET_GATES, NUM_NODES, RELATION_SLOTS, StructuredTreeEncoder
+from retr.trainers.models.side_inputs import load_smfea_inputs
 
 TRAIN_TEXT_LABELS = ("image", "caption")
 
@@ -123,8 +125,8 @@ class SMFEA(InnerProductModel):
 
     def __init__(self, vocab_size: int, num_entities: int, num_relations: int, num_concepts: int,
                  img_dim: int = 2048, config: "SMFEAConfig | None" = None, word_vectors_file: str = "",
-                 concept_vectors_file: str = "", **settings):
-        cfg = self.config = self.settings(SMFEAConfig, config, settings)
+                 concept_vectors_file: str = ""):
+        cfg = self.config = config if config is not None else SMFEAConfig()
         # the vectors the words and the concepts started from (name sha256:…), recorded in the run
         self.word_vectors_file, self.concept_vectors_file = word_vectors_file, concept_vectors_file
         super().__init__(cfg.margin, cfg.max_violation)
@@ -348,7 +350,7 @@ class SMFEA(InnerProductModel):
 # ------------------------------------------------------------------------------------------------ settings
 
 @dataclass
-class SMFEAConfig:
+class SMFEAConfig(Settings):
     """SMFEA's settings (defaults: §4.2 and CVSE's; ``docs/models-smfea.md`` gives every decision)."""
 
     embed_size: int = embed_size_setting(1024)
@@ -411,17 +413,16 @@ SMFEA_SCHEDULE = {"batch_size": 128, "grad_clip": 2.0, "epochs": 50, "lr": 2e-4,
 
 
 def _smfea_inputs(data, files, config, vocab_size):
-    from retr.trainers.models.side_inputs import load_smfea_inputs
     return load_smfea_inputs(data, files, config, vocab_size)
 
 
-def _smfea_features(model_args, shape: tuple[int, int]) -> str | None:
+def _smfea_features(config: SMFEAConfig, shape: tuple[int, int]) -> str | None:
     """Batch norm over the region positions has one channel per position: refused for another number of them."""
     k = shape[0]
-    if model_args.get("instance_bn", "regions") == "regions" and model_args.get("num_regions", 36) != k:
+    if config.instance_bn == "regions" and config.num_regions != k:
         return (f"the instance attention's batch norm over region positions is built for --num-regions "
-                f"{model_args.get('num_regions', 36)}, the features have {k} positions per image; give --num-regions "
-                f"{k}, or --instance-bn features (normalised over the features instead)")
+                f"{config.num_regions}, the features have {k} positions per image; give --num-regions {k}, or "
+                f"--instance-bn features (normalised over the features instead)")
     return None
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from retr.trainers.config import (embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
+from retr.trainers.config import (Settings, embed_size_setting, freeze_word_vectors_setting, margin_setting, setting,
                                   size_setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.base import Embeddings, InnerProductModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_batch_norm, masked_softmax, run_rnn
@@ -110,8 +110,8 @@ class VSEInfinity(InnerProductModel):
     explains = rank_maps = ("image_pooling", "caption_pooling")
 
     def __init__(self, vocab_size: int, img_dim: int = 2048, config: "VSEInfinityConfig | None" = None,
-                 word_vectors_file: str = "", **settings):
-        cfg = self.config = self.settings(VSEInfinityConfig, config, settings)
+                 word_vectors_file: str = ""):
+        cfg = self.config = config if config is not None else VSEInfinityConfig()
         super().__init__(cfg.margin, cfg.max_violation)
         self.word_vectors_file = word_vectors_file     # the vectors the words started from
         self.mask_token = vocab_size                       # the authors' <mask>, appended after the vocabulary
@@ -186,7 +186,7 @@ class VSEInfinity(InnerProductModel):
 
 
 @dataclass
-class VSEInfinityConfig:
+class VSEInfinityConfig(Settings):
     """VSE∞'s settings (defaults: the authors' BiGRU + BUTD region run)."""
 
     embed_size: int = embed_size_setting(1024)
@@ -199,17 +199,13 @@ class VSEInfinityConfig:
                               flag="--image-mlp/--no-image-mlp")
     pe_dim: int = size_setting(32, "GPO: size of the positional encoding of the ranks.")
     gpo_hidden: int = size_setting(32, "GPO: hidden size of its BiGRU.")
-    drop_regions: float = setting(0.2, "Size augmentation: drop each region with this probability in training.")
+    drop_regions: float = setting(0.2, "Size augmentation: drop each region with this probability in training.",
+                                  at_least=0, below=1)
     augment_words: float = setting(0.2, "Size augmentation: mask/replace/delete each caption token with this "
-                                   "probability in training.")
+                                   "probability in training.", at_least=0, below=1)
     weight_decay: float = setting(0.01, "AdamW weight decay (the authors' code: torch's default 0.01).")
     margin: float = margin_setting(0.2)
     max_violation: bool = violation_setting(True)
-
-    def __post_init__(self) -> None:
-        for name in ("drop_regions", "augment_words"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), not {getattr(self, name)}")
 
 
 #: the authors' region schedule (train_region.sh, supplement §1.1): 25 epochs, lr 5e-4 ×0.1 after 15, one warm-up

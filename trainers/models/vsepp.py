@@ -8,8 +8,8 @@ from typing import Literal
 import torch
 
 from retr.store.features import TENCROP_ORDER
-from retr.trainers.config import (embed_size_setting, margin_setting, setting, size_setting, violation_setting,
-                                  word_dim_setting)
+from retr.trainers.config import (Settings, embed_size_setting, margin_setting, setting, size_setting,
+                                  violation_setting, word_dim_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, InnerProductModel
 from retr.trainers.models.layers import masked_mean
@@ -21,8 +21,8 @@ class VSEPP(InnerProductModel):
     """VSE++ on any feature kind; settings: :class:`VSEPPConfig`; no attention maps (``explain`` raises). Scores
     the inner products of the l2-normalised ``vector`` s."""
 
-    def __init__(self, vocab_size: int, img_dim: int = 2048, config: "VSEPPConfig | None" = None, **settings):
-        cfg = self.config = self.settings(VSEPPConfig, config, settings)
+    def __init__(self, vocab_size: int, img_dim: int = 2048, config: "VSEPPConfig | None" = None):
+        cfg = self.config = config if config is not None else VSEPPConfig()
         super().__init__(cfg.margin, cfg.max_violation)
         embed_size, word_dim, bi_gru = cfg.embed_size, cfg.word_dim, cfg.bi_gru
         no_imgnorm, precomp_enc_type = cfg.no_imgnorm, cfg.precomp_enc_type
@@ -48,7 +48,7 @@ class VSEPP(InnerProductModel):
 
 
 @dataclass
-class VSEPPConfig:
+class VSEPPConfig(Settings):
     """VSE++'s settings (defaults: the paper's)."""
 
     embed_size: int = embed_size_setting(1024)

@@ -19,7 +19,6 @@ OUTLINED = 1                  # the most attended boxes outlined per panel
 HEAT_ALPHA = 0.5              # heatmap opacity over the image
 HEAT_CMAP = "jet"             # the colour map of the grid attention figures in SMAN's and JGCAR's papers
 BLANK = (236, 236, 236)       # the canvas drawn when the image file is not available
-OK_COLOUR, WRONG_COLOUR = (30, 160, 60), (210, 40, 40)
 
 
 def _matplotlib():
@@ -134,13 +133,6 @@ def grid_heatmap(canvas: Image.Image, weights: np.ndarray, alpha: float = HEAT_A
     cols = np.array([(x * side) // width for x in range(width)])       # the inverse of cell_bounds
     colours = heat_colours(weights.reshape(side, side), cmap)[rows][:, cols]
     return Image.fromarray(np.round(base * (1 - alpha) + colours * alpha).clip(0, 255).astype(np.uint8))
-
-
-def frame(image: Image.Image, colour, width: int = 4) -> Image.Image:
-    """``image`` inside a ``width``-pixel border of ``colour`` (marks the ground truth among retrieved images)."""
-    out = Image.new("RGB", (image.width + 2 * width, image.height + 2 * width), colour)
-    out.paste(image.convert("RGB"), (width, width))
-    return out
 
 
 def save_image(image: Image.Image, path: Path, quality: int = 88) -> Path:

@@ -16,10 +16,18 @@ import shutil
 import stat
 from pathlib import Path
 
+from tabulate import tabulate
+import safetensors.torch
+
 from retr.common.errors import UserError
 from retr.common.hashing import sha256_file
 from retr.common.version import __version__
 from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.runs.layout import CONFIG, EVAL, VOCAB, WEIGHTS
+from retr.extractors.recorded import extract_arguments
+from retr.store.features import FeatureSet
+from retr.trainers.evaluation.runs import has_extended, table_rows
+from retr.trainers.models import get_spec
 
 #: the version of the export layout ``config.json`` records (``export.format_version``)
 FORMAT_VERSION = 1
@@ -48,8 +56,6 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, which: str = "bes
     """Write ``run``'s ``which`` checkpoint (``best``, ``last`` or a file of the run) as an export in ``out``
     (written to ``out.partial`` and renamed when complete); returns ``out``. Every check runs before a file is
     written."""
-    import safetensors.torch
-
     run, out = Path(run), check_export_target(out)
     if ckpt.is_export(run):
         raise UserError(f"{run} is an export already; copy the folder to share it")
@@ -62,13 +68,13 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, which: str = "bes
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        safetensors.torch.save_model(model, str(staging / ckpt.WEIGHTS),
+        safetensors.torch.save_model(model, str(staging / WEIGHTS),
                                      metadata={"format": "pt", "retr_model": config["model"]})
-        vocab.save(staging / ckpt.VOCAB)
+        vocab.save(staging / VOCAB)
         # safetensors writes its file 0600; give it the mode the process gives new files (the others' here)
-        os.chmod(staging / ckpt.WEIGHTS, stat.S_IMODE((staging / ckpt.VOCAB).stat().st_mode))
+        os.chmod(staging / WEIGHTS, stat.S_IMODE((staging / VOCAB).stat().st_mode))
         exported = export_config(run, config, source, staging)
-        ckpt.write_json(staging / ckpt.CONFIG, exported)
+        ckpt.write_json(staging / CONFIG, exported)
         (staging / CARD).write_text(model_card(run, exported), encoding="utf-8")
         if out.is_dir():
             out.rmdir()                               # empty: checked above
@@ -87,8 +93,8 @@ def export_config(run: Path, config: dict, source: Path, folder: Path) -> dict:
     kept.update(features="", manifest="", inputs={})
     kept["export"] = {"format_version": FORMAT_VERSION, "retr_version": __version__, "run": run.resolve().name,
                       "checkpoint": source.name, "checkpoint_sha256": sha256_file(source),
-                      "weights_sha256": sha256_file(folder / ckpt.WEIGHTS),
-                      "vocab_sha256": sha256_file(folder / ckpt.VOCAB), "features": feature_provenance(config)}
+                      "weights_sha256": sha256_file(folder / WEIGHTS),
+                      "vocab_sha256": sha256_file(folder / VOCAB), "features": feature_provenance(config)}
     return kept
 
 
@@ -97,9 +103,6 @@ def feature_provenance(config: dict) -> dict:
     records (:data:`PROVENANCE_ATTRS`) and the ``retr-pipeline extract`` arguments that make it again
     (``extract_arguments``: :func:`~retr.extractors.recorded.extract_arguments`; absent for imported features), read
     from it where it is still on disk (else ``D`` alone)."""
-    from retr.extractors.recorded import extract_arguments
-    from retr.store.features import FeatureSet
-
     provenance: dict = {"dim": config["model_args"].get("img_dim")}
     path = config.get("features")
     if path and Path(path).is_file():
@@ -122,21 +125,16 @@ def model_card(run: Path, exported: dict) -> str:
     """The export's ``README.md``: a Hub model card (YAML header: library, tags, metrics), then the evaluation
     table of the run's ``eval.json``, the verdict of a ``reproduce`` report that names the run, the features the
     weights need, how to load them, and the model's settings."""
-    from tabulate import tabulate
-
-    from retr.trainers.evaluation.runs import has_extended, table_rows
-    from retr.trainers.models import get_spec
-
     name, model = exported["export"]["run"], exported["model"]
     spec = get_spec(model)
     features = exported["export"]["features"]
-    extended = (run / ckpt.EVAL).is_file() and has_extended([str(run)])
+    extended = (run / EVAL).is_file() and has_extended([str(run)])
     header = ["---", "library_name: retr", "tags:", "- image-text-retrieval", "- cross-modal-retrieval",
               f"- {model}", "metrics:", "- recall", *(["- map@r", "- r-precision"] if extended else []), "---", ""]
     lines = [f"# {name}", "", f"An image–text matching model, `{model}`, trained with retr (`retr-train {model}`: "
              f"{spec.summary.split('.')[0].strip()}).", ""]
     lines += ["## Evaluation", ""]
-    if (run / ckpt.EVAL).is_file():
+    if (run / EVAL).is_file():
         head, rows, notes = table_rows([str(run)])
         lines += [tabulate(rows, headers=head, tablefmt="github", floatfmt=".1f"), "", *notes]
         if extended:

@@ -7,12 +7,11 @@ from pathlib import Path
 
 from retr.common.errors import UserError
 from retr.trainers.reporting.draw import curves_png, pyplot
+from retr.trainers.runs.run_log import read_metrics
 
 
 def plot_runs(runs: list[str], out: str | Path) -> Path:
     """Draw ``runs``' curves into ``out`` (PNG); returns its path."""
-    from retr.trainers.runs.run_log import read_metrics
-
     pyplot()   # the report extra, before any work
     series = []
     for run in runs:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+import difflib
 
 from retr.common.errors import UserError
 
@@ -546,8 +547,6 @@ NOT_EXPRESSED: tuple[NotExpressed, ...] = (
 
 def get_recipe(name: str) -> Recipe:
     if name not in RECIPES:
-        import difflib
-
         close = difflib.get_close_matches(name, list(RECIPES), n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}? " if close else ""
         raise UserError(f"unknown recipe {name!r} ({hint}retr-train recipes lists them)")

@@ -20,15 +20,30 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from tabulate import tabulate
+
 from retr.common.errors import UserError
-from retr.trainers.runs import checkpoint as ckpt
-from retr.trainers.config import RESUME_APPLIES, TrainConfig, setting_fields
-from retr.trainers.data.pairing import check_manifest_pairing
-from retr.trainers.evaluation.metrics import check_evaluation_split
 from retr.common.paths import check_output_folder
-from retr.trainers.training.preflight import check_feature_rows, check_training
+from retr.manifests.schema import manifest_sha256, read_manifest
+from retr.store.concepts import ConceptSet
+from retr.store.features import ATTRS_BEFORE_RECORDED, FeatureSet
+from retr.store.labels import read_label_attrs
+from retr.store.trees import TreeSet
+from retr.trainers.config import (RESUME_APPLIES, Difference, TrainConfig, setting_differences, setting_fields,
+                                  settings_from_options)
+from retr.trainers.data.pairing import check_manifest_pairing
+from retr.trainers.evaluation.clip_zero_shot import check_clip_inputs, evaluate_clip
+from retr.trainers.evaluation.metrics import check_evaluation_split
+from retr.trainers.evaluation.reports import report_after_training
+from retr.trainers.evaluation.runs import evaluate_runs
+from retr.trainers.models import get_spec
 from retr.trainers.reproduction.recipes import (FeatureProvenance, Member, Published, Recipe, accepts, list_recipes,
                                                said)
+from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.runs.layout import CONFIG
+from retr.trainers.runs.resume import data_differences, data_identity
+from retr.trainers.training import loop
+from retr.trainers.training.preflight import check_feature_rows, check_training
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +68,12 @@ def parse_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
 
 def member_settings(member: Member, overrides: dict[str, Any]) -> dict[str, Any]:
     """The member's settings with the overrides its model has (run settings apply to every member)."""
-    from retr.trainers.models import get_spec
-
     spec = get_spec(member.model)
     names = {f.name for f in dataclasses.fields(spec.config_class)} | {f.name for f in setting_fields(TrainConfig)}
     return {**member.settings, **{k: v for k, v in overrides.items() if k in names}}
 
 
 def _check_overrides(recipe: Recipe, overrides: dict[str, Any]) -> None:
-    from retr.trainers.models import get_spec
-
     if recipe.zero_shot is not None and overrides:
         raise UserError(f"{recipe.name} trains nothing (zero-shot): it has no setting to override")
     known = {f.name for f in setting_fields(TrainConfig)}
@@ -110,11 +121,6 @@ def plan_member(member: Member, out: Path, data: dict, overrides: dict[str, Any]
     trained on (:func:`~retr.trainers.runs.resume.data_identity` of the opened ``features``; ``identities``
     keeps each one computed, by side files, so members sharing their data digest it once), and more epochs than
     asked."""
-    from retr.trainers.runs.resume import data_identity
-    from retr.trainers.runs.resume import Difference, config_differences, data_differences
-    from retr.trainers.models import get_spec
-    from retr.trainers.training.settings import gather_settings
-
     spec = get_spec(member.model)
     run = out / member.run
     values = {"features": data["features"], "manifest": data["manifest"], "out": str(run), "preset": member.preset,
@@ -122,15 +128,15 @@ def plan_member(member: Member, out: Path, data: dict, overrides: dict[str, Any]
     for side in spec.inputs:
         if data.get(side.name):
             values[side.name] = data[side.name]
-    cfg, _ = gather_settings(spec, values, set(values) - {"config"})
-    if not (run / ckpt.CONFIG).is_file():
+    cfg = settings_from_options(spec, values, set(values) - {"config"})
+    if not (run / CONFIG).is_file():
         return PlannedMember(member, cfg, run, "new", [])
-    saved = ckpt.read_config(run)
-    if saved.get("model") != cfg.model:
-        return PlannedMember(member, cfg, run, "new", [Difference("model", cfg.model, str(saved.get("model")))])
-    differences = config_differences(cfg, saved, _MAY_DIFFER)
-    if saved.get("epochs", 0) > cfg.epochs:
-        differences.append(Difference("epochs", repr(cfg.epochs), repr(saved["epochs"])))
+    stored = ckpt.read_settings(run)
+    if stored.model != cfg.model:
+        return PlannedMember(member, cfg, run, "new", [Difference("model", cfg.model, stored.model)])
+    differences = setting_differences(cfg, stored, _MAY_DIFFER)
+    if stored.epochs > cfg.epochs:
+        differences.append(Difference("epochs", repr(cfg.epochs), repr(stored.epochs)))
     key = tuple(sorted(cfg.inputs.items()))
     if key not in identities:
         identities[key] = data_identity(features, cfg.manifest, cfg.inputs)
@@ -154,17 +160,13 @@ def will_train(planned: PlannedMember) -> bool:
 
 def train_member(planned: PlannedMember, quiet: bool) -> Path:
     """Train (or resume, or skip) one planned member whose run holds no differences; returns its folder."""
-    from retr.trainers.evaluation.reports import report_after_training
-    from retr.trainers.models import get_spec
-    from retr.trainers.training.loop import train
-
     cfg, run, state = planned.cfg, planned.run, planned.state
     if not will_train(planned):
         logger.info(f"{planned.member.run}: finished, skipped (same settings and data)")
         return run
-    resume = (run / ckpt.CONFIG).is_file()
+    resume = (run / CONFIG).is_file()
     logger.info(f"{planned.member.run}: {'resuming' if state != 'new' else 'training'} ({cfg.model}, preset {cfg.preset})")
-    train(cfg, resume=resume, quiet=quiet)
+    loop.train(cfg, resume=resume, quiet=quiet)
     spec = get_spec(cfg.model)
     if state != "finished":
         report_after_training(spec, run, cfg)
@@ -176,8 +178,6 @@ def train_member(planned: PlannedMember, quiet: bool) -> Path:
 def _attr(attrs: dict, key: str) -> Any:
     """A stored attribute; ``a.b`` reads key ``b`` of the JSON attribute ``a``; extraction settings recorded only
     since a later version read as what older sets were made with."""
-    from retr.store.features import ATTRS_BEFORE_RECORDED
-
     if "." in key:
         outer, inner = key.split(".", 1)
         value = attrs.get(outer)
@@ -227,12 +227,9 @@ def feature_reasons(needed: FeatureProvenance, features, manifest_sha256: str) -
 def _input_attrs(name: str, path: str) -> dict:
     """The attributes a side file carries (labels: its ``#attrs``; trees and concepts: their root attributes)."""
     if name == "labels":
-        from retr.store.labels import read_label_attrs
         return read_label_attrs(path)
     if name == "trees":
-        from retr.store.trees import TreeSet
         return TreeSet(path).attrs
-    from retr.store.concepts import ConceptSet
     return ConceptSet(path).attrs
 
 
@@ -261,8 +258,6 @@ def input_reasons(recipe: Recipe, data: dict, manifest_sha256: str) -> list[str]
 def override_reasons(recipe: Recipe, overrides: dict[str, Any]) -> list[str]:
     """One reason per override: ``override embed_size 64 (recipe 1024)`` (the recipe's value as its first member
     resolves it)."""
-    from retr.trainers.models import get_spec
-
     if not overrides:
         return []
     member = recipe.members[0]
@@ -317,9 +312,6 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
     size unless ``allow_size_mismatch``), features against the manifest, and each member's training checks
     (:func:`preflight_members`); the zero-shot recipes' CLIP inputs likewise; then, unless ``verify`` is false,
     every row of the feature set against its stored checksum."""
-    from retr.manifests.schema import manifest_sha256
-    from retr.trainers.evaluation.runs import evaluate_runs
-
     _check_overrides(recipe, overrides)
     unknown = sorted(set(retrain) - {m.run for m in recipe.members})
     if unknown:
@@ -347,7 +339,6 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
                           "aside) or choose another --out")
     notes = check_manifest_pairing(features, data["manifest"]) + preflight_members(planned, features, retrain)
     if recipe.zero_shot is not None:
-        from retr.trainers.evaluation.clip_zero_shot import check_clip_inputs
         notes += check_clip_inputs(features, data["manifest"], recipe.protocol, split, None, allow_size_mismatch)
     if verify:
         check_feature_rows(data["features"], "--features", quiet)
@@ -372,7 +363,6 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
         result, _ = evaluate_runs([str(r) for r in runs], recipe.protocol, **eval_args)
         rows.append(compare("ensemble", " + ".join(m.run for m in recipe.members), result, recipe.published))
     if recipe.zero_shot is not None:
-        from retr.trainers.evaluation.clip_zero_shot import evaluate_clip
         result, _ = evaluate_clip(data["features"], data["manifest"], recipe.protocol, split, device=device,
                                   allow_size_mismatch=allow_size_mismatch, quiet=True, **recipe.zero_shot)
         mismatch = result.get("size_mismatch")
@@ -397,8 +387,6 @@ def reproduce(recipe: Recipe, data: dict, out: Path, overrides: dict[str, Any], 
 def check_member_kinds(recipe: Recipe, features) -> None:
     """Refuse a feature set of a kind the members' papers did not use (their specs' ``feature_kinds``): training
     on it may run, but it is no reproduction of the paper's row."""
-    from retr.trainers.models import get_spec
-
     for member in recipe.members:
         kinds = get_spec(member.model).feature_kinds
         if kinds and features.kind not in kinds:
@@ -416,7 +404,7 @@ def preflight_members(planned: list[PlannedMember], features, retrain: tuple[str
     for p in planned:
         if p.member.run not in retrain and not will_train(p):
             continue
-        resume = p.member.run not in retrain and (p.run / ckpt.CONFIG).is_file()
+        resume = p.member.run not in retrain and (p.run / CONFIG).is_file()
         notes += check_training(p.cfg, resume=resume, features=features)
     return notes
 
@@ -433,9 +421,6 @@ def features_summary(attrs: dict) -> dict:
 def _check_data(data: dict):
     """Open the feature set and read the manifest before the first member starts (one error line, nothing
     trained, when either is the wrong kind of file); returns the opened feature set."""
-    from retr.manifests.schema import read_manifest
-    from retr.store.features import FeatureSet
-
     features = FeatureSet(data["features"])
     if not read_manifest(data["manifest"]):
         raise UserError(f"{data['manifest']} holds no images")
@@ -470,7 +455,6 @@ def format_report(report: dict) -> list[str]:
             fmt = _fmt_diff if what == "difference" else _fmt
             table.append([name if what == "measured" else "", what,
                           *(fmt(numbers[s][k]) for s in SIDES for k in KEYS), fmt(numbers["rsum"])])
-    from tabulate import tabulate
 
     lines = [reproduction_line(report),
              f"{report['recipe']} — {report['title']} ({report['protocol']} on {report['split']})"]
@@ -495,8 +479,6 @@ def provenance_json(recipe: Recipe) -> dict:
 
 def markdown_table() -> str:
     """The table of recipes in docs/recipes.md (``retr-train recipes --markdown``; a test keeps the page in step)."""
-    from tabulate import tabulate
-
     rows = [[f"`{r.name}`", r.published.source, r.protocol, " / ".join(map(_fmt, r.published.i2t)),
              " / ".join(map(_fmt, r.published.t2i)), _fmt(r.published.rsum), f"`{r.features.extractor}`"]
             for r in list_recipes()]

@@ -3,6 +3,7 @@
 Files of a run, a checkpoint's keys and the trust rule: docs/trainer.md ("Run directory", "Interrupted runs")."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -12,17 +13,22 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+import safetensors.torch
 import torch
 
-from retr.common.atomic import atomic_file, atomic_text
+try:
+    from numpy._core.multiarray import _reconstruct      # numpy's array-unpickling function
+except ImportError:                                      # numpy < 2
+    from numpy.core.multiarray import _reconstruct
+
+from retr.common.atomic import PARTIAL_SUFFIX, atomic_file, atomic_text
 from retr.common.errors import UserError
 from retr.store.vocab import Vocabulary
-
-CONFIG, VOCAB, BEST, METRICS, EVAL = "config.json", "vocab.json", "best.pt", "metrics.jsonl", "eval.json"
-#: an exported model's weights (``retr-train export``): its folder holds them, ``config.json`` and ``vocab.json``
-WEIGHTS = "model.safetensors"
-LOCK = "run.lock"
-EMA = "ema.pt"
+from retr.store.word_vectors import GLOVE_SETS
+from retr.trainers.config import TrainConfig, settings_from_stored, upgrade_stored
+from retr.trainers.models import get_spec
+from retr.trainers.runs.hub import local_run
+from retr.trainers.runs.layout import BEST, CONFIG, EMA, EVAL, LOCK, METRICS, VOCAB, WEIGHTS
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
 
 
@@ -33,30 +39,42 @@ def write_json(path: str | os.PathLike, data) -> Path:
     return Path(path)
 
 
-def read_config(run: str | os.PathLike) -> dict:
-    """The run's ``config.json``, upgraded to today's form (:func:`upgrade_config`), with its data paths
-    resolved (:func:`resolve_paths`)."""
+def read_stored(run: str | os.PathLike) -> tuple[Path, dict]:
+    """``(the run's folder, its config.json as stored)``: a one-line :class:`UserError` when ``run`` holds none,
+    or when it is not JSON naming a model."""
     folder = local_run(run)
     path = folder / CONFIG
     if not path.is_file():
         what = ("does not exist" if not folder.exists() else "is a file, not a run folder" if not folder.is_dir()
                 else f"is not a run folder (it holds no {CONFIG})")
         raise UserError(f"{run} {what}")
-    run = path.parent
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise UserError(f"{path} is not a run's settings (not JSON: {str(exc).splitlines()[0]})") from None
     if not isinstance(config, dict) or not isinstance(config.get("model"), str):
-        raise UserError(f"{path} is not a retr run's settings (it names no model): is {run} a run folder, or "
+        raise UserError(f"{path} is not a retr run's settings (it names no model): is {folder} a run folder, or "
                         "another tool's?")
-    return resolve_paths(run, upgrade_config(config))
+    return folder, config
 
 
-def absolute_paths(cfg):
-    """``cfg`` (a ``TrainConfig``) with its features, manifest and side files as absolute paths."""
-    import dataclasses
+def read_config(run: str | os.PathLike) -> dict:
+    """The run's ``config.json`` — its settings and its records (feature attributes, data identity, an export's
+    provenance …) — in today's form (:func:`~retr.trainers.config.upgrade_stored`), with its data paths resolved
+    (:func:`resolve_paths`). :func:`read_settings` gives the settings as the typed object."""
+    folder, config = read_stored(run)
+    return resolve_paths(folder, upgrade_stored(get_spec(config["model"]), config))
 
+
+def read_settings(run: str | os.PathLike) -> TrainConfig:
+    """The run's settings (:func:`~retr.trainers.config.settings_from_stored`: its model's config dataclass
+    inside), data paths resolved as :func:`read_config` resolves them."""
+    folder, config = read_stored(run)
+    return settings_from_stored(get_spec(config["model"]), resolve_paths(folder, config))
+
+
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its features, manifest and side files as absolute paths."""
     return dataclasses.replace(cfg, features=str(Path(cfg.features).resolve()),
                                manifest=str(Path(cfg.manifest).resolve()),
                                inputs={k: _absolute(v) for k, v in (cfg.inputs or {}).items()})
@@ -64,7 +82,6 @@ def absolute_paths(cfg):
 
 def _named(path: str) -> bool:
     """A side input given as a resource fetched on first use (``--concept-vectors glove``), not a file."""
-    from retr.store.word_vectors import GLOVE_SETS
     return path in GLOVE_SETS
 
 
@@ -140,8 +157,6 @@ def holds_run(folder: str | os.PathLike) -> bool:
 def is_run_file(name: str) -> bool:
     """Whether a file or folder named ``name`` is one a run writes into its folder (a run stopped before its
     ``config.json`` leaves some of them)."""
-    from retr.common.atomic import PARTIAL_SUFFIX
-
     return (name in (CONFIG, VOCAB, BEST, METRICS, EVAL, LOCK, EMA, "tensorboard", "wandb")
             or bool(_CHECKPOINT.match(name)) or name.endswith(PARTIAL_SUFFIX))
 
@@ -155,15 +170,6 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
 
 #: what older checkpoints need besides tensors: numpy's RNG key array (array reconstruction only)
 LEGACY_SAFE_GLOBALS = (np.ndarray, np.dtype, np.dtypes.UInt32DType)
-
-
-def _numpy_reconstruct():
-    """numpy's array-unpickling function (its module moved in numpy 2)."""
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:                      # numpy < 2
-        from numpy.core.multiarray import _reconstruct
-    return _reconstruct
 
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = False,
@@ -180,10 +186,10 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", trust: bool = F
         except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file for the user
             raise UserError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {exc})") from None
     try:
-        with torch.serialization.safe_globals([*LEGACY_SAFE_GLOBALS, _numpy_reconstruct(), *allow]):
+        with torch.serialization.safe_globals([*LEGACY_SAFE_GLOBALS, _reconstruct, *allow]):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
-        allowed = {f"{g.__module__}.{g.__qualname__}" for g in (*LEGACY_SAFE_GLOBALS, _numpy_reconstruct(), *allow)}
+        allowed = {f"{g.__module__}.{g.__qualname__}" for g in (*LEGACY_SAFE_GLOBALS, _reconstruct, *allow)}
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path) if zipfile.is_zipfile(path) else []
         names = [n for n in names if n not in allowed]
         what = f" ({', '.join(names)})" if names else ""
@@ -197,13 +203,6 @@ def prune_checkpoints(run: str | os.PathLike, keep: int) -> None:
     """Delete all but the newest ``keep`` epoch checkpoints (``best.pt`` is separate)."""
     for _, path in list_checkpoints(run)[:-keep] if keep > 0 else []:
         path.unlink(missing_ok=True)
-
-
-def local_run(run: str | os.PathLike) -> Path:
-    """``run``'s folder on this machine (an ``hf-hub:`` name's snapshot: :func:`retr.trainers.runs.hub.local_run`)."""
-    from retr.trainers.runs.hub import local_run as resolve
-
-    return resolve(run)
 
 
 def is_export(run: str | os.PathLike) -> bool:
@@ -232,31 +231,31 @@ def resolve_checkpoint(run: str | os.PathLike, which: str = "best") -> Path:
 def load_run_model(run: str | os.PathLike, which: str = "best", device: torch.device | str = "cpu",
                    trust: bool = False):
     """(model in eval mode, vocabulary, config) of a run; ``which`` is ``best``, ``last`` or a file name;
-    ``trust``: read a checkpoint that holds other Python objects (:func:`load_checkpoint`)."""
-    from retr.trainers.models import create_model
-
+    ``trust``: read a checkpoint that holds other Python objects (:func:`load_checkpoint`). ``config`` is the run's
+    ``config.json`` as :func:`read_config` gives it; the model is built from its settings (:func:`build_model`)."""
     run = local_run(run)
     config = read_config(run)
+    model = build_model(settings_from_stored(get_spec(config["model"]), config))
     path = resolve_checkpoint(run, which)
     if path.suffix == ".safetensors":
-        return _load_weights_file(path, config, run / VOCAB, device), Vocabulary.load(run / VOCAB), config
+        return _load_weights_file(model, path, config, run / VOCAB, device), Vocabulary.load(run / VOCAB), config
     state = load_checkpoint(path, trust=trust)
     vocab = Vocabulary.from_json(state["vocab"], str(path)) if "vocab" in state else Vocabulary.load(run / VOCAB)
-    model = create_model(config["model"], **config["model_args"])
     model.load_state_dict(state["model"])
     return model.to(device).eval(), vocab, config
 
 
-def _load_weights_file(path: Path, config: dict, vocab: Path, device):
-    """The model ``config`` describes with the weights of the safetensors file ``path`` (an export): no pickle is
-    read. A file that is not safetensors, or whose tensors are not the model's, is one line."""
-    from retr.trainers.models import create_model
+def build_model(settings: TrainConfig):
+    """The untrained model a run's settings describe: its model class built from ``settings.model_config`` and
+    the sizes that followed from its data (``settings.sizes``)."""
+    return get_spec(settings.model).model_class(config=settings.model_config, **settings.sizes)
 
-    import safetensors.torch
 
+def _load_weights_file(model, path: Path, config: dict, vocab: Path, device):
+    """``model`` (as ``config`` describes it) with the weights of the safetensors file ``path`` (an export): no
+    pickle is read. A file that is not safetensors, or whose tensors are not the model's, is one line."""
     if not vocab.is_file():
         raise UserError(f"{path.parent} is not a complete export: no {vocab.name} beside {path.name}")
-    model = create_model(config["model"], **config["model_args"])
     try:
         missing, unexpected = safetensors.torch.load_model(model, str(path), strict=False)
     except Exception as exc:  # noqa: BLE001 - a damaged or foreign file is a bad input for the user
@@ -267,16 +266,3 @@ def _load_weights_file(path: Path, config: dict, vocab: Path, device):
                         f"describes ({len(missing)} missing, {len(unexpected)} unexpected, e.g. "
                         f"{(list(missing) + list(unexpected))[0]})")
     return model.to(device).eval()
-
-
-def upgrade_config(config: dict) -> dict:
-    """A stored run config in today's form: side files that older runs kept among ``model_args`` (SMFEA's
-    ``trees``/``concepts``, JGCAR's ``labels``) move to ``inputs`` (the model's spec says how)."""
-    from retr.trainers.models import get_spec
-
-    config = dict(config)
-    if isinstance(config.get("amp"), bool):           # before --amp fp16|bf16: a flag meaning fp16 on CUDA
-        config["amp"] = "fp16" if config["amp"] else "off"
-    model_args, inputs = get_spec(config["model"]).upgrade(config.get("model_args") or {}, config.get("inputs"))
-    config["model_args"], config["inputs"] = model_args, inputs
-    return config

@@ -14,11 +14,11 @@ from pathlib import Path
 from retr.common.downloads import is_offline
 from retr.common.errors import MissingResourceError, UserError
 from retr.common.optional import require
-from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.runs.layout import CONFIG, VOCAB, WEIGHTS
 
 HUB_PREFIX = "hf-hub:"
 #: the files of an export that loading needs (the card comes along for the user)
-EXPORT_FILES = (ckpt.WEIGHTS, ckpt.CONFIG, ckpt.VOCAB, "README.md")
+EXPORT_FILES = (WEIGHTS, CONFIG, VOCAB, "README.md")
 
 
 def is_hub_name(run) -> bool:
@@ -61,13 +61,13 @@ def local_run(run: str | os.PathLike) -> Path:
     except (errors.HfHubHTTPError, OSError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"{run} could not be fetched ({reason})") from None
-    config = folder / ckpt.CONFIG
+    config = folder / CONFIG
     try:
         is_export = "export" in json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         is_export = False
-    if not is_export or not (folder / ckpt.WEIGHTS).is_file():
-        raise UserError(f"{run} is not a retr model (no export's {ckpt.CONFIG} and {ckpt.WEIGHTS}: make one with "
+    if not is_export or not (folder / WEIGHTS).is_file():
+        raise UserError(f"{run} is not a retr model (no export's {CONFIG} and {WEIGHTS}: make one with "
                         "`retr-train export` and `retr-train push`)")
     return folder
 

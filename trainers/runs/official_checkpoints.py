@@ -10,9 +10,11 @@ from pathlib import Path
 
 from retr.common.errors import UserError
 from retr.common.version import __version__
-from retr.trainers.runs import checkpoint as ckpt
-from retr.trainers.models import create_model
 from retr.store.vocab import Vocabulary
+from retr.trainers.config import settings_from_stored
+from retr.trainers.models import get_spec
+from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.runs.layout import BEST, CONFIG, VOCAB
 
 AGG_NAMES = {"LogSumExp": "lse", "Mean": "avg", "Max": "max", "Sum": "sum"}
 #: ``opt`` fields that decide the scores, each mapped to a SCAN setting by :func:`scan_args_from_opt`
@@ -65,7 +67,7 @@ def _load_official(checkpoint: Path, out: Path, trust_checkpoint: bool, kind: st
     """The official ``{'model': [img_enc, txt_enc], 'opt', 'epoch', …}`` file, read without running code."""
     if not checkpoint.is_file():
         raise UserError(f"checkpoint {checkpoint} does not exist")
-    if (out / ckpt.BEST).exists():
+    if (out / BEST).exists():
         raise UserError(f"{out} already holds a run; choose another --out")
     state = ckpt.load_checkpoint(checkpoint, trust=trust_checkpoint, allow=(argparse.Namespace,))
     if not isinstance(state, dict) or "model" not in state or "opt" not in state \
@@ -90,7 +92,8 @@ def _write_run(checkpoint: Path, vocab_path: str | Path, out: Path, state: dict,
                         + (f" ({extra_rows} beyond the vocabulary expected)" if extra_rows else "")
                         + "; use the vocabulary the model was trained with")
     args["vocab_size"] = len(vocab)
-    model = create_model(model_name, **args)
+    stored = {"model": model_name, "model_args": args, "features": None, "manifest": None}
+    model = ckpt.build_model(settings_from_stored(get_spec(model_name), stored))
     merged = {f"img_enc.{k}": v for k, v in img_state.items()}
     merged.update({f"txt_enc.{k}": v for k, v in txt_state.items()})
     if rename is not None:
@@ -101,14 +104,12 @@ def _write_run(checkpoint: Path, vocab_path: str | Path, out: Path, state: dict,
         raise UserError(f"{checkpoint} does not match {model_name} with its own options: "
                         f"{' '.join(str(exc).split())}") from None
     out.mkdir(parents=True, exist_ok=True)
-    vocab.save(out / ckpt.VOCAB)
+    vocab.save(out / VOCAB)
     epoch = int(state.get("epoch", 0))
-    ckpt.write_json(out / ckpt.CONFIG, {"model": model_name, "model_args": args, "features": None, "manifest": None,
-                                         "imported_from": str(checkpoint), "epoch": epoch,
-                                         "best_rsum": float(state.get("best_rsum", 0.0) or 0.0),
-                                         "retr_version": __version__})
-    ckpt.save_checkpoint(out / ckpt.BEST, {"model": model.state_dict(), "vocab": vocab.to_json(), "epoch": epoch,
-                                           "imported_from": str(checkpoint)})
+    ckpt.write_json(out / CONFIG, {**stored, "imported_from": str(checkpoint), "epoch": epoch,
+                                   "best_rsum": float(state.get("best_rsum", 0.0) or 0.0), "retr_version": __version__})
+    ckpt.save_checkpoint(out / BEST, {"model": model.state_dict(), "vocab": vocab.to_json(), "epoch": epoch,
+                                      "imported_from": str(checkpoint)})
     return out
 
 

@@ -1,25 +1,22 @@
-"""Whether a run may go on: the identity of the data it was trained on (recorded in ``config.json``), and the
-settings and data asked for now that differ from the run's. ``retr-train MODEL --resume`` refuses a difference
-outside :data:`~retr.trainers.config.RESUME_APPLIES`; ``reproduce`` reuses a member run only without one."""
+"""Whether a run may go on with the data given: the identity of the data it was trained on (recorded in
+``config.json``) and each difference from it. ``retr-train MODEL --resume`` refuses one (the settings' differences:
+:func:`retr.trainers.config.setting_differences`); ``reproduce`` reuses a member run only without one."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
-from dataclasses import asdict, fields
 from pathlib import Path
-from typing import NamedTuple
 
+import h5py
 import numpy as np
 
 from retr.common.errors import UserError
 from retr.common.hashing import sha256_file
 from retr.manifests.schema import manifest_sha256
-from retr.store.features import FeatureSet
-from retr.trainers.config import RESUME_APPLIES, TrainConfig
-from retr.trainers.models import get_spec
-from retr.trainers.runs import checkpoint as ckpt
+from retr.store.features import CHECKSUMS, FeatureSet
+from retr.trainers.config import Difference
+from retr.trainers.runs.layout import CONFIG
 
 
 def data_identity(features: FeatureSet, manifest: str, inputs: dict | None = None) -> dict:
@@ -44,10 +41,6 @@ def data_identity(features: FeatureSet, manifest: str, inputs: dict | None = Non
 def _rows_digest(features: FeatureSet) -> str | None:
     """SHA-256 over the per-row CRC-32s every shard stores (``store.features.CHECKSUMS``): a fingerprint of the
     values at 4 bytes a row; None when a shard has none."""
-    import h5py
-
-    from retr.store.features import CHECKSUMS
-
     shards = features.attrs.get("shards")
     paths = [features.path.resolve().parent / s["file"] for s in shards] if shards else [features.path]
     digest = hashlib.sha256()
@@ -59,61 +52,11 @@ def _rows_digest(features: FeatureSet) -> str | None:
     return digest.hexdigest()
 
 
-class Difference(NamedTuple):
-    """A setting or data fingerprint asked for now (``given``) that is not the run's (``stored``); both as shown."""
-
-    name: str
-    given: str
-    stored: str
-
-    def __str__(self) -> str:
-        return f"{self.name} {self.given} (run: {self.stored})"
-
-
-def config_differences(cfg: TrainConfig, saved: dict,
-                       may_differ: tuple[str, ...] = RESUME_APPLIES) -> list[Difference]:
-    """Each setting of ``cfg`` (model settings and :class:`TrainConfig`'s, the data paths, side files and run
-    folder aside) that differs from the run's stored ``config.json`` (``saved``); settings named in ``may_differ``
-    are not compared."""
-    saved = ckpt.upgrade_config(saved)
-    spec = get_spec(saved["model"])
-    names = spec.setting_names
-    old_model = asdict(spec.make_config({k: v for k, v in saved["model_args"].items() if k in names}))
-    new_model = asdict(spec.make_config({k: v for k, v in cfg.model_args.items() if k in names}))
-    known = {f.name for f in fields(TrainConfig)}
-    old = TrainConfig(**{k: v for k, v in saved.items() if k in known})
-    differences = [Difference(k, repr(new_model[k]), repr(old_model[k])) for k in old_model
-                   if old_model[k] != new_model[k]]
-    differences += [Difference(k, repr(getattr(cfg, k)), repr(getattr(old, k))) for k in sorted(known)
-                    if k not in may_differ and k not in ("model", "model_args", "features", "manifest", "inputs",
-                                                         "out")
-                    and getattr(cfg, k) != getattr(old, k)]
-    return differences
-
-
-def resumed_config(cfg: TrainConfig, saved: dict, folder: Path) -> TrainConfig:
-    """The run's own config with the settings that may change on resume taken from ``cfg``
-    (:data:`~retr.trainers.config.RESUME_APPLIES`: epochs, device, workers …); any other difference is refused
-    in one line that names each setting."""
-    saved = ckpt.upgrade_config(saved)
-    if saved["model"] != cfg.model:
-        raise UserError(f"{folder} is a {saved['model']} run; continue it with `retr-train {saved['model']} "
-                        f"--resume --out {folder}`")
-    differences = config_differences(cfg, saved)
-    if differences:
-        raise UserError(f"{folder} cannot change on resume: {'; '.join(map(str, differences))}; resume with the run's "
-                        "settings (leave those options out) or choose another --out")
-    known = {f.name for f in fields(TrainConfig)}
-    old = TrainConfig(**{k: v for k, v in saved.items() if k in known})
-    applied = {k: getattr(cfg, k) for k in (*RESUME_APPLIES, "features", "manifest", "inputs", "out")}
-    return dataclasses.replace(old, model_args=saved["model_args"], **applied)
-
-
 def data_differences(folder: Path, identity: dict) -> list[Difference]:
     """What in ``identity`` (:func:`~retr.trainers.runs.resume.data_identity` of the data given now) differs from
     the data the run in ``folder`` was trained on, values shortened to 16 characters (runs from before identities
     were recorded: nothing)."""
-    config_path = folder / ckpt.CONFIG
+    config_path = folder / CONFIG
     recorded = json.loads(config_path.read_text(encoding="utf-8")).get("data_identity") if config_path.is_file() \
         else None
     if not recorded:

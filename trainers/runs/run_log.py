@@ -10,7 +10,7 @@ from pathlib import Path
 
 from retr.common.errors import UserError
 from retr.common.optional import require
-from retr.trainers.runs.checkpoint import METRICS
+from retr.trainers.runs.layout import METRICS
 
 TENSORBOARD = "tensorboard"
 WANDB = "wandb"

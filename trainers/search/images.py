@@ -86,7 +86,7 @@ def resolve_weights(feature_set: FeatureSet, given: str | None = None) -> str:
     file_name = str(feature_set.attrs.get("weights_file") or recorded.split(" sha256:")[0])
     path = given
     if path is None and feature_set.attrs.get("extractor") == "butd-regions":
-        from retr.extractors.butd.extractor import DEFAULT_CHECKPOINT, resolve_default_checkpoint
+        from retr.extractors.butd.extractor import DEFAULT_CHECKPOINT, resolve_default_checkpoint  # cost: torchvision
         if file_name == DEFAULT_CHECKPOINT:
             path = resolve_default_checkpoint()        # offline and absent: one line naming fetch-weights butd
     if path is None:

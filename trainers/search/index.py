@@ -170,11 +170,6 @@ class GalleryIndex:
             errors.update((e[0], e[1]) for e in shard["errors"])
         return rows, errors
 
-    def known_ids(self) -> set[str]:
-        """Ids of every image in a shard, as a row or as an error."""
-        rows, errors = self.known()
-        return rows | set(errors)
-
     def image_paths(self) -> dict[str, Path]:
         """Each indexed image's file, as it was read when it was added."""
         return {i: Path(p) for s in self._shards(mmap=True) for i, p in zip(s["ids"], s["paths"])}

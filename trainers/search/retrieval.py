@@ -66,12 +66,13 @@ from retr.trainers.runs.resume import data_identity
 from retr.trainers.runs.split import open_run_split
 from retr.trainers.evaluation.similarity import SplitEmbeddings, _concat, score_blocks
 from retr.trainers.evaluation.two_step import encode_all
-from retr.trainers.models.base import Embeddings, cast_embeddings, slice_embeddings
+from retr.trainers.models.base import Embeddings, MatchingModel, cast_embeddings, slice_embeddings
 from retr.store.features import FeatureSet
 from retr.trainers.search.images import FeatureMaker, ImageInput, describe, list_folder, no_images_error
 from retr.trainers.search.index import SHARD_SIZE, AddSummary, GalleryIndex, index_identity
 from retr.trainers.search.two_stage import shortlist_vectors
 from retr.trainers.search.vector_index import RESCORE_MARGIN, InnerProductIndex, ivf_size_error
+from retr.trainers.models import get_spec
 
 CACHE_DIR = "search-cache"
 logger = logging.getLogger(__name__)
@@ -87,7 +88,6 @@ def query_error(text: str) -> UserError | None:
 def scores_by_inner_product(model_class: type) -> bool:
     """Whether ``model_class``'s gallery vectors are searched by inner product (it defines ``index_vectors``:
     VSE++, SMFEA, VSE∞, JGCAR's global stage), read from the class without building a model."""
-    from retr.trainers.models.base import MatchingModel
     return getattr(model_class, "index_vectors", None) is not MatchingModel.index_vectors
 
 
@@ -237,8 +237,6 @@ class Retriever:
         Every check that can fail without encoding anything runs first: the model against ``vector_index`` and
         ``shortlist``, the folder ``images`` (it must hold image files), the index ``index`` (it must be one, of
         this checkpoint, with images enough for an ``ivf`` index)."""
-        from retr.trainers.models import get_spec
-
         dev = resolve_device(device)
         run = local_run(run)
         if shortlist is not None and shortlist < 1:

@@ -32,9 +32,15 @@ import threading
 from collections import OrderedDict
 from pathlib import Path, PurePosixPath
 
+from PIL import Image, UnidentifiedImageError
+
 from retr.common.errors import UserError
-from retr.trainers.search.index import GalleryIndex
 from retr.common.optional import require
+from retr.trainers.reporting.explain import ASSETS, Assets, Explainer, ImageSource, Pair
+from retr.trainers.reporting.html import CSS, Member, member_rows, run_metrics, stored_results
+from retr.trainers.search.index import GalleryIndex
+from retr.manifests.schema import outside_root_reason, read_manifest, resolve_image_root
+from retr.trainers.runs import checkpoint as ckpt
 
 WEB = Path(__file__).with_name("web")
 MAX_K = 100
@@ -59,9 +65,6 @@ def check_sources(run, split: str = "test", features: str | None = None, manifes
     without ``config.json``, a feature set or manifest that is not a file, an index folder without ``meta.json``,
     an ``image_root`` that is not a folder, or (a split's gallery) an image root under which none of
     :data:`CHECKED_IMAGES` images of the split, evenly spaced, has its file."""
-    from retr.manifests.schema import outside_root_reason, read_manifest, resolve_image_root
-    from retr.trainers.runs import checkpoint as ckpt
-
     config = ckpt.read_config(run)              # "RUN is not a run folder (it holds no config.json)"
     given = {"features": features, "manifest": manifest}
     for name, path in given.items():
@@ -128,8 +131,9 @@ def listen(host: str, port: int, threads: int, max_request_body_size: int):
 
 
 class SearchPage:
-    """What the routes need of a run: the retriever, the gallery's image files, the report's summary and
-    explainer (:mod:`retr.trainers.reporting.report`), the drawings' folder.
+    """What the routes need of a run: the retriever, the gallery's image files, the report's summary
+    (:mod:`retr.trainers.reporting.html`) and explainer (:mod:`retr.trainers.reporting.explain`), the drawings'
+    folder.
 
     The gallery is the retriever's: the split's images, found through the manifest under ``image_root`` (default:
     the manifest's folder), or those of the gallery index ``index``, read from the files it recorded when each
@@ -139,10 +143,6 @@ class SearchPage:
     def __init__(self, retriever, run, split: str = "test", features: str | None = None,
                  manifest: str | None = None, image_root: str | None = None, checkpoint: str = "best",
                  top: int = 10, max_upload: int = 10 << 20, index: str | None = None):
-        from retr.manifests.schema import read_manifest, resolve_image_root
-        from retr.trainers.reporting import report
-        from retr.trainers.runs import checkpoint as ckpt
-
         run = Path(run).resolve()
         self.r, self.run, self.split, self.top, self.max_upload = retriever, str(run), split, top, max_upload
         self.name = run.name                    # how the page names the run
@@ -160,9 +160,8 @@ class SearchPage:
         # gallery id → the index's recorded file, or the manifest's path under the root
         self.paths = ({i: p.resolve() for i, p in GalleryIndex(index).image_paths().items()} if index
                       else {r.id: r.path for r in self.records})
-        self.member = report.Member(self.name, config, retriever.model, retriever.vocab,
-                                    ckpt.resolve_checkpoint(run, checkpoint), fs, report._read_metrics(self.run),
-                                    data, str(manifest))
+        self.member = Member(self.name, config, retriever.model, retriever.vocab,
+                             ckpt.resolve_checkpoint(run, checkpoint), fs, run_metrics(self.run), data, str(manifest))
         self.image_hw = fs.read_rows(fs.rows_of(data.image_ids), "image_hw") if "image_hw" in fs.datasets else None
         self.keys = [f"{r.id}#{n}" for r in self.records for n in range(len(r.captions))]
         self.lock = threading.Lock()
@@ -175,7 +174,7 @@ class SearchPage:
         if index:
             named[str(index)] = index.name
         self._named = sorted(named.items(), key=lambda item: -len(item[0]))
-        self.summary = self.public(report._member_rows([self.member]) + report._stored_results([self.run]))
+        self.summary = self.public(member_rows([self.member]) + stored_results([self.run]))
 
     def close(self) -> None:
         self._tmp.cleanup()
@@ -201,8 +200,6 @@ class SearchPage:
     def image_path(self, image_id: str) -> Path:
         """The file of gallery image ``image_id``, an absolute path (404: not in the gallery, outside the root, no
         file; the response names no path, the server's log does)."""
-        from retr.manifests.schema import outside_root_reason
-
         path = self.paths[self.check_id(image_id)]
         if self.root is None:                   # an index: the file it read, recorded by whoever built it
             if not path.is_file():
@@ -236,8 +233,6 @@ class SearchPage:
     def explain(self, image_id: str, caption: str | None, caption_index: int | None) -> str:
         """The report's HTML (and drawings) of ``explain`` for the pair, without the report's heading (the page
         writes its own); kept for the :data:`KEPT` last pairs."""
-        from retr.trainers.reporting import report
-
         if self.check_id(image_id) not in self.split_row or image_id not in self.member.feature_set:
             raise RequestError(f"no attention maps for {image_id!r}: they are drawn for the images of the run's "
                                "feature set")
@@ -254,15 +249,15 @@ class SearchPage:
         with self.lock:
             if tag not in self._explained:
                 fs = self.member.feature_set
-                images = report.ImageSource(self.records, self.split_root, self.image_hw,
-                                            bool(fs.attrs.get("exif_orientation", False)))
-                explainer = report.Explainer(self.member, self.r.data.image_ids, captions, images,
-                                             report.Assets(self.drawings), self.r.device, keys)
-                html = explainer.section([report.Pair(row, 0, "a search result", "the maps of its score")], tag)
+                images = ImageSource(self.records, self.split_root, self.image_hw,
+                                     bool(fs.attrs.get("exif_orientation", False)))
+                explainer = Explainer(self.member, self.r.data.image_ids, captions, images, Assets(self.drawings),
+                                      self.r.device, keys)
+                html = explainer.section([Pair(row, 0, "a search result", "the maps of its score")], tag)
                 self._explained[tag] = self.public(re.sub(r"\A<h3>.*?</h3>\n?", "", html))
                 while len(self._explained) > KEPT:
                     old, _ = self._explained.popitem(last=False)
-                    for file in (self.drawings / report.ASSETS).glob(f"att-{old}-*"):
+                    for file in (self.drawings / ASSETS).glob(f"att-{old}-*"):
                         file.unlink()
             self._explained.move_to_end(tag)
             return self._explained[tag]
@@ -282,8 +277,6 @@ class SearchPage:
 def check_image(name: str, data: bytes) -> None:
     """A one-line :class:`RequestError` unless ``data`` is an image file PIL can open and decode whole (a file
     cut short is refused here, with its name, not by the extractor)."""
-    from PIL import Image, UnidentifiedImageError
-
     name = name or "the upload"
     if not data:
         raise RequestError(f"{name} is empty")
@@ -307,7 +300,7 @@ def server_modules():
 def create_app(page: SearchPage):
     """The Flask app of ``page``."""
     flask, _ = server_modules()
-    from werkzeug.exceptions import HTTPException
+    from werkzeug.exceptions import HTTPException  # optional: werkzeug comes with flask, the serve extra
 
     app = flask.Flask(__name__, static_folder=str(WEB), static_url_path="/static")
     app.config["MAX_CONTENT_LENGTH"] = page.max_upload + (64 << 10)     # room for the form around the file
@@ -345,8 +338,6 @@ def create_app(page: SearchPage):
 
     @app.get("/report.css")
     def report_css():
-        from retr.trainers.reporting.report import CSS
-
         return flask.Response(CSS, mimetype="text/css")
 
     @app.get("/api/info")

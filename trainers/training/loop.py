@@ -1,7 +1,8 @@
 """The training loop shared by every model (plain PyTorch; :func:`train` reads on one screen).
 
-``train`` = :func:`build_run` (run directory, data, model, optimiser), then per epoch :func:`train_one_epoch`,
-:func:`validate`, :func:`save_epoch` and :func:`should_stop`.
+``train`` = :func:`build_run` (the run directory, then :func:`build_data`, :func:`build_model` — from the run's
+settings, ``cfg.model_config`` —, :func:`build_optimiser`, :func:`build_distributed` and :func:`record_start`), then
+per epoch :func:`train_one_epoch`, :func:`validate`, :func:`save_epoch` and :func:`should_stop`.
 
 Per epoch: shuffle captions from ``(seed, epoch)``; for each batch encode → (gather across ranks) → score →
 loss → backward → clip the gradient norm → optimiser step (the model's ``configure_optimizer``, Adam by
@@ -27,15 +28,20 @@ compiles the model's training scoring function (:meth:`MatchingModel.compile_sco
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+import platform
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -51,19 +57,21 @@ from retr.store.features import FeatureSet
 from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.training.collapse import (CollapseMonitor, StepRanking, collapse_message, recall_at_chance,
                                     val_at_chance_message)
-from retr.trainers.config import TrainConfig
+from retr.trainers.config import TrainConfig, resumed_settings, settings_from_stored
 from retr.trainers.runs.run_log import RunLog, epoch_index, summary_writer
 from retr.trainers.data.splits import (CaptionBatches, EpochBatchSampler, ImageFeatures, ManifestCaptions, SplitData,
                                        check_feature_contract)
-from retr.trainers.runs.resume import check_same_data, data_identity, resumed_config
+from retr.trainers.runs.resume import check_same_data, data_identity
 from retr.trainers.training.distributed import DistInfo, GatherEmbeddings, barrier, cleanup, init_from_env
 from retr.trainers.evaluation.metrics import retrieval_metrics
-from retr.trainers.models import ModelInputs, create_model, get_spec
+from retr.trainers.models import ModelInputs, get_spec
 from retr.trainers.models.base import MatchingModel
 from retr.trainers.models.optim import apply_implementation
 from retr.trainers.models.side_inputs import add_word_vectors
 from retr.trainers.evaluation.similarity import similarity_matrix
 from retr.store.vocab import Vocabulary
+from retr.trainers.runs.layout import BEST, CONFIG, EMA, LOCK, METRICS, VOCAB
+from retr.trainers.evaluation.two_step import two_step_split
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +133,11 @@ def run_lock(out: str, info: DistInfo) -> Iterator[None]:
     folder = Path(out)
     created = not folder.exists()
     try:
-        with exclusive_lock(folder / ckpt.LOCK, f"run {folder}",
+        with exclusive_lock(folder / LOCK, f"run {folder}",
                             "wait for it to finish, or choose another --out"):
             yield
     except BaseException:
-        if created and folder.is_dir() and {p.name for p in folder.iterdir()} <= {ckpt.LOCK}:
+        if created and folder.is_dir() and {p.name for p in folder.iterdir()} <= {LOCK}:
             shutil.rmtree(folder, ignore_errors=True)
         raise
 
@@ -184,42 +192,96 @@ def lr_schedule(optimizer: torch.optim.Optimizer, lr_update: int) -> torch.optim
 
 def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistInfo,
               trust_checkpoint: bool = False, notes: tuple[str, ...] = (), quiet: bool = False) -> Run:
-    """Open (or resume) the run directory, load the data, build the model, optimiser and data loader."""
+    """Open (or resume) the run directory, then build its data, model, optimiser and (distributed) loader, each in
+    its builder; a new run saves its vocabulary, every start rewrites ``config.json`` (:func:`record_start`)."""
     folder, state = _open_run_folder(cfg, resume, info, trust_checkpoint)
+    if resume:                      # the run's own settings, with what a resume may change taken from cfg
+        stored = (settings_from_stored(get_spec(state["config"]["model"]), state["config"]) if state is not None
+                  else ckpt.read_settings(folder))
+        cfg = resumed_settings(stored, cfg, folder)
+    data = build_data(cfg, folder, resume, state, device, info, quiet)
+    model = build_model(cfg, data, device, info)
+    optimizer, optimizer_impls, scheduler, scaler = build_optimiser(cfg, model, device, info)
+    net, sampler, loader = build_distributed(cfg, model, data, device, info)
+    run = Run(cfg, folder, device, info, data.vocab, data.train, data.val, data.val_feats, model, net, optimizer,
+              scheduler, scaler, sampler, loader)
+    if cfg.ema:
+        run.ema = torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
+    if state is not None:
+        _restore(run, state)
+        apply_implementation(optimizer, cfg.optimizer_impl, device)     # the checkpoint brought its run's flags
+    elif info.is_main:
+        data.vocab.save(folder / VOCAB)
+    if info.is_main:
+        record_start(run, data, resumed=state is not None)
+    if info.is_main and run.start_epoch < run.cfg.epochs:
+        for note in notes:
+            logger.warning(note)
+        cfg = run.cfg
+        logger.info(f"training {cfg.model}{f' (preset {cfg.preset})' if cfg.preset else ''} on "
+                    f"{data.train.num_images} images / {data.train.num_captions} captions "
+                    f"({FEATURES_HELD[data.train_feats.where]}), device {device}, optimizer "
+                    f"{'+'.join(optimizer_impls)}"
+                    f"{f', compiled ({cfg.compile})' if cfg.compile != 'off' and model.compiled_functions else ''}, "
+                    f"epochs {run.start_epoch + 1}..{cfg.epochs}")
+        logger.info(f"training {data.train_feats.decision}")      # where the features are held, and why
+        if data.val_feats.where != data.train_feats.where:
+            logger.info(f"validation {data.val_feats.decision}")
+    return run
+
+
+@dataclass
+class RunData:
+    """What a run reads (:func:`build_data`): the feature set and the identity of the data, the vocabulary, the
+    training and validation splits, where their features are held, and the DataLoader workers that go with it."""
+
+    features: FeatureSet
+    identity: dict
+    vocab: Vocabulary
+    train: SplitData
+    val: SplitData
+    train_feats: ImageFeatures
+    val_feats: ImageFeatures
+    workers: int
+
+
+def build_data(cfg: TrainConfig, folder: Path, resume: bool, state: dict | None, device: torch.device,
+               info: DistInfo, quiet: bool = False) -> RunData:
+    """The feature set (checked; a resumed run's on the data it started with), the vocabulary (the checkpoint's,
+    ``--vocab``, or built), the training and validation splits from one pass over the manifest's captions, and
+    where their features are held (``--preload``)."""
     if not Path(cfg.manifest).is_file():
         raise UserError(f"manifest {cfg.manifest} {'is a folder' if Path(cfg.manifest).is_dir() else 'does not exist'}"
                         " (expected a JSON Lines file)")
     features = FeatureSet(cfg.features)
     check_feature_contract(features)
     identity = data_identity(features, cfg.manifest, cfg.inputs)
-    if resume:
-        saved = state["config"] if state is not None else ckpt.read_config(folder)
-        cfg = resumed_config(cfg, saved, folder)
+    if resume:                                          # the data the run started on
         check_same_data(folder, identity)
         if state is not None:
-            check_feature_contract(features, cfg.model_args.get("img_dim"))
+            check_feature_contract(features, cfg.sizes.get("img_dim"))
     # the manifest read and every caption tokenised once: the vocabulary and both splits come from that pass
     vocab_splits = list(cfg.vocab_splits or cfg.train_splits)
     builds_vocab = state is None and not cfg.vocab
+    quiet = quiet or not info.is_main
     captions = ManifestCaptions.read(cfg.manifest, [*cfg.train_splits, cfg.val_split,
-                                                    *(vocab_splits if builds_vocab else [])],
-                                     quiet=quiet or not info.is_main)
+                                                    *(vocab_splits if builds_vocab else [])], quiet=quiet)
     if state is not None:
         vocab = Vocabulary.from_json(state["vocab"])
     elif cfg.vocab:
         vocab = Vocabulary.load(cfg.vocab)
     else:
         vocab = captions.vocabulary(vocab_splits, cfg.vocab_threshold)
-    train_data, absent = captions.split(list(cfg.train_splits), vocab, features, missing="skip")
+    train, absent = captions.split(list(cfg.train_splits), vocab, features, missing="skip")
     if absent and info.is_main:
         logger.warning(f"note: {len(absent)} training image(s) have no features and are left out (first: {absent[0]})")
-    val_data, _ = captions.split([cfg.val_split], vocab, features, missing="skip")
+    val, _ = captions.split([cfg.val_split], vocab, features, missing="skip")
     del captions
-    if cfg.val_images and val_data.num_images > cfg.val_images:
-        val_data = val_data.subset_images(0, cfg.val_images)
-    train_feats = ImageFeatures(features, train_data.image_ids, cfg.preload, device=device,
-                                quiet=quiet or not info.is_main)
-    val_feats = ImageFeatures(features, val_data.image_ids, cfg.preload, device=device, quiet=quiet or not info.is_main)
+    if cfg.val_images and val.num_images > cfg.val_images:
+        val = val.subset_images(0, cfg.val_images)
+    train_feats = ImageFeatures(features, train.image_ids, cfg.preload, device=device, quiet=quiet)
+    val_feats = ImageFeatures(features, val.image_ids, cfg.preload, device=device, quiet=quiet)
     workers = cfg.workers
     if info.is_main:
         for note in dict.fromkeys(f.note for f in (train_feats, val_feats) if f.note):
@@ -228,83 +290,82 @@ def build_run(cfg: TrainConfig, resume: bool, device: torch.device, info: DistIn
             logger.warning(f"note: --preload gpu on {device}: the features are held in host memory")
     if train_feats.where == "gpu" and workers:
         if info.is_main:
-            logger.warning("note: the features are held on the device and batches are gathered there, in the training "
-                "process; --workers is ignored")
+            logger.warning("note: the features are held on the device and batches are gathered there, in the "
+                           "training process; --workers is ignored")
         workers = 0
+    return RunData(features, identity, vocab, train, val, train_feats, val_feats, workers)
 
+
+def build_model(cfg: TrainConfig, data: RunData, device: torch.device, info: DistInfo) -> MatchingModel:
+    """The model, built from the run's settings (``cfg.model_config``, its config dataclass) and the sizes that
+    follow from the data (``cfg.sizes``, recorded in ``config.json``): the side files its spec reads (and the
+    settings they fix), ``--word-vectors``, the seed, ``prepare_training`` and ``--compile``."""
     spec = get_spec(cfg.model)
-    config = spec.make_config({k: v for k, v in cfg.model_args.items() if k in spec.setting_names})
-    inputs = (spec.load_inputs(train_data, dict(cfg.inputs), config, len(vocab)) if spec.load_inputs
+    inputs = (spec.load_inputs(data.train, dict(cfg.inputs), cfg.model_config, len(data.vocab)) if spec.load_inputs
               else ModelInputs())
-    inputs = add_word_vectors(inputs, config, vocab, cfg.model_args.get("word_vectors_file", ""))  # --word-vectors
+    inputs = add_word_vectors(inputs, cfg.model_config, data.vocab, cfg.sizes.get("word_vectors_file", ""))
     if info.is_main:
         for note in inputs.notes:
             logger.warning(f"note: {note}")
-    # config.json keeps the model's full config (not only the values given), so a later default change cannot
-    # alter what a stored run means (the specs' upgrade_args fill absent fields with their old values)
-    cfg.model_args = {**cfg.model_args, **asdict(config), "vocab_size": len(vocab),
-                      "img_dim": int(features.feature_shape[1]), **inputs.sizes}
+    if inputs.settings:                                   # e.g. fixed concept vectors fix their size
+        cfg.model_config = dataclasses.replace(cfg.model_config, **inputs.settings)
+    cfg.sizes = {"vocab_size": len(data.vocab), "img_dim": int(data.features.feature_shape[1]), **inputs.sizes}
     seed_everything(cfg.seed)
-    model = create_model(cfg.model, **cfg.model_args).to(device)
+    model = spec.model_class(config=cfg.model_config, **cfg.sizes).to(device)
     model.prepare_training(inputs.tensors)
-    optimizer = model.configure_optimizer(cfg.lr)
-    optimizer_impls = apply_implementation(optimizer, cfg.optimizer_impl, device)
     if cfg.compile != "off":
         model.compile_scoring(mode=cfg.compile)
         if not model.compiled_functions and info.is_main:
             logger.warning(f"note: --compile: {cfg.model} scores a batch with one matrix product; nothing to compile, "
                            "training runs eager")
+    return model
+
+
+def build_optimiser(cfg: TrainConfig, model: MatchingModel, device: torch.device, info: DistInfo):
+    """``(optimizer, its implementations, the lr schedule, the AMP gradient scaler)``: the model's own optimiser
+    (``configure_optimizer``) with ``--optimizer-impl`` applied, the step schedule of ``--lr-update``, and a scaler
+    enabled for ``--amp fp16`` on CUDA."""
+    optimizer = model.configure_optimizer(cfg.lr)
+    optimizer_impls = apply_implementation(optimizer, cfg.optimizer_impl, device)
     scheduler = lr_schedule(optimizer, cfg.lr_update)
     if cfg.amp == "fp16" and device.type != "cuda" and info.is_main:
         logger.warning("note: --amp fp16 needs CUDA; training in float32 on " + str(device) + " (--amp bf16 runs on CPU)")
     scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16" and device.type == "cuda")
+    return optimizer, optimizer_impls, scheduler, scaler
+
+
+def build_distributed(cfg: TrainConfig, model: MatchingModel, data: RunData, device: torch.device, info: DistInfo):
+    """``(net, sampler, loader)``: the model DDP-wrapped under ``torchrun`` (else itself), each rank's slice of every
+    epoch's batches (``(seed, epoch)`` only) and the DataLoader that reads them."""
     net = model
     if info.enabled:
         # device_ids None: DDP leaves the inputs where train_step put them (with device_ids it would copy the
         # host-side lengths and indices to the GPU, and the models would read them back)
         net = torch.nn.parallel.DistributedDataParallel(model, device_ids=None)
-    sampler = EpochBatchSampler(train_data.num_captions, cfg.batch_size, cfg.seed, info.rank, info.world_size,
+    sampler = EpochBatchSampler(data.train.num_captions, cfg.batch_size, cfg.seed, info.rank, info.world_size,
                                 cfg.drop_last)
     # batches leave the loader in the stored dtype (float16: half the bytes over the bus), pinned on CUDA so the
     # copy is asynchronous; train_step converts them to float32 on the device. --preload gpu gathers them there.
-    loader = torch.utils.data.DataLoader(CaptionBatches(train_data, train_feats, as_stored=True), sampler=sampler,
-                                         batch_size=None, num_workers=workers,
-                                         pin_memory=device.type == "cuda" and train_feats.where != "gpu")
-    run = Run(cfg, folder, device, info, vocab, train_data, val_data, val_feats, model, net, optimizer, scheduler,
-              scaler, sampler, loader)
-    if cfg.ema:
-        run.ema = torch.optim.swa_utils.AveragedModel(
-            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
-    if state is not None:
-        _restore(run, state)
-        apply_implementation(optimizer, cfg.optimizer_impl, device)     # the checkpoint brought its run's flags
-    elif info.is_main:
-        vocab.save(folder / ckpt.VOCAB)
-    if info.is_main:
-        run.log = RunLog(folder, tuple(cfg.log), purge_step=run.step + 1 if state is not None else None,
-                         config=asdict(cfg), wandb_project=cfg.wandb_project, wandb_name=cfg.wandb_name)
-        # written at every start: a resume records the settings it changed (more epochs, another device); data
-        # paths are stored absolute and relative to the run, so the run reads them from anywhere
-        # (checkpoint.read_config resolves them)
-        cfg = run.cfg = ckpt.absolute_paths(cfg)
-        ckpt.write_json(folder / ckpt.CONFIG, {**asdict(cfg), "paths_from_run": ckpt.paths_from_run(cfg, folder),
-                                               "retr_version": __version__,
-                                               "feature_attrs": features.attrs, "vocab_size": len(vocab),
-                                               "train_images": train_data.num_images,
-                                               "val_images_used": val_data.num_images,
-                                               "data_identity": identity, "environment": environment()})
-    if info.is_main and run.start_epoch < cfg.epochs:
-        for note in notes:
-            logger.warning(note)
-        logger.info(f"training {cfg.model}{f' (preset {cfg.preset})' if cfg.preset else ''} on {train_data.num_images} "
-            f"images / {train_data.num_captions} captions "
-            f"({FEATURES_HELD[train_feats.where]}), device {device}, optimizer {'+'.join(optimizer_impls)}"
-            f"{f', compiled ({cfg.compile})' if cfg.compile != 'off' and model.compiled_functions else ''}, "
-            f"epochs {run.start_epoch + 1}..{cfg.epochs}")
-        logger.info(f"training {train_feats.decision}")      # where the features are held, and why
-        if val_feats.where != train_feats.where:
-            logger.info(f"validation {val_feats.decision}")
-    return run
+    loader = torch.utils.data.DataLoader(CaptionBatches(data.train, data.train_feats, as_stored=True), sampler=sampler,
+                                         batch_size=None, num_workers=data.workers,
+                                         pin_memory=device.type == "cuda" and data.train_feats.where != "gpu")
+    return net, sampler, loader
+
+
+def record_start(run: Run, data: RunData, resumed: bool) -> None:
+    """Rank 0 at every start: the metrics log opened (a resume purges what an interrupted run logged after its
+    checkpoint), and ``config.json`` written — the settings (a resume records those it changed: more epochs,
+    another device), data paths absolute and relative to the run (:func:`checkpoint.read_config` resolves them),
+    the feature set's attributes, the data's identity and the environment."""
+    cfg = run.cfg
+    run.log = RunLog(run.folder, tuple(cfg.log), purge_step=run.step + 1 if resumed else None, config=cfg.as_stored(),
+                     wandb_project=cfg.wandb_project, wandb_name=cfg.wandb_name)
+    cfg = run.cfg = ckpt.absolute_paths(cfg)
+    ckpt.write_json(run.folder / CONFIG, {**cfg.as_stored(), "paths_from_run": ckpt.paths_from_run(cfg, run.folder),
+                                          "retr_version": __version__, "feature_attrs": data.features.attrs,
+                                          "vocab_size": len(data.vocab), "train_images": data.train.num_images,
+                                          "val_images_used": data.val.num_images, "data_identity": data.identity,
+                                          "environment": environment()})
 
 
 #: how the start line names where the training features are held (:attr:`ImageFeatures.where`)
@@ -314,11 +375,6 @@ FEATURES_HELD = {"host": "preloaded", "gpu": "held on the device", "file": "read
 def environment() -> dict:
     """Where and with what a run (re)started: versions (retr, its git commit when run from a checkout, torch,
     CUDA, Python), the host and the command line — recorded in ``config.json`` at every start."""
-    import platform
-    import socket
-    import subprocess
-    import sys
-
     commit = None
     try:
         found = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, text=True,
@@ -342,14 +398,14 @@ def _open_run_folder(cfg: TrainConfig, resume: bool, info: DistInfo,
     if resume:
         if existing:
             return folder, ckpt.load_checkpoint(existing[-1][1], trust=trust_checkpoint)
-        if not (folder / ckpt.CONFIG).is_file():
+        if not (folder / CONFIG).is_file():
             raise UserError(f"nothing to resume in {folder} (no run there); start without --resume")
         if info.is_main:
             logger.warning(f"note: {folder} stopped before its first checkpoint; starting it again from the beginning")
-            for name in (ckpt.METRICS, ckpt.BEST):
+            for name in (METRICS, BEST):
                 (folder / name).unlink(missing_ok=True)
         return folder, None
-    if existing or (folder / ckpt.METRICS).exists() or (folder / ckpt.CONFIG).exists():
+    if existing or (folder / METRICS).exists() or (folder / CONFIG).exists():
         raise UserError(f"{folder} already holds a run; pass --resume to continue it or choose another --out")
     if info.is_main:
         folder.mkdir(parents=True, exist_ok=True)
@@ -382,7 +438,7 @@ def truncate_metrics(folder: Path, state: dict, continuing: bool = True) -> None
     line. Kept: the lines up to the first one past the checkpoint's step and epoch (the file is append-only, so
     everything after that is from the lost stretch), less the end-of-training ``val_at_chance`` event when the
     run is ``continuing`` past that end. Rewritten atomically."""
-    path = folder / ckpt.METRICS
+    path = folder / METRICS
     if not path.is_file():
         return
     text = path.read_text(encoding="utf-8", errors="replace")
@@ -532,7 +588,6 @@ def validate(run: Run, quiet: bool = False) -> dict:
     model = run.model
     with stage("validation"):
         if model.shortlist:
-            from retr.trainers.evaluation.two_step import two_step_split
             return two_step_split(model, run.val_data, run.val_feats, run.device, model.shortlist, "mixed",
                                   quiet=quiet)["two_step"]
         sims = similarity_matrix(model, run.val_data, run.val_feats, run.device, precision="refined", quiet=quiet)
@@ -550,14 +605,14 @@ def save_epoch(run: Run, epoch: int, is_best: bool, losses: list[float], val: di
              "scheduler": run.scheduler.state_dict(),
              "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
              "vocab": run.vocab.to_json(), "epoch": epoch, "step": run.step, "best_rsum": run.best_rsum,
-             "best_epoch": run.best_epoch, "rng": ckpt.rng_state(), "config": asdict(run.cfg),
+             "best_epoch": run.best_epoch, "rng": ckpt.rng_state(), "config": run.cfg.as_stored(),
              "collapse_monitor": run.monitor.state_dict(),
              **({"ema": run.ema.state_dict()} if run.ema is not None else {})}
     # best.pt before the epoch checkpoint: a run killed between the two redoes the epoch and rewrites both
     if is_best:
-        ckpt.save_checkpoint(run.folder / ckpt.BEST, state)
+        ckpt.save_checkpoint(run.folder / BEST, state)
     if run.ema is not None:         # the averaged weights as a checkpoint of their own (eval --checkpoint ema.pt)
-        ckpt.save_checkpoint(run.folder / ckpt.EMA, {**state, "model": run.ema.module.state_dict()})
+        ckpt.save_checkpoint(run.folder / EMA, {**state, "model": run.ema.module.state_dict()})
     path = ckpt.save_checkpoint(ckpt.checkpoint_path(run.folder, epoch), state)
     ckpt.prune_checkpoints(run.folder, run.cfg.keep_checkpoints)
     logger.info(f"epoch {epoch + 1}/{run.cfg.epochs}: loss {np.mean(losses):.4f}, val rsum {val['rsum']:.1f} "

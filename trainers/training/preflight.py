@@ -31,8 +31,14 @@ from retr.manifests.schema import ManifestRecord, read_manifest
 from retr.store.features import FeatureSet
 from retr.store.word_vectors import GLOVE_SETS, RANDOM
 from retr.trainers.config import TrainConfig
-from retr.trainers.data.splits import check_feature_contract
+from retr.trainers.data.splits import SplitData, check_feature_contract
 from retr.trainers.data.pairing import check_manifest_pairing
+from retr.store.integrity import verify_rows
+from retr.store.vocab import Vocabulary
+from retr.trainers.models import get_spec
+from retr.trainers.models.side_inputs import caption_keys, check_side_inputs
+from retr.trainers.runs.checkpoint import is_run_file, read_config
+from retr.trainers.runs.run_log import summary_writer
 
 
 def check_run_folder(out: str | os.PathLike, resume: bool = False, allow_nonempty_out: bool = False) -> None:
@@ -40,8 +46,6 @@ def check_run_folder(out: str | os.PathLike, resume: bool = False, allow_nonempt
     not a non-empty folder of other files unless ``allow_nonempty_out`` (a run's own files do not count: those of a
     start that stopped before its settings, or of a run ``reproduce --retrain`` moves aside; a run already there is
     refused by ``retr-train MODEL`` unless ``--resume``)."""
-    from retr.trainers.runs.checkpoint import is_run_file
-
     check_output_folder(out, "--out")
     if resume:
         return
@@ -50,13 +54,14 @@ def check_run_folder(out: str | os.PathLike, resume: bool = False, allow_nonempt
                                 lambda folder: all(is_run_file(p.name) for p in folder.iterdir()))
 
 
-def check_feature_kind(spec, features: FeatureSet, model_args: dict, name: str = "--features") -> list[str]:
+def check_feature_kind(spec, features: FeatureSet, config, name: str = "--features") -> list[str]:
     """The feature set against what ``spec``'s model is built for: refused in one line where the model's settings
     cannot take its ``[K, D]`` (``spec.check_features``, worded in the options to give), a note where its kind is
-    not one the model's paper used (``spec.feature_kinds``). Returns the notes."""
+    not one the model's paper used (``spec.feature_kinds``); ``config``: the model's settings (its config
+    dataclass). Returns the notes."""
     shape = tuple(int(n) for n in features.feature_shape)
     if spec.check_features is not None:
-        refusal = spec.check_features(model_args, shape)
+        refusal = spec.check_features(config, shape)
         if refusal:
             raise UserError(f"{spec.name} on {name} {features.path} ({features.kind}, {shape[0]}×{shape[1]} per "
                             f"image): {refusal}")
@@ -70,16 +75,12 @@ def check_feature_kind(spec, features: FeatureSet, model_args: dict, name: str =
 def check_feature_rows(path: str | os.PathLike, name: str = "--features", quiet: bool = False) -> None:
     """Every row of the feature set at ``path`` finite and equal to the checksum stored when it was written (once
     per state of its files: :func:`~retr.store.integrity.verify_rows`); one line naming ``name`` otherwise."""
-    from retr.store.integrity import verify_rows
-
     verify_rows(path, name, quiet=quiet)
 
 
 def check_run_features(runs: list[str], features: str | None = None, quiet: bool = False) -> None:
     """:func:`check_feature_rows` of the set each run is evaluated on: ``features`` when given, else each run's
     own (a run whose set is not on disk is left to the evaluation's own one-line error)."""
-    from retr.trainers.runs.checkpoint import read_config
-
     if features:
         check_feature_rows(features, "--features", quiet)
         return
@@ -108,27 +109,20 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
     (contract, the model's feature kind and shape, pairing), the vocabulary's captions (or the ``vocab`` file), the
     training and validation splits, the model's side files and word vectors, and the ``log`` targets.
     ``features``: the set already opened, if it is. Returns the notes."""
-    from retr.trainers.models import get_spec
-    from retr.trainers.runs.run_log import summary_writer
-    from retr.trainers.data.splits import SplitData
-    from retr.trainers.models.side_inputs import caption_keys, check_side_inputs
-
     check_run_folder(cfg.out, resume, allow_nonempty_out)
     summary_writer(tuple(cfg.log))
     check_input(cfg.manifest, "--manifest", "file", "a JSON Lines manifest")
     if features is None:
         check_input(cfg.features, "--features", "file", "a feature-set .h5 file")
         features = FeatureSet(cfg.features)
-    check_feature_contract(features, cfg.model_args.get("img_dim") if resume else None)
+    check_feature_contract(features, cfg.sizes.get("img_dim") if resume else None)
     spec = get_spec(cfg.model)
-    vectors = cfg.model_args.get("word_vectors")
+    vectors = getattr(cfg.model_config, "word_vectors", None)
     if vectors and vectors != RANDOM and vectors not in GLOVE_SETS:
         check_input(vectors, "--word-vectors", "file", f"a GloVe-format .txt or .zip file, or {' / '.join(GLOVE_SETS)}")
-    notes = check_feature_kind(spec, features, cfg.model_args)
+    notes = check_feature_kind(spec, features, cfg.model_config)
     notes += check_manifest_pairing(features, cfg.manifest)
     if not resume and cfg.vocab:
-        from retr.store.vocab import Vocabulary
-
         check_input(cfg.vocab, "--vocab", "file", "a vocabulary JSON file")
         Vocabulary.load(cfg.vocab)
     if not resume and not cfg.vocab:
@@ -140,6 +134,6 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
     _split_records(cfg.manifest, [cfg.val_split], features)
     data = SplitData([r.id for r in train], [c for r in train for c in r.captions],
                      np.repeat(np.arange(len(train)), [len(r.captions) for r in train]), [])
-    check_side_inputs(spec, dict(cfg.inputs), cfg.model_args, data.image_ids,
+    check_side_inputs(spec, dict(cfg.inputs), cfg.model_config, data.image_ids,
                       caption_keys(data) if "trees" in dict(cfg.inputs) else [])
     return notes
