@@ -346,6 +346,7 @@ class Scorer:
                 out[chunk] = distinct(rows[chunk], cols[chunk], shapes)
                 self.pair_chunks.append(stop - start)
                 bar.update(stop - start)
+                release_free_memory()     # the call's gathers: handed back, not left between the kept arrays
         return out[back.reshape(-1)]
 
     def _pairs_by_image(self, image_rows: np.ndarray, captions: np.ndarray, shapes) -> np.ndarray:
