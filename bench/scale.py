@@ -48,6 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
+from store import evict  # noqa: E402  (bench/store.py: a file dropped from the page cache)
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 GPU_IMAGES_PER_S = 60 * 128          # a GPU step rate of 60 steps/s at batch 128 (docs/benchmarks.md)
@@ -221,17 +223,6 @@ def stage_startup(name: str, target: Path, runs: Path, steps: int) -> list[dict]
     return records
 
 
-def drop_cache(paths: list[Path]) -> None:
-    """Evict ``paths`` from the page cache (clean pages; no root needed)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def warm_cache(paths: list[Path]) -> None:
     for path in paths:
         with open(path, "rb") as handle:
@@ -282,7 +273,7 @@ def stage_loader(name: str, target: Path, seconds: float) -> list[dict]:
     for cache in ("warm", "cold"):
         rates = {}
         for what, loader in loaders.items():
-            (warm_cache if cache == "warm" else drop_cache)(files)
+            (warm_cache if cache == "warm" else evict)(files)
             rates[what] = loader_rate(itertools.cycle(batches), loader.__getitem__, seconds,
                                       limit=data.num_images // 4 if cache == "cold" else None)
         measured, baseline = rates["measured"], rates["baseline"]

@@ -106,15 +106,15 @@ def violations(edges: list[Edge], allowed: dict[str, frozenset[str]]) -> list[Ed
             if package_of(dst) != package_of(src) and package_of(dst) not in allowed.get(package_of(src), ())]
 
 
-def package_cycles(edges: list[Edge]) -> list[list[str]]:
-    """Groups of packages that import each other, directly or through others (strongly connected, size ≥ 2)."""
+def cycles(edges) -> list[list[str]]:
+    """Groups of nodes that reach each other along ``edges`` ``(src, dst)``, directly or through others (strongly
+    connected, size ≥ 2); an edge from a node to itself is no loop."""
     graph: dict[str, set[str]] = {}
     for src, dst in edges:
-        a, b = package_of(src), package_of(dst)
-        graph.setdefault(a, set())
-        graph.setdefault(b, set())
-        if a != b:
-            graph[a].add(b)
+        graph.setdefault(src, set())
+        graph.setdefault(dst, set())
+        if src != dst:
+            graph[src].add(dst)
 
     def reachable(start: str) -> set[str]:
         seen, todo = set(), [start]
@@ -128,6 +128,11 @@ def package_cycles(edges: list[Edge]) -> list[list[str]]:
     reach = {p: reachable(p) for p in graph}
     groups = {frozenset(q for q in graph if q == p or (q in reach[p] and p in reach[q])) for p in graph}
     return sorted(sorted(g) for g in groups if len(g) > 1)
+
+
+def package_cycles(edges: list[Edge]) -> list[list[str]]:
+    """Groups of packages that import each other, directly or through others (strongly connected, size ≥ 2)."""
+    return cycles((package_of(src), package_of(dst)) for src, dst in edges)
 
 
 def trainers_layer(module: str) -> str | None:
@@ -259,23 +264,7 @@ def _imports_package_names(source: str, module: str, package: str, is_package: b
 
 def module_cycles(edges: list[Edge]) -> list[list[str]]:
     """Groups of modules that import each other, directly or through others (strongly connected, size ≥ 2)."""
-    graph: dict[str, set[str]] = {}
-    for src, dst in edges:
-        graph.setdefault(src, set()).add(dst)
-        graph.setdefault(dst, set())
-
-    def reachable(start: str) -> set[str]:
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in graph[todo.pop()]:
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        return seen
-
-    reach = {m: reachable(m) for m in graph}
-    groups = {frozenset(q for q in graph if q == m or (q in reach[m] and m in reach[q])) for m in graph}
-    return sorted(sorted(g) for g in groups if len(g) > 1)
+    return cycles(edges)
 
 
 def test_no_import_loop_between_modules():
