@@ -202,6 +202,58 @@ def test_listed_pairs_and_refined_ranks_match_the_float64_matrix(case):
         np.testing.assert_array_equal(sims, sims[:, source])
 
 
+# PyTorch's CPU kernels compute exp, sigmoid, tanh … in vector registers, and the last few elements of a call (or
+# of a thread's share of it) in scalar code, which may round them an ulp otherwise; where a pair's values fall in a
+# call depends on its chunk, so its score may differ by the ulps a few such functions in a row give, never more
+# (float64: 2.2e-16 each). Everything else is a pair's own arithmetic: its products (batched per pair, row_linear)
+# and its softmax rows (in place, over any axis) do not depend on the rows beside them.
+CHUNK_RTOL = 1e-14
+
+
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_every_model_scores_its_pairs_the_same_in_any_chunks(case):
+    """Every model's listed pairs in chunks of 1, 7 and 23 pairs through pair_score (models that score aligned
+    pairs), and one image at a time in chunks that hold whole images (a call cut in parts has other GEMM shapes),
+    are the unchunked scores but for elementwise functions' rounding (CHUNK_RTOL), with any number of threads."""
+    name, args, (k, dim) = MODELS[case]
+    torch.manual_seed(0)
+    model = create_model(name, **args).eval()
+    rng = np.random.default_rng(3)
+    n, per = 30, 2
+    tokens = [[1] + [int(t) for t in rng.integers(4, 30, size=int(rng.integers(1, 7)))] + [2] for _ in range(n * per)]
+    data = SplitData([f"i{j}" for j in range(n)], ["x"] * (n * per), np.arange(n * per) // per, tokens)
+    feats = in_memory_features(rng.standard_normal((n, k, dim)).astype(np.float16), np.full(n, k))
+    embeddings = SplitEmbeddings.encode(model, data, feats, batch_size=16, quiet=True)
+    rows, cols = rng.integers(0, n, 120), rng.integers(0, n * per, 120)
+    largest_image = int(np.bincount(np.unique(rows * (n * per) + embeddings.sources[cols]) // (n * per)).max())
+    chunks = {"image": (largest_image, largest_image + 3)}
+    if model.pair_score_is_aligned:
+        chunks["aligned"] = (1, 7, 23)
+    for strategy, steps in chunks.items():
+        whole = Scorer(model, embeddings, pair_memory=1 << 40).pairs(rows, cols, strategy)
+        for pairs_per_chunk in steps:
+            scorer = Scorer(model, embeddings, pair_memory=1 << 40)
+            scorer.pair_step = lambda shapes, step=pairs_per_chunk: step
+            np.testing.assert_allclose(scorer.pairs(rows, cols, strategy), whole, rtol=CHUNK_RTOL, atol=0)
+            assert max(scorer.pair_chunks) == pairs_per_chunk
+
+
+def test_row_linear_gives_each_row_the_same_bits_in_any_batch():
+    """A GEMM's rounding depends on its row count (BLAS picks the kernel by it: 1 row, a few, many); row_linear's
+    per-row products do not, to the bit, and equal F.linear to rounding (float64: a sum of 64 products)."""
+    from retr.trainers.models.layers import row_linear
+
+    torch.manual_seed(0)
+    x, weight, bias = (torch.randn(97, 64, dtype=torch.float64), torch.randn(48, 64, dtype=torch.float64),
+                       torch.randn(48, dtype=torch.float64))
+    for b in (bias, None):
+        whole = row_linear(x, weight, b)
+        np.testing.assert_allclose(whole, torch.nn.functional.linear(x, weight, b), rtol=0, atol=1e-12)
+        for step in (1, 2, 7, 33):
+            parts = torch.cat([row_linear(x[s:s + step], weight, b) for s in range(0, len(x), step)])
+            assert torch.equal(parts, whole)
+
+
 def _attributes(model: torch.nn.Module) -> dict:
     """``vars`` of every submodule: plain values as they are, other objects by identity."""
     plain = (bool, int, float, str, tuple, torch.dtype, type(None))
@@ -344,7 +396,8 @@ def test_listed_pairs_are_scored_in_chunks_the_memory_budget_holds(monkeypatch):
     """A pair costs its image's and caption's rows in float64 — once gathered by the scorer, twice more inside
     SCAN's pair_score — so 6 regions × 8 dims + the mask, and 10 words (the longest listed caption) × 8 + the
     mask: 3 · (6·8·8 + 6 + 10·8·8 + 10) = 3 · 1,040 bytes. The chunks are the budget's, every pair_score call
-    stays within them, and the scores do not depend on the chunks, to the bit."""
+    stays within them, and the scores do not depend on the chunks but for the rounding of elementwise functions
+    (test_every_model_scores_its_pairs_the_same_in_any_chunks says why it is at most a few ulps)."""
     reference, _ = _scan_scorer(pair_memory=1 << 40)
     rng = np.random.default_rng(5)
     rows, cols = rng.integers(0, 50, 400), rng.integers(0, 100, 400)
@@ -363,7 +416,7 @@ def test_listed_pairs_are_scored_in_chunks_the_memory_budget_holds(monkeypatch):
         got = scorer.pairs(rows, cols, "aligned")
         assert scorer.pair_chunks == [step] * (distinct // step) + ([distinct % step] if distinct % step else [])
         assert max(calls) <= step
-        np.testing.assert_array_equal(got, whole)
+        np.testing.assert_allclose(got, whole, rtol=CHUNK_RTOL, atol=0)
         # a score call per image, or per caption block: a chunk holds whole calls, and while the budget holds the
         # largest call the scores are the unchunked ones to the bit; a call cut in parts may round otherwise (its
         # GEMMs have other shapes), by an ulp

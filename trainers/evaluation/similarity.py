@@ -311,8 +311,9 @@ class Scorer:
     def pairs(self, image_rows: np.ndarray, captions: np.ndarray, strategy: str = "auto",
               quiet: bool = True) -> np.ndarray:
         """float64 scores ``[P]`` of the listed pairs (``image_rows[p]``, ``captions[p]``), in calls of at most
-        :meth:`pair_step` pairs (the same scores whatever the chunks: every chunk pads its captions to the same
-        length); a progress bar over the pairs unless ``quiet``.
+        :meth:`pair_step` pairs (the same scores whatever the chunks — every chunk pads its captions to the same
+        length — but for elementwise functions' rounding of a call's last elements: docs/trainer.md); a progress
+        bar over the pairs unless ``quiet``.
 
         ``strategy``: ``image`` (a call per image), ``block`` (``pair_score`` per caption block), ``aligned`` (one
         ``pair_score`` over every listed caption: models whose ``pair_score_is_aligned``), ``auto`` (``aligned``

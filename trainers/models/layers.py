@@ -37,6 +37,17 @@ def masked_softmax(logits: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> t
     return torch.softmax(logits, dim=dim) * mask
 
 
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of ``x`` ``[P, d_in]`` → ``[P, d_out]``, each row by its own vector–matrix product (one batched
+    kernel, ``weight`` shared without a copy): a row's result does not depend on how many rows are beside it, as
+    one GEMM's does (BLAS picks its kernel by the row count), so pairs scored in any chunks score the same."""
+    rows = x.shape[0]
+    product = weight.t().unsqueeze(0).expand(rows, -1, -1)
+    if bias is None:
+        return torch.bmm(x.unsqueeze(1), product).squeeze(1)
+    return torch.baddbmm(bias.view(1, 1, -1).expand(rows, 1, -1), x.unsqueeze(1), product).squeeze(1)
+
+
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
     """``x / (‖x‖ + eps)`` along ``dim`` (zero gradient at a zero vector)."""
     return x / (torch.linalg.vector_norm(x, dim=dim, keepdim=True) + eps)

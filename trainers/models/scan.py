@@ -82,9 +82,10 @@ def _attention(dots: torch.Tensor, query_mask: torch.Tensor | None, context_mask
 
 
 def _softmax(x: torch.Tensor, dim: int, inplace: bool) -> torch.Tensor:
-    """``softmax(x, dim)``; in place over the innermost axis, where PyTorch's kernel is ~3.5× slower for the
-    short axes here (L ≤ ~50 words)."""
-    if not inplace or dim not in (-1, x.dim() - 1):
+    """``softmax(x, dim)``; in place (no gradient) over any axis: over the innermost one PyTorch's kernel is ~3.5×
+    slower for the short axes here (L ≤ ~50 words), and over another its multi-threaded CPU kernel rounds a row
+    differently with the number of rows beside it (a pair's score would depend on its chunk)."""
+    if not inplace:
         return torch.softmax(x, dim=dim)
     x = x.sub_(x.amax(dim=dim, keepdim=True)).exp_()
     return x.div_(x.sum(dim=dim, keepdim=True))

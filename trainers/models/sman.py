@@ -19,7 +19,7 @@ from retr.trainers.config import (Settings, dropout_setting, embed_size_setting,
                                   margin_setting, setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.registry import ModelSpec, register_model
 from retr.trainers.models.base import Embeddings, MatchingModel, check_one_pair
-from retr.trainers.models.layers import (EPS, cat_parts, cosine, cosine_matrix, lengths_mask, masked_mean,
+from retr.trainers.models.layers import (EPS, cat_parts, cosine, cosine_matrix, lengths_mask, masked_mean, row_linear,
                                         masked_softmax, run_rnn, scale_grad)
 from retr.trainers.models.text import install_word_vectors
 
@@ -46,10 +46,12 @@ class GuidedAttention(nn.Module):
         """``items`` [B, T, in_dim] → ``w_h ⊙ tanh(W x)`` [B, T, hidden]."""
         return torch.tanh(self.item(items)) * self.logit.weight.view(-1)
 
-    def gate(self, query: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
-        """``query`` [..., query_dim] → ``tanh(W_q q)`` [..., hidden] (``grad_scale``: see ``SMAN.forward``)."""
-        return torch.tanh(F.linear(query, scale_grad(self.query.weight, grad_scale),
-                                   scale_grad(self.query.bias, grad_scale)))
+    def gate(self, query: torch.Tensor, grad_scale: float = 1.0, by_row: bool = False) -> torch.Tensor:
+        """``query`` [..., query_dim] → ``tanh(W_q q)`` [..., hidden] (``grad_scale``: see ``SMAN.forward``;
+        ``by_row``: ``query`` [P, query_dim] of listed pairs, each row's product its own, :func:`row_linear`)."""
+        linear = row_linear if by_row else F.linear
+        return torch.tanh(linear(query, scale_grad(self.query.weight, grad_scale),
+                                 scale_grad(self.query.bias, grad_scale)))
 
     def forward(self, items: torch.Tensor, mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         """Weights [B, T] of ``items`` [B, T, in_dim] (``mask`` [B, T]) for one query per row, [B, query_dim]."""
@@ -282,10 +284,10 @@ class SMAN(MatchingModel):
         return torch.optim.Adadelta(self.parameters(), lr=lr, rho=self.rho, eps=self.adadelta_eps,
                                     weight_decay=self.weight_decay)
 
-    def _memory(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """U_v / U_t of Eq. 12 (with the score-side gradient scale)."""
-        return F.linear(x, scale_grad(linear.weight, self.score_grad_scale),
-                        scale_grad(linear.bias, self.score_grad_scale))
+    def _memory(self, linear: nn.Linear, x: torch.Tensor, by_row: bool = False) -> torch.Tensor:
+        """U_v / U_t of Eq. 12 (with the score-side gradient scale); ``by_row`` as :meth:`GuidedAttention.gate`."""
+        return (row_linear if by_row else F.linear)(x, scale_grad(linear.weight, self.score_grad_scale),
+                                                    scale_grad(linear.bias, self.score_grad_scale))
 
     # -- two-step evaluation (optional) ---------------------------------------------------------------------------
     def global_score(self, images: Embeddings, captions: Embeddings, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -317,17 +319,20 @@ class SMAN(MatchingModel):
         return cat_parts(out) if out else images["v0"].new_zeros(0, dtype=dtype)
 
     def _multimodal_pairs(self, im: Embeddings, cap: Embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-        """(v2, t2) ``[P, d]`` of P aligned pairs (image p with caption p): Eq. 12–18 without the block axes."""
-        v_mem = self._memory(self.img_memory, im["v0"] + im["v1"])
-        t_mem = self._memory(self.txt_memory, cap["t0"] + cap["t1"])
+        """(v2, t2) ``[P, d]`` of P aligned pairs (image p with caption p): Eq. 12–18 without the block axes, every
+        product a pair's own (a pair's score does not depend on the chunk it is scored in)."""
+        v_mem = self._memory(self.img_memory, im["v0"] + im["v1"], by_row=True)
+        t_mem = self._memory(self.txt_memory, cap["t0"] + cap["t1"], by_row=True)
         o_v = torch.sigmoid(self.alpha * v_mem + (1 - self.alpha) * t_mem)
         o_t = torch.sigmoid(self.alpha * t_mem + (1 - self.alpha) * v_mem)
-        logits = torch.bmm(im["keys"], self.img_attn2.gate(o_v, self.score_grad_scale).unsqueeze(-1)).squeeze(-1)        # [P, M]
+        gate_v = self.img_attn2.gate(o_v, self.score_grad_scale, by_row=True)
+        logits = torch.bmm(im["keys"], gate_v.unsqueeze(-1)).squeeze(-1)                                   # [P, M]
         pooled = torch.bmm(masked_softmax(logits, im["mask"]).unsqueeze(1), im["values"]).squeeze(1)
         if self.divide_by_cells:
             pooled = pooled / im["mask"].sum(1, keepdim=True).clamp(min=1)
         v2 = torch.tanh(pooled + scale_grad(self.img_proj2.bias, self.score_grad_scale))
-        logits_t = torch.bmm(cap["keys"], self.txt_attn2.gate(o_t, self.score_grad_scale).unsqueeze(-1)).squeeze(-1)     # [P, L]
+        gate_t = self.txt_attn2.gate(o_t, self.score_grad_scale, by_row=True)
+        logits_t = torch.bmm(cap["keys"], gate_t.unsqueeze(-1)).squeeze(-1)                                # [P, L]
         t2 = torch.bmm(masked_softmax(logits_t, cap["mask"]).unsqueeze(1), cap["words"]).squeeze(1)
         return v2, t2
 
