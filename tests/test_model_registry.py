@@ -344,7 +344,7 @@ def test_one_training_step_through_the_loop(name, synthetic_side_files):
     data, _ = load_split(manifest, ["train"], vocab, fs)
     config = make_config(spec.config_class, tiny_settings(name))
     wanted = {i.name: files.get(i.name) for i in spec.inputs}
-    inputs = spec.load_inputs(data, wanted, config, len(vocab)) if spec.load_inputs else ModelInputs()
+    inputs = spec.load_inputs(data, wanted, config, vocab) if spec.load_inputs else ModelInputs()
     torch.manual_seed(0)
     model = create_model(name, vocab_size=len(vocab), img_dim=int(fs.feature_shape[1]),
                          **{**data_sizes(name), **inputs.sizes}, config=config)
