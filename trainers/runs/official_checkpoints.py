@@ -178,8 +178,9 @@ VSE_INFINITY_RENAMES = (("img_enc.mlp.layers.0.", "img_enc.mlp.0."), ("img_enc.m
 
 
 def vse_infinity_name(name: str) -> str | None:
-    """retr's name of the authors' VSE∞ parameter ``name`` (None: a parameter their forward never uses)."""
-    if name.startswith("img_enc.mlp.bns.1."):
+    """retr's name of the authors' VSE∞ parameter ``name`` (None: a parameter their forward never uses: their MLP's
+    second batch norm, BERT's pooler, whose output their ``EncoderText`` does not read)."""
+    if name.startswith(("img_enc.mlp.bns.1.", "txt_enc.bert.pooler.")):
         return None
     for old, new in VSE_INFINITY_RENAMES:
         if name.startswith(old):
