@@ -207,3 +207,136 @@ def test_training_steps():
         tol, scale = (KEY_BIAS_ABS, 1.0) if name.endswith(KEY_BIAS) else (NOISE_DRIVEN.get(name, TOL), None)
         assert_close(after_first[name], FIGURES[f"step1.{key[8:]}"], f"{name} after step 1", tol, scale)
         assert_close(model.state_dict()[name], FIGURES[key], f"{name} after {len(losses)} steps", tol, scale)
+
+
+# ---------------------------------------------------------------------------------------------- their checkpoints
+
+def bert_folder(folder, **changes):
+    """``folder`` as a pretrained BERT's files for ``--bert-model``: the golden BERT's config.json and vocab.txt
+    (no weights: importing reads none, the checkpoint holds BERT's)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert", **BERT_CONFIG, **changes}))
+    (folder / "vocab.txt").write_text("".join(t + "\n" for t in TOKENS), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
+    return folder
+
+
+def authors_checkpoint(folder, opt: dict | None = None, image_state: dict | None = None):
+    """The stored initial state as ``folder/model_best.pth`` in the authors' checkpoint layout (their
+    ``save_checkpoint``: ``{'model': [img_enc.state_dict(), txt_enc.state_dict()], 'opt': Namespace, …}``)."""
+    import argparse
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k[len("init."):]: torch.from_numpy(v) for k, v in INPUTS.items() if k.startswith("init.")}
+    parts = [{k[len(side):]: v for k, v in state.items() if k.startswith(side)} for side in ("img_enc.", "txt_enc.")]
+    if image_state is not None:
+        parts[0] = {**parts[0], **image_state}
+    checkpoint = folder / "model_best.pth"
+    torch.save({"model": parts, "opt": argparse.Namespace(**(opt or OPT)), "epoch": 25, "best_rsum": 520.5},
+               checkpoint)
+    return checkpoint
+
+
+def assert_their_eval_embeddings(run) -> None:
+    from retr.trainers.runs.checkpoint import load_run_model
+
+    model, vocab, config = load_run_model(run)
+    assert config["model_args"]["text_encoder"] == "bert" and vocab.idx2word == TOKENS
+    model = model.double().eval()
+    counts = torch.from_numpy(INPUTS["eval.counts"])
+    with torch.no_grad():
+        images = model.encode_images(torch.from_numpy(INPUTS["eval.images"]).double(), lengths_mask(counts, 6))
+        ids = [vocab.encode(str(c)) for c in INPUTS["captions"]]
+        from retr.trainers.data.splits import pad_tokens
+        tokens, lengths = pad_tokens(ids)
+        captions = model.encode_captions(tokens, lengths)
+    assert_close(images["vector"] @ captions["vector"].T, FIGURES["eval.sims"], "imported model's similarities")
+
+
+def test_an_imported_master_checkpoint_gives_their_similarities(tmp_path, run_cli):
+    """import-vse-infinity-checkpoint on a master-branch checkpoint (BERT) holding the state their code computed the
+    figures from, with --bert-model the BERT's configuration and vocabulary: the run tokenises the captions and
+    scores them against the images as their code did."""
+    checkpoint = authors_checkpoint(tmp_path / "released")
+    run_cli("train", "import-vse-infinity-checkpoint", checkpoint, "--bert-model", bert_folder(tmp_path / "bert"),
+            "--out", tmp_path / "run")
+    assert_their_eval_embeddings(tmp_path / "run")
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["model_args"]["bert_config"] == BERT_CONFIG and config["epoch"] == 25
+
+
+def test_a_released_folder_and_a_hub_folder_import_offline(tmp_path, run_cli, monkeypatch):
+    """CHECKPOINT as the released model's folder (``hf download`` leaves ``<folder>/model_best.pth``) and as
+    ``hf-hub:ORG/NAME/FOLDER`` read offline from a Hugging Face cache laid out as huggingface_hub lays it out, with
+    the BERT from the cache too; nothing is downloaded and nothing written into the cache."""
+    import huggingface_hub.constants
+
+    from test_hub import COMMIT
+
+    released = tmp_path / "vse-infty" / "f30k_butd_region_bert"
+    authors_checkpoint(released)
+    bert = bert_folder(tmp_path / "bert")
+    run_cli("train", "import-vse-infinity-checkpoint", released, "--bert-model", bert, "--out", tmp_path / "run1")
+    assert_their_eval_embeddings(tmp_path / "run1")
+
+    cache = tmp_path / "hf-cache"
+    for repo, files in (("cccjc/vse-infty", tmp_path / "vse-infty"), ("tiny-lab/tiny-bert", bert)):
+        snapshot = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / COMMIT
+        for file in (p for p in files.rglob("*") if p.is_file()):
+            (snapshot / file.relative_to(files)).parent.mkdir(parents=True, exist_ok=True)
+            (snapshot / file.relative_to(files)).write_bytes(file.read_bytes())
+        (snapshot.parents[1] / "refs").mkdir()
+        (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("RETR_OFFLINE", "1")
+    before = sorted(str(p) for p in cache.rglob("*"))
+    run_cli("train", "import-vse-infinity-checkpoint", "hf-hub:cccjc/vse-infty/f30k_butd_region_bert",
+            "--bert-model", "tiny-lab/tiny-bert", "--out", tmp_path / "run2")
+    assert_their_eval_embeddings(tmp_path / "run2")
+    assert sorted(str(p) for p in cache.rglob("*")) == before
+    code, stdout, stderr = run_cli.as_user("train", "import-vse-infinity-checkpoint",
+                                           "hf-hub:cccjc/vse-infty/coco_butd_region_bert", "--bert-model",
+                                           "tiny-lab/tiny-bert", "--out", tmp_path / "run3")
+    assert code != 0 and "coco_butd_region_bert/model_best.pth" in stderr and "hf download cccjc/vse-infty" in stderr
+    assert not (tmp_path / "run3").exists()
+
+
+MASTER_REFUSED = {
+    "vocab": "is a BERT model (the authors' master branch), which tokenises captions with --bert-model",
+    "bert-size": ("the checkpoint's BERT has hidden_size 16 but --bert-model ", "bert has 32: give --bert-model"),
+    "bert-layers": ("the checkpoint's BERT has num_hidden_layers 2 but --bert-model ", "bert has 3: give"),
+    "backbone": "precomp_enc_type='backbone': a VSE∞ model over a CNN backbone it fine-tunes end to end on raw images",
+    "grid-weights": "a CNN backbone in its image encoder: a VSE∞ model over a CNN backbone",
+    "unknown-field": "field(s) retr does not know: text_pooling='max'",
+    "vocab-size": "the checkpoint's options say vocab_size=30522 but its BERT has",
+}
+
+
+@pytest.mark.parametrize("case", list(MASTER_REFUSED))
+def test_master_checkpoints_retr_cannot_express_are_refused_in_one_line(tmp_path, run_cli, case):
+    from test_pipeline_wrong_inputs import assert_one_error_line
+
+    opt, image_state, bert_changes, extra = dict(OPT), None, {}, []
+    if case == "vocab":
+        from retr.store.vocab import Vocabulary
+        extra = ["--vocab", Vocabulary([f"word{i}" for i in range(20)]).save(tmp_path / "f30k_precomp_vocab.json")]
+    elif case == "bert-size":
+        bert_changes = {"hidden_size": 32}
+    elif case == "bert-layers":
+        bert_changes = {"num_hidden_layers": 3}
+    elif case == "backbone":
+        opt["precomp_enc_type"] = "backbone"
+    elif case == "grid-weights":
+        image_state = {"backbone.base.0.weight": torch.zeros(4, 3, 7, 7)}
+    elif case == "unknown-field":
+        opt["text_pooling"] = "max"
+    elif case == "vocab-size":
+        opt["vocab_size"] = 30522
+    checkpoint = authors_checkpoint(tmp_path / "released", opt, image_state)
+    code, stdout, stderr = run_cli.as_user("train", "import-vse-infinity-checkpoint", checkpoint, "--bert-model",
+                                           bert_folder(tmp_path / "bert", **bert_changes), *extra,
+                                           "--out", tmp_path / "run")
+    assert_one_error_line(code, stdout, stderr)
+    expected = MASTER_REFUSED[case]
+    assert all(part in stderr for part in ((expected,) if isinstance(expected, str) else expected))
+    assert not (tmp_path / "run").exists()
