@@ -62,3 +62,25 @@ def cached_bert(cache: Path, repo: str, model_folder: Path) -> Path:
     from test_hub import hub_cache
 
     return hub_cache(cache, repo, model_folder)
+
+
+#: bert-base-uncased's structure (12 layers of 12 heads) at a tiny width: a training step dispatches the operators of
+#: bert-base's (what the operator counts are about) at a fraction of its arithmetic
+BASE_STRUCTURE = {"hidden_size": 24, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 48}
+
+
+def bert_config(vocab_size: int, dropout: float = 0.1, **changes) -> dict:
+    """A stored BERT configuration (every key a run stores) of :data:`TINY_CONFIG`'s sizes, ``changes`` applied."""
+    return {**TINY_CONFIG, "vocab_size": vocab_size, "hidden_act": "gelu", "hidden_dropout_prob": dropout,
+            "attention_probs_dropout_prob": dropout, "initializer_range": 0.02, "layer_norm_eps": 1e-12,
+            "pad_token_id": 0, **changes}
+
+
+def prepare_word_pieces(model, vocab_size: int, continuations: int = 16, mask_token: int = 3) -> None:
+    """What a BERT run's ``load_inputs`` hands ``prepare_training`` besides the weights: the last ``continuations``
+    ids of a ``vocab_size`` vocabulary continue a word (``##…``), and ``[MASK]`` is ``mask_token``."""
+    import torch
+
+    continues = torch.zeros(vocab_size, dtype=torch.bool)
+    continues[vocab_size - continuations:] = True
+    model.prepare_training({"word_continues": continues, "mask_token": torch.tensor(mask_token)})
