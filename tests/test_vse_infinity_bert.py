@@ -168,8 +168,6 @@ def test_bert_without_the_extra_is_one_line(bert_world, run_cli, tmp_path, monke
     each stop with one line naming the extra; nothing is written."""
     for module in ("transformers", "tokenizers"):
         monkeypatch.setitem(sys.modules, module, None)            # what the import sees when it is not installed
-    from retr.trainers.models import pretrained_bert
-    pretrained_bert.pretrained_bert.cache_clear()
     code, stdout, stderr = run_cli.as_user("train", *train_args(bert_world, tmp_path / "run", "--text-encoder", "bert",
                                                                 "--bert-model", str(bert_world["model"])))
     assert_one_error_line(code, stdout, stderr)
@@ -187,10 +185,7 @@ def test_offline_and_bert_not_cached_is_one_line_naming_hf_download(bert_world, 
                                                                     cached):
     """Offline, the default bert-base-uncased absent from the cache (or there without its weights): one line naming
     the model and `hf download bert-base-uncased`; nothing is written."""
-    from retr.trainers.models import pretrained_bert
-
-    cache = set_cache(monkeypatch, tmp_path / "cache")
-    pretrained_bert.pretrained_bert.cache_clear()
+    cache = set_cache(monkeypatch, tmp_path / "cache")           # (what is read is remembered per cache)
     if cached != "nothing":
         partial = tmp_path / "partial"
         partial.mkdir()
@@ -201,7 +196,6 @@ def test_offline_and_bert_not_cached_is_one_line_naming_hf_download(bert_world, 
     assert_one_error_line(code, stdout, stderr)
     assert "bert-base-uncased" in stderr and "hf download bert-base-uncased" in stderr
     assert not (tmp_path / "run").exists()
-    pretrained_bert.pretrained_bert.cache_clear()
 
 
 def test_wrong_bert_inputs_are_one_line(bert_world, run_cli, tmp_path, monkeypatch):

@@ -109,11 +109,17 @@ class PretrainedBert:
     vocabulary: WordPieceVocabulary
 
 
-@functools.lru_cache(maxsize=4)
 def pretrained_bert(name: str) -> PretrainedBert:
     """The configuration and vocabulary of the pretrained BERT ``name`` (a Hub name or a folder): its
-    ``config.json``, ``vocab.txt`` and, where it has one, ``tokenizer_config.json`` (lower-casing, accents)."""
+    ``config.json``, ``vocab.txt`` and, where it has one, ``tokenizer_config.json`` (lower-casing, accents). Read
+    once per name and Hugging Face cache (a name means another model in another cache)."""
     transformers()
+    return _pretrained_bert(name, "" if Path(name).is_dir() else hub_cache())
+
+
+@functools.lru_cache(maxsize=4)
+def _pretrained_bert(name: str, cache: str) -> PretrainedBert:
+    """:func:`pretrained_bert` of ``name`` read from the Hugging Face cache ``cache`` ("" for a folder)."""
     config = read_config(model_file(name, CONFIG_FILE), name)
     tokenizer_file = model_file(name, TOKENIZER_FILE, optional=True)
     settings = _read_json(tokenizer_file, name) if tokenizer_file is not None else {}
