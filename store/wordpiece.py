@@ -82,7 +82,7 @@ class WordPieceVocabulary:
     @functools.cached_property
     def _tokenizer(self):
         """The ``tokenizers.Tokenizer`` of these settings (built on first use: the ``bert`` extra)."""
-        tk = require("tokenizers", "bert", "VSE∞'s BERT text encoder (WordPiece captions)")
+        tk = require("tokenizers", "bert", "VSE∞'s BERT text encoder: its WordPiece captions")
         tokenizer = tk.Tokenizer(tk.models.WordPiece(dict(self.word2idx), unk_token=UNK,
                                                      continuing_subword_prefix=CONTINUATION,
                                                      max_input_chars_per_word=MAX_WORD_CHARS))

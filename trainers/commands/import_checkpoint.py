@@ -2,11 +2,14 @@
 (:mod:`retr.trainers.runs.official_checkpoints`)."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 import click
 
 from retr.common.cli import InputPath, OutputPath
 
 from retr.common.paths import check_folder_holds_only
+from retr.trainers.models.vse_infinity import VSEInfinityConfig
 from retr.trainers.runs.checkpoint import holds_run
 from retr.trainers.runs.official_checkpoints import (import_scan_checkpoint, import_vse_infinity_checkpoint,
                                                      import_vsepp_checkpoint)
@@ -77,10 +80,6 @@ def import_vsepp_command(checkpoint, vocab_path, out, allow_nonempty_out, trust_
 
 def _bert_model_option(f):
     """``--bert-model``: VSE∞'s setting of that name (its default and help are the model's, said once there)."""
-    from dataclasses import fields
-
-    from retr.trainers.models.vse_infinity import VSEInfinityConfig
-
     field = next(f for f in fields(VSEInfinityConfig) if f.name == "bert_model")
     return click.option("--bert-model", default=field.default, show_default=True,
                         help=f"{field.metadata['help'].removeprefix('With --text-encoder bert: ').capitalize()} A BERT checkpoint (master branch) takes its configuration and "

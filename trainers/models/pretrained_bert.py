@@ -24,7 +24,7 @@ from retr.store.wordpiece import WordPieceVocabulary
 
 #: the extra that installs transformers (and with it tokenizers and huggingface_hub)
 EXTRA = "bert"
-WHAT = "--text-encoder bert (VSE∞'s BERT text encoder)"
+WHAT = "--text-encoder bert, VSE∞'s BERT text encoder"
 #: the authors' pretrained BERT (their EncoderText and BertTokenizer load it by this name)
 DEFAULT_BERT = "bert-base-uncased"
 #: ``BertConfig`` fields that decide BERT's shapes and arithmetic: what a run stores of its configuration

@@ -16,6 +16,7 @@ from retr.trainers.config import settings_from_stored
 from retr.trainers.models import get_spec
 from retr.trainers.models.pretrained_bert import DEFAULT_BERT, hub_offline, pretrained_bert
 from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.runs.hub import HUB_PREFIX, hub_cache
 from retr.trainers.runs.layout import BEST, CONFIG, VOCAB
 
 AGG_NAMES = {"LogSumExp": "lse", "Mean": "avg", "Max": "max", "Sum": "sum"}
@@ -277,8 +278,6 @@ def official_checkpoint_file(source: str | Path) -> Path:
     :data:`MODEL_BEST` (as ``hf download`` leaves it), or ``hf-hub:ORG/NAME/FOLDER``: that file of the Hub
     repository's folder (``hf-hub:cccjc/vse-infty/f30k_butd_region_bert``), from the Hugging Face cache,
     downloaded there first unless offline."""
-    from retr.trainers.runs.hub import HUB_PREFIX, hub_cache
-
     text = str(source)
     if not text.startswith(HUB_PREFIX):
         path = Path(source)
