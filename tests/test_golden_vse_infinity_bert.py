@@ -340,3 +340,31 @@ def test_master_checkpoints_retr_cannot_express_are_refused_in_one_line(tmp_path
     expected = MASTER_REFUSED[case]
     assert all(part in stderr for part in ((expected,) if isinstance(expected, str) else expected))
     assert not (tmp_path / "run").exists()
+
+
+def test_online_the_hub_folder_s_checkpoint_is_asked_for_by_name(tmp_path, run_cli, monkeypatch):
+    """Online, hf-hub:ORG/NAME/FOLDER[@REVISION] asks huggingface_hub (replaced by a recorder: nothing goes out) for
+    FOLDER/model_best.pth of ORG/NAME into the Hugging Face cache, and imports what it returns."""
+    import huggingface_hub
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("RETR_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    checkpoint = authors_checkpoint(tmp_path / "downloaded")
+    calls = []
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        calls.append((repo_id, filename, kwargs))
+        return str(checkpoint)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    run_cli("train", "import-vse-infinity-checkpoint", "hf-hub:cccjc/vse-infty/coco_butd_region_bert@v1",
+            "--bert-model", bert_folder(tmp_path / "bert"), "--out", tmp_path / "run")
+    assert calls == [("cccjc/vse-infty", "model_best.pth",
+                      {"subfolder": "coco_butd_region_bert", "revision": "v1", "cache_dir": str(tmp_path / "hf-cache"),
+                       "local_files_only": False})]
+    assert_their_eval_embeddings(tmp_path / "run")
+    code, stdout, stderr = run_cli.as_user("train", "import-vse-infinity-checkpoint", "hf-hub:cccjc/vse-infty",
+                                           "--out", tmp_path / "run2")
+    assert code != 0 and "names no folder of a Hub repository: write hf-hub:ORG/NAME/FOLDER" in stderr
