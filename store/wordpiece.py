@@ -6,7 +6,7 @@ stripped for an uncased vocabulary, split on whitespace and punctuation), then W
 longest match, ``##`` continuations; a word that cannot be cut, or of more than 100 characters, is ``[UNK]``).
 The work is done by Hugging Face's ``tokenizers`` (the ``bert`` extra), whose ``BertNormalizer``,
 ``BertPreTokenizer`` and ``WordPiece`` are those steps; no special token is matched in the text, as their basic
-tokenizer matches none (tests/test_wordpiece.py holds the authors' own tokens of tricky captions).
+tokenizer matches none (tests/test_golden_vse_infinity_bert.py holds the authors' own ids of tricky captions).
 
 The vocabulary is stored as JSON (``vocab.json`` of a run or an export, a checkpoint's ``vocab``): the tokens in id
 order and the tokenizer's settings, so a run tokenises offline exactly as it was trained. BERT's own ``vocab.txt``
