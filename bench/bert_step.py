@@ -7,13 +7,13 @@ arithmetic is the pretrained model's), batch ``--batch`` (128, the authors') of 
 captions of 8–16 tokens (BERT's pieces: ``[CLS]`` and ``[SEP]`` included), the optimiser the model configures
 (AdamW; BERT's parameters in their own group), gradient clip 2.0, through the loop's ``train_step``:
 
-* ``seconds_per_step`` — the median of ``--steps`` timed steps after one warm-up step, with torch's threads
-  (``threads``);
+* ``seconds_per_step`` — the median of ``--steps`` timed steps after one warm-up step, on ``--device`` (``cpu``:
+  with torch's threads, ``threads``; ``cuda``: each step synchronised before its clock stops);
 * ``ops_as_cuda`` (``launching``) — one step's operators counted as CUDA runs it (retr.common.op_count: each
   GRU one cuDNN call each way, each attention one fused kernel each way, the optimiser's foreach/fused update);
   ``cpu_ops`` — the plain CPU count.
 
-    .venv/bin/python bench/bert_step.py [--batch 128 --steps 3]
+    .venv/bin/python bench/bert_step.py [--batch 128 --steps 3 --device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ from retr.trainers.models import create_model
 from retr.trainers.models.optim import apply_implementation
 from retr.trainers.training.loop import train_step
 
-CPU = torch.device("cpu")
 VOCAB, REGIONS, IMG_DIM = 10_000, 36, 2048
 
 
@@ -43,38 +42,41 @@ def batch_of(size: int, vocab: int, seed: int = 0) -> dict:
             "image_index": torch.arange(size), "caption_index": torch.arange(size)}
 
 
-def model_of(text_encoder: str):
+def model_of(text_encoder: str, device: torch.device):
     torch.manual_seed(0)
     if text_encoder == "bigru":
-        return create_model("vse-infinity", vocab_size=VOCAB, img_dim=IMG_DIM), VOCAB
+        return create_model("vse-infinity", vocab_size=VOCAB, img_dim=IMG_DIM).to(device), VOCAB
     import transformers
 
     config = transformers.BertConfig().to_dict()                 # bert-base-uncased's shapes
     from retr.trainers.models.pretrained_bert import CONFIG_KEYS
     bert_config = {k: config[k] for k in CONFIG_KEYS}
     model = create_model("vse-infinity", vocab_size=bert_config["vocab_size"], img_dim=IMG_DIM, text_encoder="bert",
-                         bert_config=bert_config)
+                         bert_config=bert_config).to(device)
     continues = torch.zeros(bert_config["vocab_size"], dtype=torch.bool)
     continues[-5000:] = True                                     # some ids continue a word (its ## pieces)
     model.prepare_training({"word_continues": continues, "mask_token": torch.tensor(103)})
     return model, bert_config["vocab_size"]
 
 
-def measure(text_encoder: str, size: int, steps: int) -> dict:
-    model, vocab = model_of(text_encoder)
+def measure(text_encoder: str, size: int, steps: int, device: torch.device) -> dict:
+    model, vocab = model_of(text_encoder, device)
     batch = batch_of(size, vocab)
     optimizer = model.configure_optimizer(5e-4)
-    train_step(model, batch, optimizer, None, 2.0, CPU)          # warm-up: the optimiser's state
+    apply_implementation(optimizer, "auto", device)
+    train_step(model, batch, optimizer, None, 2.0, device)       # warm-up: the optimiser's state
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        train_step(model, batch, optimizer, None, 2.0, CPU)
+        train_step(model, batch, optimizer, None, 2.0, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     with OpCounter() as plain:
-        train_step(model, batch, optimizer, None, 2.0, CPU)
+        train_step(model, batch, optimizer, None, 2.0, device)
     apply_implementation(optimizer, "auto", torch.device("cuda"))  # what --optimizer-impl auto picks on CUDA
     with OpCounter(rnn_as_library_call=True, attention_as_library_call=True) as cuda:
-        train_step(model, batch, optimizer, None, 2.0, CPU)
+        train_step(model, batch, optimizer, None, 2.0, device)
     return {"text_encoder": text_encoder, "parameters": sum(p.numel() for p in model.parameters()),
             "seconds_per_step": round(statistics.median(times), 3), "steps_timed": [round(t, 3) for t in times],
             "ops_as_cuda": cuda.total, "launching": cuda.launching, "cpu_ops": plain.total}
@@ -84,10 +86,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     args = parser.parse_args()
-    baseline = measure("bigru", args.batch, args.steps)
-    bert = measure("bert", args.batch, args.steps)
-    print(json.dumps({"bench": "bert_step", "model": "vse-infinity", "batch": args.batch,
+    device = torch.device(args.device)
+    baseline = measure("bigru", args.batch, args.steps, device)
+    bert = measure("bert", args.batch, args.steps, device)
+    print(json.dumps({"bench": "bert_step", "model": "vse-infinity", "batch": args.batch, "device": str(device),
                       "threads": torch.get_num_threads(), **bert, "baseline": baseline,
                       "time_ratio": round(bert["seconds_per_step"] / baseline["seconds_per_step"], 1),
                       "ops_ratio": round(bert["ops_as_cuda"] / baseline["ops_as_cuda"], 1)}))
