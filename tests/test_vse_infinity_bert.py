@@ -222,3 +222,20 @@ def test_wrong_bert_inputs_are_one_line(bert_world, run_cli, tmp_path, monkeypat
         assert expected in stderr, (label, stderr)
         assert not (tmp_path / label).exists(), label
     assert "lstm" in run_cli.as_user("train", *train_args(bert_world, tmp_path / "x", "--text-encoder", "lstm"))[2]
+
+
+def test_the_bert_recipe_reproduces_with_bert_base_uncased_from_the_cache(bert_world, run_cli, tmp_path, monkeypatch):
+    """``reproduce vse-infinity-bert-f30k`` trains its member with --text-encoder bert from the cached
+    bert-base-uncased (here the tiny BERT under that name) and compares with the README's numbers (R@10 not
+    printed there)."""
+    cache = set_cache(monkeypatch, tmp_path / "cache")
+    hub_cache(cache, "bert-base-uncased", bert_world["model"])
+    run_cli("train", "reproduce", "vse-infinity-bert-f30k", "--features", bert_world["features"], "--manifest",
+            bert_world["manifest"], "--out", tmp_path / "runs", "--epochs", "1", "--batch-size", "8",
+            "--set", "embed_size=16", "--allow-size-mismatch", "--device", "cpu")
+    config = json.loads((tmp_path / "runs" / "vse-infinity-bert-f30k" / "config.json").read_text())
+    assert config["model_args"]["text_encoder"] == "bert" and config["model_args"]["bert_model"] == "bert-base-uncased"
+    report = json.loads((tmp_path / "runs" / "reproduce-vse-infinity-bert-f30k.json").read_text())
+    published = report["rows"][0]["published"]
+    assert published["i2t"] == {"r1": 81.7, "r5": 95.4, "r10": None} and published["t2i"]["r1"] == 61.4
+    assert published["rsum"] is None and report["rows"][0]["measured"]["rsum"] is not None
