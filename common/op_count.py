@@ -13,7 +13,12 @@ A recurrent layer is where a CPU and CUDA differ most: the CPU's ``aten::gru``/`
 of a dozen operators each (forward and backward), where CUDA makes one cuDNN call each way (``_cudnn_rnn``,
 ``_cudnn_rnn_backward``). ``OpCounter(rnn_as_library_call=True)`` counts an RNN as CUDA runs it: the layer's
 operators are run uncounted and stand as one operator forward and one backward; everything around the layer
-(its initial state, the packing) is counted as usual. See ``docs/benchmarks.md`` ("Operators dispatched")."""
+(its initial state, the packing) is counted as usual. Attention through PyTorch's ``scaled_dot_product_attention``
+(BERT's, in VSE∞'s BERT text encoder) is the same: the CPU computes it from matrix products, softmax and masking
+(about ten operators forward, more backward), where CUDA runs one fused kernel each way (the memory-efficient one,
+which takes a boolean mask); ``attention_as_library_call=True`` counts it as those two
+(``_efficient_attention``, ``_efficient_attention_backward``). See ``docs/benchmarks.md`` ("Operators
+dispatched")."""
 from __future__ import annotations
 
 import contextlib
@@ -36,6 +41,9 @@ NON_LAUNCHING = frozenset({
 #: torch's recurrent layers (``nn.GRU``/``LSTM``/``RNN`` call these), each one cuDNN call each way on CUDA
 RNN_FUNCTIONS = {torch._VF.gru: "gru", torch._VF.lstm: "lstm", torch._VF.rnn_tanh: "rnn_tanh",
                  torch._VF.rnn_relu: "rnn_relu"}
+#: the names a library call counts under, forward and backward
+RNN_CALL = ("_cudnn_rnn", "_cudnn_rnn_backward")
+ATTENTION_CALL = ("_efficient_attention", "_efficient_attention_backward")
 
 
 def _name(func) -> str:
@@ -47,13 +55,17 @@ class OpCounter(TorchDispatchMode):
     """``with OpCounter() as ops: …`` then ``ops.total``, ``ops.launching`` and ``ops.by_name`` (a Counter).
 
     ``rnn_as_library_call``: each recurrent layer counts as the one library call CUDA makes each way (module
-    docstring), named ``_cudnn_rnn`` and ``_cudnn_rnn_backward``."""
+    docstring), named ``_cudnn_rnn`` and ``_cudnn_rnn_backward``; ``attention_as_library_call``: each
+    ``scaled_dot_product_attention`` as CUDA's fused kernel each way (``_efficient_attention`` and its backward)."""
 
-    def __init__(self, rnn_as_library_call: bool = False):
+    def __init__(self, rnn_as_library_call: bool = False, attention_as_library_call: bool = False):
         super().__init__()
         self.by_name: Counter[str] = Counter()
         self.counting = True
-        self._rnn_mode = _RNNAsOneCall(self) if rnn_as_library_call else None
+        calls = {**({f: RNN_CALL for f in RNN_FUNCTIONS} if rnn_as_library_call else {}),
+                 **({torch.nn.functional.scaled_dot_product_attention: ATTENTION_CALL}
+                    if attention_as_library_call else {})}
+        self._rnn_mode = _RNNAsOneCall(self, calls) if calls else None
 
     def __enter__(self):
         if self._rnn_mode is not None:
@@ -103,15 +115,16 @@ class OpCounter(TorchDispatchMode):
 
 
 class _RNNAsOneCall(TorchFunctionMode):
-    """Runs each call of a :data:`RNN_FUNCTIONS` function through :class:`_LibraryCall`."""
+    """Runs each call of a function of ``calls`` (``{function: (forward name, backward name)}``: the recurrent
+    layers, attention) through :class:`_LibraryCall`."""
 
-    def __init__(self, counter: OpCounter):
+    def __init__(self, counter: OpCounter, calls: dict):
         super().__init__()
-        self.counter = counter
+        self.counter, self.calls = counter, calls
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in RNN_FUNCTIONS or not self.counter.counting:
+        if func not in self.calls or not self.counter.counting:
             return func(*args, **kwargs)
         leaves, rebuild = _flatten(args)
         is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
@@ -120,9 +133,11 @@ class _RNNAsOneCall(TorchFunctionMode):
 
         def call(*inputs):
             it_t, it_o = iter(inputs), iter(others)
-            return func(*rebuild([next(it_t) if t else next(it_o) for t in is_tensor]), **kwargs)
+            out = func(*rebuild([next(it_t) if t else next(it_o) for t in is_tensor]), **kwargs)
+            return out if isinstance(out, tuple) else (out,)
 
-        return _LibraryCall.apply(self.counter, call, *tensors)
+        outputs = _LibraryCall.apply(self.counter, self.calls[func], call, *tensors)
+        return outputs if len(outputs) > 1 else outputs[0]          # (attention returns one tensor, a GRU two)
 
 
 def _flatten(args) -> tuple[list, object]:
@@ -151,16 +166,16 @@ def _flatten(args) -> tuple[list, object]:
 
 
 class _LibraryCall(torch.autograd.Function):
-    """One counted operator forward (``_cudnn_rnn``) and one backward (``_cudnn_rnn_backward``) standing for the
+    """One counted operator forward (``names[0]``: ``_cudnn_rnn``) and one backward (``names[1]``) standing for the
     CPU's uncounted ones: the function runs on detached inputs with its own graph, which backward differentiates."""
 
     @staticmethod
-    def forward(ctx, counter, call, *tensors):
+    def forward(ctx, counter, names, call, *tensors):
         with counter.uncounted(), torch.enable_grad():
             inputs = [t.detach().requires_grad_(t.requires_grad and t.is_floating_point()) for t in tensors]
             outputs = call(*inputs)
-        counter.by_name["_cudnn_rnn"] += 1
-        ctx.counter, ctx.inputs, ctx.outputs = counter, inputs, outputs
+        counter.by_name[names[0]] += 1
+        ctx.counter, ctx.names, ctx.inputs, ctx.outputs = counter, names, inputs, outputs
         return tuple(o.detach() for o in outputs)
 
     @staticmethod
@@ -170,8 +185,8 @@ class _LibraryCall(torch.autograd.Function):
         with ctx.counter.uncounted():
             found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                              allow_unused=True) if wanted and pairs else [None] * len(wanted))
-        ctx.counter.by_name["_cudnn_rnn_backward"] += 1
-        return (None, None, *(next(found) if t.requires_grad else None for t in ctx.inputs))
+        ctx.counter.by_name[ctx.names[1]] += 1
+        return (None, None, None, *(next(found) if t.requires_grad else None for t in ctx.inputs))
 
 
 def count_ops(fn, *args, **kwargs) -> tuple[OpCounter, object]:
@@ -181,4 +196,4 @@ def count_ops(fn, *args, **kwargs) -> tuple[OpCounter, object]:
     return counter, result
 
 
-__all__ = ["NON_LAUNCHING", "OpCounter", "RNN_FUNCTIONS", "count_ops"]
+__all__ = ["ATTENTION_CALL", "NON_LAUNCHING", "OpCounter", "RNN_CALL", "RNN_FUNCTIONS", "count_ops"]

@@ -10,6 +10,8 @@ used, through :func:`require`, never at a module's top.
 * ``serve`` — flask and waitress (``retr-train serve``, the search page);
 * ``hub`` — huggingface_hub (models named ``hf-hub:ORG/NAME``, ``retr-train push``; timm brings it too);
 * ``tensorboard`` — tensorboard (``--log tensorboard``);
+* ``bert`` — transformers, with tokenizers and huggingface_hub (``vse-infinity --text-encoder bert``: BERT, its
+  WordPiece tokenizer, its weights from the Hub's cache; a BERT run's eval, search, serve and export);
 * ``eccv`` — eccv-caption (``retr-train eval --extended``: the ECCV Caption and CxC annotations it ships are read
   from its folder, :func:`locate`, never imported or copied).
 

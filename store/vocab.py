@@ -133,6 +133,10 @@ class Vocabulary:
     def decode(self, ids: Iterable[int]) -> list[str]:
         return [self.idx2word[int(i)] for i in ids]
 
+    def unknown_words(self, caption: str) -> list[str]:
+        """The words of ``caption`` outside the vocabulary (read as ``<unk>``)."""
+        return [w for w in tokenize(caption) if w not in self]
+
     @classmethod
     def build(cls, captions: Iterable[str], threshold: int = DEFAULT_THRESHOLD) -> "Vocabulary":
         """Vocabulary of the words occurring at least ``threshold`` times (first-appearance order)."""

@@ -57,6 +57,9 @@ class Slot:
 WRONG = {
     "in-file": {"absent": ("nowhere/thing.txt", "{name} {value} does not exist"),
                 "a folder": ("full", "{name} {value} is a folder, not ")},
+    # a checkpoint file or a released model's folder holding model_best.pth
+    "in-checkpoint": {"absent": ("nowhere/thing.txt", "{name} {value} does not exist"),
+                      "a folder": ("full", "checkpoint folder {value} holds no model_best.pth")},
     "in-folder": {"absent": ("nowhere/folder", "{name} {value} does not exist"),
                   "a file": ("a-file", "{name} {value} is a file, not ")},
     # a download the user makes (annotations, parser models): absent, the missing-resource line (what, where, how)
@@ -187,7 +190,8 @@ def _trainer_slots() -> list[Slot]:
     for command in ("import-scan-checkpoint", "import-vsepp-checkpoint", "import-vse-infinity-checkpoint"):
         def imported(checkpoint="run/best.pt", vocab="run/vocab.json", out="made/imported", command=command):
             return [command, checkpoint, "--vocab", vocab, "--out", out]
-        slots += [Slot(t, command, "CHECKPOINT", "in-file", lambda v, i=imported: i(checkpoint=v)),
+        kind = "in-checkpoint" if command == "import-vse-infinity-checkpoint" else "in-file"
+        slots += [Slot(t, command, "CHECKPOINT", kind, lambda v, i=imported: i(checkpoint=v)),
                   Slot(t, command, "--vocab", "in-file", lambda v, i=imported: i(vocab=v)),
                   Slot(t, command, "--out", "out-own-folder", lambda v, i=imported: i(out=v),
                        "{name} {value} is not empty and is not a run (1 entry: notes.txt)")]

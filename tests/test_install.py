@@ -36,7 +36,7 @@ BIN = Path(sys.executable).parent
 BLOCKED = {"stanza": "pipeline", "cv2": "pipeline", "timm": "pipeline", "huggingface_hub": "hub",
            "matplotlib": "report", "faiss": "search", "tensorboard": "tensorboard",
            "open_clip": "clip", "flask": "serve", "waitress": "serve", "jinja2": "report", "wandb": "wandb",
-           "eccv_caption": "eccv"}
+           "eccv_caption": "eccv", "transformers": "bert", "tokenizers": "bert"}
 
 BLOCKER = f'''
 import sys
@@ -70,8 +70,8 @@ def _import_name(distribution: str) -> str:
 def test_extras_split_what_only_some_users_need():
     project = PYPROJECT["project"]
     extras = project["optional-dependencies"]
-    assert set(extras) == {"clip", "eccv", "hub", "pipeline", "report", "search", "serve", "tensorboard", "wandb",
-                           "all", "dev"}
+    assert set(extras) == {"bert", "clip", "eccv", "hub", "pipeline", "report", "search", "serve", "tensorboard",
+                           "wandb", "all", "dev"}
     parts = sorted(set(extras) - {"all", "dev"})
     assert extras["all"] == [f"retr[{','.join(parts)}]"], "all = every extra"
     assert "retr[all]" in extras["dev"] and {"pytest", "pytest-randomly"} <= set(extras["dev"])
@@ -147,6 +147,8 @@ from retr.trainers.search.retrieval import InnerProductIndex
 from retr.trainers.search import serve_app
 from retr.trainers.runs.run_log import summary_writer
 from retr.trainers.evaluation.coco_extended import load_annotations
+from retr.trainers.models import create_model
+from retr.store.wordpiece import WordPieceVocabulary
 
 calls = {
     "report: draw.pyplot": lambda: draw.pyplot(),
@@ -160,6 +162,9 @@ calls = {
     "pipeline: hub cache": lambda: timm_weights.cached_hub_file("timm/inception_resnet_v2.tf_in1k"),
     "pipeline: stanza models": lambda: backends.fetch_parser_models(sys.argv[1]),
     "eccv: eval --extended": lambda: load_annotations(),
+    "bert: --text-encoder bert": lambda: create_model("vse-infinity", vocab_size=5, text_encoder="bert",
+                                                      bert_config={"vocab_size": 5}),
+    "bert: WordPiece captions": lambda: WordPieceVocabulary(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]).encode("a"),
 }
 messages = {}
 for name, call in calls.items():

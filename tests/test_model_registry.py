@@ -13,6 +13,7 @@ import copy
 
 import dataclasses
 import inspect
+from pathlib import Path
 import io
 import json
 from dataclasses import dataclass
@@ -76,8 +77,16 @@ THROWAWAY = ModelSpec(name="throwaway-mean", model_class=Throwaway, config_class
                       summary="Train a mean-pooling dot-product model (a test's throwaway).",
                       examples=("retr-train throwaway-mean --features f.h5 --manifest m.jsonl --out runs/t",),
                       presets={"f30k": {"epochs": 2, "lr": 1e-3}}, default_preset="f30k")
-#: every registered model, and the throwaway (registered only while a test runs: no other test sees it)
-MODELS = [*list_models(), THROWAWAY.name]
+#: VSE∞ with its BERT text encoder, checked as a model of its own (a tiny random BERT: tests/bert_support.py)
+BERT_VARIANT = "vse-infinity+bert"
+#: every registered model, the BERT variant, and the throwaway (registered only while a test runs: no other test
+#: sees it)
+MODELS = [*list_models(), BERT_VARIANT, THROWAWAY.name]
+
+
+def spec_name(name: str) -> str:
+    """The registered model a name of :data:`MODELS` is."""
+    return "vse-infinity" if name == BERT_VARIANT else name
 
 
 @pytest.fixture(autouse=True)
@@ -94,7 +103,7 @@ def test_registry_lists_the_papers_models_and_the_throwaway():
 def test_every_report_a_spec_names_after_training_exists():
     from retr.trainers.evaluation.reports import AFTER_TRAINING
 
-    named = {name: get_spec(name).after_training for name in MODELS}
+    named = {name: get_spec(spec_name(name)).after_training for name in MODELS}
     assert named["smfea"] == ("tree_accuracy",)
     assert {report for reports in named.values() for report in reports} <= set(AFTER_TRAINING)
 
@@ -103,20 +112,28 @@ def test_every_report_a_spec_names_after_training_exists():
 
 def data_sizes(name: str) -> dict:
     """Constructor sizes beyond vocab_size/img_dim (e.g. SMFEA's dictionary sizes): 5 each."""
-    params = inspect.signature(get_spec(name).model_class.__init__).parameters
-    return {n: 5 for n, p in params.items()
-            if n not in ("self", "vocab_size", "img_dim", "config", "settings") and p.default is p.empty}
+    params = inspect.signature(get_spec(spec_name(name)).model_class.__init__).parameters
+    sizes = {n: 5 for n, p in params.items()
+             if n not in ("self", "vocab_size", "img_dim", "config", "settings") and p.default is p.empty}
+    if name == BERT_VARIANT:
+        from bert_support import bert_config
+        sizes["bert_config"] = bert_config(V)
+    return sizes
 
 
 def tiny_settings(name: str) -> dict:
-    names = {f.name for f in dataclasses.fields(get_spec(name).config_class)}
-    return {k: v for k, v in TINY.items() if k in names}
+    names = {f.name for f in dataclasses.fields(get_spec(spec_name(name)).config_class)}
+    return {k: v for k, v in TINY.items() if k in names} | ({"text_encoder": "bert"} if name == BERT_VARIANT else {})
 
 
 def tiny_model(name: str, seed: int = 0, vocab_size: int = V, img_dim: int = D, **sizes) -> MatchingModel:
     torch.manual_seed(seed)
-    return create_model(name, vocab_size=vocab_size, img_dim=img_dim, **{**data_sizes(name), **sizes},
-                        **tiny_settings(name))
+    model = create_model(spec_name(name), vocab_size=vocab_size, img_dim=img_dim, **{**data_sizes(name), **sizes},
+                         **tiny_settings(name))
+    if name == BERT_VARIANT:
+        from bert_support import prepare_word_pieces
+        prepare_word_pieces(model, vocab_size)
+    return model
 
 
 def image_batch(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +208,7 @@ def test_blocks_pairs_and_float64_agree(name):
 
 
 #: the models whose pair_score scores each listed pair on its own (its cost grows with the pairs)
-ALIGNED = ("scan", "sman", "seam", "vsepp", "vse-infinity", "smfea")
+ALIGNED = ("scan", "sman", "seam", "vsepp", "vse-infinity", BERT_VARIANT, "smfea")
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -338,15 +355,22 @@ def test_one_training_step_through_the_loop(name, synthetic_side_files):
     from retr.manifests.schema import read_manifest
 
     manifest, features, files = synthetic_side_files
-    spec = get_spec(name)
-    vocab = Vocabulary.build((c for r in read_manifest(manifest, splits=["train"]) for c in r.captions), 1)
+    spec = get_spec(spec_name(name))
+    captions = [c for r in read_manifest(manifest, splits=["train"]) for c in r.captions]
+    config = make_config(spec.config_class, tiny_settings(name))
+    if name == BERT_VARIANT:                 # a tiny pretrained BERT folder over the captions' words
+        from bert_support import wordpiece_tokens, write_tiny_bert
+        folder = write_tiny_bert(Path(files["trees"]).parent / "tiny-bert", wordpiece_tokens(captions))
+        config = dataclasses.replace(config, bert_model=str(folder))
+        vocab = spec.caption_vocabulary(config, None)
+    else:
+        vocab = Vocabulary.build(captions, 1)
     fs = FeatureSet(features)
     data, _ = load_split(manifest, ["train"], vocab, fs)
-    config = make_config(spec.config_class, tiny_settings(name))
     wanted = {i.name: files.get(i.name) for i in spec.inputs}
-    inputs = spec.load_inputs(data, wanted, config, len(vocab)) if spec.load_inputs else ModelInputs()
+    inputs = spec.load_inputs(data, wanted, config, vocab) if spec.load_inputs else ModelInputs()
     torch.manual_seed(0)
-    model = create_model(name, vocab_size=len(vocab), img_dim=int(fs.feature_shape[1]),
+    model = create_model(spec.name, vocab_size=len(vocab), img_dim=int(fs.feature_shape[1]),
                          **{**data_sizes(name), **inputs.sizes}, config=config)
     model.prepare_training(inputs.tensors)
     optimizer = model.configure_optimizer(1e-2)
@@ -362,7 +386,7 @@ def test_one_training_step_through_the_loop(name, synthetic_side_files):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_presets_resolve_and_every_setting_has_help(name):
-    spec = get_spec(name)
+    spec = get_spec(spec_name(name))
     for preset in spec.presets:
         make_config(spec.config_class, {k: v for k, v in spec.resolve_preset(preset).items()
                                         if k in {f.name for f in dataclasses.fields(spec.config_class)}})
@@ -374,7 +398,7 @@ def test_presets_resolve_and_every_setting_has_help(name):
 def test_generated_command_lists_every_setting(name):
     from retr.trainers.commands.train import training_command
 
-    spec = get_spec(name)
+    spec = get_spec(spec_name(name))
     command = training_command(spec)
     flags = {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)}
     for field in dataclasses.fields(spec.config_class):

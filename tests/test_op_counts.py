@@ -99,15 +99,16 @@ def _training_batch(batch: int, regions: int, dim: int = 32, seed: int = 0) -> d
 
 def _step_ops(model, batch: dict, as_on_cuda: bool = False) -> OpCounter:
     """Operators of one ``train_step`` after a warm-up step (the optimiser's lazy state). ``as_on_cuda``: counted as
-    CUDA runs the step: the optimiser implementation ``--optimizer-impl auto`` picks there (fused or foreach) and
-    each recurrent layer one cuDNN call each way (``OpCounter(rnn_as_library_call=True)``)."""
+    CUDA runs the step: the optimiser implementation ``--optimizer-impl auto`` picks there (fused or foreach), each
+    recurrent layer one cuDNN call each way and each scaled_dot_product_attention one fused kernel each way
+    (``OpCounter(rnn_as_library_call=True, attention_as_library_call=True)``)."""
     from retr.trainers.models.optim import apply_implementation
     from retr.trainers.training.loop import train_step
     optimizer = model.configure_optimizer(1e-4)
     if as_on_cuda:
         apply_implementation(optimizer, "auto", torch.device("cuda"))
     train_step(model, batch, optimizer, None, 2.0, torch.device("cpu"))
-    counter = OpCounter(rnn_as_library_call=as_on_cuda)
+    counter = OpCounter(rnn_as_library_call=as_on_cuda, attention_as_library_call=as_on_cuda)
     with counter:
         train_step(model, batch, optimizer, None, 2.0, torch.device("cpu"))
     return counter
@@ -262,6 +263,12 @@ def _step_model(name: str):
     torch.manual_seed(0)
     regions = {"sman": 49, "jgcar": 49, "seam": 10}.get(name, 36)
     small = {"embed_size": 32, "word_dim": 16}
+    if name == "vse-infinity-bert":          # bert-base's 12 layers of 12 heads (bert_support.BASE_STRUCTURE)
+        from bert_support import BASE_STRUCTURE, bert_config, prepare_word_pieces
+        model = create_model("vse-infinity", vocab_size=64, img_dim=32, embed_size=32, text_encoder="bert",
+                             bert_config=bert_config(64, **BASE_STRUCTURE))
+        prepare_word_pieces(model, 64)
+        return model, regions
     if name != "smfea":
         settings = {"seam": {"text_encoder": "c"}, "jgcar": {"num_regions": 49, "hidden_size": 64}}.get(name, {})
         return create_model(name, vocab_size=64, img_dim=32, **small, **settings), regions
@@ -281,9 +288,11 @@ def _step_model(name: str):
 #: operators of a training step at batch 128, counted as CUDA runs it: what each model reaches, with ~10 % to
 #: spare, so that a regression fails. The target is ≤ 600 (JGCAR ≤ 2,000); SEAM-C (645: its masked batch norms
 #: take their statistics with masked sums, not one library call on gathered positions, so that nothing is read
-#: back), SMAN (779) and SMFEA (1,828) are above it (docs/benchmarks.md, "Operators dispatched").
+#: back), SMAN (779) and SMFEA (1,828) are above it (docs/benchmarks.md, "Operators dispatched"). VSE∞ with BERT
+#: (2,358) is bert-base's 12 transformer layers, ~150 operators each (forward and backward together) (transformers' BertModel;
+#: attention one fused kernel each way) around the BiGRU model's image side and GPO.
 STEP_BOUNDS = {"vsepp": 220, "scan": 360, "seam": 620, "vse-infinity": 630, "jgcar": 1150, "sman": 810,
-               "smfea": 2000}
+               "smfea": 2000, "vse-infinity-bert": 2600}
 
 
 @pytest.mark.parametrize("name", sorted(STEP_BOUNDS))
@@ -299,6 +308,8 @@ def test_a_training_step_counted_as_cuda_runs_it_stays_within_its_bound(monkeypa
     counter = _step_ops(model, _training_batch(128, regions), as_on_cuda=True)
     assert counter.total <= STEP_BOUNDS[name], counter.most_common(12)
     assert counter.by_name["_cudnn_rnn"] == counter.by_name["_cudnn_rnn_backward"]
+    if name == "vse-infinity-bert":                       # one fused attention kernel a layer, each way
+        assert counter.by_name["_efficient_attention"] == counter.by_name["_efficient_attention_backward"] == 12
     assert counter.host_syncs <= 8, counter.most_common(12)
 
 
@@ -338,7 +349,7 @@ def test_a_training_step_reads_nothing_back_from_the_device(monkeypatch, name):
     import retr.trainers.models.jgcar as jgcar
     monkeypatch.setattr(jgcar, "CPU_CHUNK_ELEMENTS", jgcar.GPU_CHUNK_ELEMENTS)
     model, regions = _step_model(name)
-    assert name != "vse-infinity" or model.config.augment_words > 0          # the augmentation runs too
+    assert not name.startswith("vse-infinity") or model.config.augment_words > 0    # the augmentation runs too
     batch = _training_batch(16, regions)
     assert "lengths" not in DEVICE_KEYS
     model.train().to("meta")

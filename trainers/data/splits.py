@@ -5,6 +5,7 @@
 :class:`EpochBatchSampler` (batches from ``(seed, epoch)`` alone, cut per rank)."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -18,6 +19,8 @@ from retr.common.progress import progress
 from retr.manifests.schema import ManifestRecord, read_manifest
 from retr.store.features import FeatureSet
 from retr.store.vocab import PAD_ID, TokenizedCaptions, TokenLists, Vocabulary, concat_ranges
+from retr.store.vocabularies import CaptionVocabulary
+from retr.store.wordpiece import WordPieceVocabulary
 from retr.trainers.config import preload_choice
 
 
@@ -50,25 +53,31 @@ class SplitData:
 
 @dataclass
 class ManifestCaptions:
-    """The records of some of a manifest's splits, with every caption of theirs tokenised once
-    (:class:`~retr.store.vocab.TokenizedCaptions`): a vocabulary built from some of those splits and each split's
-    :class:`SplitData` come from it, so a training start reads the manifest and tokenises a caption once.
+    """The records of some of a manifest's splits, with every caption of theirs tokenised once: into words
+    (:class:`~retr.store.vocab.TokenizedCaptions`, on first use), from which a vocabulary built from some of those
+    splits and each split's :class:`SplitData` encoded with a word vocabulary come, so a training start reads the
+    manifest and tokenises a caption once; a WordPiece vocabulary (BERT's) tokenises each split's captions itself.
 
     ``first_caption`` ``[R + 1]``: record ``r``'s captions are ``first_caption[r]:first_caption[r + 1]``."""
 
     manifest: str
     records: list[ManifestRecord]
-    tokenized: TokenizedCaptions
     first_caption: np.ndarray
+    quiet: bool = False
 
     @classmethod
     def read(cls, manifest: str | os.PathLike, splits: Sequence[str], quiet: bool = False) -> "ManifestCaptions":
-        """The records of ``splits`` and their captions, tokenised with a progress bar (unless ``quiet``)."""
+        """The records of ``splits``; their captions are tokenised with a progress bar (unless ``quiet``) on first
+        use."""
         records = read_manifest(manifest, splits=list(dict.fromkeys(splits)))
         counts = np.array([len(r.captions) for r in records], dtype=np.int64)
-        tokenized = TokenizedCaptions.of((c for r in records for c in r.captions), total=int(counts.sum()),
-                                         quiet=quiet)
-        return cls(str(manifest), records, tokenized, np.concatenate([[0], np.cumsum(counts)]))
+        return cls(str(manifest), records, np.concatenate([[0], np.cumsum(counts)]), quiet)
+
+    @functools.cached_property
+    def tokenized(self) -> TokenizedCaptions:
+        """Every caption's words (:class:`~retr.store.vocab.TokenizedCaptions`), tokenised once."""
+        return TokenizedCaptions.of((c for r in self.records for c in r.captions), total=int(self.first_caption[-1]),
+                                    quiet=self.quiet)
 
     def _records_of(self, splits: Sequence[str]) -> np.ndarray:
         wanted = set(splits)
@@ -86,7 +95,7 @@ class ManifestCaptions:
                             "(--vocab-split / --train-split)")
         return self.tokenized.vocabulary(captions, threshold)
 
-    def split(self, splits: Sequence[str], vocab: Vocabulary, features: FeatureSet | None = None,
+    def split(self, splits: Sequence[str], vocab: CaptionVocabulary, features: FeatureSet | None = None,
               missing: str = "error") -> tuple[SplitData, list[str]]:
         """``splits``' images that have features and their captions encoded with ``vocab``; returns (data, ids
         without features), as :func:`load_split`."""
@@ -107,12 +116,14 @@ class ManifestCaptions:
         captions = self._captions_of(chosen)
         counts = self.first_caption[chosen + 1] - self.first_caption[chosen]
         records = [self.records[r] for r in chosen]
-        return SplitData([r.id for r in records], [c for r in records for c in r.captions],
-                         np.repeat(np.arange(len(chosen), dtype=np.int64), counts),
-                         self.tokenized.encode(vocab, captions)), absent
+        texts = [c for r in records for c in r.captions]
+        tokens = (vocab.encode_all(texts, quiet=self.quiet) if isinstance(vocab, WordPieceVocabulary)
+                  else self.tokenized.encode(vocab, captions))
+        return SplitData([r.id for r in records], texts, np.repeat(np.arange(len(chosen), dtype=np.int64), counts),
+                         tokens), absent
 
 
-def load_split(manifest: str | os.PathLike, splits: Sequence[str], vocab: Vocabulary,
+def load_split(manifest: str | os.PathLike, splits: Sequence[str], vocab: CaptionVocabulary,
                features: FeatureSet | None = None, missing: str = "error") -> tuple[SplitData, list[str]]:
     """The images of ``splits`` that have features; returns (data, ids without features).
 

@@ -592,7 +592,7 @@ class JGCARConfig(Settings):
 JGCAR_SCHEDULE = {"batch_size": 200, "epochs": 128, "early_stop": 5, "lr": 4e-4, "lr_update": 128, "grad_clip": 2.0}
 
 
-def _jgcar_inputs(data, files, config, vocab_size):
+def _jgcar_inputs(data, files, config, vocab):
     return load_jgcar_inputs(data, files.get("labels"), config.concept_min_captions)
 
 

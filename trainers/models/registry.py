@@ -9,7 +9,11 @@ A spec names everything the trainer needs to know about a model and nothing is d
 * ``presets`` — named overrides (``{"f30k": {"epochs": 30, "lambda_softmax": 4.0}, …}``) of the schedule
   (:data:`~retr.trainers.config.SCHEDULE_KEYS`) and of the config's fields, checked at registration;
 * ``inputs`` and ``load_inputs`` — for models that need more than features and captions: the side files
-  (trees, concepts, labels) and the function that reads them into tensors (:class:`ModelInputs`);
+  (trees, concepts, labels) and the function that reads them into tensors (:class:`ModelInputs`), or a pretrained
+  part's weights (VSE∞'s BERT);
+* ``caption_vocabulary`` — for a model whose settings fix how captions are tokenised (VSE∞ with BERT: the
+  pretrained model's WordPiece vocabulary), that vocabulary; otherwise a run builds SCAN's word vocabulary from its
+  captions (or reads ``--vocab``);
 * ``feature_kinds`` and ``check_features`` — the feature kinds the model's papers use (training on another is a
   note, ``reproduce`` refuses it) and, where the model's settings fix the shape it takes, the refusal of a
   feature set they cannot take, in the options a user can give instead.
@@ -67,9 +71,11 @@ LoadInputs = Callable[..., ModelInputs]
 class ModelSpec:
     """Everything the trainer knows about one model (see the module docstring).
 
-    ``load_inputs(data, files, config, vocab_size) -> ModelInputs``: ``data`` is the training split
+    ``load_inputs(data, files, config, vocab) -> ModelInputs``: ``data`` is the training split
     (:class:`~retr.trainers.data.splits.SplitData`), ``files`` ``{input name: path or None}``, ``config`` the model's
-    config dataclass, ``vocab_size`` the caption vocabulary's size. ``preset_name(name, explicit) -> name`` lets a model pick a finer preset from explicit
+    config dataclass, ``vocab`` the run's caption vocabulary. ``caption_vocabulary(config, given) -> vocabulary or
+    None``: the vocabulary ``config`` fixes (None: the run's own, built or ``--vocab``); ``given`` is the ``--vocab``
+    the user gave, which it refuses in one line where it fixes one. ``preset_name(name, explicit) -> name`` lets a model pick a finer preset from explicit
     settings (SCAN: the dataset's preset for the chosen direction and aggregation). ``shortcuts`` are extra
     flags that set several settings (``{"--no-kl": ("help", {"kl_weight": 0.0})}``). ``upgrade_args`` turns the
     stored ``model_args`` of runs written before a change into today's ``(model_args, inputs)`` (called by
@@ -91,6 +97,7 @@ class ModelSpec:
     preset_name: Callable[[str, Mapping[str, Any]], str] | None = None
     inputs: tuple[InputFile, ...] = ()
     load_inputs: LoadInputs | None = None
+    caption_vocabulary: Callable[..., Any] | None = None
     shortcuts: Mapping[str, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)
     upgrade_args: Callable[[dict], tuple[dict, dict]] | None = None
     after_training: tuple[str, ...] = ()

@@ -2,7 +2,8 @@
 
 Each :class:`~retr.trainers.models.registry.ModelSpec`'s ``load_inputs`` points here; the models read no file.
 JGCAR's labels: docs/models-jgcar.md; SMFEA's ``nodes`` [M, 7], ``image_labels`` [M, C], ``adjacency`` [C, C],
-``vectors`` [C, D], ``token_concepts`` [V]: docs/models-smfea.md ("Data flow")."""
+``vectors`` [C, D], ``token_concepts`` [V]: docs/models-smfea.md ("Data flow"); VSE∞'s pretrained BERT (its
+configuration, weights and WordPiece vocabulary): docs/models-vse-infinity.md."""
 from __future__ import annotations
 
 import zipfile
@@ -19,6 +20,8 @@ from retr.store.labels import read_label_file
 from retr.store.trees import TreeSet
 from retr.store.vocab import FUNCTION_WORDS, SPECIALS, UNK_ID, tokenize
 from retr.store.word_vectors import GLOVE_FORMAT, RANDOM, resolve_vectors, vocabulary_vectors
+from retr.store.wordpiece import WordPieceVocabulary
+from retr.trainers.models.pretrained_bert import check_weights, pretrained_bert, pretrained_state
 from retr.trainers.models.registry import ModelInputs
 
 # ------------------------------------------------------------------------------------------------- JGCAR
@@ -195,6 +198,36 @@ def load_smfea_inputs(data, files: dict, config, vocab_size: int) -> ModelInputs
     return ModelInputs(sizes=sizes, settings=settings, tensors=tensors, notes=notes)
 
 
+# ------------------------------------------------------------------------------------------------- VSE∞'s BERT
+
+def bert_vocabulary(config, given: str | None = None):
+    """The caption vocabulary ``config`` fixes: with BERT, ``bert_model``'s WordPiece vocabulary (None with the BiGRU:
+    the run builds its own, or reads ``--vocab``). ``given``: the ``--vocab`` the user gave, refused with BERT."""
+    if config.text_encoder != "bert":
+        return None
+    if given:
+        raise UserError(f"--vocab {given}: --text-encoder bert tokenises captions with the WordPiece vocabulary of "
+                        f"--bert-model {config.bert_model} (a vocabulary file is for the BiGRU); leave --vocab out")
+    return pretrained_bert(config.bert_model).vocabulary
+
+
+def load_bert_inputs(data, files, config, vocab) -> ModelInputs:
+    """With BERT: its configuration (a size the run stores), its pretrained weights and the vocabulary's word pieces
+    and ``[MASK]`` (for :meth:`VSEInfinity.prepare_training`). Nothing with the BiGRU."""
+    if config.text_encoder != "bert":
+        return ModelInputs()
+    if not isinstance(vocab, WordPieceVocabulary):
+        raise UserError(f"--text-encoder bert reads WordPiece captions, and this run's vocabulary is a word "
+                        f"vocabulary for the BiGRU ({len(vocab)} words)")
+    bert = pretrained_bert(config.bert_model)
+    if len(vocab) != bert.config["vocab_size"]:
+        raise UserError(f"--bert-model {config.bert_model} has {bert.config['vocab_size']} embedding rows, the run's "
+                        f"WordPiece vocabulary {len(vocab)} tokens")
+    tensors = {f"bert.{k}": v for k, v in pretrained_state(config.bert_model).items()}
+    tensors.update(word_continues=torch.from_numpy(vocab.continuation()), mask_token=torch.tensor(vocab.mask_id))
+    return ModelInputs(sizes={"bert_config": dict(bert.config)}, tensors=tensors)
+
+
 # ------------------------------------------------------------------------------------------------- word vectors
 
 def add_word_vectors(inputs: ModelInputs, config, vocab, recorded: str = "") -> ModelInputs:
@@ -227,8 +260,9 @@ def check_side_inputs(spec, files: dict, config, image_ids: Sequence[str], capti
     """Refuse (one line), before anything is trained, the side files and word vectors a run of ``spec`` could
     not read: a required file left out (SMFEA's ``trees`` unless ``use_trees`` is off), a file that is not what
     its option takes, labels without an entry for a training image (``image_ids``), trees with no tree for any
-    training caption (``caption_keys``: ``<id>#<k>``), and word or concept vectors that are neither a file nor a
-    named set on disk or downloadable (``RETR_OFFLINE``: the one-line missing-resource error). ``files``:
+    training caption (``caption_keys``: ``<id>#<k>``), word or concept vectors that are neither a file nor a
+    named set on disk or downloadable (``RETR_OFFLINE``: the one-line missing-resource error), and VSE∞'s pretrained
+    BERT: transformers installed, its configuration, vocabulary and weights found (offline: in the cache). ``files``:
     ``{input name: path}``; ``config``: the run's model settings (its config dataclass)."""
     names = {i.name for i in spec.inputs}
     for item in spec.inputs:
@@ -255,6 +289,9 @@ def check_side_inputs(spec, files: dict, config, image_ids: Sequence[str], capti
             ConceptSet(path)
         elif name == "concept_vectors" and path != "learned":
             check_vectors_file(resolve_vectors(path))
+    if getattr(config, "text_encoder", None) == "bert":      # VSE∞'s BERT: its files, offline ones in the cache
+        pretrained_bert(config.bert_model)
+        check_weights(config.bert_model)
     vectors = getattr(config, "word_vectors", RANDOM)
     if vectors and vectors != RANDOM:
         dim = check_vectors_file(resolve_vectors(vectors))

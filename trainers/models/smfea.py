@@ -412,8 +412,8 @@ SMFEA_SCHEDULE = {"batch_size": 128, "grad_clip": 2.0, "epochs": 50, "lr": 2e-4,
                   "drop_last": True}   # CVSE's training loader drops the last batch (docs/models-smfea.md C13)
 
 
-def _smfea_inputs(data, files, config, vocab_size):
-    return load_smfea_inputs(data, files, config, vocab_size)
+def _smfea_inputs(data, files, config, vocab):
+    return load_smfea_inputs(data, files, config, len(vocab))
 
 
 def _smfea_features(config: SMFEAConfig, shape: tuple[int, int]) -> str | None:

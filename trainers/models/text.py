@@ -1,10 +1,12 @@
-"""Caption encoders shared by the models: word embedding + GRU, with the authors' ``EncoderText`` parameter names."""
+"""Caption encoders shared by the models: word embedding + GRU, with the authors' ``EncoderText`` parameter names;
+a pretrained BERT + a linear map (VSE∞'s ``master`` branch ``EncoderText``: ``bert``, ``linear``)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from retr.trainers.models.layers import EPS, l2norm, run_rnn
+from retr.trainers.models.layers import EPS, l2norm, lengths_mask, run_rnn
+from retr.trainers.models.pretrained_bert import bert_network
 
 
 class GRUWordEncoder(nn.Module):
@@ -49,6 +51,28 @@ class GRUSentenceEncoder(GRUWordEncoder):
         if self.bidirectional:
             sentence = (sentence[:, :self.embed_size] + out[:, 0, self.embed_size:]) / 2
         return l2norm(sentence, dim=-1, eps=self.eps) if self.normalize_sentence else sentence
+
+
+class BertWordEncoder(nn.Module):
+    """Per-token vectors ``[B, L, d]`` of WordPiece captions ``[B, L]``: BERT's last hidden states (transformers'
+    ``BertModel`` of ``bert_config``, its stored configuration), then ``linear`` (Linear(hidden → d)).
+
+    A token attends to the real tokens of its caption: positions before its length whose id is not BERT's
+    ``[PAD]`` (the authors' mask is ``tokens != 0``; within a caption only a training replacement can draw
+    ``[PAD]``). The mask goes to BERT as a boolean ``[B, 1, 1, L]`` key mask made on the tokens' device, so
+    nothing is read back from it."""
+
+    def __init__(self, bert_config: dict, embed_size: int = 1024):
+        super().__init__()
+        self.bert = bert_network(bert_config)
+        self.pad_id = int(bert_config["pad_token_id"])
+        self.linear = nn.Linear(int(bert_config["hidden_size"]), embed_size)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``tokens`` [B, L] long, ``lengths`` [B] (on the host or the tokens' device) → ``[B, L, d]``."""
+        attend = lengths_mask(lengths, tokens.shape[1], tokens.device) & (tokens != self.pad_id)
+        hidden = self.bert(input_ids=tokens, attention_mask=attend[:, None, None, :])[0]
+        return self.linear(hidden)
 
 
 @torch.no_grad()

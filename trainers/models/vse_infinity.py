@@ -1,18 +1,22 @@
-"""VSE∞ (Chen et al., CVPR 2021, "Learning the Best Pooling Strategy for Visual Semantic Embedding"), BiGRU text.
+"""VSE∞ (Chen et al., CVPR 2021, "Learning the Best Pooling Strategy for Visual Semantic Embedding"), with either
+of the authors' caption encoders: a BiGRU (their ``bigru`` branch) or BERT (their ``master`` branch).
 
 Each side is a set of vectors pooled by a Generalized Pooling Operator (:class:`GPO`), then l2-normalised; the
 score is their dot product and the loss VSE++'s hinge (``--warmup-epochs 1`` of summed violations, then hardest
 negatives). Image side: ``fc`` (Linear, Xavier) plus, for regions, a residual two-layer MLP
-(Linear → BatchNorm → ReLU → Linear) on every real region. Caption side: embedding (the vocabulary plus one
-``<mask>`` row, as the authors append it) → BiGRU, directions averaged. Training only: the authors' size
-augmentation drops each region with probability ``drop_regions`` and each caption token with probability
-``augment_words`` is masked (½), replaced by a random token (1/10) or deleted (4/10). Optimiser: AdamW.
+(Linear → BatchNorm → ReLU → Linear) on every real region. Caption side, ``bigru``: embedding (the vocabulary plus
+one ``<mask>`` row, as the authors append it) → BiGRU, directions averaged; ``bert``: WordPiece ids ``[CLS] … [SEP]``
+→ a pretrained BERT → Linear(768 → d), every token's vector pooled. Training only: the authors' size augmentation
+drops each region with probability ``drop_regions`` and each caption token (BiGRU) or word (BERT: all its pieces
+alike, ``[CLS]``/``[SEP]`` never) with probability ``augment_words`` is masked (½), replaced by a random token
+(1/10) or deleted (4/10). Optimiser: AdamW (BERT's parameters at ``bert_lr_factor`` × the learning rate).
 Decisions, paper vs authors' code: docs/models-vse-infinity.md.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -21,8 +25,11 @@ from retr.trainers.config import (Settings, embed_size_setting, freeze_word_vect
                                   size_setting, violation_setting, word_dim_setting, word_vectors_setting)
 from retr.trainers.models.base import Embeddings, InnerProductModel, check_one_pair
 from retr.trainers.models.layers import l2norm, lengths_mask, masked_batch_norm, masked_softmax, run_rnn
+from retr.store.word_vectors import RANDOM
+from retr.trainers.models.pretrained_bert import DEFAULT_BERT
 from retr.trainers.models.registry import ModelSpec, register_model
-from retr.trainers.models.text import GRUWordEncoder, install_word_vectors
+from retr.trainers.models.side_inputs import bert_vocabulary, load_bert_inputs
+from retr.trainers.models.text import BertWordEncoder, GRUWordEncoder, install_word_vectors
 
 #: the authors' softmax temperature of the pooling weights (hard-coded in their GPO)
 TEMPERATURE = 0.1
@@ -101,7 +108,11 @@ class GPOImageEncoder(nn.Module):
 
 
 class VSEInfinity(InnerProductModel):
-    """VSE∞ with a BiGRU caption encoder; settings: :class:`VSEInfinityConfig`.
+    """VSE∞ with a BiGRU or a BERT caption encoder (``config.text_encoder``); settings: :class:`VSEInfinityConfig`.
+
+    ``vocab_size``: the caption vocabulary's size (BiGRU: SCAN's vocabulary, the model adds ``<mask>``; BERT: the
+    WordPiece vocabulary, ``bert_config["vocab_size"]``); ``bert_config``: BERT's stored configuration
+    (:data:`~retr.trainers.models.pretrained_bert.CONFIG_KEYS`), required with BERT.
 
     ``explain`` gives GPO's pooling weights: ``image_pooling`` ``[k]`` over the k real regions' ranks (weight of
     each dimension's r-th largest value) and ``caption_pooling`` ``[n]`` over the n tokens' ranks; each sums to 1.
@@ -110,23 +121,56 @@ class VSEInfinity(InnerProductModel):
     explains = rank_maps = ("image_pooling", "caption_pooling")
 
     def __init__(self, vocab_size: int, img_dim: int = 2048, config: "VSEInfinityConfig | None" = None,
-                 word_vectors_file: str = ""):
+                 word_vectors_file: str = "", bert_config: dict | None = None):
         cfg = self.config = config if config is not None else VSEInfinityConfig()
         super().__init__(cfg.margin, cfg.max_violation)
         self.word_vectors_file = word_vectors_file     # the vectors the words started from
-        self.mask_token = vocab_size                       # the authors' <mask>, appended after the vocabulary
         self.img_enc = GPOImageEncoder(img_dim, cfg.embed_size, cfg.image_mlp, cfg.pe_dim, cfg.gpo_hidden)
-        self.txt_enc = GRUWordEncoder(vocab_size + 1, cfg.word_dim, cfg.embed_size, cfg.num_layers,
-                                      bidirectional=True, normalize=False)
+        self.uses_bert = cfg.text_encoder == "bert"
+        if self.uses_bert:
+            if bert_config is None:
+                raise ValueError("text_encoder bert needs bert_config, BERT's configuration "
+                                 "(retr.trainers.models.pretrained_bert.pretrained_bert(name).config)")
+            if int(bert_config["vocab_size"]) != vocab_size:
+                raise ValueError(f"bert_config has {bert_config['vocab_size']} embedding rows but the WordPiece "
+                                 f"vocabulary {vocab_size} tokens")
+            self.vocab_size = vocab_size
+            self.mask_token: int | None = None             # [MASK]: given with the word pieces (prepare_training)
+            self.txt_enc = BertWordEncoder(bert_config, cfg.embed_size)
+            #: [V] bool, True where a WordPiece token continues a word (``##…``): training's word augmentation
+            self.register_buffer("word_continues", None, persistent=False)
+        else:
+            self.mask_token = vocab_size                   # the authors' <mask>, appended after the vocabulary
+            self.txt_enc = GRUWordEncoder(vocab_size + 1, cfg.word_dim, cfg.embed_size, cfg.num_layers,
+                                          bidirectional=True, normalize=False)
         self.txt_pool = GPO(cfg.pe_dim, cfg.gpo_hidden)
 
     def prepare_training(self, inputs: dict) -> None:
-        """``--word-vectors``: the vocabulary's rows (``<mask>`` keeps its init)."""
-        install_word_vectors(self.txt_enc.embed, inputs, self.config.freeze_word_vectors)
+        """BiGRU: ``--word-vectors``' rows (``<mask>`` keeps its init). BERT: the pretrained weights
+        (``bert.<name>`` entries, when given), the vocabulary's ``word_continues`` ``[V]`` bool and ``mask_token``."""
+        if not self.uses_bert:
+            install_word_vectors(self.txt_enc.embed, inputs, self.config.freeze_word_vectors)
+            return
+        pretrained = {k[len("bert."):]: v for k, v in inputs.items() if k.startswith("bert.")}
+        if pretrained:
+            self.txt_enc.bert.load_state_dict(pretrained, strict=True)
+        self.word_continues = inputs["word_continues"].to(self.img_enc.fc.weight.device, torch.bool)
+        self.mask_token = int(inputs["mask_token"])
 
     def configure_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        """AdamW on every parameter (the authors' optimiser for precomputed features)."""
-        return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=self.config.weight_decay)
+        """AdamW (the authors' optimiser for precomputed features); with BERT, BERT's parameters in a group of their
+        own at ``bert_lr_factor`` × ``lr`` (their ``master`` branch). Weight decay: ``weight_decay``, else the
+        authors' for the text encoder (:data:`WEIGHT_DECAY`)."""
+        decay = self.config.weight_decay if self.config.weight_decay is not None \
+            else WEIGHT_DECAY[self.config.text_encoder]
+        if not self.uses_bert:
+            return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=decay)
+        bert = list(self.txt_enc.bert.parameters())
+        inside = {id(p) for p in bert}
+        text = [p for p in self.txt_enc.parameters() if id(p) not in inside] + list(self.txt_pool.parameters())
+        return torch.optim.AdamW([{"params": text, "lr": lr},
+                                  {"params": bert, "lr": lr * self.config.bert_lr_factor},
+                                  {"params": list(self.img_enc.parameters()), "lr": lr}], lr=lr, weight_decay=decay)
 
     def drop_regions(self, mask: torch.Tensor) -> torch.Tensor:
         """Size augmentation: each real region kept with probability 1 − ``drop_regions`` (a set never empties)."""
@@ -156,6 +200,32 @@ class VSEInfinity(InnerProductModel):
         tokens = torch.where(replacement >= 0, replacement, tokens)
         return tokens.gather(1, order) * kept, lengths
 
+    def augment_word_pieces(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The authors' ``process_caption`` on WordPiece ids: each word (its first piece and the ``##`` pieces after
+        it; ``[CLS]`` and ``[SEP]`` never) with probability p = ``augment_words``: every piece ``[MASK]`` (p/2), every
+        piece a random id in [0, V) (p/10), or all deleted (2p/5); survivors are moved to the front. Returns
+        ``(tokens [B, L], lengths [B])``, both on the tokens' device: the words are found from the tokens' values,
+        which are there, so nothing is drawn on the host and nothing read back."""
+        if self.word_continues is None or self.mask_token is None:
+            raise ValueError("the BERT word augmentation needs the vocabulary's word pieces: call prepare_training "
+                             "with word_continues and mask_token (the spec's load_inputs gives them)")
+        device, width = tokens.device, tokens.shape[1]
+        lengths = lengths.to(device, non_blocking=True)
+        position = torch.arange(width, device=device).view(1, -1)
+        valid = position < lengths.view(-1, 1)
+        inner = (position >= 1) & (position < lengths.view(-1, 1) - 1)               # between [CLS] and [SEP]
+        starts = inner & ~self.word_continues[tokens]
+        first = torch.where(starts, position, 0).cummax(dim=1).values                # each piece's word's first piece
+        u = (torch.rand(tokens.shape, device=device) / self.config.augment_words).gather(1, first)
+        hit = inner & (u < 1)                                                         # the word is hit
+        random = torch.randint(0, self.vocab_size, tokens.shape, device=device)
+        tokens = torch.where(hit & (u < 0.5), self.mask_token, tokens)
+        tokens = torch.where(hit & (u >= 0.5) & (u < 0.6), random, tokens)
+        keep = valid & ~(hit & (u >= 0.6))
+        order = (~keep).to(torch.uint8).sort(dim=1, stable=True).indices
+        lengths = keep.sum(1)
+        return tokens.gather(1, order) * lengths_mask(lengths, width), lengths
+
     def encode_images(self, features: torch.Tensor, mask: torch.Tensor) -> Embeddings:
         """``features`` [B, K, D_in], ``mask`` [B, K] → ``{"vector": [B, d]}`` (+ outside training
         ``"pooling"`` θ ``[B, K]`` and ``"size"`` ``[B]``, for :meth:`explain`)."""
@@ -167,7 +237,8 @@ class VSEInfinity(InnerProductModel):
     def encode_captions(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Embeddings:
         """``tokens`` [B, L], ``lengths`` [B] → ``{"vector": [B, d]}`` (+ ``"pooling"``, ``"size"`` as images)."""
         if self.training and self.config.augment_words > 0:
-            tokens, lengths = self.augment_words(tokens, lengths)
+            augment = self.augment_word_pieces if self.uses_bert else self.augment_words
+            tokens, lengths = augment(tokens, lengths)
         words = self.txt_enc(tokens, lengths)
         mask = lengths_mask(lengths, words.shape[1], words.device)
         pooled, theta, size = self.txt_pool(words, mask)
@@ -185,13 +256,27 @@ class VSEInfinity(InnerProductModel):
                 for side, e in (("image", images), ("caption", captions))}
 
 
+#: AdamW's weight decay for each caption encoder where ``--weight-decay`` is not given: the authors' ``bigru`` branch
+#: leaves torch's default (0.01), their ``master`` branch (BERT) sets 1e-4
+WEIGHT_DECAY = {"bigru": 0.01, "bert": 1e-4}
+
+
 @dataclass
 class VSEInfinityConfig(Settings):
-    """VSE∞'s settings (defaults: the authors' BiGRU + BUTD region run)."""
+    """VSE∞'s settings (defaults: the authors' BiGRU + BUTD region run; ``text_encoder="bert"``: their BERT run)."""
 
+    text_encoder: Literal["bigru", "bert"] = setting(
+        "bigru", "Caption encoder: bigru (the authors' bigru branch: word embeddings learned from scratch + a BiGRU) "
+        "or bert (their master branch: the pretrained --bert-model + a linear map, WordPiece captions; needs the "
+        "bert extra).")
+    bert_model: str = setting(DEFAULT_BERT, "With --text-encoder bert: the pretrained BERT to start from and "
+                              "tokenise with, a Hugging Face Hub name (read from the Hugging Face cache, downloaded "
+                              "there on first use) or a folder of its config.json, vocab.txt and weights.")
+    bert_lr_factor: float = setting(0.1, "With --text-encoder bert: BERT's learning rate as a multiple of --lr (the "
+                                    "authors': 0.1).", at_least=0)
     embed_size: int = embed_size_setting(1024)
     word_dim: int = word_dim_setting(300)
-    num_layers: int = size_setting(1, "GRU layers of the caption encoder.")
+    num_layers: int = size_setting(1, "GRU layers of the caption encoder (bigru).")
     word_vectors: str = word_vectors_setting()
     freeze_word_vectors: bool = freeze_word_vectors_setting()
     image_mlp: bool = setting(True, "Add the residual two-layer MLP to the image projection (the authors' region "
@@ -201,11 +286,19 @@ class VSEInfinityConfig(Settings):
     gpo_hidden: int = size_setting(32, "GPO: hidden size of its BiGRU.")
     drop_regions: float = setting(0.2, "Size augmentation: drop each region with this probability in training.",
                                   at_least=0, below=1)
-    augment_words: float = setting(0.2, "Size augmentation: mask/replace/delete each caption token with this "
-                                   "probability in training.", at_least=0, below=1)
-    weight_decay: float = setting(0.01, "AdamW weight decay (the authors' code: torch's default 0.01).")
+    augment_words: float = setting(0.2, "Size augmentation: mask/replace/delete each caption token (bigru) or word "
+                                   "(bert: all its WordPiece pieces) with this probability in training.",
+                                   at_least=0, below=1)
+    weight_decay: float | None = setting(None, "AdamW weight decay (default: the authors' for the caption encoder: "
+                                         "0.01, torch's default, with bigru; 1e-4 with bert).", at_least=0)
     margin: float = margin_setting(0.2)
     max_violation: bool = violation_setting(True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.text_encoder == "bert" and self.word_vectors != RANDOM:
+            raise ValueError(f"word_vectors {self.word_vectors} starts the word embeddings of text_encoder bigru; "
+                             "text_encoder bert starts from the pretrained bert_model")
 
 
 #: the authors' region schedule (train_region.sh, supplement §1.1): 25 epochs, lr 5e-4 ×0.1 after 15, one warm-up
@@ -215,8 +308,10 @@ VSE_INFINITY_PRESET = {"epochs": 25, "lr": 5e-4, "lr_update": 15, "batch_size": 
 
 register_model(ModelSpec(
     name="vse-infinity", model_class=VSEInfinity, config_class=VSEInfinityConfig,
-    summary="Train VSE∞ (GPO pooling on both sides, BiGRU captions) on region or grid features.",
+    summary="Train VSE∞ (GPO pooling on both sides; BiGRU or BERT captions) on region or grid features.",
     examples=("retr-train vse-infinity --features data/coco/features/butd-regions.h5 "
-              "--manifest data/coco/manifest.jsonl --preset coco --out runs/vse-infinity-coco",),
+              "--manifest data/coco/manifest.jsonl --preset coco --out runs/vse-infinity-coco",
+              "retr-train vse-infinity --text-encoder bert --features data/f30k/features/butd-regions.h5 "
+              "--manifest data/f30k/manifest.jsonl --preset f30k --out runs/vse-infinity-bert-f30k"),
     presets={"f30k": VSE_INFINITY_PRESET, "coco": VSE_INFINITY_PRESET}, default_preset="f30k",
-    feature_kinds=("regions", "grid")))
+    load_inputs=load_bert_inputs, caption_vocabulary=bert_vocabulary, feature_kinds=("regions", "grid")))

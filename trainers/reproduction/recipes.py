@@ -500,6 +500,24 @@ for _name, _member, _protocol, _i2t, _t2i, _rsum, _where in (
                 Published(_i2t, _t2i, f"{VSE_INFINITY_PAPER}, {_where}, 'Our: VSE∞ Region' (BUTD + BiGRU)",
                           printed_rsum=_rsum), _VSE_INF_NOTE))
 
+#: the authors' master branch (BERT text): the region rows of its README, which prints R@1 and R@5 only (R@10 and
+#: rSum are not printed there)
+VSE_INFINITY_README = "woodfrog/vse_infty README (master branch)"
+_VSE_INF_BERT_NOTE = ("BUTD regions + BERT-base, the authors' master branch (train_region.sh: 25 epochs, lr 5e-4 ×0.1 "
+                      "after 15, BERT at 0.1 × lr, one warm-up epoch on summed violations; AdamW, weight decay 1e-4, "
+                      "size augmentation on words; docs/models-vse-infinity.md). Needs the bert extra and "
+                      "bert-base-uncased in the Hugging Face cache (downloaded on first use). The README prints R@1 "
+                      "and R@5; R@10 is not printed.")
+for _name, _member, _protocol, _i2t, _t2i, _where in (
+        ("f30k", "f30k", "f30k-1k", (81.7, 95.4, None), (61.4, 85.9, None), "Results on Flickr30K Test Split"),
+        ("coco1k", "coco", "coco-1k", (79.7, 96.4, None), (64.8, 91.4, None),
+         "Results of 5-fold evaluation on COCO 1K Test Split")):
+    _add(Recipe(f"vse-infinity-bert-{_name}", f"VSE∞ (BUTD regions, BERT-base) on "
+                f"{'Flickr30K 1K' if _name == 'f30k' else 'COCO 5-fold 1K'}", BUTD,
+                (Member(f"vse-infinity-bert-{_member}", "vse-infinity", _member, {"text_encoder": "bert"}),),
+                _protocol, Published(_i2t, _t2i, f"{VSE_INFINITY_README}, '{_where}', 'VSEInfty | BUTD region | "
+                                                  "BERT-base'"), _VSE_INF_BERT_NOTE))
+
 
 # ------------------------------------------------------------------------------------------------- CLIP
 CLIP_PAPER = "CLIP (Radford et al., ICML 2021, arXiv:2103.00020)"
@@ -539,6 +557,14 @@ NOT_EXPRESSED: tuple[NotExpressed, ...] = (
     NotExpressed(f"{VSE_INFINITY_PAPER}, Table 2 and supplement Table 5, 'Our: VSE∞ Grid' and 'Region+Grid' "
                  "(BUTD + BiGRU)", "the grid model fine-tunes the BUTD CNN end to end on 512×512 images, which cached "
                  "features cannot reach; so neither the grid rows nor the region + grid ensembles have a recipe"),
+    NotExpressed(f"{VSE_INFINITY_README}, COCO 5-fold 1K and Flickr30K, 'VSEInfty | BUTD grid | BERT-base' and "
+                 "'VSEInfty | WSL grid | BERT-base'",
+                 "the grid models fine-tune their CNN backbone (the BUTD ResNet-101, or the WSL ResNeXt-101) end to "
+                 "end on raw images, which cached features cannot reach (import-vse-infinity-checkpoint refuses "
+                 "their checkpoints for the same reason)"),
+    NotExpressed(f"{VSE_INFINITY_README}, 'VSE++ | BUTD region | BERT-base'",
+                 "the authors' VSE++ is their VSE∞ code with average pooling, not Faghri et al.'s model that "
+                 "retr's vsepp is"),
     NotExpressed(f"{VSE_INFINITY_PAPER}, Table 2, 'Our: VSE++ Region' (BUTD + BiGRU)",
                  "the authors' VSE++ is their VSE∞ code with average pooling, not Faghri et al.'s model that "
                  "retr's vsepp is"),

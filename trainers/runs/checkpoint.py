@@ -23,7 +23,7 @@ except ImportError:                                      # numpy < 2
 
 from retr.common.atomic import PARTIAL_SUFFIX, atomic_file, atomic_text
 from retr.common.errors import UserError
-from retr.store.vocab import Vocabulary
+from retr.store.vocabularies import load_vocabulary, vocabulary_from_json
 from retr.store.word_vectors import GLOVE_SETS
 from retr.trainers.config import TrainConfig, settings_from_stored, upgrade_stored
 from retr.trainers.models import get_spec
@@ -238,9 +238,9 @@ def load_run_model(run: str | os.PathLike, which: str = "best", device: torch.de
     model = build_model(settings_from_stored(get_spec(config["model"]), config))
     path = resolve_checkpoint(run, which)
     if path.suffix == ".safetensors":
-        return _load_weights_file(model, path, config, run / VOCAB, device), Vocabulary.load(run / VOCAB), config
+        return _load_weights_file(model, path, config, run / VOCAB, device), load_vocabulary(run / VOCAB), config
     state = load_checkpoint(path, trust=trust)
-    vocab = Vocabulary.from_json(state["vocab"], str(path)) if "vocab" in state else Vocabulary.load(run / VOCAB)
+    vocab = vocabulary_from_json(state["vocab"], str(path)) if "vocab" in state else load_vocabulary(run / VOCAB)
     model.load_state_dict(state["model"])
     return model.to(device).eval(), vocab, config
 

@@ -8,12 +8,15 @@ import argparse
 from pathlib import Path
 
 
-from retr.common.errors import UserError
+from retr.common.errors import MissingResourceError, UserError
+from retr.common.optional import require
 from retr.common.version import __version__
 from retr.store.vocab import Vocabulary
 from retr.trainers.config import settings_from_stored
 from retr.trainers.models import get_spec
+from retr.trainers.models.pretrained_bert import DEFAULT_BERT, hub_offline, pretrained_bert
 from retr.trainers.runs import checkpoint as ckpt
+from retr.trainers.runs.hub import HUB_PREFIX, hub_cache
 from retr.trainers.runs.layout import BEST, CONFIG, VOCAB
 
 AGG_NAMES = {"LogSumExp": "lse", "Mean": "avg", "Max": "max", "Sum": "sum"}
@@ -79,18 +82,24 @@ def _load_official(checkpoint: Path, out: Path, trust_checkpoint: bool, kind: st
     return state
 
 
-def _write_run(checkpoint: Path, vocab_path: str | Path, out: Path, state: dict, model_name: str, args: dict,
-               extra_rows: int = 0, rename=None) -> Path:
-    """Load the official encoders' states into retr's model and write the run directory. ``extra_rows``: word
-    embedding rows beyond the vocabulary (VSE∞'s ``<mask>``); ``rename``: official parameter name → retr's (None:
-    not loaded)."""
+def _word_vocabulary(vocab_path: str | Path, state: dict, extra_rows: int = 0) -> Vocabulary:
+    """The BiGRU checkpoint's word vocabulary ``vocab_path``, checked against its embedding's rows (``extra_rows``
+    beyond the vocabulary: VSE∞'s ``<mask>``)."""
     vocab = Vocabulary.load(vocab_path)
-    img_state, txt_state = state["model"]
+    txt_state = state["model"][1]
     vocab_rows = txt_state["embed.weight"].shape[0] if "embed.weight" in txt_state else None
     if vocab_rows != len(vocab) + extra_rows:
         raise UserError(f"{vocab_path} has {len(vocab)} words but the checkpoint's embedding has {vocab_rows} rows"
                         + (f" ({extra_rows} beyond the vocabulary expected)" if extra_rows else "")
                         + "; use the vocabulary the model was trained with")
+    return vocab
+
+
+def _write_run(checkpoint: Path, vocab, out: Path, state: dict, model_name: str, args: dict, rename=None) -> Path:
+    """Load the official encoders' states into retr's model and write the run directory. ``vocab``: the run's
+    caption vocabulary (checked against the checkpoint by the caller); ``rename``: official parameter name → retr's
+    (None: not loaded)."""
+    img_state, txt_state = state["model"]
     args["vocab_size"] = len(vocab)
     stored = {"model": model_name, "model_args": args, "features": None, "manifest": None}
     model = ckpt.build_model(settings_from_stored(get_spec(model_name), stored))
@@ -121,7 +130,8 @@ def import_scan_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out: 
     official ``opt``); anything else needs ``trust_checkpoint``."""
     checkpoint, out = Path(checkpoint), Path(out)
     state = _load_official(checkpoint, out, trust_checkpoint, "SCAN")
-    return _write_run(checkpoint, vocab_path, out, state, "scan", scan_args_from_opt(state["opt"]))
+    args = scan_args_from_opt(state["opt"])
+    return _write_run(checkpoint, _word_vocabulary(vocab_path, state), out, state, "scan", args)
 
 
 #: fartashf/vsepp ``opt`` fields that decide the scores (the rest: :data:`IRRELEVANT`)
@@ -157,12 +167,14 @@ def import_vsepp_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out:
     """Write a run directory ``out`` from an official VSE++ (fartashf/vsepp) precomputed-feature checkpoint."""
     checkpoint, out = Path(checkpoint), Path(out)
     state = _load_official(checkpoint, out, trust_checkpoint, "VSE++")
-    return _write_run(checkpoint, vocab_path, out, state, "vsepp", vsepp_args_from_opt(state["opt"]))
+    args = vsepp_args_from_opt(state["opt"])
+    return _write_run(checkpoint, _word_vocabulary(vocab_path, state), out, state, "vsepp", args)
 
 
 
 
-#: woodfrog/vse_infty ``opt`` fields (``bigru`` branch) that decide the scores of a precomputed-region model
+#: woodfrog/vse_infty ``opt`` fields that decide the scores of a precomputed-region model (``bigru`` branch; the
+#: ``master`` branch has the same but ``num_layers`` and ``drop``, and its ``vocab_size`` is BERT's)
 VSE_INFINITY_HONOURED = ("img_dim", "embed_size", "word_dim", "num_layers", "no_imgnorm", "no_txtnorm",
                          "precomp_enc_type", "margin", "max_violation", "vocab_size")
 #: its fields that do not change a trained model's scores: paths, logging, the schedule and the backbone's
@@ -175,11 +187,18 @@ VSE_INFINITY_IRRELEVANT = ("data_path", "data_name", "vocab_path", "num_epochs",
 #: the authors' parameter names → retr's; their MLP's second batch norm is never applied (no retr counterpart)
 VSE_INFINITY_RENAMES = (("img_enc.mlp.layers.0.", "img_enc.mlp.0."), ("img_enc.mlp.bns.0.", "img_enc.mlp.1."),
                         ("img_enc.mlp.layers.1.", "img_enc.mlp.3."), ("txt_enc.gpool.", "txt_pool."))
+#: parameters and buffers of theirs retr's model has no counterpart for: their MLP's second batch norm (built, never
+#: applied), BERT's pooler (their ``EncoderText`` reads the token states only) and the ``position_ids`` buffer some
+#: transformers versions save (``0 … P−1``, which retr's BERT makes itself)
+VSE_INFINITY_UNUSED = ("img_enc.mlp.bns.1.", "txt_enc.bert.pooler.", "txt_enc.bert.embeddings.position_ids")
+#: the file of a released model's folder (their eval.py: ``<folder>/model_best.pth``)
+MODEL_BEST = "model_best.pth"
 
 
 def vse_infinity_name(name: str) -> str | None:
-    """retr's name of the authors' VSE∞ parameter ``name`` (None: a parameter their forward never uses)."""
-    if name.startswith("img_enc.mlp.bns.1."):
+    """retr's name of the authors' VSE∞ parameter ``name`` (None: one retr has no counterpart for,
+    :data:`VSE_INFINITY_UNUSED`)."""
+    if name.startswith(VSE_INFINITY_UNUSED):
         return None
     for old, new in VSE_INFINITY_RENAMES:
         if name.startswith(old):
@@ -187,38 +206,142 @@ def vse_infinity_name(name: str) -> str | None:
     return name
 
 
-def vse_infinity_args_from_opt(opt, text_state: dict) -> dict:
-    """VSE∞ settings from woodfrog/vse_infty's ``opt`` (BiGRU text, precomputed regions): every field honoured or
-    irrelevant, else refused by name; the BERT text encoder (their ``master`` branch), the fine-tuned backbone
-    (``precomp_enc_type=backbone``) and turned-off normalisation cannot be expressed and are refused."""
+def is_bert_checkpoint(text_state: dict) -> bool:
+    """Whether the text encoder's state is the ``master`` branch's ``EncoderText`` (BERT + linear + GPO)."""
+    return any(k.startswith("bert.") for k in text_state)
+
+
+def vse_infinity_args_from_opt(opt, text_state: dict, image_state: dict | None = None) -> dict:
+    """VSE∞ settings from woodfrog/vse_infty's ``opt`` (precomputed regions; BiGRU or BERT text, from the text
+    encoder's state): every field honoured or irrelevant, else refused by name; the fine-tuned backbone (their grid
+    rows, ``precomp_enc_type=backbone``) and turned-off normalisation cannot be expressed and are refused."""
     fields = dict(vars(opt)) if not isinstance(opt, dict) else dict(opt)
-    if any(k.startswith("bert.") for k in text_state) or "bert" in str(fields.get("text_encoder", "")):
-        raise UserError("a VSE∞ checkpoint with the BERT text encoder (the authors' master branch): retr's VSE∞ has "
-                        "their BiGRU text encoder (the bigru branch) and cannot express it")
     unknown = sorted(set(fields) - set(VSE_INFINITY_HONOURED) - set(VSE_INFINITY_IRRELEVANT))
     if unknown:
         raise UserError(f"the checkpoint's options have field(s) retr does not know: "
                         f"{', '.join(f'{k}={fields[k]!r}' for k in unknown)}; cannot tell whether they change the scores")
     enc = fields.get("precomp_enc_type", "basic")
+    backbone = any(k.startswith("backbone.") for k in image_state or {})
+    if enc == "backbone" or backbone:
+        raise UserError(f"{'precomp_enc_type=' + repr(enc) if enc != 'basic' else 'a CNN backbone in its image encoder'}"
+                        ": a VSE∞ model over a CNN backbone it fine-tunes end to end on raw images (the authors' "
+                        "BUTD grid and WSL grid models); retr trains and evaluates from cached features")
     if enc != "basic":
-        raise UserError(f"precomp_enc_type={enc!r}: a VSE∞ model over "
-                        + ("a CNN backbone it fine-tunes (raw images); retr trains from cached features"
-                           if enc == "backbone" else "an image encoder retr does not know"))
+        raise UserError(f"precomp_enc_type={enc!r}: a VSE∞ model over an image encoder retr does not know")
     for flag in ("no_imgnorm", "no_txtnorm"):
         if fields.get(flag):
             raise UserError(f"{flag}=True: retr's VSE∞ always normalises its embeddings (as the authors' runs did)")
-    return {"img_dim": int(fields.get("img_dim", 2048)), "embed_size": int(fields.get("embed_size", 1024)),
-            "word_dim": int(fields.get("word_dim", 300)), "num_layers": int(fields.get("num_layers", 1)),
+    args = {"img_dim": int(fields.get("img_dim", 2048)), "embed_size": int(fields.get("embed_size", 1024)),
             "image_mlp": True, "margin": float(fields.get("margin", 0.2)),
             "max_violation": bool(fields.get("max_violation", False))}
+    if is_bert_checkpoint(text_state):
+        return {**args, "text_encoder": "bert"}
+    return {**args, "word_dim": int(fields.get("word_dim", 300)), "num_layers": int(fields.get("num_layers", 1))}
 
 
-def import_vse_infinity_checkpoint(checkpoint: str | Path, vocab_path: str | Path, out: str | Path,
-                                   trust_checkpoint: bool = False) -> Path:
-    """Write a run directory ``out`` from the authors' VSE∞ checkpoint (woodfrog/vse_infty, ``bigru`` branch:
-    ``{'model': [img_enc, txt_enc], 'opt', …}``) and its vocabulary (their embedding has one row more: ``<mask>``)."""
-    checkpoint, out = Path(checkpoint), Path(out)
+#: BertConfig fields and the checkpoint tensor whose shape gives each (``[rows, columns]``: which of the two)
+BERT_SHAPES = (("vocab_size", "bert.embeddings.word_embeddings.weight", 0),
+               ("hidden_size", "bert.embeddings.word_embeddings.weight", 1),
+               ("max_position_embeddings", "bert.embeddings.position_embeddings.weight", 0),
+               ("type_vocab_size", "bert.embeddings.token_type_embeddings.weight", 0),
+               ("intermediate_size", "bert.encoder.layer.0.intermediate.dense.weight", 0))
+
+
+def bert_sizes(text_state: dict) -> dict:
+    """BERT's sizes as the ``master`` checkpoint's text state holds them (:data:`BERT_SHAPES`, and its layers)."""
+    sizes = {}
+    for name, key, axis in BERT_SHAPES:
+        if key not in text_state:
+            raise UserError(f"the checkpoint's BERT has no {key}: not the authors' EncoderText")
+        sizes[name] = int(text_state[key].shape[axis])
+    sizes["num_hidden_layers"] = len({k.split(".")[3] for k in text_state if k.startswith("bert.encoder.layer.")})
+    return sizes
+
+
+def check_bert_matches(text_state: dict, bert_model: str, config: dict, opt_vocab_size) -> None:
+    """The checkpoint's BERT has ``bert_model``'s sizes (the configuration the run stores, whose attention heads,
+    activation and norms the weights do not show), and ``opt.vocab_size`` (their ``train.py``: the tokenizer's)
+    is its vocabulary's; one line naming the first size that differs."""
+    found = bert_sizes(text_state)
+    for name, value in found.items():
+        if int(config[name]) != value:
+            raise UserError(f"the checkpoint's BERT has {name} {value} but --bert-model {bert_model} has "
+                            f"{config[name]}: give --bert-model the BERT the model was trained from "
+                            "(the authors': bert-base-uncased)")
+    if opt_vocab_size is not None and int(opt_vocab_size) != found["vocab_size"]:
+        raise UserError(f"the checkpoint's options say vocab_size={opt_vocab_size} but its BERT has "
+                        f"{found['vocab_size']} token embeddings")
+
+
+def official_checkpoint_file(source: str | Path) -> Path:
+    """The checkpoint file ``source`` names: the file itself, a released model's folder holding
+    :data:`MODEL_BEST` (as ``hf download`` leaves it), or ``hf-hub:ORG/NAME/FOLDER``: that file of the Hub
+    repository's folder (``hf-hub:cccjc/vse-infty/f30k_butd_region_bert``), from the Hugging Face cache,
+    downloaded there first unless offline."""
+    text = str(source)
+    if not text.startswith(HUB_PREFIX):
+        path = Path(source)
+        if path.is_dir():
+            if not (path / MODEL_BEST).is_file():
+                raise UserError(f"checkpoint folder {path} holds no {MODEL_BEST} (a released model's folder, as "
+                                "`hf download` leaves it)")
+            return path / MODEL_BEST
+        if not path.is_file():
+            raise UserError(f"checkpoint {path} does not exist")
+        return path
+    repo, _, revision = text[len(HUB_PREFIX):].partition("@")
+    parts = repo.split("/")
+    if len(parts) < 3 or not all(parts):
+        raise UserError(f"{text!r} names no folder of a Hub repository: write hf-hub:ORG/NAME/FOLDER "
+                        "(e.g. hf-hub:cccjc/vse-infty/f30k_butd_region_bert)")
+    repo_id, folder = "/".join(parts[:2]), "/".join(parts[2:])
+    what = "released checkpoints on the Hugging Face Hub (hf-hub:…)"
+    hub = require("huggingface_hub", "hub", what)
+    errors = require("huggingface_hub.errors", "hub", what)
+    try:
+        return Path(hub.hf_hub_download(repo_id, MODEL_BEST, subfolder=folder, revision=revision or None,
+                                        cache_dir=hub_cache(), local_files_only=hub_offline()))
+    except errors.LocalEntryNotFoundError:
+        raise MissingResourceError(f"checkpoint {repo_id}/{folder}/{MODEL_BEST}", hub_cache(),
+                                   f"run the command on a connected machine (retr downloads it into the Hugging "
+                                   f"Face cache), or `hf download {repo_id} {folder}/{MODEL_BEST}`") from None
+    except errors.EntryNotFoundError:
+        raise UserError(f"{text}: the repository has no {folder}/{MODEL_BEST}") from None
+    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.GatedRepoError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"{text}: no such repository on the Hub, or not readable with your token ({reason})") from None
+    except (errors.HfHubHTTPError, OSError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"{text} could not be fetched ({reason})") from None
+
+
+def import_vse_infinity_checkpoint(checkpoint: str | Path, vocab_path: str | Path | None, out: str | Path,
+                                   trust_checkpoint: bool = False, bert_model: str = DEFAULT_BERT) -> Path:
+    """Write a run directory ``out`` from the authors' VSE∞ checkpoint (woodfrog/vse_infty:
+    ``{'model': [img_enc, txt_enc], 'opt', …}``), a file, a released model's folder or ``hf-hub:ORG/NAME/FOLDER``
+    (:func:`official_checkpoint_file`).
+
+    ``bigru`` branch (BiGRU text): ``vocab_path`` is its word vocabulary (their embedding has one row more:
+    ``<mask>``). ``master`` branch (BERT text): no ``vocab_path``; BERT's configuration and WordPiece vocabulary are
+    ``bert_model``'s (the authors': ``bert-base-uncased``, from the Hugging Face cache; its weights are not read,
+    the checkpoint holds BERT's trained ones), and the checkpoint's BERT must have its sizes."""
+    out = Path(out)
+    checkpoint = official_checkpoint_file(checkpoint)
     state = _load_official(checkpoint, out, trust_checkpoint, "VSE∞")
-    args = vse_infinity_args_from_opt(state["opt"], state["model"][1])
-    return _write_run(checkpoint, vocab_path, out, state, "vse-infinity", args, extra_rows=1,
-                      rename=vse_infinity_name)
+    img_state, txt_state = state["model"]
+    args = vse_infinity_args_from_opt(state["opt"], txt_state, img_state)
+    if args.get("text_encoder") == "bert":
+        if vocab_path:
+            raise UserError(f"--vocab {vocab_path}: {checkpoint} is a BERT model (the authors' master branch), which "
+                            f"tokenises captions with --bert-model {bert_model}'s WordPiece vocabulary (a vocabulary "
+                            "file is for a BiGRU model); leave --vocab out")
+        bert = pretrained_bert(bert_model)
+        fields = dict(vars(state["opt"])) if not isinstance(state["opt"], dict) else dict(state["opt"])
+        check_bert_matches(txt_state, bert_model, bert.config, fields.get("vocab_size"))
+        args.update(bert_model=bert_model, bert_config=dict(bert.config))
+        return _write_run(checkpoint, bert.vocabulary, out, state, "vse-infinity", args, rename=vse_infinity_name)
+    if not vocab_path:
+        raise UserError(f"{checkpoint} is a BiGRU model (the authors' bigru branch): give --vocab, the "
+                        "{name}_vocab.json it was trained with")
+    vocab = _word_vocabulary(vocab_path, state, extra_rows=1)
+    return _write_run(checkpoint, vocab, out, state, "vse-infinity", args, rename=vse_infinity_name)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from retr.common.errors import UserError
 from retr.store.features import FeatureSet
-from retr.store.vocab import Vocabulary
+from retr.store.vocabularies import CaptionVocabulary
 from retr.trainers.config import TrainConfig, settings_from_stored
 from retr.trainers.data.pairing import check_manifest_pairing
 from retr.trainers.data.splits import SplitData, check_feature_contract, load_split
@@ -23,7 +23,7 @@ class RunSplit:
     the split's data, with the paths actually read."""
 
     model: object
-    vocab: Vocabulary
+    vocab: CaptionVocabulary
     config: dict
     settings: TrainConfig
     features: FeatureSet

@@ -58,7 +58,8 @@ from retr.common.devices import resolve_device
 from retr.common.errors import UserError
 from retr.common.paths import write_problem
 from retr.common.hashing import sha256_file
-from retr.store.vocab import Vocabulary, tokenize
+from retr.store.vocab import tokenize
+from retr.store.vocabularies import CaptionVocabulary
 from retr.trainers.runs import checkpoint as ckpt
 from retr.trainers.data.splits import ImageFeatures, SplitData, pad_tokens
 from retr.trainers.runs.hub import in_hub_cache, local_run
@@ -161,7 +162,7 @@ def search_caches(run: Path, checkpoint_sha256: str) -> Path:
 class Retriever:
     """A trained model over one split's gallery; see the module docstring."""
 
-    def __init__(self, model, vocab: Vocabulary, data: SplitData, gallery: dict, device: torch.device,
+    def __init__(self, model, vocab: CaptionVocabulary, data: SplitData, gallery: dict, device: torch.device,
                  use_faiss: bool | None = None, vector_index: str = "exact", shortlist: int | None = None):
         self.model, self.vocab, self.data, self.device = model, vocab, data, device
         self.gallery, self.use_faiss, self.vector_index = gallery, use_faiss, vector_index
@@ -349,7 +350,7 @@ class Retriever:
     # -- queries -----------------------------------------------------------------------------------------
     def encode_texts(self, texts: Sequence[str]) -> tuple[Embeddings, list[list[str]]]:
         """Caption embeddings ``[Q, …]`` of ``texts`` and, per text, its words outside the vocabulary."""
-        unknown = [[w for w in tokenize(t) if w not in self.vocab] for t in texts]
+        unknown = [self.vocab.unknown_words(t) for t in texts]
         tokens, lengths = pad_tokens([self.vocab.encode(t) for t in texts])
         with torch.no_grad():
             return self.model.encode_captions(tokens.to(self.device), lengths), unknown

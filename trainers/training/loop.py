@@ -69,7 +69,7 @@ from retr.trainers.models.base import MatchingModel
 from retr.trainers.models.optim import apply_implementation
 from retr.trainers.models.side_inputs import add_word_vectors
 from retr.trainers.evaluation.similarity import similarity_matrix
-from retr.store.vocab import Vocabulary
+from retr.store.vocabularies import CaptionVocabulary, load_vocabulary, vocabulary_from_json
 from retr.trainers.runs.layout import BEST, CONFIG, EMA, LOCK, METRICS, VOCAB
 from retr.trainers.evaluation.two_step import two_step_split
 
@@ -152,7 +152,7 @@ class Run:
     folder: Path
     device: torch.device
     info: DistInfo
-    vocab: Vocabulary
+    vocab: CaptionVocabulary
     train_data: SplitData
     val_data: SplitData
     val_feats: ImageFeatures
@@ -238,7 +238,7 @@ class RunData:
 
     features: FeatureSet
     identity: dict
-    vocab: Vocabulary
+    vocab: CaptionVocabulary
     train: SplitData
     val: SplitData
     train_feats: ImageFeatures
@@ -248,8 +248,8 @@ class RunData:
 
 def build_data(cfg: TrainConfig, folder: Path, resume: bool, state: dict | None, device: torch.device,
                info: DistInfo, quiet: bool = False) -> RunData:
-    """The feature set (checked; a resumed run's on the data it started with), the vocabulary (the checkpoint's,
-    ``--vocab``, or built), the training and validation splits from one pass over the manifest's captions, and
+    """The feature set (checked; a resumed run's on the data it started with), the vocabulary (the checkpoint's, the
+    one the model's settings fix — BERT's WordPiece —, ``--vocab``, or built), the training and validation splits from one pass over the manifest's captions, and
     where their features are held (``--preload``)."""
     if not Path(cfg.manifest).is_file():
         raise UserError(f"manifest {cfg.manifest} {'is a folder' if Path(cfg.manifest).is_dir() else 'does not exist'}"
@@ -262,15 +262,20 @@ def build_data(cfg: TrainConfig, folder: Path, resume: bool, state: dict | None,
         if state is not None:
             check_feature_contract(features, cfg.sizes.get("img_dim"))
     # the manifest read and every caption tokenised once: the vocabulary and both splits come from that pass
+    spec = get_spec(cfg.model)
+    fixed = (spec.caption_vocabulary(cfg.model_config, cfg.vocab) if state is None and spec.caption_vocabulary
+             else None)                                  # a vocabulary the model's settings fix (BERT's)
     vocab_splits = list(cfg.vocab_splits or cfg.train_splits)
-    builds_vocab = state is None and not cfg.vocab
+    builds_vocab = state is None and not cfg.vocab and fixed is None
     quiet = quiet or not info.is_main
     captions = ManifestCaptions.read(cfg.manifest, [*cfg.train_splits, cfg.val_split,
                                                     *(vocab_splits if builds_vocab else [])], quiet=quiet)
     if state is not None:
-        vocab = Vocabulary.from_json(state["vocab"])
+        vocab = vocabulary_from_json(state["vocab"])
+    elif fixed is not None:
+        vocab = fixed
     elif cfg.vocab:
-        vocab = Vocabulary.load(cfg.vocab)
+        vocab = load_vocabulary(cfg.vocab)
     else:
         vocab = captions.vocabulary(vocab_splits, cfg.vocab_threshold)
     train, absent = captions.split(list(cfg.train_splits), vocab, features, missing="skip")
@@ -301,7 +306,7 @@ def build_model(cfg: TrainConfig, data: RunData, device: torch.device, info: Dis
     follow from the data (``cfg.sizes``, recorded in ``config.json``): the side files its spec reads (and the
     settings they fix), ``--word-vectors``, the seed, ``prepare_training`` and ``--compile``."""
     spec = get_spec(cfg.model)
-    inputs = (spec.load_inputs(data.train, dict(cfg.inputs), cfg.model_config, len(data.vocab)) if spec.load_inputs
+    inputs = (spec.load_inputs(data.train, dict(cfg.inputs), cfg.model_config, data.vocab) if spec.load_inputs
               else ModelInputs())
     inputs = add_word_vectors(inputs, cfg.model_config, data.vocab, cfg.sizes.get("word_vectors_file", ""))
     if info.is_main:
@@ -309,7 +314,12 @@ def build_model(cfg: TrainConfig, data: RunData, device: torch.device, info: Dis
             logger.warning(f"note: {note}")
     if inputs.settings:                                   # e.g. fixed concept vectors fix their size
         cfg.model_config = dataclasses.replace(cfg.model_config, **inputs.settings)
-    cfg.sizes = {"vocab_size": len(data.vocab), "img_dim": int(data.features.feature_shape[1]), **inputs.sizes}
+    sizes = {"vocab_size": len(data.vocab), "img_dim": int(data.features.feature_shape[1]), **inputs.sizes}
+    changed = sorted(k for k in set(sizes) & set(cfg.sizes) if sizes[k] != cfg.sizes[k])
+    if changed:                                           # a resumed run: its data must give the model it built
+        raise UserError(f"this run's model was built with {changed[0]} {cfg.sizes[changed[0]]!r}; its data and "
+                        f"settings now give {sizes[changed[0]]!r}")
+    cfg.sizes = sizes
     seed_everything(cfg.seed)
     model = spec.model_class(config=cfg.model_config, **cfg.sizes).to(device)
     model.prepare_training(inputs.tensors)

@@ -122,10 +122,12 @@ def check_training(cfg: TrainConfig, resume: bool = False, features: FeatureSet 
         check_input(vectors, "--word-vectors", "file", f"a GloVe-format .txt or .zip file, or {' / '.join(GLOVE_SETS)}")
     notes = check_feature_kind(spec, features, cfg.model_config)
     notes += check_manifest_pairing(features, cfg.manifest)
+    fixed = (spec.caption_vocabulary(cfg.model_config, cfg.vocab) if not resume and spec.caption_vocabulary
+             else None)                          # a vocabulary the model's settings fix (BERT's WordPiece)
     if not resume and cfg.vocab:
         check_input(cfg.vocab, "--vocab", "file", "a vocabulary JSON file")
         Vocabulary.load(cfg.vocab)
-    if not resume and not cfg.vocab:
+    if not resume and not cfg.vocab and fixed is None:
         splits = list(cfg.vocab_splits or cfg.train_splits)
         if not any(r.captions for r in read_manifest(cfg.manifest, splits=splits)):
             raise UserError(f"{cfg.manifest} has no captions in {', '.join(splits)} to build the vocabulary from "
