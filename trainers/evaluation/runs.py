@@ -106,7 +106,8 @@ def _evaluate_runs(runs, protocol, split, features, manifest, dev, precision, wh
             raise UserError(f"the evaluated {split} split is not the manifest's any more ({ids.source})")
         # refined: the extended positives' places are float64's too, not only the pairs COCO's ranks depend on
         positives = coco_extended.positive_pairs(ids, annotations)
-    sims = combined_matrix(scorers, precision, data.caption_image, quiet=quiet, stats=stats, positives=positives)
+    sims = combined_matrix(scorers, precision, data.caption_image, quiet=quiet, stats=stats, positives=positives,
+                           release=True)   # the embeddings go before the float64 matrix is made
     result = protocol_metrics(sims, data, protocol, allow_size_mismatch, ties)
     if coco is not None:
         add_extended(result, sims, annotations, ids, ties)
@@ -130,7 +131,7 @@ def write_sims(path: str, sims: np.ndarray, result: dict, manifest: str, split: 
     if (len(ids["image_ids"]), len(ids["caption_keys"])) != sims.shape:
         raise UserError(f"--save-sims: the manifest's {split} split no longer matches the evaluated matrix")
     path = path if str(path).endswith(".npy") else f"{path}.npy"       # np.save's own rule
-    np.save(path, sims.astype(np.float64))
+    np.save(path, np.asarray(sims, dtype=np.float64))     # no copy of a float64 matrix
     ckpt.write_json(f"{path}.ids.json", ids)
 
 

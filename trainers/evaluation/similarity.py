@@ -226,6 +226,10 @@ class Scorer:
         #: the number of pairs of each call the last :meth:`pairs` made (what its memory budget allowed)
         self.pair_chunks: list[int] = []
 
+    def release(self) -> None:
+        """Let the embeddings (and a float64 model copy) go: nothing of this scorer is used after it."""
+        self.embeddings, self._wide_model = None, None
+
     def _model_for(self, dtype: torch.dtype):
         params = [p for p in self.model.parameters() if p.is_floating_point()]
         if (dtype != torch.float64 or not self.model.score_uses_parameters
@@ -261,15 +265,15 @@ class Scorer:
         return image_block or gpu_image_block(pair_budget, widest), pair_budget
 
     def matrix(self, dtype: torch.dtype, image_block: int | None = None, pair_budget: int | None = None,
-               quiet: bool = True) -> np.ndarray:
-        """Every pair's score ``[N_img, M]`` float64, with embeddings and scoring in ``dtype`` (block sizes:
-        :meth:`block_sizes`)."""
+               quiet: bool = True, out_dtype: type = np.float64) -> np.ndarray:
+        """Every pair's score ``[N_img, M]`` (an ``out_dtype`` array), with embeddings and scoring in ``dtype``
+        (block sizes: :meth:`block_sizes`)."""
         e = self.embeddings
         image_block, pair_budget = self.block_sizes(dtype, image_block, pair_budget)
         images = cast_embeddings(e.images, dtype)
         sims = self._with_dtype(dtype, lambda model: score_blocks(
-            lambda im, cap: model.score(im, cap, dtype=dtype), images, e.caption_blocks, e.num_images, e.num_captions, image_block, pair_budget,
-            cast=dtype, quiet=quiet))
+            lambda im, cap: model.score(im, cap, dtype=dtype), images, e.caption_blocks, e.num_images, e.num_captions,
+            image_block, pair_budget, cast=dtype, quiet=quiet, out_dtype=out_dtype))
         shared = np.flatnonzero(e.sources != np.arange(e.num_captions))
         sims[:, shared] = sims[:, e.sources[shared]]          # identical captions: the very same column
         return sims
@@ -447,10 +451,10 @@ def merged_caption_blocks(caption_blocks, captions: int) -> Iterator[tuple[np.nd
 
 def score_blocks(score, images: Embeddings, caption_blocks, num_images: int, num_captions: int,
                  image_block: int = 128, pair_budget: int = CPU_PAIR_BUDGET, cast: torch.dtype | None = None,
-                 quiet: bool = True) -> np.ndarray:
-    """Fill ``[num_images, num_captions]`` float64 with ``score(image block, caption block)``."""
+                 quiet: bool = True, out_dtype: type = np.float64) -> np.ndarray:
+    """Fill ``[num_images, num_captions]`` (``out_dtype``) with ``score(image block, caption block)``."""
     caption_step = max(1, pair_budget // max(1, min(image_block, num_images)))
-    sims = np.empty((num_images, num_captions), dtype=np.float64)
+    sims = np.empty((num_images, num_captions), dtype=out_dtype)
     calls = sum(-(-sum(len(caption_blocks[b][0]) for b in group) // caption_step)
                 for group in caption_groups(caption_blocks, caption_step))
 
@@ -473,11 +477,13 @@ def score_blocks(score, images: Embeddings, caption_blocks, num_images: int, num
 # ------------------------------------------------------------------------------------------- refinement
 
 def rank_deciding_pairs(sims: np.ndarray, caption_image: np.ndarray, margin: float,
-                        device: torch.device | str | None = None, rows: slice = slice(None)) -> np.ndarray:
+                        device: torch.device | str | None = None, rows: slice = slice(None),
+                        true: np.ndarray | None = None) -> np.ndarray:
     """``[N, M]`` bool (of the ``rows`` of ``sims`` only, when given): pairs within ``margin`` of the score they are
-    ranked against — their caption's true pair, or their image's best true pair."""
+    ranked against — their caption's true pair, or their image's best true pair (``true`` ``[M]`` float64: the
+    true pairs' scores, when ``sims`` does not hold them)."""
     columns = np.arange(sims.shape[1])
-    true = sims[caption_image, columns]
+    true = sims[caption_image, columns].astype(np.float64) if true is None else true
     best = np.full(sims.shape[0], -np.inf)
     np.maximum.at(best, caption_image, true)
     first, last, _ = rows.indices(sims.shape[0])
@@ -534,10 +540,13 @@ class PositiveScores:
     #: rows of a block compared at a time (each comparison makes a few float64 arrays of this many rows)
     ROWS = 64
 
-    def __init__(self, sims: np.ndarray, rows: np.ndarray, cols: np.ndarray, margin: float):
+    def __init__(self, sims: np.ndarray, rows: np.ndarray, cols: np.ndarray, margin: float,
+                 scores: np.ndarray | None = None):
         low, high = float(sims.min(initial=0.0)), float(sims.max(initial=0.0))
+        if scores is not None and len(scores):
+            low, high = min(low, float(scores.min())), max(high, float(scores.max()))
         self.offset, self.width = low, high - low + 4 * margin + 1.0
-        scores = sims[rows, cols] - low
+        scores = (sims[rows, cols].astype(np.float64) if scores is None else scores) - low
         self.by_row = np.sort(rows * self.width + scores)
         self.by_col = np.sort(cols * self.width + scores)
 
@@ -554,18 +563,45 @@ class PositiveScores:
         near = np.empty(block.shape, dtype=bool)
         cols = np.arange(block.shape[1], dtype=np.float64)[None, :] * self.width
         for start in range(0, block.shape[0], self.ROWS):
-            values = block[start:start + self.ROWS] - self.offset
+            values = block[start:start + self.ROWS].astype(np.float64) - self.offset
             rows = np.arange(first_row + start, first_row + start + len(values), dtype=np.float64)[:, None]
             near[start:start + self.ROWS] = (self._within(rows * self.width + values, self.by_row, margin)
                                              | self._within(cols + values, self.by_col, margin))
         return near
 
 
+class ExactScores:
+    """The float64 scores of the pairs rescored so far: their keys (``row · M + column``), sorted, and values."""
+
+    def __init__(self, num_captions: int):
+        self.num_captions = num_captions
+        self.keys = np.zeros(0, dtype=np.int64)
+        self.values = np.zeros(0, dtype=np.float64)
+
+    def add(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Pairs not held yet, with their scores."""
+        keys = np.concatenate([self.keys, keys])
+        order = np.argsort(keys, kind="stable")
+        self.keys, self.values = keys[order], np.concatenate([self.values, values])[order]
+
+    def of(self, keys: np.ndarray) -> np.ndarray:
+        """The scores of ``keys``, every one of them held."""
+        at = np.searchsorted(self.keys, keys)
+        if len(keys) and (at.max(initial=0) >= len(self.keys) or (self.keys[at] != keys).any()):
+            raise ValueError("a pair asked for has not been rescored")
+        return self.values[at]
+
+    def write(self, sims: np.ndarray) -> None:
+        """Put the scores into ``sims`` ``[N, M]``."""
+        sims[self.keys // self.num_captions, self.keys % self.num_captions] = self.values
+
+
 def refine(sims: np.ndarray, caption_image: np.ndarray,
            rescore: Callable[[np.ndarray, np.ndarray], np.ndarray], source: np.ndarray | None = None,
            device: torch.device | str | None = None,
-           positives: tuple[np.ndarray, np.ndarray] | None = None) -> dict:
-    """Rescore the rank-deciding pairs of a float32 matrix in place; returns the statistics.
+           positives: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[dict, ExactScores]:
+    """Rescore the rank-deciding pairs of a float32 matrix; returns the statistics and the rescored pairs' float64
+    scores (a float64 ``sims`` also receives them in place; a float32 one, the estimates only, is left as it is).
 
     ``rescore(image_rows [P], captions [P])`` → float64 ``[P]``; ``source`` ``[M]`` (:func:`caption_sources`):
     identical captions are rescored together and stay tied. ``positives`` (rows, columns): more pairs whose every
@@ -575,33 +611,37 @@ def refine(sims: np.ndarray, caption_image: np.ndarray,
     so what this adds to the matrix's own memory grows with the pairs rescored, not with the matrix."""
     num_images, num_captions = sims.shape
     caption_image = np.asarray(caption_image, dtype=np.int64)
-    exact = np.zeros(0, dtype=np.int64)          # sorted keys of the pairs rescored so far
+    exact = ExactScores(num_captions)
+    in_place = sims.dtype == np.float64
     worst = 0.0
 
     def rescore_pairs(rows: np.ndarray, cols: np.ndarray) -> None:
-        nonlocal worst, exact
+        nonlocal worst
         if source is not None:
             rows, cols = with_shared_captions(rows, cols, source)
         keys = rows * num_captions + cols
-        fresh = ~np.isin(keys, exact, assume_unique=True) if len(exact) else np.ones(len(keys), dtype=bool)
+        fresh = ~np.isin(keys, exact.keys, assume_unique=True) if len(exact.keys) else np.ones(len(keys), dtype=bool)
         rows, cols = rows[fresh], cols[fresh]
         if len(rows) == 0:
             return
         values = rescore(rows, cols)
-        worst = max(worst, float(np.max(np.abs(values - sims[rows, cols]))))
-        sims[rows, cols] = values
-        exact = np.union1d(exact, keys[fresh])
+        worst = max(worst, float(np.max(np.abs(values - sims[rows, cols].astype(np.float64)))))
+        exact.add(keys[fresh], values)
+        if in_place:
+            sims[rows, cols] = values
 
     # the probe block and every true pair in one call: the largest error they show sets the first margin
     probe = np.ix_(np.arange(min(PROBE, num_images)), np.arange(min(PROBE, num_captions)))
     rows, cols = (np.broadcast_to(a, (len(probe[0]), probe[1].shape[1])).ravel() for a in probe)
     true_cols = np.arange(num_captions)
-    keys = [rows * num_captions + cols, caption_image * num_captions + true_cols]
+    true_keys = caption_image * num_captions + true_cols
+    keys = [rows * num_captions + cols, true_keys]
     if positives is not None:
         keys.append(keys_of(positives, num_captions))
     keys = np.unique(np.concatenate(keys))
     rescore_pairs(keys // num_captions, keys % num_captions)
-    scale = float(np.max(np.abs(sims), initial=0.0))
+    true = exact.of(true_keys)                           # every true pair's float64 score, from here on
+    scale = max(float(np.max(np.abs(sims), initial=0.0)), float(np.max(np.abs(exact.values), initial=0.0)))
     margin = SAFETY * max(worst, 2.0 ** -23 * scale, np.finfo(np.float64).tiny)
     rounds = 0
     while True:
@@ -609,16 +649,16 @@ def refine(sims: np.ndarray, caption_image: np.ndarray,
         found = []
         counted = None
         if positives is not None:                         # every positive's exact score, each round's margin
-            every = np.concatenate([keys_of(positives, num_captions), caption_image * num_captions + true_cols])
-            counted = PositiveScores(sims, every // num_captions, every % num_captions, margin)
+            every = np.unique(np.concatenate([keys_of(positives, num_captions), true_keys]))
+            counted = PositiveScores(sims, every // num_captions, every % num_captions, margin, exact.of(every))
         for start in range(0, num_images, REFINE_ROWS):
             window = slice(start, start + REFINE_ROWS)
-            near = rank_deciding_pairs(sims, caption_image, margin, device, window)
+            near = rank_deciding_pairs(sims, caption_image, margin, device, window, true)
             if counted is not None:
                 near |= counted.near(sims[window], start, margin)
             block_rows, block_cols = np.nonzero(near)
             found.append((block_rows + start) * num_captions + block_cols)
-        keys = np.setdiff1d(np.concatenate(found), exact, assume_unique=True)
+        keys = np.setdiff1d(np.concatenate(found), exact.keys, assume_unique=True)
         rescore_pairs(keys // num_captions, keys % num_captions)
         if worst <= margin / 2 or rounds == MAX_ROUNDS:
             break
@@ -626,8 +666,9 @@ def refine(sims: np.ndarray, caption_image: np.ndarray,
     if worst > margin / 2:
         raise UserError(f"refined evaluation: float32 scores are up to {worst:.3g} off their float64 values, more "
                         f"than the margin allows after {rounds} rounds; use --precision float64")
-    return {"margin": margin, "max_float32_error": worst, "rounds": rounds, "rescored_pairs": int(len(exact)),
-            "rescored_fraction": float(len(exact) / sims.size) if sims.size else 0.0}
+    stats = {"margin": margin, "max_float32_error": worst, "rounds": rounds, "rescored_pairs": int(len(exact.keys)),
+             "rescored_fraction": float(len(exact.keys) / sims.size) if sims.size else 0.0}
+    return stats, exact
 
 
 def keys_of(pairs: tuple[np.ndarray, np.ndarray], num_captions: int) -> np.ndarray:
@@ -639,31 +680,44 @@ def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISIO
                     caption_image: np.ndarray | None = None, image_block: int | None = None,
                     pair_budget: int | None = None, quiet: bool = True, stats: dict | None = None,
                     pair_strategy: str = "auto",
-                    positives: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                    positives: tuple[np.ndarray, np.ndarray] | None = None, release: bool = False) -> np.ndarray:
     """The mean ``[N_img, M]`` float64 of the scorers' matrices at ``precision``.
 
     ``caption_image`` ``[M]`` (caption → image row) marks the true pairs for ``refined``, ``positives`` (rows,
-    columns) more pairs whose every place counts (:func:`refine`); None block sizes: chosen for the device."""
+    columns) more pairs whose every place counts (:func:`refine`); None block sizes: chosen for the device.
+    ``refined`` holds the float32 estimates as float32 and the rescored pairs' float64 scores beside them; the
+    float64 matrix is made last, after the scorers' embeddings are let go when ``release`` (nothing of the
+    scorers is used after): the matrix's float64 copy and the embeddings are never held at once."""
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}")
+    if precision == "refined" and caption_image is None:
+        raise ValueError("refined precision needs caption_image (which pairs are true)")
     dtype = torch.float64 if precision == "float64" else torch.float32
+    kept = np.float32 if precision == "refined" else np.float64
     sims = None
     for scorer in scorers:
-        part = scorer.matrix(dtype, image_block, pair_budget, quiet)
-        sims = part if sims is None else sims + part
-    sims /= len(scorers)
+        part = scorer.matrix(dtype, image_block, pair_budget, quiet, out_dtype=kept)
+        sims = part if sims is None else np.add(sims, part, out=sims)
+        del part
+    if len(scorers) > 1:
+        sims /= len(scorers)
+    exact = None
     if precision == "refined":
-        if caption_image is None:
-            raise ValueError("refined precision needs caption_image (which pairs are true)")
-
         def rescore(rows: np.ndarray, captions: np.ndarray) -> np.ndarray:
             return sum(s.pairs(rows, captions, pair_strategy, quiet) for s in scorers) / len(scorers)
         # captions identical for every member share a column
         source = caption_sources(np.stack([s.embeddings.sources for s in scorers], axis=1).tolist())
         device = scorers[0].device
-        result = refine(sims, caption_image, rescore, source, device if device.type == "cuda" else None, positives)
+        result, exact = refine(sims, caption_image, rescore, source, device if device.type == "cuda" else None,
+                               positives)
         if stats is not None:
             stats.update(result)
+    if release:
+        for scorer in scorers:
+            scorer.release()
+    if exact is not None:
+        sims = sims.astype(np.float64)
+        exact.write(sims)
     return sims
 
 
