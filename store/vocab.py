@@ -173,14 +173,7 @@ class Vocabulary:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Vocabulary":
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"vocabulary {path} does not exist")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise UserError(f"{path} is not JSON ({exc})") from None
-        return cls.from_json(data, str(path))
+        return cls.from_json(read_vocabulary_json(path), str(path))
 
 
 # -- captions tokenised once --------------------------------------------------------------------------------
@@ -288,3 +281,14 @@ class TokenizedCaptions:
         ids[offsets[1:] - 1] = END_ID
         ids[concat_ranges(offsets[:-1] + 1, lengths - 2)] = in_vocab[words.ids]
         return TokenLists(ids, offsets)
+
+
+def read_vocabulary_json(path: str | os.PathLike) -> object:
+    """The JSON a vocabulary file ``path`` holds (one line when it is absent or not JSON)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"vocabulary {path} does not exist")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not JSON ({exc})") from None

@@ -5,12 +5,9 @@ vocabulary (:class:`~retr.store.wordpiece.WordPieceVocabulary`, ``"format": "wor
 ``to_json``/``save``."""
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
-from retr.common.errors import UserError
-from retr.store.vocab import Vocabulary
+from retr.store.vocab import Vocabulary, read_vocabulary_json
 from retr.store.wordpiece import FORMAT as WORDPIECE, WordPieceVocabulary
 
 CaptionVocabulary = Vocabulary | WordPieceVocabulary
@@ -25,11 +22,4 @@ def vocabulary_from_json(data: dict, where: str = "vocabulary") -> CaptionVocabu
 
 def load_vocabulary(path: str | os.PathLike) -> CaptionVocabulary:
     """The vocabulary stored in the JSON file ``path`` (one line when it is absent or no vocabulary)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"vocabulary {path} does not exist")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path} is not JSON ({exc})") from None
-    return vocabulary_from_json(data, str(path))
+    return vocabulary_from_json(read_vocabulary_json(path), str(path))
