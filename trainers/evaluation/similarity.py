@@ -685,15 +685,17 @@ def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISIO
 
     ``caption_image`` ``[M]`` (caption → image row) marks the true pairs for ``refined``, ``positives`` (rows,
     columns) more pairs whose every place counts (:func:`refine`); None block sizes: chosen for the device.
-    ``refined`` holds the float32 estimates as float32 and the rescored pairs' float64 scores beside them; the
-    float64 matrix is made last, after the scorers' embeddings are let go when ``release`` (nothing of the
-    scorers is used after): the matrix's float64 copy and the embeddings are never held at once."""
+    ``refined`` of one model holds its float32 estimates as float32 and the rescored pairs' float64 scores beside
+    them; the float64 matrix is made last, after the scorers' embeddings are let go when ``release`` (nothing of
+    the scorers is used after): the matrix's float64 copy and the embeddings are never held at once. An ensemble
+    averages its members' estimates in float64 (its matrix is the members' mean to float64 rounding)."""
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}")
     if precision == "refined" and caption_image is None:
         raise ValueError("refined precision needs caption_image (which pairs are true)")
     dtype = torch.float64 if precision == "float64" else torch.float32
-    kept = np.float32 if precision == "refined" else np.float64
+    # one refined model: its float32 estimates as float32; an ensemble sums its members' in float64, as before
+    kept = np.float32 if precision == "refined" and len(scorers) == 1 else np.float64
     sims = None
     for scorer in scorers:
         part = scorer.matrix(dtype, image_block, pair_budget, quiet, out_dtype=kept)
@@ -715,7 +717,7 @@ def combined_matrix(scorers: Sequence[Scorer], precision: str = DEFAULT_PRECISIO
     if release:
         for scorer in scorers:
             scorer.release()
-    if exact is not None:
+    if sims.dtype != np.float64:                           # refine left the float32 estimates as they were
         sims = sims.astype(np.float64)
         exact.write(sims)
     return sims
