@@ -148,9 +148,7 @@ class Vocabulary:
                 "idx": len(self.idx2word)}
 
     def save(self, path: str | os.PathLike) -> Path:
-        with atomic_text(path) as handle:
-            handle.write(json.dumps(self.to_json(), ensure_ascii=False))
-        return Path(path)
+        return write_vocabulary_json(path, self.to_json())
 
     @classmethod
     def from_json(cls, data: dict, where: str = "vocabulary") -> "Vocabulary":
@@ -292,3 +290,10 @@ def read_vocabulary_json(path: str | os.PathLike) -> object:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} is not JSON ({exc})") from None
+
+
+def write_vocabulary_json(path: str | os.PathLike, data: dict) -> Path:
+    """Write a vocabulary's JSON ``data`` to ``path`` (atomically) and return the path."""
+    with atomic_text(path) as handle:
+        handle.write(json.dumps(data, ensure_ascii=False))
+    return Path(path)

@@ -15,19 +15,17 @@ order and the tokenizer's settings, so a run tokenises offline exactly as it was
 from __future__ import annotations
 
 import functools
-import json
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
-from retr.common.atomic import atomic_text
 from retr.common.errors import UserError
 from retr.common.optional import require
 from retr.common.progress import progress
 from retr.common.textfiles import read_utf8
-from retr.store.vocab import TokenLists
+from retr.store.vocab import TokenLists, write_vocabulary_json
 
 #: the ``format`` of the stored JSON
 FORMAT = "wordpiece"
@@ -146,9 +144,7 @@ class WordPieceVocabulary:
                 "max_length": self.max_length, "source": self.source}
 
     def save(self, path: str | os.PathLike) -> Path:
-        with atomic_text(path) as handle:
-            handle.write(json.dumps(self.to_json(), ensure_ascii=False))
-        return Path(path)
+        return write_vocabulary_json(path, self.to_json())
 
     @classmethod
     def from_json(cls, data: dict, where: str = "vocabulary") -> "WordPieceVocabulary":
