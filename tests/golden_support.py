@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
@@ -34,3 +35,22 @@ class WidenFeatures(torch.nn.Module):
 
     def forward(self, features, mask, tokens, lengths, gather=None):
         return self.model(features.double(), mask, tokens, lengths, gather)
+
+
+def assert_relative_gap(got, want, what: str, tol: float, scale: float | None = None) -> float:
+    """``max |got − want| ≤ tol · scale`` (default scale: ``max |want|``); returns the relative gap."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    scale = max(float(np.abs(want).max()), 1e-300) if scale is None else scale
+    gap = float(np.abs(got - want).max()) / scale
+    assert gap <= tol, f"{what}: relative gap {gap:.3g} > {tol:.0e} (scale {scale:.3g})"
+    return gap
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny tensors: one thread is fastest (a golden file's gaps are measured with 1, 2 and 4)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

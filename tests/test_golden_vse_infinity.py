@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from golden_support import WidenFeatures, load_golden
+from golden_support import WidenFeatures, assert_relative_gap, load_golden, one_torch_thread  # noqa: F401 (a fixture)
 from retr.trainers.models import create_model
 from retr.trainers.models.layers import lengths_mask
 from retr.trainers.training.loop import lr_schedule, train_step
@@ -40,22 +40,12 @@ NOISE_DRIVEN = {"img_enc.mlp.0.bias": 1e-8, "img_enc.mlp.1.running_mean": 1e-8}
 
 
 def assert_close(got, want, what: str, tol: float = TOL, scale: float | None = None) -> float:
-    """``max |got − want| ≤ tol · scale`` (default scale: ``max |want|``); returns the relative gap."""
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-    scale = max(float(np.abs(want).max()), 1e-300) if scale is None else scale
-    gap = float(np.abs(got - want).max()) / scale
-    assert gap <= tol, f"{what}: relative gap {gap:.3g} > {tol:.0e} (scale {scale:.3g})"
-    return gap
+    return assert_relative_gap(got, want, what, tol, scale)
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny tensors: one thread is fastest; the gaps above were measured with 1, 2 and 4."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every test here on one thread (golden_support.one_torch_thread)."""
 
 
 def authors_model():

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the bert extra is not installed: pip install 'retr[bert]'")
 
-from golden_support import WidenFeatures, load_golden  # noqa: E402
+from golden_support import WidenFeatures, assert_relative_gap, load_golden, one_torch_thread  # noqa: E402, F401
 from retr.store.wordpiece import WordPieceVocabulary  # noqa: E402
 from retr.trainers.models import create_model  # noqa: E402
 from retr.trainers.models.layers import lengths_mask  # noqa: E402
@@ -54,21 +54,12 @@ KEY_BIAS, KEY_BIAS_ABS = "attention.self.key.bias", 1e-12
 
 
 def assert_close(got, want, what: str, tol: float = TOL, scale: float | None = None) -> float:
-    """``max |got − want| ≤ tol · scale`` (default scale: ``max |want|``); returns the relative gap."""
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-    scale = max(float(np.abs(want).max()), 1e-300) if scale is None else scale
-    gap = float(np.abs(got - want).max()) / scale
-    assert gap <= tol, f"{what}: relative gap {gap:.3g} > {tol:.0e} (scale {scale:.3g})"
-    return gap
+    return assert_relative_gap(got, want, what, tol, scale)
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every test here on one thread (golden_support.one_torch_thread)."""
 
 
 def vocabulary() -> WordPieceVocabulary:
